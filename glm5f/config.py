@@ -1,0 +1,287 @@
+"""GLM5Config: the model's hyper-parameters, with Transformers' `glm_moe_dsa` field names and meanings.
+
+Also the named presets (`preset("glm5-tiny")`) and conversion to and from a Transformers config.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+MODEL_TYPE = "glm_moe_dsa"
+
+# Keys a Transformers config.json carries that say nothing about the network itself.
+_HF_BOOKKEEPING = {
+    "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "use_cache", "return_dict",
+    "output_hidden_states", "output_attentions", "output_router_logits", "chunk_size_feed_forward",
+    "is_encoder_decoder", "id2label", "label2id", "problem_type", "_name_or_path", "layer_types", "head_dim",
+    "qk_head_dim", "num_local_experts", "quantization_config", "auto_map", "tokenizer_class",
+}
+
+
+@dataclass(frozen=True)
+class GLM5Config:
+    """Hyper-parameters of a GLM-5 (`glm_moe_dsa`) network. Defaults are the full GLM-5.
+
+    `indexer_types` and `mlp_layer_types` are resolved per layer at construction (from `index_topk_pattern`, or
+    `index_topk_freq` / `index_skip_topk_offset`, and from `first_k_dense_replace`), as Transformers does.
+    """
+
+    vocab_size: int = 154880
+    hidden_size: int = 6144
+    intermediate_size: int = 12288
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 78
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 64
+    q_lora_rank: int = 2048
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 192
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 256
+    # DeepSeek sparse attention (DSA): the lightning indexer and its top-k.
+    index_topk: int = 2048
+    index_n_heads: int = 32
+    index_head_dim: int = 128
+    indexer_types: tuple[str, ...] | None = None  # per layer: "full" runs the indexer, "shared" reuses the last one
+    # The schedule indexer_types is derived from when not given (not compared: indexer_types is what counts).
+    index_topk_freq: int = field(default=1, compare=False)
+    index_skip_topk_offset: int = field(default=2, compare=False)
+    index_topk_pattern: str | None = field(default=None, compare=False)  # "FFSFS": F full, S shared
+    # Mixture of experts.
+    mlp_layer_types: tuple[str, ...] | None = None  # per layer: "dense" or "sparse" (MoE)
+    first_k_dense_replace: int = field(default=3, compare=False)  # derives mlp_layer_types when not given
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 8
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 2.5
+    # The rest.
+    hidden_act: str = "silu"
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    max_position_embeddings: int = 202752
+    rms_norm_eps: float = 1e-5
+    attention_bias: bool = False
+    attention_dropout: float = 0.0
+    mlp_bias: bool = False  # accepted for compatibility; GLM-5's MLPs have no bias whatever it says
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    num_nextn_predict_layers: int = 0  # multi-token-prediction layers in the checkpoint (not part of forward)
+    pad_token_id: int | None = None
+    bos_token_id: int | None = 0
+    eos_token_id: int | tuple[int, ...] | None = 1
+
+    def __post_init__(self):
+        _check_types(self)
+        n = self.num_hidden_layers
+        if self.indexer_types is None:
+            if self.index_topk_pattern is not None:
+                bad = set(self.index_topk_pattern) - {"F", "S"}
+                if bad:
+                    raise ValueError(f"index_topk_pattern may hold only 'F' and 'S', found {sorted(bad)} in "
+                                     f"{self.index_topk_pattern!r}")
+                kinds = tuple({"F": "full", "S": "shared"}[c] for c in self.index_topk_pattern)
+            else:
+                freq, offset = max(self.index_topk_freq, 1), self.index_skip_topk_offset
+                kinds = tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n))
+            object.__setattr__(self, "indexer_types", kinds)
+        else:
+            object.__setattr__(self, "indexer_types", tuple(self.indexer_types))
+        if self.mlp_layer_types is None:
+            k = min(self.first_k_dense_replace, n)
+            object.__setattr__(self, "mlp_layer_types", ("dense",) * k + ("sparse",) * (n - k))
+        else:
+            object.__setattr__(self, "mlp_layer_types", tuple(self.mlp_layer_types))
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        rope = dict(self.rope_parameters)
+        rope.setdefault("rope_type", rope.pop("type", "default"))
+        rope.setdefault("rope_theta", 10000.0)
+        if rope["rope_type"] == "yarn":
+            rope.setdefault("original_max_position_embeddings", self.max_position_embeddings)
+        object.__setattr__(self, "rope_parameters", rope)
+        _validate(self)
+
+    # Derived sizes (properties, so that a config is only its fields).
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """MLA's softmax scale: qk_head_dim^-0.5, times the yarn mscale squared where `mscale_all_dim` is set."""
+        scale = self.qk_head_dim ** -0.5
+        rope = self.rope_parameters
+        if rope["rope_type"] != "default" and rope.get("mscale_all_dim"):
+            m = yarn_mscale(rope["factor"], rope["mscale_all_dim"])
+            scale = scale * m * m
+        return scale
+
+    def is_moe(self, layer: int) -> bool:
+        return self.mlp_layer_types[layer] == "sparse"
+
+    def has_indexer(self, layer: int) -> bool:
+        return self.indexer_types[layer] == "full"
+
+    def replace(self, **changes) -> GLM5Config:
+        """A copy with `changes`; per-layer lists are re-derived unless given (they depend on the layer count)."""
+        fields = dataclasses.asdict(self)
+        for derived, sources in (("indexer_types", {"num_hidden_layers", "index_topk_freq", "index_skip_topk_offset",
+                                                     "index_topk_pattern"}),
+                                 ("mlp_layer_types", {"num_hidden_layers", "first_k_dense_replace"})):
+            if derived not in changes and sources & changes.keys():
+                fields[derived] = None
+        fields.update(changes)
+        return GLM5Config(**fields)
+
+    # Transformers interop.
+    @classmethod
+    def from_hf(cls, source: dict | str | os.PathLike) -> GLM5Config:
+        """From a Transformers config: a dict, a config.json path, or a checkpoint directory holding one."""
+        if not isinstance(source, dict):
+            path = os.fspath(source)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"no config.json at {path!r}: pass a checkpoint directory or a config.json")
+            with open(path) as f:
+                source = json.load(f)
+        d = dict(source)
+        model_type = d.get("model_type", MODEL_TYPE)
+        if model_type != MODEL_TYPE:
+            raise ValueError(f"expected a config of model_type {MODEL_TYPE!r} (GLM-5), found {model_type!r}")
+        if "num_experts" in d and d["num_experts"] is not None:
+            d["n_routed_experts"] = d.pop("num_experts")
+        rope = dict(d.pop("rope_parameters", None) or d.pop("rope_scaling", None) or {})
+        if "rope_theta" in d:
+            rope.setdefault("rope_theta", d.pop("rope_theta"))
+        d["rope_parameters"] = rope
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(k for k in d if k not in names and k not in _HF_BOOKKEEPING)
+        if unknown:
+            raise ValueError(f"config has fields GLM5Config does not know: {unknown}. Remove them or check that "
+                             f"this is a {MODEL_TYPE} config")
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def to_hf(self) -> dict[str, Any]:
+        """A dict that `transformers.GlmMoeDsaConfig(**d)` and config.json accept."""
+        d = dataclasses.asdict(self)
+        for k in ("index_topk_freq", "index_skip_topk_offset", "index_topk_pattern"):
+            d.pop(k)  # their effect is in indexer_types
+        d["indexer_types"] = list(self.indexer_types)
+        d["mlp_layer_types"] = list(self.mlp_layer_types)
+        if isinstance(self.eos_token_id, tuple):
+            d["eos_token_id"] = list(self.eos_token_id)
+        d["rope_parameters"] = dict(self.rope_parameters)
+        d["model_type"] = MODEL_TYPE
+        d["architectures"] = ["GlmMoeDsaForCausalLM"]
+        return d
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _check_types(cfg: GLM5Config) -> None:
+    wrong = []
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if f.type == "int" and (not isinstance(v, int) or isinstance(v, bool)):
+            wrong.append(f"{f.name}={v!r} (expected int)")
+        elif f.type == "float" and (not isinstance(v, (int, float)) or isinstance(v, bool)):
+            wrong.append(f"{f.name}={v!r} (expected float)")
+        elif f.type == "bool" and not isinstance(v, bool):
+            wrong.append(f"{f.name}={v!r} (expected bool)")
+    if wrong:
+        raise TypeError("GLM5Config fields of the wrong type: " + ", ".join(wrong))
+
+
+def _validate(c: GLM5Config) -> None:
+    problems = []
+
+    def need(ok: bool, msg: str):
+        if not ok:
+            problems.append(msg)
+
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                 "v_head_dim", "index_topk", "index_n_heads", "index_head_dim", "n_routed_experts",
+                 "num_experts_per_tok", "n_group", "topk_group", "max_position_embeddings"):
+        need(getattr(c, name) > 0, f"{name} must be positive, got {getattr(c, name)}")
+    need(c.n_shared_experts >= 0, f"n_shared_experts must be >= 0, got {c.n_shared_experts}")
+    need(c.num_key_value_heads == c.num_attention_heads,
+         f"MLA expands one latent into every head: num_key_value_heads must equal num_attention_heads "
+         f"({c.num_attention_heads}), got {c.num_key_value_heads}")
+    need(c.qk_rope_head_dim % 2 == 0, f"qk_rope_head_dim must be even (RoPE rotates pairs), got {c.qk_rope_head_dim}")
+    need(c.index_head_dim >= c.qk_rope_head_dim,
+         f"index_head_dim ({c.index_head_dim}) must hold the rope part (qk_rope_head_dim={c.qk_rope_head_dim})")
+    need(c.hidden_act == "silu", f"hidden_act must be 'silu' (GLM-5's SwiGLU), got {c.hidden_act!r}")
+    need(c.attention_dropout == 0.0, f"attention_dropout must be 0 (GLM-5 trains without it), got {c.attention_dropout}")
+    need(c.rms_norm_eps > 0, f"rms_norm_eps must be positive, got {c.rms_norm_eps}")
+    n = c.num_hidden_layers
+    need(len(c.indexer_types) == n, f"indexer_types has {len(c.indexer_types)} entries for {n} layers")
+    need(set(c.indexer_types) <= {"full", "shared"}, f"indexer_types may hold 'full'/'shared', got {c.indexer_types}")
+    need(not c.indexer_types or c.indexer_types[0] == "full",
+         "the first layer's indexer must be 'full': a 'shared' layer reuses the top-k of an earlier full layer")
+    need(len(c.mlp_layer_types) == n, f"mlp_layer_types has {len(c.mlp_layer_types)} entries for {n} layers")
+    need(set(c.mlp_layer_types) <= {"dense", "sparse"}, f"mlp_layer_types may hold 'dense'/'sparse', "
+                                                        f"got {c.mlp_layer_types}")
+    if "sparse" in c.mlp_layer_types:
+        E, G = c.n_routed_experts, c.n_group
+        need(E % G == 0, f"n_routed_experts ({E}) must be divisible by n_group ({G})")
+        need(c.topk_group <= G, f"topk_group ({c.topk_group}) must be <= n_group ({G})")
+        if E % G == 0:
+            need(G == 1 or E // G >= 2, f"group-limited routing scores a group by its top-2 experts: "
+                                        f"n_routed_experts / n_group must be >= 2, got {E // G}")
+            need(c.num_experts_per_tok <= c.topk_group * (E // G),
+                 f"num_experts_per_tok ({c.num_experts_per_tok}) exceeds the experts in the chosen groups "
+                 f"(topk_group * n_routed_experts / n_group = {c.topk_group * (E // G)})")
+    rope = c.rope_parameters
+    need(rope["rope_type"] in ("default", "yarn"), f"rope_type must be 'default' or 'yarn', got {rope['rope_type']!r}")
+    if rope["rope_type"] == "yarn":
+        need(isinstance(rope.get("factor"), (int, float)) and rope["factor"] >= 1,
+             f"yarn rope needs rope_parameters['factor'] >= 1, got {rope.get('factor')!r}")
+    if problems:
+        raise ValueError("invalid GLM5Config:\n  - " + "\n  - ".join(problems))
+
+
+# Presets: plain dicts of overrides on the defaults (the full GLM-5), looked up by name.
+PRESETS: dict[str, dict[str, Any]] = {
+    "glm5": {},
+    # MLA + DSA attention with dense SwiGLU MLPs only, a few hundred hidden units.
+    "glm5-scaled-dense": dict(
+        vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+        v_head_dim=32, index_topk=64, index_n_heads=16, index_head_dim=32, first_k_dense_replace=4,
+        moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2, max_position_embeddings=4096,
+    ),
+    # Every GLM-5 part at a CPU-friendly size: a dense first layer, MoE with groups, DSA sparse below 64 keys.
+    "glm5-scaled-moe": dict(
+        vocab_size=4096, hidden_size=256, intermediate_size=704, moe_intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32,
+        qk_rope_head_dim=16, v_head_dim=32, index_topk=64, index_n_heads=16, index_head_dim=32,
+        first_k_dense_replace=1, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, n_group=4,
+        topk_group=2, index_topk_pattern="FFSF", max_position_embeddings=4096,
+    ),
+    # Toy size, every feature on: dense layer, MoE layers, a shared-indexer layer, index_topk << sequence.
+    "glm5-tiny": dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, index_topk=16, index_n_heads=4, index_head_dim=16,
+        first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
+        topk_group=1, index_topk_pattern="FFS", max_position_embeddings=2048,
+    ),
+}
+
+
+def preset(name: str, **overrides) -> GLM5Config:
+    """The named preset, with `overrides` applied to its fields."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return GLM5Config(**{**PRESETS[name], **overrides})

@@ -1,0 +1,241 @@
+"""Transformers checkpoints both ways: `load_hf` (config.json + safetensors, read tensor by tensor) and `save_hf`.
+
+The only place that maps our parameter paths to checkpoint keys: they are equal, except that our stacked routed
+experts `mlp.experts.{gate,up,down}_proj.weight` [E, ...] are written per expert
+(`mlp.experts.{e}.{gate,up,down}_proj.weight`, the GLM-5 release layout) and read from that layout or from the
+fused one (`mlp.experts.gate_up_proj` [E, 2F, D], `mlp.experts.down_proj` [E, D, F]).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import warnings
+from collections import defaultdict
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from glm5f.config import GLM5Config
+from glm5f.params import abstract_params, describe_mismatch, flatten, leaf_dtype, unflatten
+
+_EXPERT_LEAF = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.weight$")
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """The safetensors files of a checkpoint directory (sharded via model.safetensors.index.json, or not)."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+        if missing:
+            raise FileNotFoundError(f"{index} names shard files that are not there: {missing}")
+        return [os.path.join(path, f) for f in files]
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path!r}: expected a Transformers checkpoint directory")
+    return [os.path.join(path, f) for f in files]
+
+
+def _inventory(files: list[str]) -> dict[str, tuple[str, tuple[int, ...], str]]:
+    """{key: (file, shape, dtype string)} from the safetensors headers only."""
+    inv = {}
+    for fn in files:
+        with safe_open(fn, framework="pt") as f:
+            for k in f.keys():
+                sl = f.get_slice(k)
+                if k in inv:
+                    raise ValueError(f"tensor {k!r} appears in both {inv[k][0]} and {fn}")
+                inv[k] = (fn, tuple(sl.get_shape()), sl.get_dtype())
+    return inv
+
+
+def _plan(cfg: GLM5Config, inv: dict) -> tuple[dict[str, list], list[str]]:
+    """{checkpoint key: [(our path, expert index or None, row slice or None)]} and the MTP keys; raises one error
+    listing every missing, unexpected and misshapen tensor."""
+    want = {p: tuple(t.shape) for p, t in flatten(abstract_params(cfg, torch.float32)).items()}
+    plan, missing, wrong = {}, [], []
+
+    def expect(key: str, shape: tuple, target):
+        if key not in inv:
+            missing.append(key)
+        elif inv[key][1] != shape:
+            wrong.append(f"{key}: expected {list(shape)}, found {list(inv[key][1])}")
+        else:
+            plan.setdefault(key, []).append(target)
+
+    fused_done = set()
+    for path, shape in want.items():
+        m = _EXPERT_LEAF.match(path)
+        if not m:
+            expect(path, shape, (path, None, None))
+            continue
+        prefix, proj = m.groups()
+        E = shape[0]
+        if f"{prefix}.0.{proj}.weight" in inv or f"{prefix}.gate_up_proj" not in inv:
+            for e in range(E):
+                expect(f"{prefix}.{e}.{proj}.weight", shape[1:], (path, e, None))
+        elif proj == "down_proj":
+            expect(f"{prefix}.down_proj", shape, (path, None, None))
+        elif prefix not in fused_done:
+            fused_done.add(prefix)
+            F_ = shape[1]
+            gate_path, up_path = f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"
+            expect(f"{prefix}.gate_up_proj", (E, 2 * F_, shape[2]), (gate_path, None, slice(0, F_)))
+            if f"{prefix}.gate_up_proj" in plan:
+                plan[f"{prefix}.gate_up_proj"].append((up_path, None, slice(F_, 2 * F_)))
+    mtp, unexpected = [], []
+    for key in inv:
+        if key in plan:
+            continue
+        layer = _LAYER_KEY.match(key)
+        if layer and int(layer.group(1)) >= cfg.num_hidden_layers:
+            mtp.append(key)
+        elif key not in plan:
+            unexpected.append(key)
+    if missing or unexpected or wrong:
+        raise ValueError("checkpoint does not match its config.json:\n" +
+                         describe_mismatch(sorted(missing), sorted(unexpected), sorted(wrong)) +
+                         "\nNothing was loaded. Check that config.json belongs to these weights.")
+    return plan, mtp
+
+
+def _summarize_keys(keys: list[str]) -> list[str]:
+    """Collapse expert indices: model.layers.78.mlp.experts.{0..255}.up_proj.weight."""
+    groups = defaultdict(list)
+    for k in keys:
+        m = re.match(r"^(.*\.experts\.)(\d+)(\..*)$", k)
+        if m:
+            groups[(m.group(1), m.group(3))].append(int(m.group(2)))
+        else:
+            groups[(k, None)] = []
+    out = []
+    for (head, tail), ids in sorted(groups.items()):
+        out.append(head if tail is None else f"{head}{{{min(ids)}..{max(ids)}}}{tail}")
+    return out
+
+
+def load_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
+            device: torch.device | str = "cpu") -> tuple[GLM5Config, dict]:
+    """(cfg, params) from a Transformers GLM-5 checkpoint directory.
+
+    Reads the safetensors headers first and checks every key and shape (one error lists all problems; nothing is
+    loaded then), then copies tensor by tensor into the params tree. dtype: None keeps the checkpoint's dtypes;
+    the router and indexer head weights stay fp32 either way. Multi-token-prediction tensors
+    (model.layers.{num_hidden_layers}.*) are not part of the forward: a warning names them.
+    """
+    path = os.fspath(path)
+    cfg = GLM5Config.from_hf(path)
+    inv = _inventory(checkpoint_files(path))
+    plan, mtp = _plan(cfg, inv)
+    if mtp:
+        warnings.warn(f"{path}: ignoring {len(mtp)} multi-token-prediction tensors (layers >= "
+                      f"num_hidden_layers={cfg.num_hidden_layers}), not used by the forward: "
+                      + ", ".join(_summarize_keys(mtp)), stacklevel=2)
+    shapes = flatten(abstract_params(cfg))
+    first_dtype = {}
+    for key, targets in plan.items():
+        for target_path, _, _ in targets:
+            first_dtype.setdefault(target_path, _DTYPES.get(inv[key][2], torch.float32))
+    flat = {p: torch.empty(t.shape, dtype=leaf_dtype(p, dtype or first_dtype[p]), device=device)
+            for p, t in shapes.items()}
+    by_file = defaultdict(list)
+    for key in plan:
+        by_file[inv[key][0]].append(key)
+    with torch.no_grad():
+        for fn, keys in by_file.items():
+            with safe_open(fn, framework="pt") as f:
+                for key in keys:
+                    t = f.get_tensor(key)
+                    for target_path, expert, rows in plan[key]:
+                        dest = flat[target_path]
+                        if expert is not None:
+                            dest = dest[expert]
+                        dest.copy_(t if rows is None else t[:, rows])
+    return cfg, unflatten(flat, abstract_params(cfg))
+
+
+def hf_state_dict(params: dict, *, fused_experts: bool = False) -> dict[str, torch.Tensor]:
+    """Our params as checkpoint tensors: per expert (default), or fused as Transformers holds them in memory.
+
+    The per-expert tensors are views of the stacked leaves; differentiable, so a Transformers module driven by
+    `torch.func.functional_call(model, hf_state_dict(params, fused_experts=True), ...)` yields gradients for our
+    leaves.
+    """
+    out = {}
+    for path, t in flatten(params).items():
+        m = _EXPERT_LEAF.match(path)
+        if not m:
+            out[path] = t
+            continue
+        prefix, proj = m.groups()
+        if not fused_experts:
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.{proj}.weight"] = t[e]
+        elif proj == "down_proj":
+            out[f"{prefix}.down_proj"] = t
+        elif proj == "up_proj":
+            out[f"{prefix}.gate_up_proj"] = torch.cat([out.pop(f"{prefix}.gate_proj"), t], dim=1)
+        else:
+            out[f"{prefix}.gate_proj"] = t  # joined with up_proj (which follows in tree order)
+    return out
+
+
+def save_hf(path: str | os.PathLike, cfg: GLM5Config, params: dict, *, max_shard_bytes: int = 5 << 30) -> None:
+    """Write a Transformers checkpoint directory (config.json + safetensors, per-expert keys, sharded with an
+    index above `max_shard_bytes`). Written into a temporary sibling and renamed, so `path` never holds half a
+    checkpoint."""
+    path = os.fspath(path).rstrip("/")
+    tensors = hf_state_dict(params)
+    dtypes = {t.dtype for t in tensors.values()}
+    shards, current, size = [], [], 0
+    for key, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(key)
+        size += nbytes
+    shards.append(current)
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
+    try:
+        hf_cfg = cfg.to_hf()
+        hf_cfg["dtype"] = str(max(dtypes, key=lambda d: torch.finfo(d).bits)).removeprefix("torch.")
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf_cfg, f, indent=2)
+        names = (["model.safetensors"] if len(shards) == 1 else
+                 [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+        for name, keys in zip(names, shards):
+            save_file({k: _materialize(tensors[k]) for k in keys}, os.path.join(tmp, name),
+                      metadata={"format": "pt"})
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                     "weight_map": {k: n for n, keys in zip(names, shards) for k in keys}}
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                json.dump(index, f, indent=2)
+        if os.path.exists(path):
+            old = tempfile.mkdtemp(prefix=os.path.basename(path) + ".old-", dir=parent)
+            os.replace(path, os.path.join(old, "x"))
+            os.replace(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _materialize(t: torch.Tensor) -> torch.Tensor:
+    """A detached CPU copy that owns its memory (safetensors refuses tensors sharing storage)."""
+    if hasattr(t, "full_tensor"):  # a DTensor leaf: gather it
+        t = t.full_tensor()
+    return t.detach().to("cpu").contiguous().clone()

@@ -1,0 +1,160 @@
+"""The GLM-5 network as pure functions of (params, inputs, cfg): decoder layer, forward, and the LM loss."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from glm5f.attention import AttnContext, Mask, attention
+from glm5f.config import GLM5Config
+from glm5f.moe import ExpertsFn, local_experts, moe
+from glm5f.ops import rms_norm, rope_tables, swiglu_mlp
+
+IGNORE_INDEX = -100
+
+
+def decoder_layer(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, ctx: AttnContext,
+                  prev_topk: torch.Tensor | None, experts: ExpertsFn = local_experts):
+    """Pre-norm attention and MLP (dense SwiGLU or MoE) with residuals.
+
+    Returns (x [B, S, D], top-k indices for the next shared layer, expert indices [N, K] or None for dense MLPs).
+    """
+    a_BxSxD, topk = attention(p["self_attn"], rms_norm(p["input_layernorm"]["weight"], x_BxSxD, cfg.rms_norm_eps),
+                              cfg, layer, ctx, prev_topk)
+    x_BxSxD = x_BxSxD + a_BxSxD
+    h_BxSxD = rms_norm(p["post_attention_layernorm"]["weight"], x_BxSxD, cfg.rms_norm_eps)
+    if cfg.is_moe(layer):
+        m_BxSxD, expert_idx = moe(p["mlp"], h_BxSxD, cfg, experts)
+    else:
+        m_BxSxD, expert_idx = swiglu_mlp(p["mlp"], h_BxSxD), None
+    return x_BxSxD + m_BxSxD, topk, expert_idx
+
+
+def apply(params: dict, cfg: GLM5Config, input_ids_BxS: torch.Tensor, ctx: AttnContext, *,
+          experts: ExpertsFn = local_experts, remat: bool = False):
+    """Logits [B, S, V] and the expert indices [N, K] of every MoE layer, for inputs already checked and a
+    prepared context. `remat` recomputes each decoder layer in the backward pass (activation checkpointing)."""
+    x_BxSxD = F.embedding(input_ids_BxS, params["model"]["embed_tokens"]["weight"])
+    return apply_embeds(params, cfg, x_BxSxD, ctx, experts=experts, remat=remat)
+
+
+def apply_embeds(params: dict, cfg: GLM5Config, x_BxSxD: torch.Tensor, ctx: AttnContext, *,
+                 experts: ExpertsFn = local_experts, remat: bool = False):
+    """`apply` from input embeddings [B, S, D] instead of token ids."""
+    topk, routes = None, []
+    for i, p_layer in enumerate(params["model"]["layers"]):
+        if remat and torch.is_grad_enabled():
+            x_BxSxD, topk, expert_idx = checkpoint(decoder_layer, p_layer, x_BxSxD, cfg, i, ctx, topk, experts,
+                                                   use_reentrant=False)
+        else:
+            x_BxSxD, topk, expert_idx = decoder_layer(p_layer, x_BxSxD, cfg, i, ctx, topk, experts)
+        if expert_idx is not None:
+            routes.append(expert_idx)
+    x_BxSxD = rms_norm(params["model"]["norm"]["weight"], x_BxSxD, cfg.rms_norm_eps)
+    head = params["model"]["embed_tokens"] if cfg.tie_word_embeddings else params["lm_head"]
+    return F.linear(x_BxSxD, head["weight"]), routes
+
+
+def forward(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
+            position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits [B, S, V] of the causal LM, as `GlmMoeDsaForCausalLM` computes them.
+
+    attention_mask: None (causal), 2D [B, S] padding mask (1 keep, 0 pad), or a 4D [B, 1, S, S] mask, boolean
+    (True attends) or additive float (0 attends, dtype-min masks), used as given. position_ids [B, S] or [1, S]
+    (default 0..S-1); with no attention_mask, positions that restart mark packed documents, and attention stays
+    within each document.
+    """
+    check_input_ids(input_ids, cfg)
+    ctx = make_context(cfg, input_ids.shape, attention_mask, position_ids,
+                       params["model"]["embed_tokens"]["weight"].dtype, input_ids.device)
+    logits, _ = apply(params, cfg, input_ids, ctx)
+    return logits
+
+
+def make_context(cfg: GLM5Config, shape_BxS, attention_mask: torch.Tensor | None,
+                 position_ids: torch.Tensor | None, dtype: torch.dtype, device) -> AttnContext:
+    """The attention context of a forward over [B, S] tokens (see `forward` for the mask and position rules)."""
+    B, S = shape_BxS
+    position_ids = default_positions(position_ids, B, S, device)
+    cos, sin = rope_tables(cfg, position_ids, dtype)
+    return AttnContext(cos, sin, make_mask(attention_mask, position_ids, B, S, device))
+
+
+# ---- inputs -------------------------------------------------------------------------------------------------------
+
+def check_input_ids(input_ids: torch.Tensor, cfg: GLM5Config) -> None:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be a [batch, seq] tensor, got "
+                         f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)}")
+    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool or input_ids.dtype.is_complex:
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.numel():
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= cfg.vocab_size:
+            raise ValueError(f"token ids must lie in [0, vocab_size={cfg.vocab_size}), found ids in [{lo}, {hi}]: "
+                             f"the tokenizer and the model config disagree on the vocabulary")
+
+
+def default_positions(position_ids: torch.Tensor | None, B: int, S: int, device) -> torch.Tensor:
+    if position_ids is None:
+        return torch.arange(S, device=device).expand(B, S)
+    if position_ids.ndim != 2 or position_ids.shape[1] != S or position_ids.shape[0] not in (1, B):
+        raise ValueError(f"position_ids must be [{B}, {S}] or [1, {S}], got {tuple(position_ids.shape)}")
+    return position_ids.expand(B, S)
+
+
+def packed_segments(position_ids_BxS: torch.Tensor) -> torch.Tensor | None:
+    """Document ids [B, S] where positions do not step by one (a new packed document starts); None if every row
+    is one document."""
+    first = position_ids_BxS[:, :1] - 1
+    seg = (torch.diff(position_ids_BxS, prepend=first, dim=-1) != 1).cumsum(-1)
+    return None if bool((seg[:, -1] == 0).all()) else seg
+
+
+def make_mask(attention_mask: torch.Tensor | None, position_ids_BxS: torch.Tensor, B: int, S: int, device) -> Mask:
+    """The attention mask of a forward over S tokens (queries and keys are the same S positions)."""
+    q_index = torch.arange(S, device=device)
+    if attention_mask is None:
+        seg = packed_segments(position_ids_BxS)
+        return Mask(q_index, S, q_segment=seg, k_segment=seg)
+    if attention_mask.ndim == 2:
+        if tuple(attention_mask.shape) != (B, S):
+            raise ValueError(f"a 2D attention_mask must be [batch, seq] = [{B}, {S}], got "
+                             f"{tuple(attention_mask.shape)}")
+        return Mask(q_index, S, key_valid=attention_mask.to(device=device, dtype=torch.bool))
+    if attention_mask.ndim == 4:
+        if attention_mask.shape[0] not in (1, B) or tuple(attention_mask.shape[2:]) != (S, S):
+            raise ValueError(f"a 4D attention_mask must be [{B}, 1, {S}, {S}], got {tuple(attention_mask.shape)}")
+        m = attention_mask[:, 0].to(device)
+        if m.dtype == torch.bool:
+            return Mask(q_index, S, dense=m)
+        if not m.dtype.is_floating_point:
+            raise ValueError(f"a 4D attention_mask must be bool or float (additive), got {m.dtype}")
+        allowed = m > torch.finfo(m.dtype).min / 2
+        bias = m.float().masked_fill(~allowed, 0.0)
+        return Mask(q_index, S, dense=allowed, bias=bias if bool(bias.ne(0).any()) else None)
+    raise ValueError(f"attention_mask must be 2D [batch, seq] or 4D [batch, 1, seq, seq], got "
+                     f"{attention_mask.ndim}D {tuple(attention_mask.shape)}")
+
+
+# ---- loss ---------------------------------------------------------------------------------------------------------
+
+def shift_labels(labels_BxS: torch.Tensor) -> torch.Tensor:
+    """targets [B, S]: the label of the next token at each position; the last position gets IGNORE_INDEX."""
+    return F.pad(labels_BxS[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def cross_entropy_sum(logits_BxSxV: torch.Tensor, targets_BxS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of fp32 token cross-entropies, number of targets != IGNORE_INDEX), for token-weighted means."""
+    loss = F.cross_entropy(logits_BxSxV.flatten(0, 1).float(), targets_BxS.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+    return loss, (targets_BxS != IGNORE_INDEX).sum()
+
+
+def causal_lm_loss(logits_BxSxV: torch.Tensor, labels_BxS: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy: labels shifted by one, IGNORE_INDEX (-100) skipped (0 if none is left)."""
+    if labels_BxS.shape != logits_BxSxV.shape[:2]:
+        raise ValueError(f"labels must be [batch, seq] = {list(logits_BxSxV.shape[:2])}, got {list(labels_BxS.shape)}")
+    total, count = cross_entropy_sum(logits_BxSxV, shift_labels(labels_BxS))
+    return total / count.clamp(min=1)

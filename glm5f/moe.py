@@ -1,0 +1,106 @@
+"""Sigmoid-routed mixture of experts with shared experts, computed grouped (tokens sorted by expert).
+
+Shape suffixes: N tokens, D hidden, E experts, K experts per token, F expert hidden (moe_intermediate_size),
+M = N * K routed rows.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from glm5f.config import GLM5Config
+from glm5f.ops import swiglu_mlp
+
+
+def route(p: dict, x_NxD: torch.Tensor, cfg: GLM5Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-K experts [N, K] and their weights [N, K] (fp32).
+
+    Sigmoid scores in fp32; e_score_correction_bias shifts the *choice* only (the weights are unbiased scores);
+    with n_group > 1 only the topk_group groups with the best top-2 sums are eligible; weights are normalised
+    when norm_topk_prob and scaled by routed_scaling_factor.
+    """
+    logits_NxE = F.linear(x_NxD.float(), p["weight"].float())
+    scores_NxE = logits_NxE.sigmoid()
+    choice_NxE = scores_NxE + p["e_score_correction_bias"].float()
+    G = cfg.n_group
+    if cfg.topk_group < G:
+        N, E = choice_NxE.shape
+        group_NxG = choice_NxE.view(N, G, E // G).topk(2, dim=-1).values.sum(-1)
+        keep_NxG = torch.zeros_like(group_NxG, dtype=torch.bool).scatter(
+            1, group_NxG.topk(cfg.topk_group, dim=-1, sorted=False).indices, True)
+        choice_NxE = choice_NxE.masked_fill(~keep_NxG.repeat_interleave(E // G, dim=1), float("-inf"))
+    idx_NxK = choice_NxE.topk(cfg.num_experts_per_tok, dim=-1, sorted=False).indices
+    w_NxK = scores_NxE.gather(1, idx_NxK)
+    if cfg.norm_topk_prob:
+        w_NxK = w_NxK / (w_NxK.sum(-1, keepdim=True) + 1e-20)
+    return idx_NxK, w_NxK * cfg.routed_scaling_factor
+
+
+def _grouped_mm_ok(x: torch.Tensor, *ws: torch.Tensor) -> bool:
+    """torch's grouped_mm needs 16-byte aligned rows (and bf16 on CUDA)."""
+    if x.device.type == "cuda" and x.dtype != torch.bfloat16:
+        return False
+    if x.device.type not in ("cpu", "cuda"):
+        return False
+    return all(w.shape[-1] * w.element_size() % 16 == 0 and w.shape[-2] * w.element_size() % 16 == 0 for w in ws)
+
+
+def grouped_matmul(x_MxIn: torch.Tensor, w_ExOutxIn: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """Row block e of x (rows sorted by expert, counts_E rows each) times w[e]^T -> [M, Out].
+
+    Uses torch's grouped GEMM where it applies; otherwise scatters rows into an [E, max_count, In] buffer and
+    runs one batched matmul. Either way no Python loop over experts.
+    """
+    if _grouped_mm_ok(x_MxIn, w_ExOutxIn):
+        offs = torch.cumsum(counts_E, 0, dtype=torch.int32)
+        return F.grouped_mm(x_MxIn, w_ExOutxIn.transpose(-1, -2), offs=offs)
+    E = w_ExOutxIn.shape[0]
+    expert_M = torch.repeat_interleave(torch.arange(E, device=x_MxIn.device), counts_E, output_size=x_MxIn.shape[0])
+    start_E = torch.cumsum(counts_E, 0) - counts_E
+    slot_M = torch.arange(x_MxIn.shape[0], device=x_MxIn.device) - start_E[expert_M]
+    width = int(counts_E.max()) if x_MxIn.shape[0] else 0
+    buf = x_MxIn.new_zeros(E, width, x_MxIn.shape[1]).index_put((expert_M, slot_M), x_MxIn)
+    return torch.bmm(buf, w_ExOutxIn.transpose(-1, -2))[expert_M, slot_M]
+
+
+def expert_ffn(p: dict, x_MxD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of each expert over its block of rows (rows sorted by expert)."""
+    gate = grouped_matmul(x_MxD, p["gate_proj"]["weight"], counts_E)
+    up = grouped_matmul(x_MxD, p["up_proj"]["weight"], counts_E)
+    return grouped_matmul(F.silu(gate) * up, p["down_proj"]["weight"], counts_E)
+
+
+def sort_by_expert(idx_NxK: torch.Tensor, num_experts: int):
+    """(order [M]: routed rows sorted by expert (stable), counts [E]) for the flattened (token, slot) rows."""
+    flat_M = idx_NxK.reshape(-1)
+    order_M = torch.argsort(flat_M, stable=True)
+    return order_M, torch.bincount(flat_M, minlength=num_experts)
+
+
+def local_experts(p: dict, x_NxD: torch.Tensor, idx_NxK: torch.Tensor, w_NxK: torch.Tensor) -> torch.Tensor:
+    """sum_k w[n, k] * expert_{idx[n, k]}(x[n]) -> [N, D], all experts on this rank, computed grouped."""
+    N, K = idx_NxK.shape
+    order_M, counts_E = sort_by_expert(idx_NxK, p["gate_proj"]["weight"].shape[0])
+    y_MxD = expert_ffn(p, x_NxD[order_M // K], counts_E)
+    y_MxD = y_MxD * w_NxK.reshape(-1)[order_M, None]
+    unsorted_MxD = torch.zeros_like(y_MxD).index_copy(0, order_M, y_MxD)
+    return unsorted_MxD.view(N, K, -1).sum(1).to(x_NxD.dtype)
+
+
+ExpertsFn = Callable[[dict, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def moe(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, experts: ExpertsFn = local_experts):
+    """Routed experts plus shared experts. Returns (output [B, S, D], expert indices [N, K] of each token).
+
+    `experts` computes the routed part; under expert parallelism it dispatches rows to the ranks owning them.
+    """
+    x_NxD = x_BxSxD.reshape(-1, x_BxSxD.shape[-1])
+    idx_NxK, w_NxK = route(p["gate"], x_NxD, cfg)
+    y_NxD = experts(p["experts"], x_NxD, idx_NxK, w_NxK)
+    if "shared_experts" in p:
+        y_NxD = y_NxD + swiglu_mlp(p["shared_experts"], x_NxD)
+    return y_NxD.view_as(x_BxSxD), idx_NxK

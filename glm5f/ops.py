@@ -1,0 +1,89 @@
+"""Small pure building blocks: norms, interleaved RoPE (default and yarn), linear layers and the SwiGLU MLP."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from glm5f.config import GLM5Config, yarn_mscale
+
+
+def linear(p: dict, x: torch.Tensor) -> torch.Tensor:
+    """x @ W^T (+ b) for a params dict {"weight": [out, in], optional "bias": [out]}."""
+    return F.linear(x, p["weight"], p.get("bias"))
+
+
+def rms_norm(weight: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32 and cast back before the scale, as the reference does."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def layer_norm(p: dict, x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """LayerNorm with weight and bias (the DSA indexer's key norm)."""
+    return F.layer_norm(x, (x.shape[-1],), p["weight"], p["bias"], eps)
+
+
+def swiglu_mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x))."""
+    return linear(p["down_proj"], F.silu(linear(p["gate_proj"], x)) * linear(p["up_proj"], x))
+
+
+# ---- RoPE ---------------------------------------------------------------------------------------------------------
+
+def rope_inv_freq(cfg: GLM5Config) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [rope_dim / 2], cos/sin scale) for the config's rope_type ("default" or "yarn")."""
+    rope, dim = cfg.rope_parameters, cfg.qk_rope_head_dim
+    base = rope["rope_theta"]
+    exponents = torch.arange(0, dim, 2, dtype=torch.float) / dim
+    if rope["rope_type"] == "default":
+        return 1.0 / (base ** exponents), 1.0
+    # yarn: interpolate low frequencies, keep high ones, with a linear ramp between.
+    original = rope["original_max_position_embeddings"]
+    factor = rope.get("factor") or cfg.max_position_embeddings / original
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = float(yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim))
+        else:
+            attention_factor = yarn_mscale(factor)
+    beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** exponents
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate (divide by factor)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+    return inv_freq, attention_factor
+
+
+def rope_tables(cfg: GLM5Config, position_ids_BxS: torch.Tensor, dtype: torch.dtype):
+    """cos and sin of each position's angles, [B, S, rope_dim / 2], in `dtype`."""
+    inv_freq, scale = rope_inv_freq(cfg)
+    angles = position_ids_BxS[..., None].float() * inv_freq.to(position_ids_BxS.device)
+    return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos_BxSxR: torch.Tensor, sin_BxSxR: torch.Tensor) -> torch.Tensor:
+    """Interleaved RoPE on x [B, S, ..., R*2]: pairs (x0, x1), (x2, x3), ... rotate by one angle each.
+
+    The result is laid out [rotated evens, rotated odds] (as in the reference); queries and keys share the layout,
+    so their dot products are those of the interleaved rotation.
+    """
+    extra = x.ndim - cos_BxSxR.ndim
+    cos = cos_BxSxR.reshape(*cos_BxSxR.shape[:2], *([1] * extra), cos_BxSxR.shape[-1])
+    sin = sin_BxSxR.reshape(cos.shape)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

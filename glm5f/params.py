@@ -1,0 +1,206 @@
+"""The parameter pytree: nested dicts (and a list of layers) whose paths are the checkpoint's key names.
+
+`model.layers.3.self_attn.q_a_proj.weight` is `params["model"]["layers"][3]["self_attn"]["q_a_proj"]["weight"]`.
+Routed experts are stacked on a leading expert axis: `mlp.experts.gate_proj.weight` is [E, moe_inter, hidden].
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.utils import _pytree as pytree
+
+from glm5f.config import GLM5Config
+
+# Leaves that stay in fp32 whatever the compute dtype (as in the reference: the router and the indexer's head weights).
+FP32_LEAVES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
+# Leaves that are state, not trained by gradient: the router's load-balancing bias (updated by its own rule).
+BUFFER_LEAVES = ("mlp.gate.e_score_correction_bias",)
+
+
+@dataclass(frozen=True)
+class Leaf:
+    shape: tuple[int, ...]
+    init: str  # "normal" | "zeros" | "ones"
+
+
+def _linear(out_features: int, in_features: int, bias: bool = False) -> dict:
+    p = {"weight": Leaf((out_features, in_features), "normal")}
+    if bias:
+        p["bias"] = Leaf((out_features,), "zeros")
+    return p
+
+
+def _norm(n: int, bias: bool = False) -> dict:
+    p = {"weight": Leaf((n,), "ones")}
+    if bias:
+        p["bias"] = Leaf((n,), "zeros")
+    return p
+
+
+def _mlp(hidden: int, inter: int) -> dict:
+    return {"gate_proj": _linear(inter, hidden), "up_proj": _linear(inter, hidden), "down_proj": _linear(hidden, inter)}
+
+
+def _attention(c: GLM5Config, layer: int) -> dict:
+    H, D = c.num_attention_heads, c.hidden_size
+    p = {
+        "q_a_proj": _linear(c.q_lora_rank, D, c.attention_bias),
+        "q_a_layernorm": _norm(c.q_lora_rank),
+        "q_b_proj": _linear(H * c.qk_head_dim, c.q_lora_rank),
+        "kv_a_proj_with_mqa": _linear(c.kv_lora_rank + c.qk_rope_head_dim, D, c.attention_bias),
+        "kv_a_layernorm": _norm(c.kv_lora_rank),
+        "kv_b_proj": _linear(H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
+        "o_proj": _linear(D, H * c.v_head_dim, c.attention_bias),
+    }
+    if c.has_indexer(layer):
+        p["indexer"] = {
+            "wq_b": _linear(c.index_n_heads * c.index_head_dim, c.q_lora_rank),
+            "wk": _linear(c.index_head_dim, D),
+            "k_norm": _norm(c.index_head_dim, bias=True),
+            "weights_proj": _linear(c.index_n_heads, D),
+        }
+    return p
+
+
+def _moe(c: GLM5Config) -> dict:
+    E, D, I = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size
+    p = {
+        "gate": {"weight": Leaf((E, D), "normal"), "e_score_correction_bias": Leaf((E,), "zeros")},
+        "experts": {"gate_proj": {"weight": Leaf((E, I, D), "normal")},
+                    "up_proj": {"weight": Leaf((E, I, D), "normal")},
+                    "down_proj": {"weight": Leaf((E, D, I), "normal")}},
+    }
+    if c.n_shared_experts:
+        p["shared_experts"] = _mlp(D, I * c.n_shared_experts)
+    return p
+
+
+def param_layout(c: GLM5Config) -> dict:
+    """The tree of `Leaf` (shape and init) that every params tree of `c` has."""
+    layers = [{
+        "self_attn": _attention(c, i),
+        "mlp": _moe(c) if c.is_moe(i) else _mlp(c.hidden_size, c.intermediate_size),
+        "input_layernorm": _norm(c.hidden_size),
+        "post_attention_layernorm": _norm(c.hidden_size),
+    } for i in range(c.num_hidden_layers)]
+    tree = {"model": {"embed_tokens": {"weight": Leaf((c.vocab_size, c.hidden_size), "normal")},
+                      "layers": layers, "norm": _norm(c.hidden_size)}}
+    if not c.tie_word_embeddings:
+        tree["lm_head"] = _linear(c.vocab_size, c.hidden_size)
+    return tree
+
+
+def _is_leaf(x) -> bool:
+    return isinstance(x, Leaf)
+
+
+def leaf_dtype(path: str, dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if path.endswith(FP32_LEAVES) else dtype
+
+
+def is_buffer(path: str) -> bool:
+    return path.endswith(BUFFER_LEAVES)
+
+
+def init_params(cfg: GLM5Config, seed: int = 0, dtype: torch.dtype = torch.float32,
+                device: torch.device | str | None = None) -> dict:
+    """Fresh parameters: N(0, initializer_range) for matrices, ones for norm scales, zeros for biases.
+
+    Each leaf draws from its own generator seeded by (seed, path), so a leaf's values do not depend on which other
+    leaves exist or on the order they are made in.
+    """
+    def make(path: str, leaf: Leaf) -> torch.Tensor:
+        dt = leaf_dtype(path, dtype)
+        if leaf.init == "ones":
+            return torch.ones(leaf.shape, dtype=dt, device=device)
+        if leaf.init == "zeros":
+            return torch.zeros(leaf.shape, dtype=dt, device=device)
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(path.encode()))
+        x = torch.randn(leaf.shape, generator=gen, dtype=torch.float32) * cfg.initializer_range
+        if path == "model.embed_tokens.weight" and cfg.pad_token_id is not None:
+            x[cfg.pad_token_id] = 0
+        return x.to(device=device, dtype=dt)
+
+    return map_with_path(make, param_layout(cfg), is_leaf=_is_leaf)
+
+
+def abstract_params(cfg: GLM5Config, dtype: torch.dtype = torch.float32) -> dict:
+    """The params tree as meta tensors: shapes and dtypes only, no memory (the full GLM-5 fits)."""
+    return map_with_path(lambda path, leaf: torch.empty(leaf.shape, dtype=leaf_dtype(path, dtype), device="meta"),
+                         param_layout(cfg), is_leaf=_is_leaf)
+
+
+def param_count(cfg: GLM5Config, *, include_buffers: bool = False) -> int:
+    """Number of trained parameters (the router's correction bias is a buffer and is not counted)."""
+    flat = flatten(map_with_path(lambda p, leaf: leaf, param_layout(cfg), is_leaf=_is_leaf), is_leaf=_is_leaf)
+    return sum(_numel(leaf.shape) for path, leaf in flat.items() if include_buffers or not is_buffer(path))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+# ---- paths --------------------------------------------------------------------------------------------------------
+
+def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> dict[str, Any]:
+    """{dotted path: leaf} in tree order, e.g. {"model.layers.0.mlp.gate_proj.weight": tensor, ...}."""
+    leaves, _ = pytree.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    return {path_str(kp): leaf for kp, leaf in leaves}
+
+
+def unflatten(flat: dict[str, Any], like: Any) -> Any:
+    """The tree of `like` with its leaves taken from `flat` by path."""
+    spec = pytree.tree_structure(like)
+    paths = [path_str(kp) for kp, _ in pytree.tree_flatten_with_path(like)[0]]
+    return pytree.tree_unflatten([flat[p] for p in paths], spec)
+
+
+def map_with_path(fn: Callable[[str, Any], Any], tree: Any, *rest: Any, is_leaf=None) -> Any:
+    """tree_map where `fn` also receives each leaf's dotted path."""
+    return pytree.tree_map_with_path(lambda kp, *xs: fn(path_str(kp), *xs), tree, *rest, is_leaf=is_leaf)
+
+
+def path_str(key_path) -> str:
+    parts = []
+    for k in key_path:
+        if isinstance(k, pytree.MappingKey):
+            parts.append(str(k.key))
+        elif isinstance(k, pytree.SequenceKey):
+            parts.append(str(k.idx))
+        else:
+            raise TypeError(f"params trees hold only dicts and lists, found {k!r}")
+    return ".".join(parts)
+
+
+def check_params(params: dict, cfg: GLM5Config) -> None:
+    """Raise one error listing every missing, unexpected or misshapen leaf of `params` for `cfg`."""
+    want = {p: leaf.shape for p, leaf in flatten(param_layout(cfg), is_leaf=_is_leaf).items()}
+    have = {p: tuple(t.shape) for p, t in flatten(params).items()}
+    missing = sorted(want.keys() - have.keys())
+    unexpected = sorted(have.keys() - want.keys())
+    wrong = sorted(f"{p}: expected {list(want[p])}, found {list(have[p])}"
+                   for p in want.keys() & have.keys() if want[p] != have[p])
+    if missing or unexpected or wrong:
+        raise ValueError(describe_mismatch(missing, unexpected, wrong) +
+                         "\nThe params do not match the config: build them with init_params(cfg) or load_hf(path).")
+
+
+def describe_mismatch(missing: list[str], unexpected: list[str], wrong: list[str], limit: int = 40) -> str:
+    lines = []
+    for title, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)):
+        if items:
+            shown = items[:limit] + ([f"... and {len(items) - limit} more"] if len(items) > limit else [])
+            lines.append(f"{len(items)} {title}:\n    " + "\n    ".join(shown))
+    return "\n".join(lines)
+
+
+def trainable(path: str) -> bool:
+    """Leaves trained by gradient: all but the buffers."""
+    return not is_buffer(path)

@@ -1,0 +1,72 @@
+"""Shared helpers: Transformers reference models built from a GLM5Config, tie detection, gradient comparison."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import glm5f
+from glm5f import attention as attn
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+
+
+def hf_model(cfg: glm5f.GLM5Config, seed: int = 0, bias_std: float = 0.1):
+    """A `GlmMoeDsaForCausalLM` (eager attention, eval) of `cfg` with random weights and a random router bias."""
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    torch.manual_seed(seed)
+    hcfg = GlmMoeDsaConfig(**cfg.to_hf())
+    hcfg._attn_implementation = "eager"
+    model = GlmMoeDsaForCausalLM(hcfg).eval()
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0, bias_std)
+    return model
+
+
+@pytest.fixture
+def hf_checkpoint(tmp_path):
+    """make(cfg, seed) -> (Transformers model, checkpoint dir written by its save_pretrained)."""
+    def make(cfg, seed=0):
+        model = hf_model(cfg, seed)
+        path = tmp_path / f"hf-{seed}"
+        model.save_pretrained(path)
+        return model, path
+    return make
+
+
+def boundary_ties(params, cfg, input_ids, attention_mask=None) -> int:
+    """How many (layer, query) rows have equal k-th and (k+1)-th index scores: there the top-k set is a matter
+    of tie-breaking, which Transformers (torch.topk) leaves arbitrary."""
+    count = 0
+    orig = attn.indexer_scores
+
+    def spy(*args, **kwargs):
+        nonlocal count
+        s = orig(*args, **kwargs)
+        k = min(cfg.index_topk, s.shape[-1] - 1)
+        top = s.topk(k + 1, dim=-1).values
+        count += int(((top[..., k - 1] == top[..., k]) & torch.isfinite(top[..., k - 1])).sum())
+        return s
+
+    attn.indexer_scores = spy
+    try:
+        glm5f.forward(params, cfg, input_ids, attention_mask=attention_mask)
+    finally:
+        attn.indexer_scores = orig
+    return count
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def with_grad(params: dict) -> dict:
+    """A copy of params whose trainable leaves require grad."""
+    return glm5f.params.map_with_path(
+        lambda path, t: t.detach().clone().requires_grad_(glm5f.params.trainable(path)), params)

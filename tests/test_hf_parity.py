@@ -1,0 +1,140 @@
+"""fp32 parity with Transformers' GlmMoeDsaForCausalLM: logits, loss and every parameter's gradient."""
+
+import dataclasses
+
+import pytest
+import torch
+from torch.func import functional_call
+
+import glm5f
+from conftest import boundary_ties, rel_err, with_grad
+
+MIXED = glm5f.preset(
+    "glm5-scaled-moe", num_hidden_layers=5, index_topk_pattern=None, index_topk_freq=2, index_skip_topk_offset=1, index_topk=32,
+    n_group=8, topk_group=3, attention_bias=True, tie_word_embeddings=True, rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, "factor": 8.0, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 512},
+    max_position_embeddings=4096)
+# (name, config, batch, seq, padded)
+CASES = [
+    ("scaled-dense", glm5f.preset("glm5-scaled-dense"), 2, 128, False),
+    ("scaled-moe", glm5f.preset("glm5-scaled-moe"), 2, 128, False),
+    ("mixed-shared-groups-yarn", MIXED, 2, 96, False),
+    ("scaled-moe-padded", glm5f.preset("glm5-scaled-moe"), 3, 112, True),
+]
+
+
+def batch(cfg, B, S, padded, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
+    labels = ids.clone()
+    mask = None
+    if padded:
+        mask = torch.ones(B, S, dtype=torch.long)
+        mask[0, S - 7:] = 0  # right padding
+        mask[1, :10] = 0  # left padding
+        labels[mask == 0] = glm5f.IGNORE_INDEX
+        labels[1, 10] = glm5f.IGNORE_INDEX  # predicted from a padding position
+    return ids, mask, labels
+
+
+@pytest.mark.parametrize("name,cfg,B,S,padded", CASES, ids=[c[0] for c in CASES])
+def test_matches_transformers(name, cfg, B, S, padded, hf_checkpoint):
+    assert S > cfg.index_topk, "the sequence must be longer than index_topk so DSA is sparse"
+    model, path = hf_checkpoint(cfg)
+    cfg2, params = glm5f.load_hf(path)
+    assert cfg2 == cfg
+    ids, mask, labels = batch(cfg, B, S, padded)
+    assert boundary_ties(params, cfg, ids, mask) == 0, "top-k ties would make the reference's choice arbitrary"
+
+    real = torch.ones(B, S, dtype=torch.bool) if mask is None else mask.bool()
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).logits
+        ours = glm5f.forward(params, cfg, ids, attention_mask=mask)
+    assert (ours - ref)[real].abs().max() <= 1e-5
+
+    p = with_grad(params)
+    leaves = {k: v for k, v in glm5f.flatten(p).items() if v.requires_grad}
+    loss = glm5f.causal_lm_loss(glm5f.forward(p, cfg, ids, attention_mask=mask), labels)
+    ref_loss = functional_call(model, glm5f.hf_state_dict(p, fused_experts=True), (ids,),
+                               {"attention_mask": mask, "labels": labels}).loss
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5
+    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    ref_grads = torch.autograd.grad(ref_loss, list(leaves.values()), allow_unused=True)
+    checked = 0
+    for path, g, rg in zip(leaves, grads, ref_grads):
+        if ".indexer." in path:  # the reference runs its indexer under no_grad; so do we
+            assert g is None and rg is None, path
+            continue
+        assert g is not None and rg is not None, path
+        assert rel_err(g, rg) <= 1e-4, f"{path}: relative gradient error {rel_err(g, rg):.2e}"
+        checked += 1
+    assert checked > 20
+
+
+def test_round_trip_through_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    cfg = glm5f.preset("glm5-scaled-moe")
+    params = glm5f.init_params(cfg, seed=3)
+    with torch.no_grad():  # a non-zero router bias, so that it must travel too
+        params["model"]["layers"][1]["mlp"]["gate"]["e_score_correction_bias"].normal_(0, 0.1)
+    glm5f.save_hf(tmp_path / "ckpt", cfg, params)
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", output_loading_info=True,
+                                                       attn_implementation="eager")
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    ids = torch.randint(0, cfg.vocab_size, (2, 100), generator=torch.Generator().manual_seed(1))
+    assert boundary_ties(params, cfg, ids) == 0
+    with torch.no_grad():
+        ours = glm5f.forward(params, cfg, ids)
+        assert (model.eval()(ids).logits - ours).abs().max() <= 1e-5
+    # and back: Transformers' own save, loaded by load_hf, gives identical tensors
+    model.save_pretrained(tmp_path / "again")
+    cfg2, params2 = glm5f.load_hf(tmp_path / "again")
+    assert cfg2 == cfg
+    for k, v in glm5f.flatten(params).items():
+        assert torch.equal(v, glm5f.flatten(params2)[k]), k
+
+
+def test_checkpoint_dtypes_follow_the_reference(tmp_path):
+    cfg = glm5f.preset("glm5-tiny")
+    params = glm5f.init_params(cfg, dtype=torch.bfloat16)
+    assert params["model"]["layers"][1]["mlp"]["gate"]["weight"].dtype == torch.float32
+    assert params["model"]["layers"][0]["self_attn"]["indexer"]["weights_proj"]["weight"].dtype == torch.float32
+    glm5f.save_hf(tmp_path / "bf16", cfg, params)
+    _, loaded = glm5f.load_hf(tmp_path / "bf16")
+    assert {k: v.dtype for k, v in glm5f.flatten(loaded).items()} == \
+           {k: v.dtype for k, v in glm5f.flatten(params).items()}
+    _, as_fp32 = glm5f.load_hf(tmp_path / "bf16", dtype=torch.float32)
+    assert all(v.dtype == torch.float32 for v in glm5f.flatten(as_fp32).values())
+
+
+def test_config_round_trip_with_transformers():
+    from transformers import GlmMoeDsaConfig
+
+    for cfg in [glm5f.preset(n) for n in glm5f.PRESETS] + [MIXED]:
+        hf = GlmMoeDsaConfig(**cfg.to_hf())
+        assert list(hf.indexer_types) == list(cfg.indexer_types)
+        assert list(hf.mlp_layer_types) == list(cfg.mlp_layer_types)
+        assert glm5f.GLM5Config.from_hf(hf.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("kw", [dict(index_topk_freq=3, index_skip_topk_offset=1),
+                                dict(index_topk_freq=2, index_skip_topk_offset=3),
+                                dict(index_topk_pattern="FSSFSF")])
+def test_indexer_types_derived_like_transformers(kw):
+    from transformers import GlmMoeDsaConfig
+
+    ours = glm5f.GLM5Config(num_hidden_layers=6, **kw)
+    assert list(ours.indexer_types) == list(GlmMoeDsaConfig(num_hidden_layers=6, **kw).indexer_types)
+    assert dataclasses.replace(ours).indexer_types == ours.indexer_types
+
+
+def test_full_glm5_parameter_count_without_memory():
+    cfg = glm5f.preset("glm5")
+    assert glm5f.param_count(cfg) == 743_911_199_232
+    abstract = glm5f.abstract_params(cfg)
+    leaves = glm5f.flatten(abstract)
+    assert all(t.device.type == "meta" for t in leaves.values())
+    buffers = sum(t.numel() for k, t in leaves.items() if k.endswith("e_score_correction_bias"))
+    assert sum(t.numel() for t in leaves.values()) - buffers == 743_911_199_232
