@@ -140,8 +140,9 @@ def indexer_scores(p: dict, x_BxSxD: torch.Tensor, q_BxSxQ: torch.Tensor, keys_B
     q_BxSxIxJ = linear(p["wq_b"], q_BxSxQ[:, start:stop]).view(B, stop - start, I, J)
     q_rot, q_pass = q_BxSxIxJ.split([P, J - P], dim=-1)
     q_BxSxIxJ = torch.cat([apply_rope(q_rot, ctx.cos[:, start:stop], ctx.sin[:, start:stop]), q_pass], dim=-1)
-    scores_BxSxIxT = F.relu(torch.matmul(q_BxSxIxJ.float(), keys_BxTxJ.transpose(-1, -2).float().unsqueeze(1))
-                            * J ** -0.5)
+    n = stop - start
+    scores_BxSxIxT = F.relu(torch.bmm(q_BxSxIxJ.float().reshape(B, n * I, J), keys_BxTxJ.float().transpose(1, 2))
+                            .view(B, n, I, -1) * J ** -0.5)
     w_BxSxI = linear(p["weights_proj"], x.to(p["weights_proj"]["weight"].dtype)).float() * I ** -0.5
     scores_BxSxT = torch.matmul(w_BxSxI.unsqueeze(-2), scores_BxSxIxT).squeeze(-2)
     mask = ctx.mask
@@ -187,9 +188,10 @@ def topk_first(scores: torch.Tensor, k: int) -> torch.Tensor:
 # ---- attention cores ----------------------------------------------------------------------------------------------
 
 def masked_softmax(scores: torch.Tensor, allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Softmax in fp32 over the last dim; disallowed entries get the dtype's minimum (never NaN: a row with no
-    allowed entry averages uniformly, as the reference does)."""
-    scores = scores.float().masked_fill(~allowed, torch.finfo(torch.float32).min)
+    """Softmax in fp32 (or wider) over the last dim; disallowed entries get the dtype's minimum (never NaN: a row
+    with no allowed entry averages uniformly, as the reference does)."""
+    wide = torch.promote_types(scores.dtype, torch.float32)
+    scores = scores.to(wide).masked_fill(~allowed, torch.finfo(wide).min)
     return torch.softmax(scores, dim=-1).to(dtype)
 
 
@@ -200,9 +202,9 @@ def sparse_attention(q_BxSxHxC: torch.Tensor, latent_BxTxC: torch.Tensor, idx_Bx
 
     Values are the first `value_dim` channels of the latent rows. Memory is O(S K C), never O(S T).
     """
-    B = q_BxSxHxC.shape[0]
-    batch_B11 = torch.arange(B, device=idx_BxSxK.device)[:, None, None]
-    sel_BxSxKxC = latent_BxTxC[batch_B11, idx_BxSxK]
+    B, T, C = latent_BxTxC.shape
+    rows_BxSxK = idx_BxSxK + T * torch.arange(B, device=idx_BxSxK.device)[:, None, None]
+    sel_BxSxKxC = latent_BxTxC.reshape(B * T, C).index_select(0, rows_BxSxK.flatten()).view(*idx_BxSxK.shape, C)
     scores_BxSxHxK = torch.einsum("bshc,bskc->bshk", q_BxSxHxC, sel_BxSxKxC) * scale
     if bias_BxSxK is not None:
         scores_BxSxHxK = scores_BxSxHxK + bias_BxSxK[:, :, None, :]

@@ -61,9 +61,10 @@ def _plan(cfg: GLM5Config, inv: dict) -> tuple[dict[str, list], list[str]]:
     """{checkpoint key: [(our path, expert index or None, row slice or None)]} and the MTP keys; raises one error
     listing every missing, unexpected and misshapen tensor."""
     want = {p: tuple(t.shape) for p, t in flatten(abstract_params(cfg, torch.float32)).items()}
-    plan, missing, wrong = {}, [], []
+    plan, missing, wrong, known = {}, [], [], set()
 
     def expect(key: str, shape: tuple, target):
+        known.add(key)
         if key not in inv:
             missing.append(key)
         elif inv[key][1] != shape:
@@ -92,19 +93,17 @@ def _plan(cfg: GLM5Config, inv: dict) -> tuple[dict[str, list], list[str]]:
             if f"{prefix}.gate_up_proj" in plan:
                 plan[f"{prefix}.gate_up_proj"].append((up_path, None, slice(F_, 2 * F_)))
     mtp, unexpected = [], []
-    for key in inv:
-        if key in plan:
-            continue
+    for key in inv.keys() - known:
         layer = _LAYER_KEY.match(key)
         if layer and int(layer.group(1)) >= cfg.num_hidden_layers:
             mtp.append(key)
-        elif key not in plan:
+        else:
             unexpected.append(key)
     if missing or unexpected or wrong:
         raise ValueError("checkpoint does not match its config.json:\n" +
                          describe_mismatch(sorted(missing), sorted(unexpected), sorted(wrong)) +
                          "\nNothing was loaded. Check that config.json belongs to these weights.")
-    return plan, mtp
+    return plan, sorted(mtp)
 
 
 def _summarize_keys(keys: list[str]) -> list[str]:

@@ -84,7 +84,7 @@ def local_experts(p: dict, x_NxD: torch.Tensor, idx_NxK: torch.Tensor, w_NxK: to
     """sum_k w[n, k] * expert_{idx[n, k]}(x[n]) -> [N, D], all experts on this rank, computed grouped."""
     N, K = idx_NxK.shape
     order_M, counts_E = sort_by_expert(idx_NxK, p["gate_proj"]["weight"].shape[0])
-    y_MxD = expert_ffn(p, x_NxD[order_M // K], counts_E)
+    y_MxD = expert_ffn(p, x_NxD.index_select(0, order_M // K), counts_E)
     y_MxD = y_MxD * w_NxK.reshape(-1)[order_M, None]
     unsorted_MxD = torch.zeros_like(y_MxD).index_copy(0, order_M, y_MxD)
     return unsorted_MxD.view(N, K, -1).sum(1).to(x_NxD.dtype)
