@@ -3,7 +3,7 @@
 import torch
 
 import glm5f
-from glm5f.generate import generate
+from glm5f.decode import generate
 
 
 def naive_greedy(params, cfg, ids, n):

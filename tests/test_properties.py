@@ -10,7 +10,7 @@ import glm5f
 import glm5f.model as model_mod
 from glm5f.attention import (AttnContext, Mask, dense_mla, indexer_topk, mla_project, sparse_mla, topk_as_mask,
                              topk_first)
-from glm5f.generate import extend, init_cache
+from glm5f.decode import extend, init_cache
 from glm5f.moe import local_experts
 from glm5f.ops import linear, swiglu_mlp
 

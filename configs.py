@@ -1,0 +1,174 @@
+"""Run configuration: nested dataclasses parsed by tyro into `--section.field value` flags.
+
+    python train.py --help
+    python train.py --model.preset glm5-scaled-moe --train.steps 20 --checkpoint.dir runs/moe
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Annotated, Literal, Optional
+
+import tyro
+
+import glm5f
+
+# Every scalar field of GLM5Config can be overridden on the command line: --model.hidden_size 128.
+_OVERRIDABLE = [f for f in dataclasses.fields(glm5f.GLM5Config)
+                if f.type in ("int", "float", "bool", "str", "str | None")]
+
+
+class _ModelMethods:
+    def overrides(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in _OVERRIDABLE if getattr(self, f.name) is not None}
+
+    def build(self) -> glm5f.GLM5Config:
+        """The GLM5Config of this run (without reading init_from)."""
+        return glm5f.preset(self.preset, **self.overrides())
+
+
+ModelConfig = dataclasses.make_dataclass(
+    "ModelConfig",
+    [("preset", Annotated[str, tyro.conf.arg(help="glm5, glm5-scaled-dense, glm5-scaled-moe or glm5-tiny")],
+      field(default="glm5-tiny")),
+     ("init_from", Annotated[Optional[str], tyro.conf.arg(
+         help="a Transformers GLM-5 checkpoint directory to start from (its config.json replaces the preset)")],
+      field(default=None)),
+     ("tokenizer_path", Annotated[Optional[str], tyro.conf.arg(
+         help="tokenizer.json (or a directory with one) for text data; default: the built-in byte tokenizer")],
+      field(default=None))]
+    + [(f.name, Annotated[Optional[{"int": int, "float": float, "bool": bool}.get(f.type, str)],
+                          tyro.conf.arg(help="overrides the preset's value")], field(default=None))
+       for f in _OVERRIDABLE],
+    bases=(_ModelMethods,))
+ModelConfig.__doc__ = "The network: a preset, with any GLM5Config field overridden."
+
+
+@dataclass
+class DataConfig:
+    type: Literal["text", "synthetic", "json_file", "preset_pt", "hf_datasets"] = "text"
+    """text: the embedded corpus; synthetic: seeded bigram sequences; json_file: JSONL; preset_pt: torch.save'd
+    batches; hf_datasets: a datasets.save_to_disk directory."""
+    path: Optional[str] = None
+    """File or directory for json_file, preset_pt and hf_datasets."""
+    split: Optional[str] = None
+    """Split of an hf_datasets DatasetDict."""
+    batch_size: int = 16
+    """Sequences per optimizer step (the global batch, over all micro-batches and ranks)."""
+    seq_len: int = 128
+    pack: bool = True
+    """Pack documents back to back (positions restart per document); else one padded document per row."""
+    seed: int = 0
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at lr * min_lr_ratio."""
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0
+    """Global gradient-norm clip; 0 disables."""
+    bias_update_rate: float = 1e-3
+    """Aux-loss-free router balancing: e_score_correction_bias += rate * sign(mean load - load); 0 disables."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    """Total optimizer steps (a resumed run continues up to this)."""
+    grad_accum: int = 1
+    """Micro-batches per step; data.batch_size must divide by grad_accum (and by the data-parallel ranks)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype; parameters and optimizer state stay fp32."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer in the backward pass."""
+    seed: int = 0
+    device: str = "auto"
+    """auto (cuda if present, else cpu), cpu, cuda, npu."""
+    log_every: int = 10
+
+
+@dataclass
+class ParallelConfig:
+    dp_shard: int = 1
+    """Data-parallel ranks, parameters and optimizer state sharded over them (FSDP)."""
+    cp: int = 1
+    """Context-parallel ranks: each sequence split over them."""
+    ep: int = 1
+    """Expert-parallel ranks, carved out of dp_shard x cp."""
+    tp: int = 1
+    """Tensor parallelism (not built yet: must be 1)."""
+
+    @property
+    def world(self) -> int:
+        return self.dp_shard * self.cp
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = "runs/default"
+    """Run directory: checkpoints/, metrics.jsonl, loss.png."""
+    every: int = 100
+    """Save every N steps (and at the end); 0: only at the end."""
+    keep: int = 3
+    """Newest checkpoints kept; 0 keeps all."""
+    resume: Optional[str] = None
+    """'latest' (the run directory's newest checkpoint, or a fresh start if none) or a checkpoint path."""
+    export_hf: Optional[str] = None
+    """Also write the final weights as a Transformers checkpoint to this directory."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+def validate(cfg: Config, world_size: int | None = None) -> list[str]:
+    """Everything wrong with a run config, each with what to change ([] when it is fine)."""
+    errs = []
+    if cfg.model.preset not in glm5f.PRESETS:
+        errs.append(f"--model.preset {cfg.model.preset!r} is unknown; choose one of {sorted(glm5f.PRESETS)}")
+    for name, value, low in [("--train.steps", cfg.train.steps, 1), ("--train.grad_accum", cfg.train.grad_accum, 1),
+                             ("--data.batch_size", cfg.data.batch_size, 1), ("--data.seq_len", cfg.data.seq_len, 2),
+                             ("--checkpoint.every", cfg.checkpoint.every, 0), ("--checkpoint.keep", cfg.checkpoint.keep, 0),
+                             ("--optim.warmup_steps", cfg.optim.warmup_steps, 0),
+                             ("--train.log_every", cfg.train.log_every, 1)]:
+        if value < low:
+            errs.append(f"{name} must be >= {low}, got {value}")
+    if cfg.optim.lr <= 0:
+        errs.append(f"--optim.lr must be positive, got {cfg.optim.lr}")
+    if not 0 <= cfg.optim.min_lr_ratio <= 1:
+        errs.append(f"--optim.min_lr_ratio must lie in [0, 1], got {cfg.optim.min_lr_ratio}")
+    if cfg.optim.bias_update_rate < 0:
+        errs.append(f"--optim.bias_update_rate must be >= 0, got {cfg.optim.bias_update_rate}")
+    p = cfg.parallel
+    for name in ("dp_shard", "cp", "ep", "tp"):
+        if getattr(p, name) < 1:
+            errs.append(f"--parallel.{name} must be >= 1, got {getattr(p, name)}")
+    if world_size is not None and p.world != world_size:
+        errs.append(f"--parallel.dp_shard x --parallel.cp = {p.world} must equal the number of processes "
+                    f"({world_size}); change them or the launch")
+    if cfg.train.grad_accum >= 1 and p.dp_shard >= 1 and cfg.data.batch_size % (cfg.train.grad_accum * p.dp_shard):
+        errs.append(f"--data.batch_size ({cfg.data.batch_size}) must divide by --train.grad_accum x "
+                    f"--parallel.dp_shard ({cfg.train.grad_accum} x {p.dp_shard})")
+    if cfg.data.type in ("json_file", "preset_pt", "hf_datasets") and not cfg.data.path:
+        errs.append(f"--data.type {cfg.data.type} needs --data.path")
+    if cfg.train.device not in ("auto", "cpu", "cuda", "npu") and not cfg.train.device.startswith(("cuda:", "npu:")):
+        errs.append(f"--train.device must be auto, cpu, cuda or npu, got {cfg.train.device!r}")
+    if not errs and cfg.model.init_from is None:
+        try:
+            cfg.model.build()
+        except (ValueError, TypeError) as e:
+            errs.append(f"the model config is invalid: {e}")
+    return errs

@@ -1,0 +1,123 @@
+"""Training checkpoints: params and optimizer state through torch.distributed.checkpoint (DCP), beside them the
+step, RNG states, data position and the resolved config.
+
+Layout of a run directory: checkpoints/step_00000010/ (DCP shards, extra.pt, meta.json), checkpoints/latest
+(the name of the newest complete checkpoint). A checkpoint is written into a temporary directory and renamed
+when complete; `latest` is replaced after that; so a killed save leaves the previous checkpoint as latest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+PREFIX = "step_"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _quiet_dcp(fn, *args, **kwargs):
+    with warnings.catch_warnings():  # DCP warns that it runs without a process group, which is what we want
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        return fn(*args, **kwargs)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+
+
+def save(run_dir: str, step: int, state: dict, extra: dict, meta: dict, keep: int = 3) -> str:
+    """Write checkpoint `step` of `state` (a tree of tensors or DTensors; collective under torch.distributed),
+    with `extra` (small tensors/ints, loaded with weights_only) and `meta` (JSON). Keeps the `keep` newest
+    (keep <= 0 keeps all). Returns the checkpoint's path."""
+    root = os.path.join(run_dir, "checkpoints")
+    name = f"{PREFIX}{step:08d}"
+    final, tmp = os.path.join(root, name), os.path.join(root, f".tmp-{name}")
+    if _rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    _quiet_dcp(dcp.save, state, checkpoint_id=tmp)
+    if _rank() == 0:
+        torch.save(extra, os.path.join(tmp, "extra.pt"))
+        _write_atomic(os.path.join(tmp, "meta.json"), json.dumps({"step": step, **meta}, indent=2, default=str))
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_atomic(os.path.join(root, "latest"), name + "\n")
+        _prune(root, keep, name)
+    _barrier()
+    return final
+
+
+def _complete(root: str) -> list[str]:
+    names = [n for n in os.listdir(root) if n.startswith(PREFIX)] if os.path.isdir(root) else []
+    return sorted(n for n in names if os.path.isfile(os.path.join(root, n, "meta.json")))
+
+
+def _prune(root: str, keep: int, newest: str) -> None:
+    for n in os.listdir(root):
+        if n.startswith(".tmp-") and n != f".tmp-{newest}":
+            shutil.rmtree(os.path.join(root, n), ignore_errors=True)  # left by a killed save
+    if keep > 0:
+        for n in _complete(root)[:-keep]:
+            if n != newest:
+                shutil.rmtree(os.path.join(root, n), ignore_errors=True)
+
+
+def latest(run_dir: str) -> str | None:
+    """The newest complete checkpoint of a run directory (by its `latest` marker), or None."""
+    root = os.path.join(run_dir, "checkpoints")
+    marker = os.path.join(root, "latest")
+    if os.path.isfile(marker):
+        with open(marker) as f:
+            name = f.read().strip()
+        if os.path.isfile(os.path.join(root, name, "meta.json")):
+            return os.path.join(root, name)
+    done = _complete(root)
+    return os.path.join(root, done[-1]) if done else None
+
+
+def read_meta(path: str) -> dict:
+    meta_file = os.path.join(path, "meta.json")
+    if not os.path.isfile(meta_file):
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no meta.json): pass a checkpoint directory "
+                                f"such as RUN/checkpoints/{PREFIX}00000010, or 'latest'")
+    with open(meta_file) as f:
+        return json.load(f)
+
+
+def load(path: str, state: dict) -> dict:
+    """Fill `state` (same tree as saved, any sharding) in place from checkpoint `path`; returns its extra."""
+    read_meta(path)
+    _quiet_dcp(dcp.load, state, checkpoint_id=path)
+    return torch.load(os.path.join(path, "extra.pt"), weights_only=True)

@@ -1,0 +1,309 @@
+"""Training data: sources of global batches {input_ids, labels, position_ids[, attention_mask]} of [B, S].
+
+Sources: `synthetic` (seeded random bigram language), `text` (the embedded corpus), `json_file` (JSONL of text,
+prompt/response or pre-tokenized ids), `preset_pt` (fixed batches from torch.save), `hf_datasets` (a dataset
+saved to disk). Documents are packed into rows of seq_len: positions restart at each document and attention
+stays inside it. Every source has state_dict() / load_state_dict(); a step's global batch depends only on the
+source and its state, never on how it is later split over micro-batches or ranks.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from dataclasses import dataclass
+from importlib import resources
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+# ---- tokenizers ---------------------------------------------------------------------------------------------------
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255; then bos 256, eos 257, pad 258."""
+
+    vocab_size = 259
+    bos_id, eos_id, pad_id = 256, 257, 258
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class FileTokenizer:
+    """A `tokenizers` tokenizer.json (a file, or a directory holding one)."""
+
+    def __init__(self, path: str):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as e:
+            raise ImportError("--model.tokenizer_path needs the `tokenizers` package: "
+                              "pip install 'glm5f[tokenizers]'") from e
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"no tokenizer.json at {file!r}: pass a tokenizer.json or a directory with one")
+        self._tok = Tokenizer.from_file(file)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        find = lambda *names: next((i for n in names if (i := self._tok.token_to_id(n)) is not None), None)  # noqa
+        self.bos_id = find("<|begin_of_text|>", "<s>", "[gMASK]", "<bos>", "<|endoftext|>")
+        self.eos_id = find("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+        self.pad_id = find("<pad>", "[PAD]", "<|pad|>")
+        if self.pad_id is None:
+            self.pad_id = self.eos_id if self.eos_id is not None else 0
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self._tok.decode(list(ids))
+
+
+def make_tokenizer(path: str | None):
+    return ByteTokenizer() if path is None else FileTokenizer(path)
+
+
+# ---- examples -----------------------------------------------------------------------------------------------------
+
+@dataclass
+class Example:
+    """One document: token ids and their labels (IGNORE_INDEX where no loss is taken, e.g. prompts)."""
+
+    ids: list[int]
+    labels: list[int]
+
+
+def text_example(tok, text: str) -> Example:
+    ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(text) + \
+          ([tok.eos_id] if tok.eos_id is not None else [])
+    return Example(ids, list(ids))
+
+
+def prompt_example(tok, prompt: str, response: str) -> Example:
+    head = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(prompt)
+    tail = tok.encode(response) + ([tok.eos_id] if tok.eos_id is not None else [])
+    return Example(head + tail, [IGNORE_INDEX] * len(head) + tail)
+
+
+def record_example(tok, rec, where: str) -> Example:
+    """An Example from one JSON record: {"text"}, {"prompt", "response"} or {"input_ids"[, "labels"]}."""
+    if not isinstance(rec, dict):
+        raise ValueError(f"{where}: expected a JSON object, found {type(rec).__name__}")
+    if "input_ids" in rec:
+        ids = rec["input_ids"]
+        labels = rec.get("labels", ids)
+        if not (isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+            raise ValueError(f"{where}: input_ids must be a list of integers")
+        if not isinstance(labels, list) or len(labels) != len(ids):
+            raise ValueError(f"{where}: labels must be a list as long as input_ids ({len(ids)})")
+        return Example(list(ids), list(labels))
+    if "prompt" in rec and "response" in rec:
+        return prompt_example(tok, str(rec["prompt"]), str(rec["response"]))
+    if "text" in rec:
+        return text_example(tok, str(rec["text"]))
+    raise ValueError(f"{where}: a record needs 'text', 'prompt' and 'response', or 'input_ids'; "
+                     f"found keys {sorted(rec)}")
+
+
+def embedded_documents() -> list[str]:
+    """The corpus shipped with glm5f (see glm5f/data/SOURCE.md)."""
+    with resources.files("glm5f").joinpath("data/corpus.txt.gz").open("rb") as raw:
+        return gzip.decompress(raw.read()).decode("utf-8").split("\f\n")
+
+
+def json_examples(path: str, tok) -> list[Example]:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--data.path {path!r}: no such file (expected a JSONL file, one record per line)")
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+            out.append(record_example(tok, rec, f"{path}:{n}"))
+    return out
+
+
+def dataset_examples(path: str, tok, split: str | None) -> list[Example]:
+    try:
+        import datasets
+    except ImportError as e:
+        raise ImportError("--data.type hf_datasets needs the `datasets` package: pip install 'glm5f[datasets]'") from e
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--data.path {path!r}: no dataset saved there (datasets' save_to_disk output)")
+    ds = datasets.load_from_disk(path)
+    if isinstance(ds, datasets.DatasetDict):
+        if split is None and len(ds) != 1:
+            raise ValueError(f"{path} holds splits {list(ds)}: choose one with --data.split")
+        ds = ds[split or next(iter(ds))]
+    return [record_example(tok, rec, f"{path}[{i}]") for i, rec in enumerate(ds)]
+
+
+def check_vocab(examples: list[Example], vocab_size: int, source: str) -> None:
+    for i, ex in enumerate(examples):
+        bad = [t for t in ex.ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"{source}: example {i} has token id {bad[0]} outside [0, vocab_size={vocab_size}): "
+                             f"the tokenizer or the data does not fit the model's vocabulary")
+
+
+# ---- sources ------------------------------------------------------------------------------------------------------
+
+class PackedSource:
+    """Rows of seq_len cut from the examples in a seeded per-epoch order, packed back to back (or one example per
+    row, truncated and padded, when pack=False)."""
+
+    def __init__(self, examples: list[Example], batch_size: int, seq_len: int, seed: int, pad_id: int,
+                 pack: bool = True, name: str = "data"):
+        if not examples or not any(ex.ids for ex in examples):
+            raise ValueError(f"{name}: the dataset is empty (no examples with tokens)")
+        self.examples, self.B, self.S, self.seed, self.pad_id, self.pack = \
+            examples, batch_size, seq_len, seed, pad_id, pack
+        self.epoch, self.index, self.offset = 0, 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        return torch.randperm(len(self.examples), generator=g).tolist()
+
+    def _advance(self):
+        self.index, self.offset = self.index + 1, 0
+        if self.index == len(self.examples):
+            self.epoch, self.index = self.epoch + 1, 0
+            self._order = self._permutation(self.epoch)
+
+    def _row(self):
+        ids, labels, pos = [], [], []
+        while len(ids) < self.S:
+            ex = self.examples[self._order[self.index]]
+            take = min(self.S - len(ids), len(ex.ids) - self.offset)
+            ids += ex.ids[self.offset:self.offset + take]
+            lab = ex.labels[self.offset:self.offset + take]
+            if self.offset == 0 and lab:
+                lab = [IGNORE_INDEX] + lab[1:]  # the first token of a document is not predicted from another
+            labels += lab
+            pos += range(self.offset, self.offset + take)
+            self.offset += take
+            if self.offset >= len(ex.ids) or not self.pack:
+                self._advance()
+            if not self.pack:
+                break
+        n = len(ids)
+        valid = [1] * n + [0] * (self.S - n)
+        return (ids + [self.pad_id] * (self.S - n), labels + [IGNORE_INDEX] * (self.S - n),
+                pos + list(range(n, self.S)), valid)
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        rows = [self._row() for _ in range(self.B)]
+        batch = {"input_ids": torch.tensor([r[0] for r in rows]), "labels": torch.tensor([r[1] for r in rows]),
+                 "position_ids": torch.tensor([r[2] for r in rows])}
+        if not self.pack:
+            batch["attention_mask"] = torch.tensor([r[3] for r in rows])
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index, "offset": self.offset}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.index, self.offset = state["epoch"], state["index"], state["offset"]
+        self._order = self._permutation(self.epoch)
+
+
+class SyntheticSource:
+    """Seeded random sequences from a fixed sparse bigram table (four successors per token): learnable, and a
+    pure function of (seed, step)."""
+
+    def __init__(self, batch_size: int, seq_len: int, vocab_size: int, seed: int):
+        self.B, self.S, self.V, self.seed, self.step = batch_size, seq_len, vocab_size, seed, 0
+        g = torch.Generator().manual_seed(seed)
+        self.successors = torch.randint(0, vocab_size, (vocab_size, 4), generator=g)
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.step + 1)
+        self.step += 1
+        choice = torch.randint(0, 4, (self.B, self.S), generator=g)
+        ids = torch.empty(self.B, self.S, dtype=torch.long)
+        ids[:, 0] = torch.randint(0, self.V, (self.B,), generator=g)
+        for t in range(1, self.S):
+            ids[:, t] = self.successors[ids[:, t - 1], choice[:, t]]
+        return {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(self.S).expand(self.B, -1)}
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
+
+
+class PresetSource:
+    """Fixed batches saved with torch.save (a list of dicts of [B, S] tensors), replayed in order, cycling."""
+
+    KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
+
+    def __init__(self, path: str, vocab_size: int):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--data.path {path!r}: no such file (expected torch.save of a list of batches)")
+        batches = torch.load(path, weights_only=True)
+        if not isinstance(batches, (list, tuple)) or not batches:
+            raise ValueError(f"{path}: expected a non-empty list of batches, found {type(batches).__name__}")
+        for i, b in enumerate(batches):
+            if not isinstance(b, dict) or "input_ids" not in b:
+                raise ValueError(f"{path}: batch {i} must be a dict with at least 'input_ids'")
+            unknown = set(b) - set(self.KEYS)
+            if unknown:
+                raise ValueError(f"{path}: batch {i} has unknown keys {sorted(unknown)}; allowed: {self.KEYS}")
+            ids = b["input_ids"]
+            if ids.ndim != 2 or any(b[k].shape != ids.shape for k in b):
+                raise ValueError(f"{path}: batch {i}: every tensor must be [batch, seq] like input_ids "
+                                 f"{list(ids.shape)}")
+            if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < vocab_size):
+                raise ValueError(f"{path}: batch {i} has token ids outside [0, vocab_size={vocab_size})")
+        self.batches, self.index = list(batches), 0
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        b = dict(self.batches[self.index % len(self.batches)])
+        self.index += 1
+        b.setdefault("labels", b["input_ids"].clone())
+        if "position_ids" not in b:
+            b["position_ids"] = torch.arange(b["input_ids"].shape[1]).expand_as(b["input_ids"])
+        return {k: v.long() for k, v in b.items()}
+
+    def state_dict(self) -> dict:
+        return {"index": self.index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.index = state["index"]
+
+
+def make_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, seed: int = 0, path: str | None = None,
+                tokenizer_path: str | None = None, pack: bool = True, split: str | None = None):
+    """The data source of `--data.type kind` for a model of vocab_size."""
+    if kind == "synthetic":
+        return SyntheticSource(batch_size, seq_len, vocab_size, seed)
+    if kind == "preset_pt":
+        if path is None:
+            raise ValueError("--data.type preset_pt needs --data.path FILE (torch.save of a list of batches)")
+        return PresetSource(path, vocab_size)
+    tok = make_tokenizer(tokenizer_path)
+    if tok.vocab_size > vocab_size:
+        raise ValueError(f"the tokenizer has {tok.vocab_size} ids but the model's vocab_size is {vocab_size}: "
+                         f"raise --model.vocab_size to at least {tok.vocab_size}")
+    if kind == "text":
+        examples = [text_example(tok, d) for d in embedded_documents()]
+        name = "embedded corpus"
+    elif kind in ("json_file", "hf_datasets"):
+        if path is None:
+            raise ValueError(f"--data.type {kind} needs --data.path")
+        examples = json_examples(path, tok) if kind == "json_file" else dataset_examples(path, tok, split)
+        name = path
+    else:
+        raise ValueError(f"unknown --data.type {kind!r}")
+    check_vocab(examples, vocab_size, name)
+    return PackedSource(examples, batch_size, seq_len, seed, tok.pad_id, pack, name)

@@ -1,0 +1,81 @@
+"""Run metrics: a console progress line, metrics.jsonl in the run directory, and a PNG of the loss curve."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+class Progress:
+    """One updating console line (a plain line every `every` steps when not a terminal)."""
+
+    def __init__(self, total: int, start: int = 0, every: int = 10, stream=sys.stdout):
+        self.total, self.start, self.every, self.stream = total, start, every, stream
+        self.tty = stream.isatty()
+        self.t0 = time.perf_counter()
+
+    def update(self, step: int, rec: dict) -> None:
+        done = step - self.start
+        eta = (time.perf_counter() - self.t0) / max(done, 1) * (self.total - step)
+        width = 24
+        bar = "#" * int(width * step / self.total) + "-" * (width - int(width * step / self.total))
+        line = (f"[{bar}] {step}/{self.total} loss {rec['loss']:.4f} lr {rec['lr']:.2e} "
+                f"gnorm {rec['grad_norm']:.3f} {rec['tokens_per_s']:.0f} tok/s eta {eta:.0f}s")
+        if self.tty:
+            self.stream.write("\r" + line + ("\n" if step == self.total else ""))
+        elif step % self.every == 0 or step == self.total or step == self.start + 1:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+class MetricsLog:
+    """metrics.jsonl, one JSON object per step, appended across resumes: records after the resumed step (written
+    by a run that died before its next checkpoint) are dropped first, so each step appears once."""
+
+    def __init__(self, run_dir: str, resume_step: int = 0):
+        os.makedirs(run_dir, exist_ok=True)
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step] if resume_step else []
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+        os.replace(tmp, self.path)
+
+    def write(self, rec: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
+def read_metrics(path: str) -> list[dict]:
+    """The records of a metrics.jsonl (a file or a run directory holding one); [] if there is none."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_losses(runs: dict[str, list[dict]], out_png: str, title: str = "loss") -> bool:
+    """Loss curves of several runs into one PNG. False (and nothing written) without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, recs in runs.items():
+        ax.plot([r["step"] for r in recs], [r["loss"] for r in recs], label=name, linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if len(runs) > 1:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+    return True

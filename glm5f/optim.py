@@ -1,0 +1,124 @@
+"""Optimizer as pure functions over the params tree (optax style): AdamW with foreach ops, global-norm clipping,
+warmup + cosine schedule, and the router's auxiliary-loss-free bias rule.
+
+How each leaf is treated is one small table, `leaf_rule(path)`:
+  decay     AdamW with weight decay       matrices and embeddings
+  no_decay  AdamW without weight decay    norm scales and biases (1-D)
+  frozen    untouched                     the DSA indexer (the LM loss does not differentiate it)
+  balance   bias += rate * sign(mean load - load), no gradient    the router's e_score_correction_bias
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch.utils import _pytree as pytree
+
+from glm5f.params import flatten, is_buffer, unflatten
+
+
+def leaf_rule(path: str, ndim: int) -> str:
+    if is_buffer(path):
+        return "balance"
+    if ".indexer." in path:
+        return "frozen"
+    return "decay" if ndim >= 2 else "no_decay"
+
+
+def trained_paths(params: dict) -> list[str]:
+    """Paths of the leaves AdamW updates (rule decay or no_decay), in tree order."""
+    return [p for p, t in flatten(params).items() if leaf_rule(p, t.ndim) in ("decay", "no_decay")]
+
+
+def value_and_grad(fn: Callable, has_aux: bool = False):
+    """JAX-like value_and_grad over the trained leaves of the first argument (a params tree), by eager autograd.
+
+    Returns g(params, *args) -> (fn's value or (value, aux), {path: gradient}); unused leaves get zeros.
+    """
+    def wrapped(params: dict, *args, **kwargs):
+        flat = flatten(params)
+        paths = set(trained_paths(params))
+        live = {p: (t.detach().requires_grad_() if p in paths else t.detach()) for p, t in flat.items()}
+        out = fn(unflatten(live, params), *args, **kwargs)
+        value = out[0] if has_aux else out
+        leaves = [live[p] for p in flat if p in paths]
+        grads = torch.autograd.grad(value, leaves, allow_unused=True)
+        grads = {p: (g if g is not None else torch.zeros_like(t)) for p, t, g in
+                 zip((p for p in flat if p in paths), leaves, grads)}
+        detached = pytree.tree_map(lambda o: o.detach() if isinstance(o, torch.Tensor) else o, out)
+        return detached, grads
+    return wrapped
+
+
+def adamw_init(params: dict) -> dict:
+    """{"count": 0, "mu": {path: zeros}, "nu": {path: zeros}} for the trained leaves (fp32 moments)."""
+    flat = flatten(params)
+    paths = trained_paths(params)
+    zeros = lambda: {p: torch.zeros_like(flat[p], dtype=torch.float32) for p in paths}  # noqa: E731
+    return {"count": torch.zeros((), dtype=torch.int64), "mu": zeros(), "nu": zeros()}
+
+
+def adamw_update(params: dict, grads: dict[str, torch.Tensor], state: dict, lr: float, *, b1: float = 0.9,
+                 b2: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.1) -> tuple[dict, dict]:
+    """One AdamW step (decoupled weight decay on "decay" leaves). Returns new (params, state); inputs are not
+    modified."""
+    flat = flatten(params)
+    paths = list(state["mu"])
+    count = state["count"] + 1
+    t = int(count)
+    p_old = [flat[p] for p in paths]
+    g = [grads[p].to(torch.float32) for p in paths]
+    mu = torch._foreach_add(torch._foreach_mul([state["mu"][p] for p in paths], b1), g, alpha=1 - b1)
+    nu = torch._foreach_add(torch._foreach_mul([state["nu"][p] for p in paths], b2),
+                            torch._foreach_mul(g, g), alpha=1 - b2)
+    denom = torch._foreach_add(torch._foreach_sqrt(torch._foreach_div(nu, 1 - b2 ** t)), eps)
+    step = torch._foreach_div(torch._foreach_div(mu, 1 - b1 ** t), denom)
+    decay = [1 - lr * weight_decay if leaf_rule(p, flat[p].ndim) == "decay" else 1.0 for p in paths]
+    p32 = torch._foreach_mul([x.to(torch.float32) for x in p_old], decay)
+    new = torch._foreach_add(p32, step, alpha=-lr)
+    updated = dict(flat)
+    updated.update({p: n.to(o.dtype) for p, n, o in zip(paths, new, p_old)})
+    return unflatten(updated, params), {"count": count, "mu": dict(zip(paths, mu)), "nu": dict(zip(paths, nu))}
+
+
+def global_norm(grads: dict[str, torch.Tensor]) -> torch.Tensor:
+    """sqrt(sum of squared entries) over every gradient, in fp32."""
+    norms = torch._foreach_norm([g.to(torch.float32) for g in grads.values()])
+    return torch.linalg.vector_norm(torch.stack([_full(n) for n in norms]))
+
+
+def _full(x: torch.Tensor) -> torch.Tensor:
+    """A DTensor's global value (sharded norms are gathered); plain tensors as they are."""
+    return x.full_tensor() if hasattr(x, "full_tensor") else x
+
+
+def clip_by_global_norm(grads: dict[str, torch.Tensor], max_norm: float):
+    """(grads scaled so their global norm is at most max_norm, the norm before clipping). max_norm <= 0: no clip."""
+    norm = global_norm(grads)
+    if max_norm <= 0:
+        return grads, norm
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    return dict(zip(grads, torch._foreach_mul(list(grads.values()), scale))), norm
+
+
+def lr_schedule(step: int, *, peak: float, warmup: int, total: int, min_ratio: float = 0.1) -> float:
+    """Linear warmup over `warmup` steps to `peak`, then cosine decay to peak * min_ratio at `total` steps."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def balance_router_bias(params: dict, expert_counts: dict[str, torch.Tensor], rate: float) -> dict:
+    """Auxiliary-loss-free load balancing: each MoE layer's e_score_correction_bias moves by
+    rate * sign(mean load - load) (under-loaded experts up, over-loaded down). expert_counts maps the bias leaf
+    path to that layer's token counts per expert for the step. rate 0 leaves params as they are."""
+    if rate == 0 or not expert_counts:
+        return params
+    flat = dict(flatten(params))
+    for path, counts in expert_counts.items():
+        load = counts.to(torch.float32)
+        flat[path] = flat[path] + rate * torch.sign(load.mean() - load).to(flat[path].dtype)
+    return unflatten(flat, params)

@@ -1,0 +1,52 @@
+"""How a run is laid out over processes. `Layout` is what the train loop asks: this rank's share of a batch, the
+attention context, the experts function, parameter gathering, and sums over ranks.
+
+One process: every method is the identity (this file's `Layout`). Several processes: see `glm5f.distributed`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from glm5f.attention import AttnContext
+from glm5f.config import GLM5Config
+from glm5f.model import make_context
+from glm5f.moe import ExpertsFn, local_experts
+
+
+class Layout:
+    """A single process: it holds the whole batch, all parameters and all experts."""
+
+    rank, world, is_main = 0, 1, True
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def shard_params(self, params: dict) -> dict:
+        """Params as this layout stores them (DTensors under FSDP/EP)."""
+        return params
+
+    def gather_params(self, params: dict) -> dict:
+        """Plain tensors for the forward, gradients flowing back to the stored (possibly sharded) leaves."""
+        return params
+
+    def local_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's rows (data parallel) and sequence chunks (context parallel) of a global (micro-)batch."""
+        return batch
+
+    def context(self, cfg: GLM5Config, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> AttnContext:
+        """The attention context of this rank's share of a batch."""
+        return make_context(cfg, batch["input_ids"].shape, batch.get("attention_mask"), batch["position_ids"],
+                            dtype, batch["input_ids"].device)
+
+    @property
+    def experts(self) -> ExpertsFn:
+        return local_experts
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum of a tensor over all ranks (here: itself)."""
+        return t
+
+    def full(self, t: torch.Tensor) -> torch.Tensor:
+        """A leaf's full value on every rank (here: itself)."""
+        return t

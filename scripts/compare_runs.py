@@ -1,0 +1,47 @@
+"""Compare the loss curves of runs: per-step differences against the first run, and one PNG of all curves.
+
+    python scripts/compare_runs.py runs/base runs/cp2 runs/ep2 --png runs/compare.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from glm5f.metrics import plot_losses, read_metrics  # noqa: E402
+
+
+def compare(base: list[dict], other: list[dict]) -> dict:
+    """{steps, avg, max} of |loss difference| over the steps both runs logged."""
+    a = {r["step"]: r["loss"] for r in base}
+    diffs = [abs(a[r["step"]] - r["loss"]) for r in other if r["step"] in a]
+    if not diffs:
+        return {"steps": 0, "avg": float("nan"), "max": float("nan")}
+    return {"steps": len(diffs), "avg": sum(diffs) / len(diffs), "max": max(diffs)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", help="run directories (or metrics.jsonl files); the first is the baseline")
+    ap.add_argument("--png", help="write the curves here")
+    args = ap.parse_args(argv)
+    runs = {os.path.basename(os.path.normpath(r)): read_metrics(r) for r in args.runs}
+    empty = [name for name, recs in runs.items() if not recs]
+    if empty:
+        print(f"error: no metrics.jsonl records in {empty}", file=sys.stderr)
+        return 1
+    names = list(runs)
+    print(f"{'run':<24}{'steps':>7}{'avg |diff|':>14}{'max |diff|':>14}   (against {names[0]})")
+    for name in names[1:]:
+        c = compare(runs[names[0]], runs[name])
+        print(f"{name:<24}{c['steps']:>7}{c['avg']:>14.3e}{c['max']:>14.3e}")
+    if args.png:
+        print(f"plot: {args.png}" if plot_losses(runs, args.png) else "plot skipped (matplotlib not installed)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,293 @@
+"""The train loop: learning, bitwise resume, crash-safe checkpoints, bad input, and the optimizer functions."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import tyro
+
+import glm5f
+from configs import Config
+from glm5f import checkpoint
+from glm5f.data import ByteTokenizer, make_source
+from glm5f.metrics import read_metrics
+from glm5f.optim import (adamw_init, adamw_update, balance_router_bias, clip_by_global_norm, leaf_rule, lr_schedule,
+                         value_and_grad)
+from train import TrainingError, main, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MOE = ["--model.preset", "glm5-scaled-moe", "--data.batch_size", "4", "--data.seq_len", "80",
+       "--train.grad_accum", "2", "--checkpoint.every", "5"]
+
+
+def cli(*args: str) -> Config:
+    return tyro.cli(Config, args=list(args), use_underscores=True)
+
+
+def write_jsonl(path, n=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            words = " ".join(str(int(x)) for x in torch.randint(0, 50, (int(torch.randint(5, 60, (1,), generator=g)),),
+                                                                generator=g))
+            rec = {"text": words} if i % 2 else {"prompt": f"count {i}:", "response": words}
+            f.write(json.dumps(rec) + "\n")
+
+
+def test_default_run_learns(tmp_path):
+    recs = train(cli("--train.steps", "40", "--checkpoint.dir", str(tmp_path)))
+    assert len(recs) == 40
+    assert sum(r["loss"] for r in recs[-5:]) / 5 < recs[0]["loss"] - 1.5
+    logged = read_metrics(tmp_path)
+    assert [r["step"] for r in logged] == list(range(1, 41))
+    assert {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s"} <= logged[0].keys()
+    assert os.path.isfile(tmp_path / "loss.png")
+    assert checkpoint.latest(str(tmp_path)).endswith("step_00000040")
+
+
+@pytest.mark.parametrize("data", ["synthetic", "json_file"])
+def test_bitwise_resume(tmp_path, data):
+    args = MOE + ["--data.type", data]
+    if data == "json_file":
+        write_jsonl(tmp_path / "d.jsonl")
+        args += ["--data.path", str(tmp_path / "d.jsonl")]
+    straight = train(cli(*args, "--train.steps", "20", "--checkpoint.dir", str(tmp_path / "straight")))
+    train(cli(*args, "--train.steps", "10", "--checkpoint.dir", str(tmp_path / "resumed")))
+    train(cli(*args, "--train.steps", "20", "--checkpoint.dir", str(tmp_path / "resumed"),
+              "--checkpoint.resume", "latest"))
+    resumed = read_metrics(tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == list(range(1, 21))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]
+    assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in straight]
+
+
+def test_grad_accumulation_does_not_change_the_step(tmp_path):
+    base = ["--model.preset", "glm5-scaled-moe", "--data.type", "synthetic", "--data.batch_size", "4",
+            "--data.seq_len", "80", "--train.steps", "3"]
+    one = train(cli(*base, "--checkpoint.dir", str(tmp_path / "a")))
+    four = train(cli(*base, "--train.grad_accum", "4", "--checkpoint.dir", str(tmp_path / "b")))
+    for a, b in zip(one, four):
+        assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-4
+
+
+def test_activation_checkpointing_and_bf16(tmp_path):
+    base = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", "--data.batch_size", "4", "--data.seq_len",
+            "48", "--train.steps", "3"]
+    plain = train(cli(*base, "--checkpoint.dir", str(tmp_path / "a")))
+    remat = train(cli(*base, "--train.activation_checkpointing", "--checkpoint.dir", str(tmp_path / "b")))
+    assert [r["loss"] for r in plain] == [r["loss"] for r in remat]
+    assert [r["grad_norm"] for r in plain] == [r["grad_norm"] for r in remat]
+    bf16 = train(cli(*base, "--train.dtype", "bfloat16", "--checkpoint.dir", str(tmp_path / "c")))
+    assert all(abs(a["loss"] - b["loss"]) < 0.05 for a, b in zip(plain, bf16))
+
+
+KILL_SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {root!r})
+    import glm5f.checkpoint as ck
+    real_replace = os.replace
+    def slow_replace(src, dst):
+        if os.path.basename(dst) == "step_00000010":  # the second save: stop with its files half-way there
+            open({marker!r}, "w").close()
+            time.sleep(600)
+        return real_replace(src, dst)
+    ck.os.replace = slow_replace
+    from train import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def test_sigkill_during_checkpoint_keeps_previous(tmp_path):
+    run = tmp_path / "run"
+    marker = tmp_path / "saving"
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_SCRIPT.format(root=ROOT, marker=str(marker)))
+    args = MOE + ["--data.type", "synthetic", "--train.steps", "12", "--checkpoint.dir", str(run)]
+    proc = subprocess.Popen([sys.executable, str(script), *args], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while not marker.exists():
+        assert proc.poll() is None, proc.stderr.read().decode()
+        assert time.time() < deadline, "training never reached its second checkpoint"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert os.path.isdir(run / "checkpoints" / ".tmp-step_00000010")  # the half-written one
+    assert checkpoint.latest(str(run)).endswith("step_00000005")
+    cfg = glm5f.preset("glm5-scaled-moe")
+    state = {"params": glm5f.init_params(cfg, seed=123), "optim": adamw_init(glm5f.init_params(cfg))}
+    extra = checkpoint.load(checkpoint.latest(str(run)), state)
+    assert extra["step"] == 5 and int(state["optim"]["count"]) == 5
+    recs = train(cli(*args, "--checkpoint.resume", "latest"))
+    assert recs[0]["step"] == 6 and recs[-1]["step"] == 12
+    assert [r["step"] for r in read_metrics(run)] == list(range(1, 13))
+    assert not any(n.startswith(".tmp") for n in os.listdir(run / "checkpoints"))
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, capsys):
+    args = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", "--data.batch_size", "2", "--data.seq_len",
+            "32", "--train.steps", "6", "--checkpoint.every", "1", "--optim.lr", "1e30", "--optim.warmup_steps", "0",
+            "--checkpoint.dir", str(tmp_path)]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "the loss is nan" in err or "the loss is inf" in err
+    step = int(err.split("step ")[1].split(":")[0])
+    assert f"step_{step - 1:08d}" in err
+    assert checkpoint.latest(str(tmp_path)).endswith(f"step_{step - 1:08d}")
+    assert not any(n.startswith(".tmp") for n in os.listdir(tmp_path / "checkpoints"))
+
+
+def test_bad_data_is_reported(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n\n{"text": "broken"\n')
+    with pytest.raises(ValueError, match=rf"{bad}:3: not valid JSON"):
+        make_source("json_file", vocab_size=512, batch_size=2, seq_len=16, path=str(bad))
+    (tmp_path / "keys.jsonl").write_text('{"words": "no"}\n')
+    with pytest.raises(ValueError, match="keys.jsonl:1: a record needs 'text'"):
+        make_source("json_file", vocab_size=512, batch_size=2, seq_len=16, path=str(tmp_path / "keys.jsonl"))
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        make_source("json_file", vocab_size=512, batch_size=2, seq_len=16, path=str(tmp_path / "missing.jsonl"))
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(ValueError, match="dataset is empty"):
+        make_source("json_file", vocab_size=512, batch_size=2, seq_len=16, path=str(tmp_path / "empty.jsonl"))
+    (tmp_path / "ids.jsonl").write_text('{"input_ids": [1, 2, 600]}\n')
+    with pytest.raises(ValueError, match="token id 600 outside \\[0, vocab_size=512\\)"):
+        make_source("json_file", vocab_size=512, batch_size=2, seq_len=16, path=str(tmp_path / "ids.jsonl"))
+    with pytest.raises(ValueError, match="raise --model.vocab_size to at least 259"):
+        make_source("text", vocab_size=100, batch_size=2, seq_len=16)
+    torch.save([{"input_ids": torch.tensor([[1, 2, 999]])}], tmp_path / "b.pt")
+    with pytest.raises(ValueError, match="outside \\[0, vocab_size=512\\)"):
+        make_source("preset_pt", vocab_size=512, batch_size=2, seq_len=16, path=str(tmp_path / "b.pt"))
+
+
+def test_invalid_run_configs_fail_before_any_work(tmp_path):
+    run = tmp_path / "never"
+    for args, message in [(["--train.steps", "-3"], "--train.steps must be >= 1"),
+                          (["--model.preset", "glm9"], "--model.preset 'glm9' is unknown"),
+                          (["--parallel.dp_shard", "2", "--parallel.cp", "2"], "must equal the number of processes"),
+                          (["--data.batch_size", "6", "--train.grad_accum", "4"], "must divide by"),
+                          (["--model.n_group", "3"], "divisible by n_group"),
+                          (["--data.type", "json_file"], "needs --data.path")]:
+        with pytest.raises(TrainingError, match=message):
+            train(cli(*args, "--checkpoint.dir", str(run)))
+    assert not run.exists()
+    with pytest.raises(NotImplementedError, match="tensor parallelism"):
+        train(cli("--parallel.tp", "2", "--checkpoint.dir", str(run)))
+
+
+def test_packing_positions_and_prompt_masking():
+    tok = ByteTokenizer()
+    src = make_source("text", vocab_size=512, batch_size=3, seq_len=64)
+    b = src.next_batch()
+    starts = b["input_ids"] == tok.bos_id
+    assert torch.all(b["position_ids"][starts] == 0)  # positions restart at each document
+    assert torch.all(b["labels"][starts] == glm5f.IGNORE_INDEX)  # no prediction across documents
+    state = src.state_dict()
+    nxt = src.next_batch()
+    src.load_state_dict(state)
+    again = src.next_batch()
+    assert all(torch.equal(nxt[k], again[k]) for k in nxt)
+
+
+def test_json_prompt_response_and_unpacked_rows(tmp_path):
+    f = tmp_path / "pr.jsonl"
+    f.write_text(json.dumps({"prompt": "ab", "response": "cd"}) + "\n")
+    b = make_source("json_file", vocab_size=512, batch_size=1, seq_len=8, path=str(f), pack=False).next_batch()
+    tok = ByteTokenizer()
+    assert b["input_ids"][0].tolist() == [tok.bos_id, 97, 98, 99, 100, tok.eos_id, tok.pad_id, tok.pad_id]
+    assert b["labels"][0].tolist() == [-100, -100, -100, 99, 100, tok.eos_id, -100, -100]
+    assert b["attention_mask"][0].tolist() == [1] * 6 + [0] * 2
+
+
+def test_preset_batches_replay_in_order(tmp_path):
+    batches = [{"input_ids": torch.full((2, 5), i), "labels": torch.full((2, 5), -100)} for i in range(3)]
+    torch.save(batches, tmp_path / "b.pt")
+    src = make_source("preset_pt", vocab_size=16, batch_size=2, seq_len=5, path=str(tmp_path / "b.pt"))
+    assert [int(src.next_batch()["input_ids"][0, 0]) for _ in range(4)] == [0, 1, 2, 0]
+
+
+def test_adamw_matches_torch_optim():
+    cfg = glm5f.preset("glm5-tiny")
+    params = glm5f.init_params(cfg)
+    state = adamw_init(params)
+    ref_leaves = {p: t.clone().requires_grad_() for p, t in glm5f.flatten(params).items() if p in state["mu"]}
+    decay = [t for p, t in ref_leaves.items() if leaf_rule(p, t.ndim) == "decay"]
+    no_decay = [t for p, t in ref_leaves.items() if leaf_rule(p, t.ndim) == "no_decay"]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        grads = {p: torch.randn(t.shape, generator=g) for p, t in ref_leaves.items()}
+        for p, t in ref_leaves.items():
+            t.grad = grads[p].clone()
+        opt.step()
+        params, state = adamw_update(params, grads, state, 1e-2, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
+    flat = glm5f.flatten(params)
+    for p, t in ref_leaves.items():
+        assert torch.allclose(flat[p], t.detach(), atol=1e-6), p
+    assert leaf_rule("model.layers.0.self_attn.indexer.wk.weight", 2) == "frozen"
+    assert leaf_rule("model.layers.1.mlp.gate.e_score_correction_bias", 1) == "balance"
+    assert leaf_rule("model.norm.weight", 1) == "no_decay"
+
+
+def test_value_and_grad_clip_schedule_and_balance():
+    cfg = glm5f.preset("glm5-tiny")
+    params = glm5f.init_params(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 24))
+    loss, grads = value_and_grad(lambda p: glm5f.causal_lm_loss(glm5f.forward(p, cfg, ids), ids))(params)
+    assert ".indexer." not in "".join(grads) and "e_score" not in "".join(grads)
+    norm = torch.sqrt(sum((g ** 2).sum() for g in grads.values()))
+    clipped, before = clip_by_global_norm(grads, float(norm) / 2)
+    assert torch.isclose(before, norm)
+    assert torch.isclose(torch.sqrt(sum((g ** 2).sum() for g in clipped.values())), norm / 2, rtol=1e-4)
+    assert lr_schedule(0, peak=1.0, warmup=10, total=100) == pytest.approx(0.1)
+    assert lr_schedule(9, peak=1.0, warmup=10, total=100) == pytest.approx(1.0)
+    assert lr_schedule(100, peak=1.0, warmup=10, total=100, min_ratio=0.1) == pytest.approx(0.1)
+    key = "model.layers.1.mlp.gate.e_score_correction_bias"
+    counts = torch.tensor([10.0, 0, 5, 5, 5, 5, 5, 5])
+    moved = glm5f.flatten(balance_router_bias(params, {key: counts}, 0.01))[key]
+    assert moved.tolist() == pytest.approx([-0.01, 0.01, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+
+
+def test_export_hf_and_compare_script(tmp_path):
+    train(cli("--train.steps", "2", "--checkpoint.dir", str(tmp_path / "r1"), "--checkpoint.export_hf",
+              str(tmp_path / "hf")))
+    cfg, params = glm5f.load_hf(tmp_path / "hf")
+    assert cfg == glm5f.preset("glm5-tiny")
+    train(cli("--train.steps", "2", "--checkpoint.dir", str(tmp_path / "r2")))
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "compare_runs.py"), str(tmp_path / "r1"),
+                          str(tmp_path / "r2"), "--png", str(tmp_path / "c.png")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "0.000e+00" in out.stdout and os.path.isfile(tmp_path / "c.png")
+
+
+def test_help_lists_every_section():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--help"], capture_output=True, text=True,
+                         cwd=ROOT)
+    assert out.returncode == 0
+    for flag in ("--model.preset", "--data.type", "--optim.lr", "--train.steps", "--train.activation_checkpointing",
+                 "--parallel.cp", "--checkpoint.resume", "--model.hidden_size"):
+        assert flag in out.stdout, flag
+
+
+def test_tokenizer_file(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["the cat sat on the mat", "a dog ran"] * 20,
+                            trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>", "<s>", "</s>", "<pad>"]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"text": "the cat sat"}) + "\n")
+    b = make_source("json_file", vocab_size=64, batch_size=1, seq_len=6, path=str(data), tokenizer_path=str(tmp_path),
+                    pack=False).next_batch()
+    assert b["input_ids"][0].tolist()[0] == tok.token_to_id("<s>")
+    assert tok.decode(b["input_ids"][0].tolist()[1:4]) == "the cat sat"
+    assert b["input_ids"][0].tolist()[4] == tok.token_to_id("</s>")

@@ -1,0 +1,181 @@
+"""Train GLM-5 with glm5f: config -> params -> data -> [batch -> value_and_grad -> clip -> AdamW -> log -> save].
+
+    python train.py                      # glm5-tiny on the embedded text, CPU, about a minute
+    python train.py --help               # every flag, with defaults
+    python train.py --model.preset glm5-scaled-moe --data.type synthetic --train.steps 50
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+
+import torch
+import tyro
+
+import glm5f
+from configs import Config, validate
+from glm5f import checkpoint
+from glm5f.data import make_source
+from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
+from glm5f.model import apply, check_input_ids, cross_entropy_sum, shift_labels
+from glm5f.optim import adamw_init, adamw_update, balance_router_bias, clip_by_global_norm, lr_schedule, value_and_grad
+from glm5f.params import leaf_dtype, map_with_path
+from glm5f.parallel import Layout
+
+
+class TrainingError(RuntimeError):
+    """A run stopped for a reason the user has to act on (the message says what)."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("npu"):
+        import torch_npu  # noqa: F401  (registers the "npu" device)
+    return torch.device(name)
+
+
+def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
+    errors = validate(cfg, world_size=layout.world if layout else 1)
+    if errors:
+        raise TrainingError("invalid configuration:\n  - " + "\n  - ".join(errors))
+    if cfg.parallel.tp != 1:
+        raise NotImplementedError("tensor parallelism (--parallel.tp) is not built yet; use dp_shard, cp and ep")
+    torch.manual_seed(cfg.train.seed)
+    layout = layout or Layout(resolve_device(cfg.train.device))
+    device, dtype, run_dir = layout.device, getattr(torch, cfg.train.dtype), cfg.checkpoint.dir
+    say = print if layout.is_main else (lambda *a, **k: None)
+
+    # ---- model: a preset (with overrides) or a Transformers checkpoint; fp32 master parameters
+    if cfg.model.init_from:
+        if cfg.model.overrides():
+            raise TrainingError(f"--model.init_from takes the config from the checkpoint; drop the overrides "
+                                f"{sorted(cfg.model.overrides())}")
+        model_cfg, params = glm5f.load_hf(cfg.model.init_from, dtype=torch.float32, device=device)
+    else:
+        model_cfg = cfg.model.build()
+        params = glm5f.init_params(model_cfg, seed=cfg.train.seed, dtype=torch.float32, device=device)
+    params = layout.shard_params(params)
+    opt_state = adamw_init(params)
+    moe_layers = [i for i in range(model_cfg.num_hidden_layers) if model_cfg.is_moe(i)]
+
+    # ---- data
+    data = make_source(cfg.data.type, vocab_size=model_cfg.vocab_size, batch_size=cfg.data.batch_size,
+                       seq_len=cfg.data.seq_len, seed=cfg.data.seed, path=cfg.data.path,
+                       tokenizer_path=cfg.model.tokenizer_path, pack=cfg.data.pack, split=cfg.data.split)
+
+    # ---- resume
+    start, last_ckpt = 0, None
+    if cfg.checkpoint.resume:
+        last_ckpt = checkpoint.latest(run_dir) if cfg.checkpoint.resume == "latest" else cfg.checkpoint.resume
+        if last_ckpt is None:
+            say(f"no checkpoint in {run_dir}/checkpoints: starting from step 0")
+        else:
+            meta = checkpoint.read_meta(last_ckpt)
+            if meta.get("model") != model_cfg.to_hf():
+                raise TrainingError(f"{last_ckpt} was saved for another model config; resume with the same "
+                                    f"--model flags (see its meta.json)")
+            state = {"params": params, "optim": opt_state}
+            extra = checkpoint.load(last_ckpt, state)
+            params, opt_state = state["params"], state["optim"]
+            data.load_state_dict(extra["data"])
+            checkpoint.set_rng_state(extra["rng"])
+            start = extra["step"]
+            say(f"resumed from {last_ckpt} at step {start}")
+    if start >= cfg.train.steps:
+        say(f"nothing to do: step {start} >= --train.steps {cfg.train.steps}")
+        return read_metrics(run_dir)
+
+    log = MetricsLog(run_dir, start) if layout.is_main else None
+    progress = Progress(cfg.train.steps, start, cfg.train.log_every) if layout.is_main else None
+    say(f"glm5f: {cfg.model.preset if not cfg.model.init_from else cfg.model.init_from} "
+        f"({glm5f.param_count(model_cfg):,} parameters), {cfg.data.type} data, {cfg.data.batch_size}x"
+        f"{cfg.data.seq_len} tokens/step, {cfg.train.dtype} on {device} x{layout.world}, steps {start}->"
+        f"{cfg.train.steps}, run dir {run_dir}")
+
+    def micro_loss(params, batch, n_targets):
+        compute = layout.gather_params(map_with_path(lambda p, t: t.to(leaf_dtype(p, dtype)), params))
+        ctx = layout.context(model_cfg, batch, dtype)
+        logits, routes = apply(compute, model_cfg, batch["input_ids"], ctx, experts=layout.experts,
+                               remat=cfg.train.activation_checkpointing)
+        loss_sum, _ = cross_entropy_sum(logits, batch["targets"])
+        return loss_sum / n_targets, (loss_sum, routes)
+
+    loss_and_grad = value_and_grad(micro_loss, has_aux=True)
+    records = []
+    for step in range(start, cfg.train.steps):
+        t0 = time.perf_counter()
+        batch = {k: v.to(device) for k, v in data.next_batch().items()}
+        check_input_ids(batch["input_ids"], model_cfg)
+        batch["targets"] = shift_labels(batch["labels"])  # on whole sequences, before any split
+        n_targets = (batch["targets"] != glm5f.IGNORE_INDEX).sum().clamp(min=1)
+        grads, loss_sum, counts = None, torch.zeros((), device=device), {}
+        for micro in range(cfg.train.grad_accum):
+            rows = slice(micro * len(batch["input_ids"]) // cfg.train.grad_accum,
+                         (micro + 1) * len(batch["input_ids"]) // cfg.train.grad_accum)
+            mb = layout.local_batch({k: v[rows] for k, v in batch.items()})
+            (_, (mb_loss, routes)), g = loss_and_grad(params, mb, n_targets)
+            grads = g if grads is None else dict(zip(grads, torch._foreach_add(list(grads.values()),
+                                                                                list(g.values()))))
+            loss_sum = loss_sum + mb_loss
+            valid = mb["attention_mask"].flatten().float() if "attention_mask" in mb else None
+            for layer, idx in zip(moe_layers, routes):
+                weights = None if valid is None else valid.repeat_interleave(idx.shape[1])
+                c = torch.bincount(idx.flatten(), weights=weights, minlength=model_cfg.n_routed_experts)
+                key = f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
+                counts[key] = counts.get(key, 0) + c
+        loss = float(layout.sum(loss_sum) / n_targets)
+        if not torch.isfinite(torch.tensor(loss)):
+            raise TrainingError(f"step {step + 1}: the loss is {loss}; stopping before the update. "
+                                f"The last good checkpoint is {last_ckpt or 'none (no checkpoint written yet)'}")
+        grads, grad_norm = clip_by_global_norm(grads, cfg.optim.clip_norm)
+        lr = lr_schedule(step, peak=cfg.optim.lr, warmup=cfg.optim.warmup_steps, total=cfg.train.steps,
+                         min_ratio=cfg.optim.min_lr_ratio)
+        params, opt_state = adamw_update(params, grads, opt_state, lr, b1=cfg.optim.b1, b2=cfg.optim.b2,
+                                         eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
+        params = balance_router_bias(params, {k: layout.sum(c) for k, c in counts.items()},
+                                     cfg.optim.bias_update_rate)
+        dt = time.perf_counter() - t0
+        tokens = batch["input_ids"].numel()
+        rec = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": float(grad_norm), "tokens": tokens,
+               "tokens_per_s": tokens / dt, "step_time_s": dt}
+        records.append(rec)
+        if layout.is_main:
+            log.write(rec)
+            progress.update(step + 1, rec)
+        if (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0) or step + 1 == cfg.train.steps:
+            last_ckpt = checkpoint.save(
+                run_dir, step + 1, {"params": params, "optim": opt_state},
+                extra={"step": step + 1, "data": data.state_dict(), "rng": checkpoint.rng_state()},
+                meta={"model": model_cfg.to_hf(), "run": dataclasses.asdict(cfg)},
+                keep=cfg.checkpoint.keep)
+
+    if layout.is_main:
+        history = read_metrics(run_dir)
+        if plot_losses({os.path.basename(os.path.abspath(run_dir)): history}, os.path.join(run_dir, "loss.png")):
+            say(f"loss curve: {os.path.join(run_dir, 'loss.png')}")
+        first, last = history[0]["loss"], history[-1]["loss"]
+        say(f"done: loss {first:.4f} (step {history[0]['step']}) -> {last:.4f} (step {history[-1]['step']})")
+    if cfg.checkpoint.export_hf:
+        full = map_with_path(lambda p, t: layout.full(t), params)
+        if layout.is_main:
+            glm5f.save_hf(cfg.checkpoint.export_hf, model_cfg, full)
+            say(f"exported Transformers checkpoint: {cfg.checkpoint.export_hf}")
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = tyro.cli(Config, args=argv, use_underscores=True, description=__doc__)
+    try:
+        train(cfg)
+    except TrainingError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
