@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Annotated, Literal, Optional
 
@@ -166,9 +167,31 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         errs.append(f"--data.type {cfg.data.type} needs --data.path")
     if cfg.train.device not in ("auto", "cpu", "cuda", "npu") and not cfg.train.device.startswith(("cuda:", "npu:")):
         errs.append(f"--train.device must be auto, cpu, cuda or npu, got {cfg.train.device!r}")
-    if not errs and cfg.model.init_from is None:
-        try:
-            cfg.model.build()
-        except (ValueError, TypeError) as e:
-            errs.append(f"the model config is invalid: {e}")
+    if cfg.model.preset not in glm5f.PRESETS and not cfg.model.init_from:
+        return errs
+    try:
+        model = glm5f.GLM5Config.from_hf(cfg.model.init_from) if cfg.model.init_from else cfg.model.build()
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        return errs + [f"the model config is invalid: {e}"]
+    return errs + _layout_errors(cfg, model)
+
+
+def _layout_errors(cfg: Config, model: glm5f.GLM5Config) -> list[str]:
+    """What a parallel layout cannot honour for this model and data."""
+    p, errs = cfg.parallel, []
+    if p.ep > 1:
+        if p.world % p.ep:
+            errs.append(f"--parallel.ep {p.ep} must divide the ranks dp_shard x cp = {p.world}")
+        if model.n_routed_experts % p.ep:
+            errs.append(f"--parallel.ep {p.ep} must divide n_routed_experts ({model.n_routed_experts})")
+        if "sparse" not in model.mlp_layer_types:
+            errs.append("--parallel.ep > 1 needs MoE layers, and this model has none")
+    if p.cp > 1:
+        seq = cfg.data.seq_len
+        if cfg.data.type == "preset_pt" and cfg.data.path and os.path.isfile(cfg.data.path):
+            import torch
+            seq = torch.load(cfg.data.path, weights_only=True)[0]["input_ids"].shape[1]
+        if seq % (2 * p.cp):
+            errs.append(f"context parallelism cuts each sequence into 2 x cp = {2 * p.cp} equal chunks: the sequence "
+                        f"length {seq} must divide by {2 * p.cp} (change --data.seq_len)")
     return errs

@@ -23,6 +23,7 @@ from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
 from glm5f.model import apply, check_input_ids, cross_entropy_sum, shift_labels
 from glm5f.optim import adamw_init, adamw_update, balance_router_bias, clip_by_global_norm, lr_schedule, value_and_grad
 from glm5f.params import leaf_dtype, map_with_path
+from glm5f.distributed import DistLayout, init_process, spawn, under_torchrun
 from glm5f.parallel import Layout
 
 
@@ -38,12 +39,58 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def check_supported(cfg: Config) -> None:
+    if cfg.parallel.tp != 1:
+        raise NotImplementedError("tensor parallelism (--parallel.tp) is not built yet; use dp_shard, cp and ep")
+
+
+def micro_loss(params: dict, batch: dict, n_targets: torch.Tensor, model_cfg: glm5f.GLM5Config, layout: Layout,
+               dtype: torch.dtype, remat: bool):
+    """This rank's share of the step loss (its token loss sum / the step's target count), with the loss sum and
+    the expert choices of every MoE layer as aux."""
+    compute = layout.gather_params(map_with_path(lambda p, t: t.to(leaf_dtype(p, dtype)), params))
+    ctx = layout.context(model_cfg, batch, dtype)
+    logits, routes = apply(compute, model_cfg, batch["input_ids"], ctx, experts=layout.experts, remat=remat)
+    loss_sum, _ = cross_entropy_sum(logits, batch["targets"])
+    return loss_sum / n_targets, (loss_sum, routes)
+
+
+loss_and_grad = value_and_grad(micro_loss, has_aux=True)
+
+
+def step_grads(params: dict, batch: dict, cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout):
+    """(mean loss of the global batch, gradients of the trained leaves, per-MoE-layer expert token counts).
+
+    The batch is the step's global batch; it is cut into micro-batches, each rank computes its share, and the
+    token-weighted mean over all of them is the same whatever the layout.
+    """
+    dtype = getattr(torch, cfg.train.dtype)
+    batch = dict(batch, targets=shift_labels(batch["labels"]),  # on whole sequences, before any split
+                 valid=batch.get("attention_mask", torch.ones_like(batch["input_ids"])))
+    n_targets = (batch["targets"] != glm5f.IGNORE_INDEX).sum().clamp(min=1)
+    moe_layers = [i for i in range(model_cfg.num_hidden_layers) if model_cfg.is_moe(i)]
+    grads, loss_sum, counts = None, torch.zeros((), device=batch["input_ids"].device), {}
+    B, n = len(batch["input_ids"]), cfg.train.grad_accum
+    for micro in range(n):
+        mb = layout.local_batch({k: v[micro * B // n:(micro + 1) * B // n] for k, v in batch.items()})
+        (_, (mb_loss, routes)), g = loss_and_grad(params, mb, n_targets, model_cfg, layout, dtype,
+                                                  cfg.train.activation_checkpointing)
+        grads = g if grads is None else dict(zip(grads, torch._foreach_add(list(grads.values()), list(g.values()))))
+        loss_sum = loss_sum + mb_loss
+        valid = mb["valid"].flatten().to(torch.float32)
+        for layer, idx in zip(moe_layers, routes):
+            c = torch.bincount(idx.flatten(), weights=valid.repeat_interleave(idx.shape[1]),
+                               minlength=model_cfg.n_routed_experts)
+            key = f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
+            counts[key] = counts.get(key, 0) + c
+    return float(layout.sum(loss_sum) / n_targets), grads, {k: layout.sum(c) for k, c in counts.items()}
+
+
 def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     errors = validate(cfg, world_size=layout.world if layout else 1)
     if errors:
         raise TrainingError("invalid configuration:\n  - " + "\n  - ".join(errors))
-    if cfg.parallel.tp != 1:
-        raise NotImplementedError("tensor parallelism (--parallel.tp) is not built yet; use dp_shard, cp and ep")
+    check_supported(cfg)
     torch.manual_seed(cfg.train.seed)
     layout = layout or Layout(resolve_device(cfg.train.device))
     device, dtype, run_dir = layout.device, getattr(torch, cfg.train.dtype), cfg.checkpoint.dir
@@ -60,7 +107,6 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         params = glm5f.init_params(model_cfg, seed=cfg.train.seed, dtype=torch.float32, device=device)
     params = layout.shard_params(params)
     opt_state = adamw_init(params)
-    moe_layers = [i for i in range(model_cfg.num_hidden_layers) if model_cfg.is_moe(i)]
 
     # ---- data
     data = make_source(cfg.data.type, vocab_size=model_cfg.vocab_size, batch_size=cfg.data.batch_size,
@@ -96,38 +142,12 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         f"{cfg.data.seq_len} tokens/step, {cfg.train.dtype} on {device} x{layout.world}, steps {start}->"
         f"{cfg.train.steps}, run dir {run_dir}")
 
-    def micro_loss(params, batch, n_targets):
-        compute = layout.gather_params(map_with_path(lambda p, t: t.to(leaf_dtype(p, dtype)), params))
-        ctx = layout.context(model_cfg, batch, dtype)
-        logits, routes = apply(compute, model_cfg, batch["input_ids"], ctx, experts=layout.experts,
-                               remat=cfg.train.activation_checkpointing)
-        loss_sum, _ = cross_entropy_sum(logits, batch["targets"])
-        return loss_sum / n_targets, (loss_sum, routes)
-
-    loss_and_grad = value_and_grad(micro_loss, has_aux=True)
     records = []
     for step in range(start, cfg.train.steps):
         t0 = time.perf_counter()
         batch = {k: v.to(device) for k, v in data.next_batch().items()}
         check_input_ids(batch["input_ids"], model_cfg)
-        batch["targets"] = shift_labels(batch["labels"])  # on whole sequences, before any split
-        n_targets = (batch["targets"] != glm5f.IGNORE_INDEX).sum().clamp(min=1)
-        grads, loss_sum, counts = None, torch.zeros((), device=device), {}
-        for micro in range(cfg.train.grad_accum):
-            rows = slice(micro * len(batch["input_ids"]) // cfg.train.grad_accum,
-                         (micro + 1) * len(batch["input_ids"]) // cfg.train.grad_accum)
-            mb = layout.local_batch({k: v[rows] for k, v in batch.items()})
-            (_, (mb_loss, routes)), g = loss_and_grad(params, mb, n_targets)
-            grads = g if grads is None else dict(zip(grads, torch._foreach_add(list(grads.values()),
-                                                                                list(g.values()))))
-            loss_sum = loss_sum + mb_loss
-            valid = mb["attention_mask"].flatten().float() if "attention_mask" in mb else None
-            for layer, idx in zip(moe_layers, routes):
-                weights = None if valid is None else valid.repeat_interleave(idx.shape[1])
-                c = torch.bincount(idx.flatten(), weights=weights, minlength=model_cfg.n_routed_experts)
-                key = f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
-                counts[key] = counts.get(key, 0) + c
-        loss = float(layout.sum(loss_sum) / n_targets)
+        loss, grads, counts = step_grads(params, batch, cfg, model_cfg, layout)
         if not torch.isfinite(torch.tensor(loss)):
             raise TrainingError(f"step {step + 1}: the loss is {loss}; stopping before the update. "
                                 f"The last good checkpoint is {last_ckpt or 'none (no checkpoint written yet)'}")
@@ -136,8 +156,7 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
                          min_ratio=cfg.optim.min_lr_ratio)
         params, opt_state = adamw_update(params, grads, opt_state, lr, b1=cfg.optim.b1, b2=cfg.optim.b2,
                                          eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
-        params = balance_router_bias(params, {k: layout.sum(c) for k, c in counts.items()},
-                                     cfg.optim.bias_update_rate)
+        params = balance_router_bias(params, counts, cfg.optim.bias_update_rate)
         dt = time.perf_counter() - t0
         tokens = batch["input_ids"].numel()
         rec = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": float(grad_norm), "tokens": tokens,
@@ -167,11 +186,32 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     return records
 
 
+def run_rank(argv: list[str]) -> None:
+    """One process of a multi-process run (spawned by main, or started by torchrun)."""
+    cfg = tyro.cli(Config, args=argv, use_underscores=True)
+    device = init_process(resolve_device(cfg.train.device))
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    p = cfg.parallel
+    train(cfg, DistLayout(p.dp_shard, p.cp, p.ep, device))
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     cfg = tyro.cli(Config, args=argv, use_underscores=True, description=__doc__)
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else cfg.parallel.world
     try:
-        train(cfg)
-    except TrainingError as e:
+        errors = validate(cfg, world_size=world)
+        if errors:  # before any process starts
+            raise TrainingError("invalid configuration:\n  - " + "\n  - ".join(errors))
+        check_supported(cfg)
+        if under_torchrun():
+            run_rank(argv)
+        elif world > 1:
+            spawn(run_rank, world, argv)
+        else:
+            train(cfg)
+    except (TrainingError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -8,14 +8,14 @@ from torch.utils.checkpoint import checkpoint
 
 from glm5f.attention import AttnContext, Mask, attention
 from glm5f.config import GLM5Config
-from glm5f.moe import ExpertsFn, local_experts, moe
+from glm5f.moe import ExpertsFn, expert_ffn, moe
 from glm5f.ops import rms_norm, rope_tables, swiglu_mlp
 
 IGNORE_INDEX = -100
 
 
 def decoder_layer(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, ctx: AttnContext,
-                  prev_topk: torch.Tensor | None, experts: ExpertsFn = local_experts):
+                  prev_topk: torch.Tensor | None, experts: ExpertsFn = expert_ffn):
     """Pre-norm attention and MLP (dense SwiGLU or MoE) with residuals.
 
     Returns (x [B, S, D], top-k indices for the next shared layer, expert indices [N, K] or None for dense MLPs).
@@ -32,7 +32,7 @@ def decoder_layer(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, c
 
 
 def apply(params: dict, cfg: GLM5Config, input_ids_BxS: torch.Tensor, ctx: AttnContext, *,
-          experts: ExpertsFn = local_experts, remat: bool = False):
+          experts: ExpertsFn = expert_ffn, remat: bool = False):
     """Logits [B, S, V] and the expert indices [N, K] of every MoE layer, for inputs already checked and a
     prepared context. `remat` recomputes each decoder layer in the backward pass (activation checkpointing)."""
     x_BxSxD = F.embedding(input_ids_BxS, params["model"]["embed_tokens"]["weight"])
@@ -40,7 +40,7 @@ def apply(params: dict, cfg: GLM5Config, input_ids_BxS: torch.Tensor, ctx: AttnC
 
 
 def apply_embeds(params: dict, cfg: GLM5Config, x_BxSxD: torch.Tensor, ctx: AttnContext, *,
-                 experts: ExpertsFn = local_experts, remat: bool = False):
+                 experts: ExpertsFn = expert_ffn, remat: bool = False):
     """`apply` from input embeddings [B, S, D] instead of token ids."""
     topk, routes = None, []
     for i, p_layer in enumerate(params["model"]["layers"]):

@@ -80,27 +80,27 @@ def sort_by_expert(idx_NxK: torch.Tensor, num_experts: int):
     return order_M, torch.bincount(flat_M, minlength=num_experts)
 
 
-def local_experts(p: dict, x_NxD: torch.Tensor, idx_NxK: torch.Tensor, w_NxK: torch.Tensor) -> torch.Tensor:
-    """sum_k w[n, k] * expert_{idx[n, k]}(x[n]) -> [N, D], all experts on this rank, computed grouped."""
+# (expert params, rows [M, D] sorted by expert id, rows per expert [E]) -> outputs [M, D] in the same order.
+# `expert_ffn` computes every expert here; under expert parallelism the rows travel to the ranks owning them.
+ExpertsFn = Callable[[dict, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def routed_experts(p: dict, x_NxD: torch.Tensor, idx_NxK: torch.Tensor, w_NxK: torch.Tensor, num_experts: int,
+                   ffn: ExpertsFn = expert_ffn) -> torch.Tensor:
+    """sum_k w[n, k] * expert_{idx[n, k]}(x[n]) -> [N, D]: rows sorted by expert, computed grouped by `ffn`."""
     N, K = idx_NxK.shape
-    order_M, counts_E = sort_by_expert(idx_NxK, p["gate_proj"]["weight"].shape[0])
-    y_MxD = expert_ffn(p, x_NxD.index_select(0, order_M // K), counts_E)
+    order_M, counts_E = sort_by_expert(idx_NxK, num_experts)
+    y_MxD = ffn(p, x_NxD.index_select(0, order_M // K), counts_E)
     y_MxD = y_MxD * w_NxK.reshape(-1)[order_M, None]
     unsorted_MxD = torch.zeros_like(y_MxD).index_copy(0, order_M, y_MxD)
-    return unsorted_MxD.view(N, K, -1).sum(1).to(x_NxD.dtype)
+    return unsorted_MxD.view(N, K, x_NxD.shape[-1]).sum(1).to(x_NxD.dtype)
 
 
-ExpertsFn = Callable[[dict, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def moe(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, experts: ExpertsFn = local_experts):
-    """Routed experts plus shared experts. Returns (output [B, S, D], expert indices [N, K] of each token).
-
-    `experts` computes the routed part; under expert parallelism it dispatches rows to the ranks owning them.
-    """
+def moe(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, ffn: ExpertsFn = expert_ffn):
+    """Routed experts plus shared experts. Returns (output [B, S, D], expert indices [N, K] of each token)."""
     x_NxD = x_BxSxD.reshape(-1, x_BxSxD.shape[-1])
     idx_NxK, w_NxK = route(p["gate"], x_NxD, cfg)
-    y_NxD = experts(p["experts"], x_NxD, idx_NxK, w_NxK)
+    y_NxD = routed_experts(p["experts"], x_NxD, idx_NxK, w_NxK, cfg.n_routed_experts, ffn)
     if "shared_experts" in p:
         y_NxD = y_NxD + swiglu_mlp(p["shared_experts"], x_NxD)
     return y_NxD.view_as(x_BxSxD), idx_NxK

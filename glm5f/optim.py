@@ -99,7 +99,7 @@ def clip_by_global_norm(grads: dict[str, torch.Tensor], max_norm: float):
     norm = global_norm(grads)
     if max_norm <= 0:
         return grads, norm
-    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    scale = min(1.0, max_norm / (float(norm) + 1e-6))
     return dict(zip(grads, torch._foreach_mul(list(grads.values()), scale))), norm
 
 
@@ -120,5 +120,9 @@ def balance_router_bias(params: dict, expert_counts: dict[str, torch.Tensor], ra
     flat = dict(flatten(params))
     for path, counts in expert_counts.items():
         load = counts.to(torch.float32)
-        flat[path] = flat[path] + rate * torch.sign(load.mean() - load).to(flat[path].dtype)
+        delta = rate * torch.sign(load.mean() - load).to(flat[path].dtype)
+        if hasattr(flat[path], "device_mesh"):  # a DTensor leaf: the same delta, laid out like it
+            from torch.distributed.tensor import distribute_tensor
+            delta = distribute_tensor(delta, flat[path].device_mesh, flat[path].placements)
+        flat[path] = flat[path] + delta
     return unflatten(flat, params)

@@ -11,7 +11,7 @@ import torch
 from glm5f.attention import AttnContext
 from glm5f.config import GLM5Config
 from glm5f.model import make_context
-from glm5f.moe import ExpertsFn, local_experts
+from glm5f.moe import ExpertsFn, expert_ffn
 
 
 class Layout:
@@ -41,7 +41,7 @@ class Layout:
 
     @property
     def experts(self) -> ExpertsFn:
-        return local_experts
+        return expert_ffn
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         """Sum of a tensor over all ranks (here: itself)."""

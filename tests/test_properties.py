@@ -11,7 +11,7 @@ import glm5f.model as model_mod
 from glm5f.attention import (AttnContext, Mask, dense_mla, indexer_topk, mla_project, sparse_mla, topk_as_mask,
                              topk_first)
 from glm5f.decode import extend, init_cache
-from glm5f.moe import local_experts
+from glm5f.moe import routed_experts
 from glm5f.ops import linear, swiglu_mlp
 
 SETTINGS = settings(max_examples=20, deadline=None, derandomize=True)
@@ -124,7 +124,7 @@ def test_grouped_moe_equals_per_expert_oracle(N, D, F_, E, K, _, seed):
             {"gate_proj": {"weight": g_}, "up_proj": {"weight": u_}, "down_proj": {"weight": d_}}, x))(gate, up, down)
         return (every_NxD[idx, torch.arange(N)[:, None]] * w[..., None]).sum(1)
 
-    ours = local_experts(experts, x, idx, w)
+    ours = routed_experts(experts, x, idx, w, E)
     ref = oracle(*leaves)
     assert torch.allclose(ours, ref, atol=1e-4, rtol=1e-5)
     cot = torch.randn(N, D, generator=g)

@@ -1,0 +1,221 @@
+"""Several processes: FSDP/DP, context parallelism (CP) and expert parallelism (EP) as explicit DTensor specs.
+
+The spec of each leaf comes from one table, `LOGICAL_AXES`: a parameter names logical axes ("experts" for the
+routed experts' leading axis, "any" for the rest) and `MESH_RULES` maps them to mesh placements. Layer code never
+names a mesh axis.
+
+Meshes: "fsdp" is every rank (world = dp_shard x cp); "dp" x "cp" splits the world for the data; "edp" x "ep"
+splits it for experts (ep consecutive ranks share one copy of all experts, each owning n_routed_experts / ep).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from glm5f.attention import AttnContext, Mask
+from glm5f.config import GLM5Config
+from glm5f.model import packed_segments
+from glm5f.moe import ExpertsFn, expert_ffn
+from glm5f.ops import rope_tables
+from glm5f.params import map_with_path
+from glm5f.parallel import Layout
+
+# Logical axes of each parameter (by path pattern; the first match wins).
+LOGICAL_AXES = [
+    (re.compile(r"\.mlp\.experts\.\w+\.weight$"), "experts"),
+    (re.compile(r".*"), "any"),
+]
+# How each logical kind is laid out: (mesh name, placements as stored, placements gathered for the forward,
+# gradient placements of the gathered tensor). FSDP gathers shards for the forward; the gradient comes back
+# reduce-scattered (Partial -> Shard). Experts stay sharded over "ep" inside the forward.
+MESH_RULES = {
+    "any": ("fsdp", [Shard(0)], [Replicate()], [Partial()]),
+    "experts": ("experts", [Shard(1), Shard(0)], [Replicate(), Shard(0)], [Partial(), Shard(0)]),
+}
+BATCH_KEYS = ("input_ids", "labels", "targets", "position_ids", "attention_mask", "valid")
+
+
+def logical_kind(path: str) -> str:
+    return next(kind for pattern, kind in LOGICAL_AXES if pattern.search(path))
+
+
+def cp_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """Sequence indices held by CP rank `rank`: chunks rank and 2cp-1-rank of 2cp equal chunks (each rank gets
+    an equal share of the causal attention work)."""
+    c = seq_len // (2 * cp)
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
+
+
+class DistLayout(Layout):
+    """A rank of dp_shard x cp processes (torch.distributed already initialised), with ep expert groups."""
+
+    def __init__(self, dp_shard: int, cp: int, ep: int, device: torch.device):
+        self.device, self.dp, self.cp, self.ep = device, dp_shard, cp, ep
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        self.is_main = self.rank == 0
+        kind = device.type
+        self.meshes = {"fsdp": init_device_mesh(kind, (self.world,), mesh_dim_names=("fsdp",)),
+                       "data": init_device_mesh(kind, (dp_shard, cp), mesh_dim_names=("dp", "cp")),
+                       "experts": init_device_mesh(kind, (self.world // ep, ep), mesh_dim_names=("edp", "ep"))}
+        self.dp_rank, self.cp_rank = divmod(self.rank, cp)
+        self.cp_group = self.meshes["data"].get_group("cp")
+        self.ep_group = self.meshes["experts"].get_group("ep")
+        self.ep_rank = self.rank % ep
+
+    # ---- parameters
+    def _rule(self, path: str):
+        mesh, stored, gathered, grads = MESH_RULES[logical_kind(path)]
+        return self.meshes[mesh], stored, gathered, grads
+
+    def shard_params(self, params: dict) -> dict:
+        def shard(path, t):
+            mesh, stored, _, _ = self._rule(path)
+            return distribute_tensor(t.to(self.device), mesh, stored)
+        return map_with_path(shard, params)
+
+    def gather_params(self, params: dict) -> dict:
+        def gather(path, t):
+            if not isinstance(t, DTensor):
+                return t
+            _, _, gathered, grads = self._rule(path)
+            return t.redistribute(t.device_mesh, gathered).to_local(grad_placements=grads)
+        return map_with_path(gather, params)
+
+    def full(self, t: torch.Tensor) -> torch.Tensor:
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().clone()
+        dist.all_reduce(t)
+        return t
+
+    # ---- data
+    def local_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        B, S = batch["input_ids"].shape
+        rows = slice(self.dp_rank * B // self.dp, (self.dp_rank + 1) * B // self.dp)
+        q_index = cp_positions(S, self.cp, self.cp_rank).to(batch["input_ids"].device)
+        out = {k: v[rows].index_select(1, q_index) for k, v in batch.items() if k in BATCH_KEYS}
+        out["full_position_ids"] = batch["position_ids"][rows]
+        if "attention_mask" in batch:
+            out["full_attention_mask"] = batch["attention_mask"][rows]
+        out["q_index"] = q_index
+        return out
+
+    def context(self, cfg: GLM5Config, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> AttnContext:
+        q_index, S = batch["q_index"], batch["full_position_ids"].shape[1]
+        if "full_attention_mask" in batch:
+            mask = Mask(q_index, S, key_valid=batch["full_attention_mask"].bool())
+        else:
+            seg = packed_segments(batch["full_position_ids"])
+            mask = Mask(q_index, S, q_segment=None if seg is None else seg[:, q_index], k_segment=seg)
+        cos, sin = rope_tables(cfg, batch["position_ids"], dtype)
+        return AttnContext(cos, sin, mask, self._collect(S))
+
+    def _collect(self, S: int):
+        """All-gather this rank's keys over the CP group into global sequence order (gradients flow back)."""
+        if self.cp == 1:
+            return lambda layer, name, local: local
+        held = torch.cat([cp_positions(S, self.cp, r) for r in range(self.cp)])
+        to_global = torch.argsort(held).to(self.device)
+
+        def collect(layer: int, name: str, local: torch.Tensor) -> torch.Tensor:
+            parts = funcol.all_gather_single_autograd(local.contiguous(), gather_dim=1, group=self.cp_group)
+            return funcol.wait_tensor(parts).index_select(1, to_global)
+        return collect
+
+    # ---- experts
+    @property
+    def experts(self) -> ExpertsFn:
+        return expert_ffn if self.ep == 1 else self._ep_ffn
+
+    def _ep_ffn(self, p: dict, x_MxD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by expert go to the rank owning their expert, are computed there grouped, and come back
+        in the same order (all-to-all both ways, differentiable)."""
+        ep, group = self.ep, self.ep_group
+        E = counts_E.shape[0]
+        e_local = E // ep
+        # rows for each (destination rank, its local expert) and what every source sends us
+        send_counts = counts_E.view(ep, e_local)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=group)
+        send_splits = send_counts.sum(1).tolist()
+        recv_splits = recv_counts.sum(1).tolist()
+        rows = funcol.wait_tensor(funcol.all_to_all_single_autograd(x_MxD.contiguous(), recv_splits, send_splits,
+                                                                    group))
+        # received rows come grouped by source rank, then by expert: regroup by expert for the grouped GEMM
+        expert_of_row = torch.repeat_interleave(torch.arange(e_local, device=rows.device).repeat(ep),
+                                                recv_counts.flatten())
+        order = torch.argsort(expert_of_row, stable=True)
+        y_sorted = expert_ffn(p, rows.index_select(0, order), recv_counts.sum(0))
+        y = torch.zeros_like(y_sorted).index_copy(0, order, y_sorted)
+        return funcol.wait_tensor(funcol.all_to_all_single_autograd(y, send_splits, recv_splits, group))
+
+
+# ---- launch -------------------------------------------------------------------------------------------------------
+
+def backend_for(device: torch.device) -> str:
+    return {"cuda": "nccl", "npu": "hccl"}.get(device.type, "gloo")
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def init_process(device: torch.device, timeout_s: int = 600) -> torch.device:
+    """Join the process group described by the environment (torchrun's variables); returns this rank's device."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    elif device.type == "npu":
+        device = torch.device("npu", local_rank)
+        torch.npu.set_device(device)
+    dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s),
+                            device_id=device if device.type != "cpu" else None)
+    return device
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(local_rank: int, world: int, port: int, fn, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
+                      LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    try:
+        fn(*args)
+    except BaseException:
+        print(f"[rank {local_rank}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn, world: int, *args) -> None:
+    """Run fn(*args) in `world` local processes joined into one process group. If any worker fails or dies,
+    the others are stopped and this raises with the worker's exit status."""
+    import torch.multiprocessing as mp
+
+    try:
+        mp.start_processes(_worker, args=(world, free_port(), fn, args), nprocs=world, join=True,
+                           start_method="spawn")
+    except mp.ProcessRaisedException as e:
+        raise RuntimeError(f"a worker process failed (its traceback is above); all {world} workers were "
+                           f"stopped") from e
+    except mp.ProcessExitedException as e:
+        raise RuntimeError(f"worker {e.error_index} died with exit code {e.exit_code}; all {world} workers "
+                           f"were stopped") from e

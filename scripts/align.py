@@ -1,0 +1,81 @@
+"""Alignment suite: train the same model on the same global batches under each parallel layout and compare the
+per-step losses with the one-process baseline.
+
+    python scripts/align.py --steps 100 --out runs/align            # the full suite (about 20 minutes on 2 cores)
+    python scripts/align.py --steps 10 --layouts dp2 cp2            # a quick check
+
+Prints a table of avg / max |loss difference| per layout, writes OUT/align.png, and exits non-zero when a
+layout's max difference exceeds --tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from glm5f.metrics import plot_losses, read_metrics  # noqa: E402
+from scripts.compare_runs import compare  # noqa: E402
+
+LAYOUTS = {
+    "dp2": ["--parallel.dp_shard", "2"],
+    "cp2": ["--parallel.cp", "2"],
+    "ep2": ["--parallel.dp_shard", "2", "--parallel.ep", "2"],
+    "cp2-ep2": ["--parallel.cp", "2", "--parallel.ep", "2"],
+    "dp2-cp2": ["--parallel.dp_shard", "2", "--parallel.cp", "2"],
+}
+# fp32, the MoE + MLA + DSA preset, index_topk 64 < 128 tokens per CP rank < 256 per sequence: DSA is sparse on
+# every rank and over the whole sequence.
+COMMON = ["--model.preset", "glm5-scaled-moe", "--data.type", "synthetic", "--data.batch_size", "4",
+          "--data.seq_len", "256", "--train.dtype", "float32", "--checkpoint.every", "0", "--train.log_every", "25"]
+
+
+def run(name: str, args: list[str], out: str, steps: int) -> float:
+    run_dir = os.path.join(out, name)
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *COMMON, "--train.steps", str(steps),
+           "--checkpoint.dir", run_dir, *args]
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return time.perf_counter() - t
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--out", default="runs/align")
+    ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    ap.add_argument("--tolerance", type=float, default=1e-4, help="max |loss difference| allowed")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    seconds = {"baseline": run("baseline", [], args.out, args.steps)}
+    for name in args.layouts:
+        seconds[name] = run(name, LAYOUTS[name], args.out, args.steps)
+    runs = {name: read_metrics(os.path.join(args.out, name)) for name in seconds}
+    results, ok = {}, True
+    print(f"{args.steps} steps, fp32, glm5-scaled-moe, synthetic data; |loss - baseline loss| per step:")
+    print(f"{'layout':<10}{'avg':>12}{'max':>12}{'seconds':>10}")
+    for name in args.layouts:
+        c = compare(runs["baseline"], runs[name])
+        ok &= c["steps"] == args.steps and c["max"] <= args.tolerance
+        results[name] = {**c, "seconds": seconds[name]}
+        print(f"{name:<10}{c['avg']:>12.2e}{c['max']:>12.2e}{seconds[name]:>10.1f}")
+    print(f"baseline {seconds['baseline']:.1f} s; loss {runs['baseline'][0]['loss']:.4f} -> "
+          f"{runs['baseline'][-1]['loss']:.4f}")
+    with open(os.path.join(args.out, "align.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    if plot_losses(runs, os.path.join(args.out, "align.png"), title="loss per layout"):
+        print(f"plot: {os.path.join(args.out, 'align.png')}")
+    print("ALIGNED" if ok else f"NOT ALIGNED: a layout differs by more than {args.tolerance}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Worker functions for the multi-process tests (run by glm5f.distributed.spawn in fresh processes).
+
+Property checks run hypothesis inside every rank with the same derandomized examples, so the ranks stay in
+lockstep through the collectives; a check's verdict is agreed over all ranks before it is asserted.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+import tyro
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import glm5f
+from configs import Config
+from glm5f.attention import attention
+from glm5f.distributed import DistLayout, cp_positions, init_process
+from glm5f.model import make_context
+from glm5f.moe import routed_experts
+from glm5f.parallel import Layout
+
+PROPERTY = settings(max_examples=12, deadline=None, derandomize=True, database=None)
+
+
+def agree(ok: bool) -> bool:
+    flag = torch.tensor(0.0 if ok else 1.0)
+    dist.all_reduce(flag)
+    return flag.item() == 0
+
+
+def first_step_grads(argv: list[str], out_path: str | None) -> dict:
+    """Loss and full gradients of the first step of the run `argv` (saved by rank 0 when out_path is given)."""
+    from train import step_grads
+
+    cfg = tyro.cli(Config, args=argv, use_underscores=True)
+    p = cfg.parallel
+    if p.world > 1:
+        layout = DistLayout(p.dp_shard, p.cp, p.ep, init_process(torch.device("cpu")))
+    else:
+        layout = Layout(torch.device("cpu"))
+    model_cfg = cfg.model.build()
+    params = layout.shard_params(glm5f.init_params(model_cfg, seed=cfg.train.seed))
+    data = glm5f.data.make_source(cfg.data.type, vocab_size=model_cfg.vocab_size, batch_size=cfg.data.batch_size,
+                                  seq_len=cfg.data.seq_len, seed=cfg.data.seed)
+    loss, grads, counts = step_grads(params, data.next_batch(), cfg, model_cfg, layout)
+    result = {"loss": loss, "grads": {k: layout.full(g) for k, g in grads.items()},
+              "counts": {k: c for k, c in counts.items()}}
+    if out_path and layout.is_main:
+        torch.save(result, out_path)
+    return result
+
+
+def cp_attention_property() -> None:
+    """Context-parallel attention (a full-indexer layer, then a shared one) equals the unsharded computation,
+    values and gradients, for random lengths, top-k, padding and packed documents."""
+    init_process(torch.device("cpu"))
+    layout = DistLayout(1, dist.get_world_size(), 1, torch.device("cpu"))
+    rank, cp = dist.get_rank(), dist.get_world_size()
+
+    @PROPERTY
+    @given(st.integers(1, 2), st.integers(1, 6), st.integers(1, 30), st.sampled_from(["none", "padded", "packed"]),
+           st.integers(0, 2**31 - 1))
+    def check(B, chunk, topk, masking, seed):
+        S = 2 * cp * chunk
+        cfg = glm5f.preset("glm5-tiny", index_topk=topk)
+        params = glm5f.init_params(cfg, seed=seed % 1009)
+        layers = params["model"]["layers"]
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(B, S, cfg.hidden_size, generator=g)
+        cot = torch.randn(B, S, cfg.hidden_size, generator=g)
+        pos = torch.arange(S).expand(B, S).clone()
+        mask = None
+        if masking == "padded":
+            mask = (torch.rand(B, S, generator=g) > 0.3).long()
+            mask[:, -1] = 1
+        elif masking == "packed":
+            cut = int(torch.randint(1, S, (1,), generator=g))
+            pos[:, cut:] -= cut
+
+        def run(x, ctx):
+            out0, topk_idx = attention(layers[0]["self_attn"], x, cfg, 0, ctx, None)
+            out2, _ = attention(layers[2]["self_attn"], out0, cfg, 2, ctx, topk_idx)
+            return out2
+
+        leaves = [layers[0]["self_attn"]["q_b_proj"]["weight"], layers[2]["self_attn"]["kv_b_proj"]["weight"]]
+        for t in leaves:
+            t.requires_grad_()
+        full_x = x.clone().requires_grad_()
+        full = run(full_x, make_context(cfg, (B, S), mask, pos, torch.float32, "cpu"))
+        full_grads = torch.autograd.grad((full * cot).sum(), [full_x, *leaves])
+
+        q = cp_positions(S, cp, rank)
+        batch = {"input_ids": torch.zeros(B, S, dtype=torch.long), "position_ids": pos}
+        if mask is not None:
+            batch["attention_mask"] = mask
+        local_batch = layout.local_batch(batch)
+        local_x = x[:, q].clone().requires_grad_()
+        local = run(local_x, layout.context(cfg, local_batch, torch.float32))
+        local_grads = torch.autograd.grad((local * cot[:, q]).sum(), [local_x, *leaves])
+        summed = [gr.clone() for gr in local_grads[1:]]
+        for gr in summed:
+            dist.all_reduce(gr)
+        real = torch.ones(B, S, dtype=torch.bool) if mask is None else mask.bool()
+        rows = real[:, q]  # rows of padding queries are undefined in any implementation
+        ok = (torch.allclose(local[rows], full[:, q][rows], atol=1e-5, rtol=1e-4)
+              and torch.allclose(local_grads[0], full_grads[0][:, q], atol=1e-5, rtol=1e-4)
+              and all(torch.allclose(a, b, atol=1e-5, rtol=1e-4) for a, b in zip(summed, full_grads[1:])))
+        assert agree(ok), f"rank {rank}: CP attention differs from the unsharded computation"
+
+    check()
+
+
+def ep_dispatch_property() -> None:
+    """Routed experts dispatched over the EP group equal the local computation with all experts, values and
+    gradients (each rank routes its own tokens)."""
+    init_process(torch.device("cpu"))
+    ep, rank = dist.get_world_size(), dist.get_rank()
+    layout = DistLayout(ep, 1, ep, torch.device("cpu"))
+
+    @PROPERTY
+    @given(st.integers(0, 30), st.sampled_from([4, 8]), st.sampled_from([4, 8, 12]), st.sampled_from([3, 8]),
+           st.integers(1, 4), st.integers(0, 2**31 - 1))
+    def check(N, D, F_, per_rank, K, seed):
+        E = per_rank * ep
+        K = min(K, E)
+        g = torch.Generator().manual_seed(seed)
+        weights = {k: torch.randn(E, *shape, generator=g)
+                   for k, shape in (("gate_proj", (F_, D)), ("up_proj", (F_, D)), ("down_proj", (D, F_)))}
+        g_rank = torch.Generator().manual_seed(seed + 7919 * (rank + 1))  # each rank routes its own tokens
+        x = torch.randn(N, D, generator=g_rank, requires_grad=True)
+        idx = torch.rand(N, E, generator=g_rank).argsort(-1)[:, :K]
+        w = torch.rand(N, K, generator=g_rank)
+        full_p = {k: {"weight": v.clone().requires_grad_()} for k, v in weights.items()}
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        local_p = {k: {"weight": v[mine].clone().requires_grad_()} for k, v in weights.items()}
+        ref = routed_experts(full_p, x, idx, w, E)
+        ours = routed_experts(local_p, x, idx, w, E, layout.experts)
+        cot = torch.randn(N, D, generator=g_rank)
+        ref_g = torch.autograd.grad((ref * cot).sum(), [x, *(p["weight"] for p in full_p.values())])
+        our_g = torch.autograd.grad((ours * cot).sum(), [x, *(p["weight"] for p in local_p.values())],
+                                    allow_unused=True)
+        ok = torch.allclose(ours, ref, atol=1e-4, rtol=1e-5) and torch.allclose(our_g[0], ref_g[0], atol=1e-4,
+                                                                                 rtol=1e-4)
+        for full_grad, local_grad in zip(ref_g[1:], our_g[1:]):
+            total = full_grad.clone()
+            dist.all_reduce(total)  # expert e's gradient gathers every rank's tokens routed to e
+            local_grad = torch.zeros_like(total[mine]) if local_grad is None else local_grad
+            ok = ok and torch.allclose(local_grad, total[mine], atol=1e-4, rtol=1e-4)
+        assert agree(ok), f"rank {rank}: EP dispatch differs from local experts"
+
+    check()
+
+
+def die_on_rank_one() -> None:
+    """Rank 1 is killed while rank 0 waits for it in a collective."""
+    init_process(torch.device("cpu"))
+    if dist.get_rank() == 1:
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    time.sleep(60)
