@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -22,9 +23,9 @@ from glm5f.data import make_source
 from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
 from glm5f.model import apply, check_input_ids, cross_entropy_sum, shift_labels
 from glm5f.optim import adamw_init, adamw_update, balance_router_bias, clip_by_global_norm, lr_schedule, value_and_grad
-from glm5f.params import leaf_dtype, map_with_path
-from glm5f.distributed import DistLayout, init_process, spawn, under_torchrun
+from glm5f.distributed import DistLayout, WorkerFailure, init_process, spawn, under_torchrun
 from glm5f.parallel import Layout
+from glm5f.params import leaf_dtype, map_with_path
 
 
 class TrainingError(RuntimeError):
@@ -37,6 +38,15 @@ def resolve_device(name: str) -> torch.device:
     if name.startswith("npu"):
         import torch_npu  # noqa: F401  (registers the "npu" device)
     return torch.device(name)
+
+
+@contextlib.contextmanager
+def user_errors():
+    """Bad input (a missing file, a malformed record, a mismatched checkpoint) stops the run with its message."""
+    try:
+        yield
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        raise TrainingError(str(e)) from e
 
 
 def check_supported(cfg: Config) -> None:
@@ -65,8 +75,9 @@ def step_grads(params: dict, batch: dict, cfg: Config, model_cfg: glm5f.GLM5Conf
     token-weighted mean over all of them is the same whatever the layout.
     """
     dtype = getattr(torch, cfg.train.dtype)
+    mask = batch.get("attention_mask")
     batch = dict(batch, targets=shift_labels(batch["labels"]),  # on whole sequences, before any split
-                 valid=batch.get("attention_mask", torch.ones_like(batch["input_ids"])))
+                 valid=mask if mask is not None and mask.ndim == 2 else torch.ones_like(batch["input_ids"]))
     n_targets = (batch["targets"] != glm5f.IGNORE_INDEX).sum().clamp(min=1)
     moe_layers = [i for i in range(model_cfg.num_hidden_layers) if model_cfg.is_moe(i)]
     grads, loss_sum, counts = None, torch.zeros((), device=batch["input_ids"].device), {}
@@ -101,7 +112,8 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         if cfg.model.overrides():
             raise TrainingError(f"--model.init_from takes the config from the checkpoint; drop the overrides "
                                 f"{sorted(cfg.model.overrides())}")
-        model_cfg, params = glm5f.load_hf(cfg.model.init_from, dtype=torch.float32, device=device)
+        with user_errors():
+            model_cfg, params = glm5f.load_hf(cfg.model.init_from, dtype=torch.float32, device=device)
     else:
         model_cfg = cfg.model.build()
         params = glm5f.init_params(model_cfg, seed=cfg.train.seed, dtype=torch.float32, device=device)
@@ -109,9 +121,10 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     opt_state = adamw_init(params)
 
     # ---- data
-    data = make_source(cfg.data.type, vocab_size=model_cfg.vocab_size, batch_size=cfg.data.batch_size,
-                       seq_len=cfg.data.seq_len, seed=cfg.data.seed, path=cfg.data.path,
-                       tokenizer_path=cfg.model.tokenizer_path, pack=cfg.data.pack, split=cfg.data.split)
+    with user_errors():
+        data = make_source(cfg.data.type, vocab_size=model_cfg.vocab_size, batch_size=cfg.data.batch_size,
+                           seq_len=cfg.data.seq_len, seed=cfg.data.seed, path=cfg.data.path,
+                           tokenizer_path=cfg.model.tokenizer_path, pack=cfg.data.pack, split=cfg.data.split)
 
     # ---- resume
     start, last_ckpt = 0, None
@@ -120,7 +133,8 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         if last_ckpt is None:
             say(f"no checkpoint in {run_dir}/checkpoints: starting from step 0")
         else:
-            meta = checkpoint.read_meta(last_ckpt)
+            with user_errors():
+                meta = checkpoint.read_meta(last_ckpt)
             if meta.get("model") != model_cfg.to_hf():
                 raise TrainingError(f"{last_ckpt} was saved for another model config; resume with the same "
                                     f"--model flags (see its meta.json)")
@@ -211,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             spawn(run_rank, world, argv)
         else:
             train(cfg)
-    except (TrainingError, RuntimeError) as e:
+    except (TrainingError, NotImplementedError, WorkerFailure) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

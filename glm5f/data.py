@@ -260,9 +260,11 @@ class PresetSource:
             if unknown:
                 raise ValueError(f"{path}: batch {i} has unknown keys {sorted(unknown)}; allowed: {self.KEYS}")
             ids = b["input_ids"]
-            if ids.ndim != 2 or any(b[k].shape != ids.shape for k in b):
+            square = (len(ids), 1, ids.shape[-1], ids.shape[-1]) if ids.ndim == 2 else None
+            if ids.ndim != 2 or any(b[k].shape != ids.shape and not (k == "attention_mask" and
+                                                                     tuple(b[k].shape) == square) for k in b):
                 raise ValueError(f"{path}: batch {i}: every tensor must be [batch, seq] like input_ids "
-                                 f"{list(ids.shape)}")
+                                 f"{list(ids.shape)} (attention_mask may also be [batch, 1, seq, seq])")
             if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < vocab_size):
                 raise ValueError(f"{path}: batch {i} has token ids outside [0, vocab_size={vocab_size})")
         self.batches, self.index = list(batches), 0
@@ -273,7 +275,7 @@ class PresetSource:
         b.setdefault("labels", b["input_ids"].clone())
         if "position_ids" not in b:
             b["position_ids"] = torch.arange(b["input_ids"].shape[1]).expand_as(b["input_ids"])
-        return {k: v.long() for k, v in b.items()}
+        return {k: v if k == "attention_mask" and v.ndim == 4 else v.long() for k, v in b.items()}
 
     def state_dict(self) -> dict:
         return {"index": self.index}

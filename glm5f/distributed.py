@@ -16,16 +16,17 @@ import socket
 import sys
 import traceback
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from glm5f.attention import AttnContext, Mask
 from glm5f.config import GLM5Config
-from glm5f.model import packed_segments
+from glm5f.model import dense_mask, packed_segments
 from glm5f.moe import ExpertsFn, expert_ffn
 from glm5f.ops import rope_tables
 from glm5f.params import map_with_path
@@ -43,6 +44,18 @@ MESH_RULES = {
     "any": ("fsdp", [Shard(0)], [Replicate()], [Partial()]),
     "experts": ("experts", [Shard(1), Shard(0)], [Replicate(), Shard(0)], [Partial(), Shard(0)]),
 }
+
+
+class Spec(NamedTuple):
+    """How one parameter is laid out: its mesh, its placements as stored, as gathered for the forward, and the
+    placements its gradient arrives in from the gathered (local) tensor."""
+
+    mesh: DeviceMesh
+    stored: list
+    gathered: list
+    grads: list
+
+
 BATCH_KEYS = ("input_ids", "labels", "targets", "position_ids", "attention_mask", "valid")
 
 
@@ -74,23 +87,21 @@ class DistLayout(Layout):
         self.ep_rank = self.rank % ep
 
     # ---- parameters
-    def _rule(self, path: str):
-        mesh, stored, gathered, grads = MESH_RULES[logical_kind(path)]
-        return self.meshes[mesh], stored, gathered, grads
+    def param_specs(self, params: dict) -> dict:
+        """The spec tree: for each leaf of `params`, its Spec (mesh, stored / gathered / gradient placements)."""
+        def spec(path, _):
+            mesh, stored, gathered, grads = MESH_RULES[logical_kind(path)]
+            return Spec(self.meshes[mesh], stored, gathered, grads)
+        return map_with_path(spec, params)
 
     def shard_params(self, params: dict) -> dict:
-        def shard(path, t):
-            mesh, stored, _, _ = self._rule(path)
-            return distribute_tensor(t.to(self.device), mesh, stored)
-        return map_with_path(shard, params)
+        return map_with_path(lambda path, t, s: distribute_tensor(t.to(self.device), s.mesh, s.stored),
+                             params, self.param_specs(params), is_leaf=lambda x: isinstance(x, Spec))
 
     def gather_params(self, params: dict) -> dict:
-        def gather(path, t):
-            if not isinstance(t, DTensor):
-                return t
-            _, _, gathered, grads = self._rule(path)
-            return t.redistribute(t.device_mesh, gathered).to_local(grad_placements=grads)
-        return map_with_path(gather, params)
+        def gather(path, t, s):
+            return t.redistribute(s.mesh, s.gathered).to_local(grad_placements=s.grads)
+        return map_with_path(gather, params, self.param_specs(params), is_leaf=lambda x: isinstance(x, Spec))
 
     def full(self, t: torch.Tensor) -> torch.Tensor:
         return t.full_tensor() if isinstance(t, DTensor) else t
@@ -105,10 +116,13 @@ class DistLayout(Layout):
         B, S = batch["input_ids"].shape
         rows = slice(self.dp_rank * B // self.dp, (self.dp_rank + 1) * B // self.dp)
         q_index = cp_positions(S, self.cp, self.cp_rank).to(batch["input_ids"].device)
-        out = {k: v[rows].index_select(1, q_index) for k, v in batch.items() if k in BATCH_KEYS}
+        out = {k: v[rows].index_select(1, q_index) for k, v in batch.items() if k in BATCH_KEYS and v.ndim == 2}
         out["full_position_ids"] = batch["position_ids"][rows]
-        if "attention_mask" in batch:
-            out["full_attention_mask"] = batch["attention_mask"][rows]
+        mask = batch.get("attention_mask")
+        if mask is not None and mask.ndim == 2:
+            out["full_attention_mask"] = mask[rows]  # padding of every key
+        elif mask is not None:
+            out["attention_mask"] = mask[rows].index_select(2, q_index)  # 4D: split on queries, keys stay global
         out["q_index"] = q_index
         return out
 
@@ -116,6 +130,8 @@ class DistLayout(Layout):
         q_index, S = batch["q_index"], batch["full_position_ids"].shape[1]
         if "full_attention_mask" in batch:
             mask = Mask(q_index, S, key_valid=batch["full_attention_mask"].bool())
+        elif "attention_mask" in batch:
+            mask = dense_mask(batch["attention_mask"], q_index)
         else:
             seg = packed_segments(batch["full_position_ids"])
             mask = Mask(q_index, S, q_segment=None if seg is None else seg[:, q_index], k_segment=seg)
@@ -205,6 +221,10 @@ def _worker(local_rank: int, world: int, port: int, fn, args):
             dist.destroy_process_group()
 
 
+class WorkerFailure(RuntimeError):
+    """A worker process of a multi-process run failed or died (the others were stopped)."""
+
+
 def spawn(fn, world: int, *args) -> None:
     """Run fn(*args) in `world` local processes joined into one process group. If any worker fails or dies,
     the others are stopped and this raises with the worker's exit status."""
@@ -214,8 +234,8 @@ def spawn(fn, world: int, *args) -> None:
         mp.start_processes(_worker, args=(world, free_port(), fn, args), nprocs=world, join=True,
                            start_method="spawn")
     except mp.ProcessRaisedException as e:
-        raise RuntimeError(f"a worker process failed (its traceback is above); all {world} workers were "
+        raise WorkerFailure(f"a worker process failed (its traceback is above); all {world} workers were "
                            f"stopped") from e
     except mp.ProcessExitedException as e:
-        raise RuntimeError(f"worker {e.error_index} died with exit code {e.exit_code}; all {world} workers "
+        raise WorkerFailure(f"worker {e.error_index} died with exit code {e.exit_code}; all {world} workers "
                            f"were stopped") from e

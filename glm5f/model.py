@@ -126,16 +126,22 @@ def make_mask(attention_mask: torch.Tensor | None, position_ids_BxS: torch.Tenso
     if attention_mask.ndim == 4:
         if attention_mask.shape[0] not in (1, B) or tuple(attention_mask.shape[2:]) != (S, S):
             raise ValueError(f"a 4D attention_mask must be [{B}, 1, {S}, {S}], got {tuple(attention_mask.shape)}")
-        m = attention_mask[:, 0].to(device)
-        if m.dtype == torch.bool:
-            return Mask(q_index, S, dense=m)
-        if not m.dtype.is_floating_point:
-            raise ValueError(f"a 4D attention_mask must be bool or float (additive), got {m.dtype}")
-        allowed = m > torch.finfo(m.dtype).min / 2
-        bias = m.float().masked_fill(~allowed, 0.0)
-        return Mask(q_index, S, dense=allowed, bias=bias if bool(bias.ne(0).any()) else None)
+        return dense_mask(attention_mask.to(device), q_index)
     raise ValueError(f"attention_mask must be 2D [batch, seq] or 4D [batch, 1, seq, seq], got "
                      f"{attention_mask.ndim}D {tuple(attention_mask.shape)}")
+
+
+def dense_mask(mask_Bx1xSxT: torch.Tensor, q_index: torch.Tensor) -> Mask:
+    """A Mask from a 4D mask [B, 1, S, T] of the queries q_index (S of them): boolean (True attends) or additive
+    float (0 attends, the dtype's minimum masks, other values are added to the scores)."""
+    m = mask_Bx1xSxT[:, 0]
+    if m.dtype == torch.bool:
+        return Mask(q_index, m.shape[-1], dense=m)
+    if not m.dtype.is_floating_point:
+        raise ValueError(f"a 4D attention_mask must be bool or float (additive), got {m.dtype}")
+    allowed = m > torch.finfo(m.dtype).min / 2
+    bias = m.float().masked_fill(~allowed, 0.0)
+    return Mask(q_index, m.shape[-1], dense=allowed, bias=bias if bool(bias.ne(0).any()) else None)
 
 
 # ---- loss ---------------------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from glm5f.model import make_context
 from glm5f.moe import routed_experts
 from glm5f.parallel import Layout
 
-PROPERTY = settings(max_examples=12, deadline=None, derandomize=True, database=None)
+PROPERTY = settings(max_examples=16, deadline=None, derandomize=True, database=None)
 
 
 def agree(ok: bool) -> bool:
@@ -63,7 +63,7 @@ def cp_attention_property() -> None:
     rank, cp = dist.get_rank(), dist.get_world_size()
 
     @PROPERTY
-    @given(st.integers(1, 2), st.integers(1, 6), st.integers(1, 30), st.sampled_from(["none", "padded", "packed"]),
+    @given(st.integers(1, 2), st.integers(1, 6), st.integers(1, 30), st.sampled_from(["none", "padded", "packed", "4d"]),
            st.integers(0, 2**31 - 1))
     def check(B, chunk, topk, masking, seed):
         S = 2 * cp * chunk
@@ -81,6 +81,9 @@ def cp_attention_property() -> None:
         elif masking == "packed":
             cut = int(torch.randint(1, S, (1,), generator=g))
             pos[:, cut:] -= cut
+        elif masking == "4d":  # causal, some keys hidden at random, each token sees itself
+            mask = (torch.rand(B, 1, S, S, generator=g) > 0.3) & torch.ones(S, S, dtype=torch.bool).tril()
+            mask |= torch.eye(S, dtype=torch.bool)
 
         def run(x, ctx):
             out0, topk_idx = attention(layers[0]["self_attn"], x, cfg, 0, ctx, None)
@@ -105,7 +108,7 @@ def cp_attention_property() -> None:
         summed = [gr.clone() for gr in local_grads[1:]]
         for gr in summed:
             dist.all_reduce(gr)
-        real = torch.ones(B, S, dtype=torch.bool) if mask is None else mask.bool()
+        real = torch.ones(B, S, dtype=torch.bool) if mask is None or mask.ndim == 4 else mask.bool()
         rows = real[:, q]  # rows of padding queries are undefined in any implementation
         ok = (torch.allclose(local[rows], full[:, q][rows], atol=1e-5, rtol=1e-4)
               and torch.allclose(local_grads[0], full_grads[0][:, q], atol=1e-5, rtol=1e-4)

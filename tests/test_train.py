@@ -143,11 +143,14 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, capsys):
     assert not any(n.startswith(".tmp") for n in os.listdir(tmp_path / "checkpoints"))
 
 
-def test_bad_data_is_reported(tmp_path):
+def test_bad_data_is_reported(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n\n{"text": "broken"\n')
     with pytest.raises(ValueError, match=rf"{bad}:3: not valid JSON"):
         make_source("json_file", vocab_size=512, batch_size=2, seq_len=16, path=str(bad))
+    assert main(["--data.type", "json_file", "--data.path", str(bad), "--checkpoint.dir", str(tmp_path / "r")]) == 1
+    assert f"{bad}:3: not valid JSON" in capsys.readouterr().err
+    assert not (tmp_path / "r" / "checkpoints").exists()
     (tmp_path / "keys.jsonl").write_text('{"words": "no"}\n')
     with pytest.raises(ValueError, match="keys.jsonl:1: a record needs 'text'"):
         make_source("json_file", vocab_size=512, batch_size=2, seq_len=16, path=str(tmp_path / "keys.jsonl"))
@@ -291,3 +294,22 @@ def test_tokenizer_file(tmp_path):
     assert b["input_ids"][0].tolist()[0] == tok.token_to_id("<s>")
     assert tok.decode(b["input_ids"][0].tolist()[1:4]) == "the cat sat"
     assert b["input_ids"][0].tolist()[4] == tok.token_to_id("</s>")
+
+
+def test_hf_datasets_from_disk(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_dict({"text": ["hello world", "a second document"]}).save_to_disk(str(tmp_path / "one"))
+    b = make_source("hf_datasets", vocab_size=512, batch_size=2, seq_len=12, path=str(tmp_path / "one")).next_batch()
+    assert b["input_ids"].shape == (2, 12)
+    decoded = ByteTokenizer().decode(b["input_ids"].flatten().tolist())
+    assert "hello world" in decoded or "a second document"[:10] in decoded
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"prompt": ["q"], "response": ["a"]}),
+                                   "test": datasets.Dataset.from_dict({"prompt": ["x"], "response": ["y"]})})
+    splits.save_to_disk(str(tmp_path / "two"))
+    with pytest.raises(ValueError, match="choose one with --data.split"):
+        make_source("hf_datasets", vocab_size=512, batch_size=1, seq_len=8, path=str(tmp_path / "two"))
+    b = make_source("hf_datasets", vocab_size=512, batch_size=1, seq_len=8, path=str(tmp_path / "two"),
+                    split="test", pack=False).next_batch()
+    assert b["input_ids"][0, :4].tolist() == [256, ord("x"), ord("y"), 257]
+    assert b["labels"][0, :4].tolist() == [-100, -100, ord("y"), 257]
