@@ -85,8 +85,8 @@ class TrainConfig:
     """Total optimizer steps (a resumed run continues up to this)."""
     grad_accum: int = 1
     """Micro-batches per step; data.batch_size must divide by grad_accum (and by the data-parallel ranks)."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Compute dtype; parameters and optimizer state stay fp32."""
+    dtype: Literal["float32", "bfloat16", "float64"] = "float32"
+    """Compute dtype; parameters and optimizer state stay fp32 (fp64 with float64, for exactness checks)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer in the backward pass."""
     seed: int = 0

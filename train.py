@@ -107,16 +107,17 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     device, dtype, run_dir = layout.device, getattr(torch, cfg.train.dtype), cfg.checkpoint.dir
     say = print if layout.is_main else (lambda *a, **k: None)
 
-    # ---- model: a preset (with overrides) or a Transformers checkpoint; fp32 master parameters
+    # ---- model: a preset (with overrides) or a Transformers checkpoint; fp32 master parameters (fp64 in fp64 runs)
+    master = torch.promote_types(dtype, torch.float32)
     if cfg.model.init_from:
         if cfg.model.overrides():
             raise TrainingError(f"--model.init_from takes the config from the checkpoint; drop the overrides "
                                 f"{sorted(cfg.model.overrides())}")
         with user_errors():
-            model_cfg, params = glm5f.load_hf(cfg.model.init_from, dtype=torch.float32, device=device)
+            model_cfg, params = glm5f.load_hf(cfg.model.init_from, dtype=master, device=device)
     else:
         model_cfg = cfg.model.build()
-        params = glm5f.init_params(model_cfg, seed=cfg.train.seed, dtype=torch.float32, device=device)
+        params = glm5f.init_params(model_cfg, seed=cfg.train.seed, dtype=master, device=device)
     params = layout.shard_params(params)
     opt_state = adamw_init(params)
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from glm5f.config import GLM5Config
-from glm5f.ops import apply_rope, layer_norm, linear, rms_norm
+from glm5f.ops import apply_rope, layer_norm, linear, rms_norm, wide
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm use 1e-6, not rms_norm_eps
 INDEXER_QUERY_CHUNK_ELEMS = 1 << 25  # bound on the indexer's per-chunk [B, S, I, T] fp32 scores
@@ -141,9 +141,9 @@ def indexer_scores(p: dict, x_BxSxD: torch.Tensor, q_BxSxQ: torch.Tensor, keys_B
     q_rot, q_pass = q_BxSxIxJ.split([P, J - P], dim=-1)
     q_BxSxIxJ = torch.cat([apply_rope(q_rot, ctx.cos[:, start:stop], ctx.sin[:, start:stop]), q_pass], dim=-1)
     n = stop - start
-    scores_BxSxIxT = F.relu(torch.bmm(q_BxSxIxJ.float().reshape(B, n * I, J), keys_BxTxJ.float().transpose(1, 2))
+    scores_BxSxIxT = F.relu(torch.bmm(wide(q_BxSxIxJ).reshape(B, n * I, J), wide(keys_BxTxJ).transpose(1, 2))
                             .view(B, n, I, -1) * J ** -0.5)
-    w_BxSxI = linear(p["weights_proj"], x.to(p["weights_proj"]["weight"].dtype)).float() * I ** -0.5
+    w_BxSxI = wide(linear(p["weights_proj"], x.to(p["weights_proj"]["weight"].dtype))) * I ** -0.5
     scores_BxSxT = torch.matmul(w_BxSxI.unsqueeze(-2), scores_BxSxIxT).squeeze(-2)
     mask = ctx.mask
     if mask.bias is not None:
@@ -172,7 +172,7 @@ def indexer_topk(p: dict, x_BxSxD: torch.Tensor, q_BxSxQ: torch.Tensor, keys_BxT
 
 
 def topk_first(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest fp32 scores along the last dim; equal scores go to the lower index.
+    """Indices of the k largest scores (compared in fp32) along the last dim; equal scores go to the lower index.
 
     Ties are common (ReLU zeros) and torch.topk breaks them arbitrarily, so a query could see different keys in
     a full forward, a decode step or a context-parallel shard. Each score's order-preserving 32-bit pattern goes

@@ -9,7 +9,7 @@ from torch.utils.checkpoint import checkpoint
 from glm5f.attention import AttnContext, Mask, attention
 from glm5f.config import GLM5Config
 from glm5f.moe import ExpertsFn, expert_ffn, moe
-from glm5f.ops import rms_norm, rope_tables, swiglu_mlp
+from glm5f.ops import rms_norm, rope_tables, swiglu_mlp, wide
 
 IGNORE_INDEX = -100
 
@@ -153,7 +153,7 @@ def shift_labels(labels_BxS: torch.Tensor) -> torch.Tensor:
 
 def cross_entropy_sum(logits_BxSxV: torch.Tensor, targets_BxS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of fp32 token cross-entropies, number of targets != IGNORE_INDEX), for token-weighted means."""
-    loss = F.cross_entropy(logits_BxSxV.flatten(0, 1).float(), targets_BxS.flatten(), ignore_index=IGNORE_INDEX,
+    loss = F.cross_entropy(wide(logits_BxSxV.flatten(0, 1)), targets_BxS.flatten(), ignore_index=IGNORE_INDEX,
                            reduction="sum")
     return loss, (targets_BxS != IGNORE_INDEX).sum()
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from glm5f.config import GLM5Config
-from glm5f.ops import swiglu_mlp
+from glm5f.ops import swiglu_mlp, wide
 
 
 def route(p: dict, x_NxD: torch.Tensor, cfg: GLM5Config) -> tuple[torch.Tensor, torch.Tensor]:
@@ -22,9 +22,9 @@ def route(p: dict, x_NxD: torch.Tensor, cfg: GLM5Config) -> tuple[torch.Tensor, 
     with n_group > 1 only the topk_group groups with the best top-2 sums are eligible; weights are normalised
     when norm_topk_prob and scaled by routed_scaling_factor.
     """
-    logits_NxE = F.linear(x_NxD.float(), p["weight"].float())
+    logits_NxE = F.linear(wide(x_NxD), wide(p["weight"]).to(wide(x_NxD).dtype))
     scores_NxE = logits_NxE.sigmoid()
-    choice_NxE = scores_NxE + p["e_score_correction_bias"].float()
+    choice_NxE = scores_NxE + p["e_score_correction_bias"].to(scores_NxE.dtype)
     G = cfg.n_group
     if cfg.topk_group < G:
         N, E = choice_NxE.shape
@@ -40,7 +40,9 @@ def route(p: dict, x_NxD: torch.Tensor, cfg: GLM5Config) -> tuple[torch.Tensor, 
 
 
 def _grouped_mm_ok(x: torch.Tensor, *ws: torch.Tensor) -> bool:
-    """torch's grouped_mm needs 16-byte aligned rows (and bf16 on CUDA)."""
+    """torch's grouped_mm needs 16-byte aligned rows, fp32/bf16/fp16 (bf16 only on CUDA)."""
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
     if x.device.type == "cuda" and x.dtype != torch.bfloat16:
         return False
     if x.device.type not in ("cpu", "cuda"):

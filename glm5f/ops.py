@@ -10,6 +10,11 @@ import torch.nn.functional as F
 from glm5f.config import GLM5Config, yarn_mscale
 
 
+def wide(x: torch.Tensor) -> torch.Tensor:
+    """x in fp32, or as it is when wider (fp64): where the reference computes in fp32."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def linear(p: dict, x: torch.Tensor) -> torch.Tensor:
     """x @ W^T (+ b) for a params dict {"weight": [out, in], optional "bias": [out]}."""
     return F.linear(x, p["weight"], p.get("bias"))
@@ -17,7 +22,7 @@ def linear(p: dict, x: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(weight: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32 and cast back before the scale, as the reference does."""
-    x32 = x.float()
+    x32 = wide(x)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
 

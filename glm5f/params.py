@@ -99,7 +99,7 @@ def _is_leaf(x) -> bool:
 
 
 def leaf_dtype(path: str, dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if path.endswith(FP32_LEAVES) else dtype
+    return torch.promote_types(dtype, torch.float32) if path.endswith(FP32_LEAVES) else dtype
 
 
 def is_buffer(path: str) -> bool:

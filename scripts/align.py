@@ -36,10 +36,10 @@ COMMON = ["--model.preset", "glm5-scaled-moe", "--data.type", "synthetic", "--da
           "--data.seq_len", "256", "--train.dtype", "float32", "--checkpoint.every", "0", "--train.log_every", "25"]
 
 
-def run(name: str, args: list[str], out: str, steps: int) -> float:
+def run(name: str, args: list[str], out: str, steps: int, extra: list[str]) -> float:
     run_dir = os.path.join(out, name)
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), *COMMON, "--train.steps", str(steps),
-           "--checkpoint.dir", run_dir, *args]
+           "--checkpoint.dir", run_dir, *extra, *args]
     t = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -53,11 +53,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="runs/align")
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     ap.add_argument("--tolerance", type=float, default=1e-4, help="max |loss difference| allowed")
+    ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
+                    help="train.py flags for every run, e.g. --extra --optim.lr 1e-3 (must come last)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    seconds = {"baseline": run("baseline", [], args.out, args.steps)}
+    seconds = {"baseline": run("baseline", [], args.out, args.steps, args.extra)}
     for name in args.layouts:
-        seconds[name] = run(name, LAYOUTS[name], args.out, args.steps)
+        seconds[name] = run(name, LAYOUTS[name], args.out, args.steps, args.extra)
     runs = {name: read_metrics(os.path.join(args.out, name)) for name in seconds}
     results, ok = {}, True
     print(f"{args.steps} steps, fp32, glm5-scaled-moe, synthetic data; |loss - baseline loss| per step:")
