@@ -132,7 +132,7 @@ def indexer_scores(p: dict, x_BxSxD: torch.Tensor, q_BxSxQ: torch.Tensor, keys_B
                    cfg: GLM5Config, ctx: AttnContext, start: int, stop: int) -> torch.Tensor:
     """Index scores [B, stop - start, T] of queries start:stop: sum_i w_i relu(q_i . k / sqrt(J)), masked to -inf.
 
-    Computed in fp32, with weights_proj in fp32 (scaled by I^-0.5), as the reference does.
+    Computed in fp32 (fp64 in fp64 runs), with weights_proj in fp32 (scaled by I^-0.5), as the reference does.
     """
     B = x_BxSxD.shape[0]
     I, J, P = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
@@ -190,8 +190,8 @@ def topk_first(scores: torch.Tensor, k: int) -> torch.Tensor:
 def masked_softmax(scores: torch.Tensor, allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Softmax in fp32 (or wider) over the last dim; disallowed entries get the dtype's minimum (never NaN: a row
     with no allowed entry averages uniformly, as the reference does)."""
-    wide = torch.promote_types(scores.dtype, torch.float32)
-    scores = scores.to(wide).masked_fill(~allowed, torch.finfo(wide).min)
+    scores = wide(scores)
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
     return torch.softmax(scores, dim=-1).to(dtype)
 
 

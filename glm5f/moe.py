@@ -16,13 +16,14 @@ from glm5f.ops import swiglu_mlp, wide
 
 
 def route(p: dict, x_NxD: torch.Tensor, cfg: GLM5Config) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-K experts [N, K] and their weights [N, K] (fp32).
+    """Top-K experts [N, K] and their weights [N, K] (fp32, or fp64 in fp64 runs).
 
     Sigmoid scores in fp32; e_score_correction_bias shifts the *choice* only (the weights are unbiased scores);
     with n_group > 1 only the topk_group groups with the best top-2 sums are eligible; weights are normalised
     when norm_topk_prob and scaled by routed_scaling_factor.
     """
-    logits_NxE = F.linear(wide(x_NxD), wide(p["weight"]).to(wide(x_NxD).dtype))
+    x_NxD = wide(x_NxD)
+    logits_NxE = F.linear(x_NxD, p["weight"].to(x_NxD.dtype))
     scores_NxE = logits_NxE.sigmoid()
     choice_NxE = scores_NxE + p["e_score_correction_bias"].to(scores_NxE.dtype)
     G = cfg.n_group
