@@ -84,7 +84,6 @@ class DistLayout(Layout):
         self.dp_rank, self.cp_rank = divmod(self.rank, cp)
         self.cp_group = self.meshes["data"].get_group("cp")
         self.ep_group = self.meshes["experts"].get_group("ep")
-        self.ep_rank = self.rank % ep
 
     # ---- parameters
     def param_specs(self, params: dict) -> dict:
