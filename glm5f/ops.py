@@ -10,9 +10,13 @@ import torch.nn.functional as F
 from glm5f.config import GLM5Config, yarn_mscale
 
 
+def wide_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32, or `dtype` when it is wider (fp64): the precision of what the reference computes in fp32."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def wide(x: torch.Tensor) -> torch.Tensor:
-    """x in fp32, or as it is when wider (fp64): where the reference computes in fp32."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+    return x.to(wide_dtype(x.dtype))
 
 
 def linear(p: dict, x: torch.Tensor) -> torch.Tensor:

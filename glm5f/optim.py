@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 from torch.utils import _pytree as pytree
 
+from glm5f.ops import wide_dtype
 from glm5f.params import flatten, is_buffer, unflatten
 
 
@@ -52,17 +53,12 @@ def value_and_grad(fn: Callable, has_aux: bool = False):
     return wrapped
 
 
-def _wide(dtype: torch.dtype) -> torch.dtype:
-    """Optimizer arithmetic precision: fp32, or the leaf's own dtype when wider (fp64 runs)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
 def adamw_init(params: dict) -> dict:
     """{"count": 0, "mu": {path: zeros}, "nu": {path: zeros}} for the trained leaves (fp32 moments, fp64 for
     fp64 leaves)."""
     flat = flatten(params)
     paths = trained_paths(params)
-    zeros = lambda: {p: torch.zeros_like(flat[p], dtype=_wide(flat[p].dtype)) for p in paths}  # noqa: E731
+    zeros = lambda: {p: torch.zeros_like(flat[p], dtype=wide_dtype(flat[p].dtype)) for p in paths}  # noqa: E731
     return {"count": torch.zeros((), dtype=torch.int64), "mu": zeros(), "nu": zeros()}
 
 
@@ -75,14 +71,14 @@ def adamw_update(params: dict, grads: dict[str, torch.Tensor], state: dict, lr: 
     count = state["count"] + 1
     t = int(count)
     p_old = [flat[p] for p in paths]
-    g = [grads[p].to(_wide(grads[p].dtype)) for p in paths]
+    g = [grads[p].to(wide_dtype(grads[p].dtype)) for p in paths]
     mu = torch._foreach_add(torch._foreach_mul([state["mu"][p] for p in paths], b1), g, alpha=1 - b1)
     nu = torch._foreach_add(torch._foreach_mul([state["nu"][p] for p in paths], b2),
                             torch._foreach_mul(g, g), alpha=1 - b2)
     denom = torch._foreach_add(torch._foreach_sqrt(torch._foreach_div(nu, 1 - b2 ** t)), eps)
     step = torch._foreach_div(torch._foreach_div(mu, 1 - b1 ** t), denom)
     decay = [1 - lr * weight_decay if leaf_rule(p, flat[p].ndim) == "decay" else 1.0 for p in paths]
-    p32 = torch._foreach_mul([x.to(_wide(x.dtype)) for x in p_old], decay)
+    p32 = torch._foreach_mul([x.to(wide_dtype(x.dtype)) for x in p_old], decay)
     new = torch._foreach_add(p32, step, alpha=-lr)
     updated = dict(flat)
     updated.update({p: n.to(o.dtype) for p, n, o in zip(paths, new, p_old)})
@@ -91,7 +87,7 @@ def adamw_update(params: dict, grads: dict[str, torch.Tensor], state: dict, lr: 
 
 def global_norm(grads: dict[str, torch.Tensor]) -> torch.Tensor:
     """sqrt(sum of squared entries) over every gradient, in fp32."""
-    norms = torch._foreach_norm([g.to(_wide(g.dtype)) for g in grads.values()])
+    norms = torch._foreach_norm([g.to(wide_dtype(g.dtype)) for g in grads.values()])
     return torch.linalg.vector_norm(torch.stack([_full(n) for n in norms]))
 
 

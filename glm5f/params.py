@@ -14,6 +14,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from glm5f.config import GLM5Config
+from glm5f.ops import wide_dtype
 
 # Leaves that stay in fp32 whatever the compute dtype (as in the reference: the router and the indexer's head weights).
 FP32_LEAVES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
@@ -99,7 +100,7 @@ def _is_leaf(x) -> bool:
 
 
 def leaf_dtype(path: str, dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32) if path.endswith(FP32_LEAVES) else dtype
+    return wide_dtype(dtype) if path.endswith(FP32_LEAVES) else dtype
 
 
 def is_buffer(path: str) -> bool:
@@ -136,7 +137,7 @@ def abstract_params(cfg: GLM5Config, dtype: torch.dtype = torch.float32) -> dict
 
 def param_count(cfg: GLM5Config, *, include_buffers: bool = False) -> int:
     """Number of trained parameters (the router's correction bias is a buffer and is not counted)."""
-    flat = flatten(map_with_path(lambda p, leaf: leaf, param_layout(cfg), is_leaf=_is_leaf), is_leaf=_is_leaf)
+    flat = flatten(param_layout(cfg), is_leaf=_is_leaf)
     return sum(_numel(leaf.shape) for path, leaf in flat.items() if include_buffers or not is_buffer(path))
 
 
