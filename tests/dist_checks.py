@@ -116,6 +116,7 @@ def cp_attention_property() -> None:
         assert agree(ok), f"rank {rank}: CP attention differs from the unsharded computation"
 
     check()
+    layout = None  # noqa: F841  hypothesis keeps `check`; drop its hold on the process groups before teardown
 
 
 def ep_dispatch_property() -> None:
@@ -157,6 +158,7 @@ def ep_dispatch_property() -> None:
         assert agree(ok), f"rank {rank}: EP dispatch differs from local experts"
 
     check()
+    layout = None  # noqa: F841  hypothesis keeps `check`; drop its hold on the process groups before teardown
 
 
 def die_on_rank_one() -> None:
