@@ -87,6 +87,11 @@ class TrainConfig:
     """Micro-batches per step; data.batch_size must divide by grad_accum (and by the data-parallel ranks)."""
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"
     """Compute dtype; parameters and optimizer state stay fp32 (fp64 with float64, for exactness checks)."""
+    reduce_dtype: Optional[Literal["float32", "float64"]] = None
+    """Dtype of the sums that make gradients: every contraction with a weight (so each weight gradient's sum over
+    tokens), the key gradients summed over queries and CP ranks, the sums over ranks and micro-batches. Results
+    are rounded to --train.dtype op by op. None: --train.dtype's own (fp32 for bfloat16). float64 with float32
+    makes every parallel layout compute the same fp32 numbers up to rare last-bit roundings."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer in the backward pass."""
     seed: int = 0
@@ -147,6 +152,9 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
                              ("--train.log_every", cfg.train.log_every, 1)]:
         if value < low:
             errs.append(f"{name} must be >= {low}, got {value}")
+    if cfg.train.reduce_dtype and cfg.train.dtype == "float64" and cfg.train.reduce_dtype != "float64":
+        errs.append(f"--train.reduce_dtype {cfg.train.reduce_dtype} is narrower than --train.dtype float64; "
+                    f"drop it or use float64")
     if cfg.optim.lr <= 0:
         errs.append(f"--optim.lr must be positive, got {cfg.optim.lr}")
     if not 0 <= cfg.optim.min_lr_ratio <= 1:

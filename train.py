@@ -25,7 +25,7 @@ from glm5f.model import apply, check_input_ids, cross_entropy_sum, shift_labels
 from glm5f.optim import adamw_init, adamw_update, balance_router_bias, clip_by_global_norm, lr_schedule, value_and_grad
 from glm5f.distributed import DistLayout, WorkerFailure, init_process, spawn, under_torchrun
 from glm5f.parallel import Layout
-from glm5f.params import leaf_dtype, map_with_path
+from glm5f.params import flatten, leaf_dtype, map_with_path
 
 
 class TrainingError(RuntimeError):
@@ -55,10 +55,10 @@ def check_supported(cfg: Config) -> None:
 
 
 def micro_loss(params: dict, batch: dict, n_targets: torch.Tensor, model_cfg: glm5f.GLM5Config, layout: Layout,
-               dtype: torch.dtype, remat: bool):
+               dtype: torch.dtype, weight_dtype: torch.dtype, remat: bool):
     """This rank's share of the step loss (its token loss sum / the step's target count), with the loss sum and
-    the expert choices of every MoE layer as aux."""
-    compute = layout.gather_params(map_with_path(lambda p, t: t.to(leaf_dtype(p, dtype)), params))
+    the expert choices of every MoE layer as aux. Activations are `dtype`; weights compute in `weight_dtype`."""
+    compute = layout.gather_params(map_with_path(lambda p, t: t.to(leaf_dtype(p, weight_dtype)), params))
     ctx = layout.context(model_cfg, batch, dtype)
     logits, routes = apply(compute, model_cfg, batch["input_ids"], ctx, experts=layout.experts, remat=remat)
     loss_sum, _ = cross_entropy_sum(logits, batch["targets"])
@@ -72,19 +72,24 @@ def step_grads(params: dict, batch: dict, cfg: Config, model_cfg: glm5f.GLM5Conf
     """(mean loss of the global batch, gradients of the trained leaves, per-MoE-layer expert token counts).
 
     The batch is the step's global batch; it is cut into micro-batches, each rank computes its share, and the
-    token-weighted mean over all of them is the same whatever the layout.
+    token-weighted mean over all of them is the same whatever the layout. With --train.reduce_dtype the gradients
+    are taken, and summed over micro-batches and ranks, in that dtype and rounded to the parameters' at the end.
     """
     dtype = getattr(torch, cfg.train.dtype)
+    reduce = getattr(torch, cfg.train.reduce_dtype) if cfg.train.reduce_dtype else None
+    master = {p: t.dtype for p, t in flatten(params).items()}
+    if reduce is not None:
+        params = map_with_path(lambda p, t: t.to(torch.promote_types(t.dtype, reduce)), params)
     mask = batch.get("attention_mask")
     batch = dict(batch, targets=shift_labels(batch["labels"]),  # on whole sequences, before any split
                  valid=mask if mask is not None and mask.ndim == 2 else torch.ones_like(batch["input_ids"]))
     n_targets = (batch["targets"] != glm5f.IGNORE_INDEX).sum().clamp(min=1)
     moe_layers = [i for i in range(model_cfg.num_hidden_layers) if model_cfg.is_moe(i)]
-    grads, loss_sum, counts = None, torch.zeros((), device=batch["input_ids"].device), {}
+    grads, loss_sum, counts = None, torch.zeros((), dtype=torch.float64, device=batch["input_ids"].device), {}
     B, n = len(batch["input_ids"]), cfg.train.grad_accum
     for micro in range(n):
         mb = layout.local_batch({k: v[micro * B // n:(micro + 1) * B // n] for k, v in batch.items()})
-        (_, (mb_loss, routes)), g = loss_and_grad(params, mb, n_targets, model_cfg, layout, dtype,
+        (_, (mb_loss, routes)), g = loss_and_grad(params, mb, n_targets, model_cfg, layout, dtype, reduce or dtype,
                                                   cfg.train.activation_checkpointing)
         grads = g if grads is None else dict(zip(grads, torch._foreach_add(list(grads.values()), list(g.values()))))
         loss_sum = loss_sum + mb_loss
@@ -94,6 +99,7 @@ def step_grads(params: dict, batch: dict, cfg: Config, model_cfg: glm5f.GLM5Conf
                                minlength=model_cfg.n_routed_experts)
             key = f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
             counts[key] = counts.get(key, 0) + c
+    grads = {p: g.to(master[p]) for p, g in grads.items()}
     return float(layout.sum(loss_sum) / n_targets), grads, {k: layout.sum(c) for k, c in counts.items()}
 
 

@@ -95,6 +95,11 @@ class AttnContext:
     mask: Mask
     collect: Callable[[int, str, torch.Tensor], torch.Tensor] = identity_keys
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype."""
+        return self.cos.dtype
+
 
 # ---- MLA projections ----------------------------------------------------------------------------------------------
 
@@ -143,7 +148,7 @@ def indexer_scores(p: dict, x_BxSxD: torch.Tensor, q_BxSxQ: torch.Tensor, keys_B
     n = stop - start
     scores_BxSxIxT = F.relu(torch.bmm(wide(q_BxSxIxJ).reshape(B, n * I, J), wide(keys_BxTxJ).transpose(1, 2))
                             .view(B, n, I, -1) * J ** -0.5)
-    w_BxSxI = wide(linear(p["weights_proj"], x.to(p["weights_proj"]["weight"].dtype))) * I ** -0.5
+    w_BxSxI = linear(p["weights_proj"], wide(x)) * I ** -0.5
     scores_BxSxT = torch.matmul(w_BxSxI.unsqueeze(-2), scores_BxSxIxT).squeeze(-2)
     mask = ctx.mask
     if mask.bias is not None:
@@ -200,11 +205,13 @@ def sparse_attention(q_BxSxHxC: torch.Tensor, latent_BxTxC: torch.Tensor, idx_Bx
                      bias_BxSxK: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of each query over its K selected latent rows (shared by all heads) -> [B, S, H, value_dim].
 
-    Values are the first `value_dim` channels of the latent rows. Memory is O(S K C), never O(S T).
+    Values are the first `value_dim` channels of the latent rows. Memory is O(S K C), never O(S T). Computed in
+    the queries' dtype; each key row's gradient is summed over the queries that selected it in the latent's.
     """
     B, T, C = latent_BxTxC.shape
     rows_BxSxK = idx_BxSxK + T * torch.arange(B, device=idx_BxSxK.device)[:, None, None]
-    sel_BxSxKxC = latent_BxTxC.reshape(B * T, C).index_select(0, rows_BxSxK.flatten()).view(*idx_BxSxK.shape, C)
+    sel_BxSxKxC = (latent_BxTxC.reshape(B * T, C).index_select(0, rows_BxSxK.flatten()).view(*idx_BxSxK.shape, C)
+                   .to(q_BxSxHxC.dtype))
     scores_BxSxHxK = torch.einsum("bshc,bskc->bshk", q_BxSxHxC, sel_BxSxKxC) * scale
     if bias_BxSxK is not None:
         scores_BxSxHxK = scores_BxSxHxK + bias_BxSxK[:, :, None, :]
@@ -214,13 +221,18 @@ def sparse_attention(q_BxSxHxC: torch.Tensor, latent_BxTxC: torch.Tensor, idx_Bx
 
 def sparse_mla(p: dict, q_nope_BxSxHxN: torch.Tensor, q_rot_BxSxHxP: torch.Tensor, latent_BxTxC: torch.Tensor,
                idx_BxSxK: torch.Tensor, mask: Mask, cfg: GLM5Config) -> torch.Tensor:
-    """MLA over the selected keys, in latent space: q_nope absorbs W_k, the latent output passes W_v. -> [B,S,H,V]"""
+    """MLA over the selected keys, in latent space: q_nope absorbs W_k, the latent output passes W_v. -> [B,S,H,V]
+
+    The contractions with kv_b compute in the latent's dtype (kv_b's; wider than the queries' under
+    --train.reduce_dtype), attention itself in the queries'.
+    """
+    dt, act = latent_BxTxC.dtype, q_nope_BxSxHxN.dtype
     w_k_HxNxR, w_v_HxVxR = kv_b_heads(p, cfg)
-    q_abs_BxSxHxR = torch.einsum("bshn,hnr->bshr", q_nope_BxSxHxN, w_k_HxNxR)
+    q_abs_BxSxHxR = torch.einsum("bshn,hnr->bshr", q_nope_BxSxHxN.to(dt), w_k_HxNxR.to(dt)).to(act)
     q_BxSxHxC = torch.cat([q_abs_BxSxHxR, q_rot_BxSxHxP], dim=-1)
     out_BxSxHxR = sparse_attention(q_BxSxHxC, latent_BxTxC, idx_BxSxK, mask.at(idx_BxSxK), cfg.softmax_scale,
                                    cfg.kv_lora_rank, mask.bias_at(idx_BxSxK))
-    return torch.einsum("bshr,hvr->bshv", out_BxSxHxR, w_v_HxVxR)
+    return torch.einsum("bshr,hvr->bshv", out_BxSxHxR.to(dt), w_v_HxVxR.to(dt)).to(act)
 
 
 def expand_latent(p: dict, latent_BxTxC: torch.Tensor, cfg: GLM5Config):
@@ -239,9 +251,10 @@ def dense_mla(p: dict, q_nope_BxSxHxN: torch.Tensor, q_rot_BxSxHxP: torch.Tensor
     """MLA over all allowed keys (DSA with index_topk >= T), via scaled_dot_product_attention. -> [B, S, H, V]
 
     `allowed_BxSxT` overrides the mask (the masked-dense oracle of the sparse path passes its top-k set here).
+    Computed in the latent's dtype (kv_b's), returned in the queries'.
     """
     k_BxHxTx_, v_BxHxTxV = expand_latent(p, latent_BxTxC, cfg)
-    q_BxHxSx_ = torch.cat([q_nope_BxSxHxN, q_rot_BxSxHxP], dim=-1).transpose(1, 2)
+    q_BxHxSx_ = torch.cat([q_nope_BxSxHxN, q_rot_BxSxHxP], dim=-1).transpose(1, 2).to(latent_BxTxC.dtype)
     if allowed_BxSxT is None and mask.is_plain_causal and mask.bias is None:
         out = F.scaled_dot_product_attention(q_BxHxSx_, k_BxHxTx_, v_BxHxTxV, is_causal=True,
                                              scale=cfg.softmax_scale)
@@ -253,7 +266,7 @@ def dense_mla(p: dict, q_nope_BxSxHxN: torch.Tensor, q_rot_BxSxHxP: torch.Tensor
         additive = additive.masked_fill(~allowed, torch.finfo(q_BxHxSx_.dtype).min)
         out = F.scaled_dot_product_attention(q_BxHxSx_, k_BxHxTx_, v_BxHxTxV, attn_mask=additive[:, None],
                                              scale=cfg.softmax_scale)
-    return out.transpose(1, 2)
+    return out.transpose(1, 2).to(q_nope_BxSxHxN.dtype)
 
 
 def topk_as_mask(idx_BxSxK: torch.Tensor, num_keys: int) -> torch.Tensor:
@@ -270,7 +283,9 @@ def attention(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, ctx: 
     selected). A "full" layer runs its indexer; a "shared" layer reuses `prev_topk` from the last full layer."""
     B, S, _ = x_BxSxD.shape
     q_nope, q_rot, q_BxSxQ, latent_BxSxC = mla_project(p, x_BxSxD, cfg, ctx)
-    latent_BxTxC = ctx.collect(layer, "latent", latent_BxSxC)
+    # the latent rows are gathered (and their gradients summed over queries and CP ranks) in kv_b's dtype
+    latent_dtype = torch.promote_types(latent_BxSxC.dtype, p["kv_b_proj"]["weight"].dtype)
+    latent_BxTxC = ctx.collect(layer, "latent", latent_BxSxC.to(latent_dtype))
     T = latent_BxTxC.shape[1]
     if "indexer" in p:
         with torch.no_grad():  # the indexer is not trained through the language-model loss (as in the reference)

@@ -9,7 +9,7 @@ from torch.utils.checkpoint import checkpoint
 from glm5f.attention import AttnContext, Mask, attention
 from glm5f.config import GLM5Config
 from glm5f.moe import ExpertsFn, expert_ffn, moe
-from glm5f.ops import rms_norm, rope_tables, swiglu_mlp, wide
+from glm5f.ops import linear, rms_norm, rope_tables, swiglu_mlp, wide, wide_dtype
 
 IGNORE_INDEX = -100
 
@@ -35,7 +35,7 @@ def apply(params: dict, cfg: GLM5Config, input_ids_BxS: torch.Tensor, ctx: AttnC
           experts: ExpertsFn = expert_ffn, remat: bool = False):
     """Logits [B, S, V] and the expert indices [N, K] of every MoE layer, for inputs already checked and a
     prepared context. `remat` recomputes each decoder layer in the backward pass (activation checkpointing)."""
-    x_BxSxD = F.embedding(input_ids_BxS, params["model"]["embed_tokens"]["weight"])
+    x_BxSxD = F.embedding(input_ids_BxS, params["model"]["embed_tokens"]["weight"]).to(ctx.dtype)
     return apply_embeds(params, cfg, x_BxSxD, ctx, experts=experts, remat=remat)
 
 
@@ -53,7 +53,7 @@ def apply_embeds(params: dict, cfg: GLM5Config, x_BxSxD: torch.Tensor, ctx: Attn
             routes.append(expert_idx)
     x_BxSxD = rms_norm(params["model"]["norm"]["weight"], x_BxSxD, cfg.rms_norm_eps)
     head = params["model"]["embed_tokens"] if cfg.tie_word_embeddings else params["lm_head"]
-    return F.linear(x_BxSxD, head["weight"]), routes
+    return linear(head, x_BxSxD), routes
 
 
 def forward(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
@@ -152,10 +152,14 @@ def shift_labels(labels_BxS: torch.Tensor) -> torch.Tensor:
 
 
 def cross_entropy_sum(logits_BxSxV: torch.Tensor, targets_BxS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of fp32 token cross-entropies, number of targets != IGNORE_INDEX), for token-weighted means."""
-    loss = F.cross_entropy(wide(logits_BxSxV.flatten(0, 1)), targets_BxS.flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
-    return loss, (targets_BxS != IGNORE_INDEX).sum()
+    """(sum of fp32 token cross-entropies, number of targets != IGNORE_INDEX), for token-weighted means.
+
+    The sum is taken in fp64, so a loss summed over ranks or micro-batches does not depend on how the tokens were
+    split (the gradient is the same as of an fp32 sum).
+    """
+    loss_N = F.cross_entropy(wide(logits_BxSxV.flatten(0, 1)), targets_BxS.flatten(), ignore_index=IGNORE_INDEX,
+                             reduction="none")
+    return loss_N.sum(dtype=torch.float64), (targets_BxS != IGNORE_INDEX).sum()
 
 
 def causal_lm_loss(logits_BxSxV: torch.Tensor, labels_BxS: torch.Tensor) -> torch.Tensor:
@@ -163,4 +167,4 @@ def causal_lm_loss(logits_BxSxV: torch.Tensor, labels_BxS: torch.Tensor) -> torc
     if labels_BxS.shape != logits_BxSxV.shape[:2]:
         raise ValueError(f"labels must be [batch, seq] = {list(logits_BxSxV.shape[:2])}, got {list(labels_BxS.shape)}")
     total, count = cross_entropy_sum(logits_BxSxV, shift_labels(labels_BxS))
-    return total / count.clamp(min=1)
+    return (total / count.clamp(min=1)).to(wide_dtype(logits_BxSxV.dtype))

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from glm5f.config import GLM5Config
-from glm5f.ops import swiglu_mlp, wide
+from glm5f.ops import linear, swiglu_mlp, wide
 
 
 def route(p: dict, x_NxD: torch.Tensor, cfg: GLM5Config) -> tuple[torch.Tensor, torch.Tensor]:
@@ -22,8 +22,7 @@ def route(p: dict, x_NxD: torch.Tensor, cfg: GLM5Config) -> tuple[torch.Tensor, 
     with n_group > 1 only the topk_group groups with the best top-2 sums are eligible; weights are normalised
     when norm_topk_prob and scaled by routed_scaling_factor.
     """
-    x_NxD = wide(x_NxD)
-    logits_NxE = F.linear(x_NxD, p["weight"].to(x_NxD.dtype))
+    logits_NxE = linear(p, wide(x_NxD))
     scores_NxE = logits_NxE.sigmoid()
     choice_NxE = scores_NxE + p["e_score_correction_bias"].to(scores_NxE.dtype)
     G = cfg.n_group
@@ -55,18 +54,22 @@ def grouped_matmul(x_MxIn: torch.Tensor, w_ExOutxIn: torch.Tensor, counts_E: tor
     """Row block e of x (rows sorted by expert, counts_E rows each) times w[e]^T -> [M, Out].
 
     Uses torch's grouped GEMM where it applies; otherwise scatters rows into an [E, max_count, In] buffer and
-    runs one batched matmul. Either way no Python loop over experts.
+    runs one batched matmul. Either way no Python loop over experts. Computed in the wider of the two dtypes,
+    returned in x's (as `linear`).
     """
+    out_dtype = x_MxIn.dtype
+    x_MxIn = x_MxIn.to(torch.promote_types(out_dtype, w_ExOutxIn.dtype))
+    w_ExOutxIn = w_ExOutxIn.to(x_MxIn.dtype)
     if _grouped_mm_ok(x_MxIn, w_ExOutxIn):
         offs = torch.cumsum(counts_E, 0, dtype=torch.int32)
-        return F.grouped_mm(x_MxIn, w_ExOutxIn.transpose(-1, -2), offs=offs)
+        return F.grouped_mm(x_MxIn, w_ExOutxIn.transpose(-1, -2), offs=offs).to(out_dtype)
     E = w_ExOutxIn.shape[0]
     expert_M = torch.repeat_interleave(torch.arange(E, device=x_MxIn.device), counts_E, output_size=x_MxIn.shape[0])
     start_E = torch.cumsum(counts_E, 0) - counts_E
     slot_M = torch.arange(x_MxIn.shape[0], device=x_MxIn.device) - start_E[expert_M]
     width = int(counts_E.max()) if x_MxIn.shape[0] else 0
     buf = x_MxIn.new_zeros(E, width, x_MxIn.shape[1]).index_put((expert_M, slot_M), x_MxIn)
-    return torch.bmm(buf, w_ExOutxIn.transpose(-1, -2))[expert_M, slot_M]
+    return torch.bmm(buf, w_ExOutxIn.transpose(-1, -2))[expert_M, slot_M].to(out_dtype)
 
 
 def expert_ffn(p: dict, x_MxD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:

@@ -19,21 +19,29 @@ def wide(x: torch.Tensor) -> torch.Tensor:
     return x.to(wide_dtype(x.dtype))
 
 
+# Every op that meets a weight computes in the wider of the weight's and the input's dtype and returns the input's
+# dtype. Weights normally arrive in the activations' dtype and the casts do nothing; a run with
+# --train.reduce_dtype float64 hands fp64 weights to fp32 activations, so every contraction with a weight (and so
+# every weight-gradient sum over tokens) accumulates in fp64, and each result is rounded to fp32.
+
 def linear(p: dict, x: torch.Tensor) -> torch.Tensor:
     """x @ W^T (+ b) for a params dict {"weight": [out, in], optional "bias": [out]}."""
-    return F.linear(x, p["weight"], p.get("bias"))
+    w, b = p["weight"], p.get("bias")
+    dt = torch.promote_types(x.dtype, w.dtype)
+    return F.linear(x.to(dt), w.to(dt), None if b is None else b.to(dt)).to(x.dtype)
 
 
 def rms_norm(weight: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32 and cast back before the scale, as the reference does."""
     x32 = wide(x)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    return (weight * x32.to(x.dtype)).to(x.dtype)
 
 
 def layer_norm(p: dict, x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """LayerNorm with weight and bias (the DSA indexer's key norm)."""
-    return F.layer_norm(x, (x.shape[-1],), p["weight"], p["bias"], eps)
+    dt = torch.promote_types(x.dtype, p["weight"].dtype)
+    return F.layer_norm(x.to(dt), (x.shape[-1],), p["weight"].to(dt), p["bias"].to(dt), eps).to(x.dtype)
 
 
 def swiglu_mlp(p: dict, x: torch.Tensor) -> torch.Tensor:

@@ -86,9 +86,12 @@ def adamw_update(params: dict, grads: dict[str, torch.Tensor], state: dict, lr: 
 
 
 def global_norm(grads: dict[str, torch.Tensor]) -> torch.Tensor:
-    """sqrt(sum of squared entries) over every gradient, in fp32."""
-    norms = torch._foreach_norm([g.to(wide_dtype(g.dtype)) for g in grads.values()])
-    return torch.linalg.vector_norm(torch.stack([_full(n) for n in norms]))
+    """sqrt(sum of squared entries) over every gradient, summed in fp64 (so the clip factor does not depend on
+    how the gradients are sharded), returned in fp32 (fp64 for fp64 gradients)."""
+    grads = list(grads.values())
+    norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
+    total = torch.linalg.vector_norm(torch.stack([_full(n) for n in norms]))
+    return total.to(wide_dtype(grads[0].dtype)) if grads else total
 
 
 def _full(x: torch.Tensor) -> torch.Tensor:

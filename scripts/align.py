@@ -3,7 +3,13 @@ per-step losses with the one-process baseline.
 
     python scripts/align.py --steps 100 --noise-floor --out runs/align   # the suite, about 20 minutes on 2 cores
     python scripts/align.py --steps 10 --layouts dp2 cp2                 # a quick check
+    python scripts/align.py --steps 100 --out runs/align-r64 --extra --train.reduce_dtype float64   # fp32, fp64 sums
     python scripts/align.py --steps 100 --out runs/align64 --extra --train.dtype float64   # exactness, fp64
+
+In plain fp32 the layouts sum each gradient in another order than one process does, drift apart once a rounding
+difference flips a near-tied top-k choice, and meet only the noise floor (--noise-floor). With
+--train.reduce_dtype float64 (fp32 weights, activations and optimizer; every gradient sum in fp64, rounded once)
+they compute the same fp32 numbers as one process.
 
 Prints a table of avg / max |loss difference| per layout, writes OUT/align.png, and exits non-zero when a
 layout's max difference exceeds --tolerance.
@@ -70,7 +76,10 @@ def main(argv=None) -> int:
         seconds[NOISE_FLOOR[0]] = run(NOISE_FLOOR[0], NOISE_FLOOR[1], args.out, args.steps, args.extra)
     runs = {name: read_metrics(os.path.join(args.out, name)) for name in seconds}
     results, ok = {}, True
-    dtype = next((a for a in reversed(COMMON + args.extra) if a in ("float32", "float64", "bfloat16")), "?")
+    flags = COMMON + args.extra
+    dtype = flags[len(flags) - 1 - flags[::-1].index("--train.dtype") + 1]
+    if "--train.reduce_dtype" in flags:
+        dtype += f" (sums in {flags[len(flags) - 1 - flags[::-1].index('--train.reduce_dtype') + 1]})"
     print(f"{args.steps} steps, {dtype}, glm5-scaled-moe, synthetic data; |loss - baseline loss| per step:")
     print(f"{'layout':<14}{'avg':>12}{'max':>12}{'seconds':>10}")
     for name in [n for n in seconds if n != "baseline"]:

@@ -24,6 +24,15 @@ def test_ten_step_alignment_of_every_layout(tmp_path):
     assert align(["--steps", "10", "--out", str(tmp_path), "--tolerance", "1e-4"]) == 0
 
 
+def test_ten_step_alignment_with_fp64_sums(tmp_path):
+    """fp32 with --train.reduce_dtype float64: every layout computes the one-process losses (bit for bit in
+    practice; 1e-6 leaves room for a sum that lands on an fp32 rounding boundary on another machine)."""
+    from scripts.align import main as align
+
+    assert align(["--steps", "10", "--out", str(tmp_path), "--tolerance", "1e-6",
+                  "--extra", "--train.reduce_dtype", "float64"]) == 0
+
+
 def test_layouts_are_exact_in_float64(tmp_path):
     """In fp64 the layouts agree to rounding (1e-10 here) step after step: what separates them in fp32 over long
     runs is the order of floating-point sums, amplified by top-k choices, not a difference in the mathematics."""
@@ -47,6 +56,36 @@ def test_first_step_gradients_equal_single_process(layout, tmp_path):
         assert err <= 1e-5, f"{layout} {k}: relative gradient error {err:.2e}"
     for k, c in ref["counts"].items():
         assert torch.equal(got["counts"][k], c), k
+
+
+def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in units in the last place of b."""
+    spacing = torch.nextafter(b.abs(), torch.full_like(b, float("inf"))) - b.abs()
+    return (a - b).abs() / spacing
+
+
+@pytest.mark.parametrize("layout", ["accum2", "cp2-ep2", "dp2-cp2"])
+def test_reduce_float64_gradients_equal_single_process_to_the_last_bit(layout, tmp_path):
+    """With --train.reduce_dtype float64 every sum that makes a gradient (over tokens, queries, micro-batches and
+    ranks) is taken in fp64 and rounded to fp32 once, so each layout's fp32 gradients are the one-process ones
+    bit for bit, but for a sum that falls within fp64 rounding of an fp32 rounding boundary (allowed here: one
+    element in 1e6, one ulp). Plain fp32 sums in another order and differs in most elements (70% here)."""
+    argv = COMMON + ["--train.steps", "1", "--train.reduce_dtype", "float64"]
+    ref = dist_checks.first_step_grads(argv, None)
+    if layout == "accum2":
+        got = dist_checks.first_step_grads(argv + ["--train.grad_accum", "2"], None)
+    else:
+        spawn(dist_checks.first_step_grads, 4 if layout == "dp2-cp2" else 2, argv + LAYOUTS[layout],
+              str(tmp_path / "g.pt"))
+        got = torch.load(tmp_path / "g.pt", weights_only=True)
+    assert got["loss"] == ref["loss"]
+    differing = total = 0
+    for k, g in ref["grads"].items():
+        assert got["grads"][k].dtype == g.dtype == torch.float32
+        ulps = ulps_apart(got["grads"][k], g)
+        assert float(ulps.max()) <= 1, f"{layout} {k}: {float(ulps.max())} ulps apart"
+        differing, total = differing + int((ulps > 0).sum()), total + g.numel()
+    assert differing <= total * 1e-6, f"{layout}: {differing} of {total} gradient entries differ"
 
 
 def test_cp_attention_equals_unsharded():

@@ -176,7 +176,8 @@ def test_invalid_run_configs_fail_before_any_work(tmp_path):
                           (["--parallel.dp_shard", "2", "--parallel.cp", "2"], "must equal the number of processes"),
                           (["--data.batch_size", "6", "--train.grad_accum", "4"], "must divide by"),
                           (["--model.n_group", "3"], "divisible by n_group"),
-                          (["--data.type", "json_file"], "needs --data.path")]:
+                          (["--data.type", "json_file"], "needs --data.path"),
+                          (["--train.dtype", "float64", "--train.reduce_dtype", "float32"], "narrower than")]:
         with pytest.raises(TrainingError, match=message):
             train(cli(*args, "--checkpoint.dir", str(run)))
     assert not run.exists()
