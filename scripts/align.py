@@ -76,10 +76,10 @@ def main(argv=None) -> int:
         seconds[NOISE_FLOOR[0]] = run(NOISE_FLOOR[0], NOISE_FLOOR[1], args.out, args.steps, args.extra)
     runs = {name: read_metrics(os.path.join(args.out, name)) for name in seconds}
     results, ok = {}, True
-    flags = COMMON + args.extra
-    dtype = flags[len(flags) - 1 - flags[::-1].index("--train.dtype") + 1]
+    flags = dict(zip(COMMON + args.extra, (COMMON + args.extra)[1:]))  # flag -> the value after it (last one wins)
+    dtype = flags["--train.dtype"]
     if "--train.reduce_dtype" in flags:
-        dtype += f" (sums in {flags[len(flags) - 1 - flags[::-1].index('--train.reduce_dtype') + 1]})"
+        dtype += f" (sums in {flags['--train.reduce_dtype']})"
     print(f"{args.steps} steps, {dtype}, glm5-scaled-moe, synthetic data; |loss - baseline loss| per step:")
     print(f"{'layout':<14}{'avg':>12}{'max':>12}{'seconds':>10}")
     for name in [n for n in seconds if n != "baseline"]:
