@@ -1,6 +1,8 @@
 """Forward + backward time of glm5f and of Transformers' GlmMoeDsaForCausalLM on the same weights and batch.
 
     python bench/forward_backward.py --preset glm5-scaled-moe --batch 2 --seq 512 --steps 5
+    python bench/forward_backward.py --preset bench --batch 4 --seq 512 --topk 128   # the attention bench's model,
+                                                                                     # 4 layers, 16 experts top-2
 
 Both run in this process, alternating, after a warm-up; prints the median seconds of each and their ratio.
 """
@@ -23,13 +25,19 @@ def main():
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--topk", type=int, default=None, help="index_topk (default: the preset's)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, args.dtype)
-    cfg = glm5f.preset(args.preset)
+    if args.preset == "bench":
+        from attention import BENCH_MODEL  # bench/attention.py, beside this file
+        cfg = glm5f.preset("glm5-tiny", **{**BENCH_MODEL, "num_hidden_layers": 4, "index_topk": args.topk or 128,
+                                           "max_position_embeddings": max(4096, args.seq)})
+    else:
+        cfg = glm5f.preset(args.preset, **({"index_topk": args.topk} if args.topk else {}))
     params = glm5f.init_params(cfg, seed=0, dtype=dtype, device=args.device)
     with tempfile.TemporaryDirectory() as d:
         glm5f.save_hf(d, cfg, params)

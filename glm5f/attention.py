@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from glm5f.config import GLM5Config
-from glm5f.ops import apply_rope, layer_norm, linear, rms_norm, wide
+from glm5f.ops import apply_rope, layer_norm, linear, rms_norm, wide, wide_dtype
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm use 1e-6, not rms_norm_eps
 INDEXER_QUERY_CHUNK_ELEMS = 1 << 25  # bound on the indexer's per-chunk [B, S, I, T] fp32 scores
@@ -48,17 +48,24 @@ class Mask:
         return (self.dense is None and self.key_valid is None and self.q_segment is None
                 and self.q_index.numel() == self.num_keys)
 
-    def rows(self, start: int, stop: int) -> torch.Tensor:
-        """allowed [B or 1, stop - start, T] for queries start:stop."""
+    def rows(self, start: int, stop: int, num_keys: int | None = None) -> torch.Tensor:
+        """allowed [B or 1, stop - start, num_keys] for queries start:stop over the first num_keys (default all)."""
+        nk = self.num_keys if num_keys is None else num_keys
         if self.dense is not None:
-            return self.dense[:, start:stop]
-        k_index = torch.arange(self.num_keys, device=self.q_index.device)
+            return self.dense[:, start:stop, :nk]
+        k_index = torch.arange(nk, device=self.q_index.device)
         allowed = (k_index[None, :] <= self.q_index[start:stop, None])[None]
         if self.key_valid is not None:
-            allowed = allowed & self.key_valid[:, None, :]
+            allowed = allowed & self.key_valid[:, None, :nk]
         if self.q_segment is not None:
-            allowed = allowed & (self.q_segment[:, start:stop, None] == self.k_segment[:, None, :])
+            allowed = allowed & (self.q_segment[:, start:stop, None] == self.k_segment[:, None, :nk])
         return allowed
+
+    def visible_keys(self, start: int, stop: int) -> int:
+        """How many leading keys queries start:stop can see at most (causal: one past the last query's index)."""
+        if self.dense is not None or stop <= start:
+            return self.num_keys
+        return min(self.num_keys, int(self.q_index[start:stop].max()) + 1)
 
     def at(self, idx_BxSxK: torch.Tensor) -> torch.Tensor:
         """allowed [B, S, K] at the key indices idx (without building [S, T])."""
@@ -134,26 +141,30 @@ def indexer_keys(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, ctx: AttnConte
 
 @torch.no_grad()
 def indexer_scores(p: dict, x_BxSxD: torch.Tensor, q_BxSxQ: torch.Tensor, keys_BxTxJ: torch.Tensor,
-                   cfg: GLM5Config, ctx: AttnContext, start: int, stop: int) -> torch.Tensor:
-    """Index scores [B, stop - start, T] of queries start:stop: sum_i w_i relu(q_i . k / sqrt(J)), masked to -inf.
+                   cfg: GLM5Config, ctx: AttnContext, start: int, stop: int,
+                   num_keys: int | None = None) -> torch.Tensor:
+    """Index scores [B, stop - start, num_keys] of queries start:stop over the first num_keys keys (default all):
+    sum_i w_i relu(q_i . k / sqrt(J)), masked to -inf.
 
-    Computed in fp32 (fp64 in fp64 runs), with weights_proj in fp32 (scaled by I^-0.5), as the reference does.
+    Computed in fp32 (fp64 in fp64 runs), with weights_proj in fp32 (scaled by I^-0.5), as the reference does;
+    one GEMM for all heads of the block, then ReLU, scale and the head-weighted sum in place.
     """
     B = x_BxSxD.shape[0]
     I, J, P = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+    keys_BxTxJ = keys_BxTxJ[:, :num_keys]
     x = x_BxSxD[:, start:stop]
     q_BxSxIxJ = linear(p["wq_b"], q_BxSxQ[:, start:stop]).view(B, stop - start, I, J)
     q_rot, q_pass = q_BxSxIxJ.split([P, J - P], dim=-1)
     q_BxSxIxJ = torch.cat([apply_rope(q_rot, ctx.cos[:, start:stop], ctx.sin[:, start:stop]), q_pass], dim=-1)
     n = stop - start
-    scores_BxSxIxT = F.relu(torch.bmm(wide(q_BxSxIxJ).reshape(B, n * I, J), wide(keys_BxTxJ).transpose(1, 2))
-                            .view(B, n, I, -1) * J ** -0.5)
-    w_BxSxI = linear(p["weights_proj"], wide(x)) * I ** -0.5
-    scores_BxSxT = torch.matmul(w_BxSxI.unsqueeze(-2), scores_BxSxIxT).squeeze(-2)
+    scores_BxSIxT = torch.bmm(wide(q_BxSxIxJ).reshape(B, n * I, J), wide(keys_BxTxJ).transpose(1, 2))
+    scores_BSxIxT = scores_BxSIxT.mul_(J ** -0.5).relu_().view(B * n, I, -1)
+    w_BSx1xI = (linear(p["weights_proj"], wide(x)) * I ** -0.5).view(B * n, 1, I)
+    scores_BxSxT = torch.bmm(w_BSx1xI, scores_BSxIxT).view(B, n, -1)
     mask = ctx.mask
     if mask.bias is not None:
-        scores_BxSxT = scores_BxSxT + mask.bias[:, start:stop]
-    return scores_BxSxT.masked_fill(~mask.rows(start, stop), float("-inf"))
+        scores_BxSxT = scores_BxSxT + mask.bias[:, start:stop, :num_keys]
+    return scores_BxSxT.masked_fill_(~mask.rows(start, stop, num_keys), float("-inf"))
 
 
 @torch.no_grad()
@@ -171,7 +182,10 @@ def indexer_topk(p: dict, x_BxSxD: torch.Tensor, q_BxSxQ: torch.Tensor, keys_BxT
     out = []
     for start in range(0, S, chunk):
         stop = min(S, start + chunk)
-        scores = indexer_scores(p, x_BxSxD, q_BxSxQ, keys_BxTxJ, cfg, ctx, start, stop)
+        # keys past the chunk's last query are masked for all of it: they are not scored (half the causal work);
+        # at least K keys are kept, so the picks past a query's visible keys are the same masked ones as over all T
+        num_keys = max(K, ctx.mask.visible_keys(start, stop))
+        scores = indexer_scores(p, x_BxSxD, q_BxSxQ, keys_BxTxJ, cfg, ctx, start, stop, num_keys)
         out.append(topk_first(scores, K))
     return torch.cat(out, dim=1)
 
@@ -192,30 +206,109 @@ def topk_first(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 # ---- attention cores ----------------------------------------------------------------------------------------------
 
-def masked_softmax(scores: torch.Tensor, allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Softmax in fp32 (or wider) over the last dim; disallowed entries get the dtype's minimum (never NaN: a row
-    with no allowed entry averages uniformly, as the reference does)."""
-    scores = wide(scores)
-    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-    return torch.softmax(scores, dim=-1).to(dtype)
+SPARSE_BLOCK_ELEMS = 1 << 23  # bound on one query block's gathered rows plus scores, [B, s, K, C + 2H] elements
+
+
+def sparse_block_size(B: int, K: int, C: int, H: int) -> int:
+    """Queries per block of the blocked sparse core: its gathered latent rows [B, s, K, C] and its scores and
+    probabilities [B, s, H, K] stay within SPARSE_BLOCK_ELEMS."""
+    return max(1, SPARSE_BLOCK_ELEMS // max(1, B * K * (C + 2 * H)))
+
+
+def _gather_rows(latent_BxTxC: torch.Tensor, idx_BxSxK: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The selected latent rows [B, S, K, C] in `dtype`, one index_select over the flattened batch."""
+    B, T, C = latent_BxTxC.shape
+    rows = (idx_BxSxK + T * torch.arange(B, device=idx_BxSxK.device)[:, None, None]).flatten()
+    return latent_BxTxC.reshape(B * T, C).index_select(0, rows).view(*idx_BxSxK.shape, C).to(dtype)
+
+
+def _block_probs(q_BxSxHxC, sel_BxSxKxC, allowed_BxSxK, bias_BxSxK, scale):
+    """Softmax probabilities [B, S, H, K] (fp32 or wider) of one block of queries over its selected rows."""
+    scores_BxSxHxK = torch.einsum("bshc,bskc->bshk", q_BxSxHxC, sel_BxSxKxC) * scale
+    if bias_BxSxK is not None:
+        scores_BxSxHxK = scores_BxSxHxK + bias_BxSxK[:, :, None, :]
+    scores_BxSxHxK = wide(scores_BxSxHxK).masked_fill(~allowed_BxSxK[:, :, None, :],
+                                                      torch.finfo(wide_dtype(q_BxSxHxC.dtype)).min)
+    return torch.softmax(scores_BxSxHxK, dim=-1)
+
+
+class _BlockedSparseAttention(torch.autograd.Function):
+    """Sparse attention over query blocks, flash-attention style: the forward keeps no gathered rows, the
+    backward gathers each block again and recomputes its softmax (deterministic, so identical to the forward's).
+    Extra memory is one block's, independent of S; what is saved is the inputs (O(S H C) and O(S K))."""
+
+    @staticmethod
+    def forward(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale, value_dim, block):
+        S, dt = q_BxSxHxC.shape[1], q_BxSxHxC.dtype
+        outs = []
+        for a in range(0, S, block):
+            b = min(S, a + block)
+            sel = _gather_rows(latent_BxTxC, idx_BxSxK[:, a:b], dt)
+            probs = _block_probs(q_BxSxHxC[:, a:b], sel, allowed_BxSxK[:, a:b],
+                                 None if bias_BxSxK is None else bias_BxSxK[:, a:b], scale).to(dt)
+            outs.append(torch.einsum("bshk,bskr->bshr", probs, sel[..., :value_dim]))
+        return torch.cat(outs, dim=1)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, latent, idx, allowed, bias, scale, value_dim, block = inputs
+        ctx.save_for_backward(q, latent, idx, allowed, bias)
+        ctx.scale, ctx.value_dim, ctx.block = scale, value_dim, block
+
+    @staticmethod
+    def backward(ctx, dout_BxSxHxR):
+        q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK = ctx.saved_tensors
+        scale, R, block = ctx.scale, ctx.value_dim, ctx.block
+        B, S, H, C = q_BxSxHxC.shape
+        T, dt = latent_BxTxC.shape[1], q_BxSxHxC.dtype
+        dq_blocks = []
+        # each selected row's gradient is summed over the queries that chose it in the latent's dtype (as the
+        # unblocked path's index_select backward does): exact, so independent of blocks and of rank layouts
+        dlatent = torch.zeros(B * T, C, dtype=latent_BxTxC.dtype, device=latent_BxTxC.device)
+        offsets = T * torch.arange(B, device=idx_BxSxK.device)[:, None, None]
+        for a in range(0, S, block):
+            b = min(S, a + block)
+            q, dout, allowed = q_BxSxHxC[:, a:b], dout_BxSxHxR[:, a:b].to(dt), allowed_BxSxK[:, a:b]
+            sel = _gather_rows(latent_BxTxC, idx_BxSxK[:, a:b], dt)
+            probs_w = _block_probs(q, sel, allowed, None if bias_BxSxK is None else bias_BxSxK[:, a:b], scale)
+            probs = probs_w.to(dt)
+            dprobs_w = wide(torch.einsum("bshr,bskr->bshk", dout, sel[..., :R]))
+            dscores_w = probs_w * (dprobs_w - (probs_w * dprobs_w).sum(-1, keepdim=True))
+            dscores = dscores_w.masked_fill(~allowed[:, :, None, :], 0).to(dt) * scale
+            dq_blocks.append(torch.einsum("bshk,bskc->bshc", dscores, sel))
+            dsel = torch.einsum("bshk,bshc->bskc", dscores, q)
+            dsel[..., :R] += torch.einsum("bshk,bshr->bskr", probs, dout)
+            dlatent.index_add_(0, (idx_BxSxK[:, a:b] + offsets).flatten(),
+                               dsel.reshape(-1, C).to(latent_BxTxC.dtype))
+        return torch.cat(dq_blocks, dim=1), dlatent.view(B, T, C), None, None, None, None, None, None
 
 
 def sparse_attention(q_BxSxHxC: torch.Tensor, latent_BxTxC: torch.Tensor, idx_BxSxK: torch.Tensor,
                      allowed_BxSxK: torch.Tensor, scale: float, value_dim: int,
-                     bias_BxSxK: torch.Tensor | None = None) -> torch.Tensor:
+                     bias_BxSxK: torch.Tensor | None = None, block: int | None = None) -> torch.Tensor:
     """Attention of each query over its K selected latent rows (shared by all heads) -> [B, S, H, value_dim].
 
-    Values are the first `value_dim` channels of the latent rows. Memory is O(S K C), never O(S T). Computed in
-    the queries' dtype; each key row's gradient is summed over the queries that selected it in the latent's.
+    Values are the first `value_dim` channels of the latent rows. Queries run in blocks of `block` (default
+    `sparse_block_size`), so memory is linear in S and never O(S T) or O(S K C). Computed in the queries' dtype
+    with an fp32 (or wider) softmax; each key row's gradient is summed over queries in the latent's dtype.
+    Under torch.func transforms (grad, vmap, jacrev) the same math runs unblocked through plain autograd ops
+    (`sparse_attention_unblocked`), which functorch differentiates and batches itself.
     """
-    B, T, C = latent_BxTxC.shape
-    rows_BxSxK = idx_BxSxK + T * torch.arange(B, device=idx_BxSxK.device)[:, None, None]
-    sel_BxSxKxC = (latent_BxTxC.reshape(B * T, C).index_select(0, rows_BxSxK.flatten()).view(*idx_BxSxK.shape, C)
-                   .to(q_BxSxHxC.dtype))
-    scores_BxSxHxK = torch.einsum("bshc,bskc->bshk", q_BxSxHxC, sel_BxSxKxC) * scale
-    if bias_BxSxK is not None:
-        scores_BxSxHxK = scores_BxSxHxK + bias_BxSxK[:, :, None, :]
-    probs_BxSxHxK = masked_softmax(scores_BxSxHxK, allowed_BxSxK[:, :, None, :], q_BxSxHxC.dtype)
+    if torch._C._are_functorch_transforms_active():
+        return sparse_attention_unblocked(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, scale, value_dim,
+                                          bias_BxSxK)
+    B, S, H, C = q_BxSxHxC.shape
+    block = block or sparse_block_size(B, idx_BxSxK.shape[-1], C, H)
+    return _BlockedSparseAttention.apply(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale,
+                                         value_dim, block)
+
+
+def sparse_attention_unblocked(q_BxSxHxC: torch.Tensor, latent_BxTxC: torch.Tensor, idx_BxSxK: torch.Tensor,
+                               allowed_BxSxK: torch.Tensor, scale: float, value_dim: int,
+                               bias_BxSxK: torch.Tensor | None = None) -> torch.Tensor:
+    """The oracle of `sparse_attention`: every query's rows gathered at once ([B, S, K, C]), plain autograd."""
+    sel_BxSxKxC = _gather_rows(latent_BxTxC, idx_BxSxK, q_BxSxHxC.dtype)
+    probs_BxSxHxK = _block_probs(q_BxSxHxC, sel_BxSxKxC, allowed_BxSxK, bias_BxSxK, scale).to(q_BxSxHxC.dtype)
     return torch.einsum("bshk,bskr->bshr", probs_BxSxHxK, sel_BxSxKxC[..., :value_dim])
 
 
@@ -275,6 +368,30 @@ def topk_as_mask(idx_BxSxK: torch.Tensor, num_keys: int) -> torch.Tensor:
     return sel.scatter(-1, idx_BxSxK, True)
 
 
+# The cost model that picks between the two exact paths for a top-k set, in fp32 FLOP equivalents of one forward
+# (the backward scales both alike). Gathered sparse attention runs its contractions as one small GEMM per query
+# (M = H rows), well below the matmul peak, and moves every gathered latent element through memory; masked dense
+# attention expands the latent per head and scores every key, in large GEMMs, and builds a [B, S, T] mask.
+# Measured on a 2-core CPU (bench/attention.py, fp32): dense wins at short L and K near T, sparse from ~K = T/4.
+SMALL_GEMM_SLOWDOWN = 4.0  # a per-query [H, C] x [C, K] GEMM's time over a large GEMM's, per FLOP
+GATHER_FLOPS = 8.0  # one gathered latent element (index_select, copy, its gradient's index_add)
+MASK_FLOPS = 4.0  # one [B, S, T] mask element (built, added to the scores, its softmax entry)
+DENSE_MAX_MASK_ELEMS = 1 << 26  # never build a mask larger than this: the dense path's memory is O(S T)
+
+
+def dense_is_cheaper(B: int, T: int, K: int, cfg: GLM5Config) -> bool:
+    """True when masked dense attention of T queries over T keys, K selected each, costs less than gathering the
+    selected keys (the result is the same)."""
+    H, R, P = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    N, V = cfg.qk_nope_head_dim, cfg.v_head_dim
+    S = T
+    if B * S * T > DENSE_MAX_MASK_ELEMS:
+        return False
+    sparse = B * S * K * (2 * H * (R + P + R) * SMALL_GEMM_SLOWDOWN + GATHER_FLOPS * (R + P))
+    dense = 2 * B * T * R * H * (N + V) + 2 * B * S * T * H * (N + P + V) + MASK_FLOPS * B * S * T * H
+    return dense < sparse
+
+
 # ---- the attention block ------------------------------------------------------------------------------------------
 
 def attention(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, ctx: AttnContext,
@@ -295,6 +412,11 @@ def attention(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, ctx: 
         topk = prev_topk
     if topk is None and S > 1:
         out_BxSxHxV = dense_mla(p, q_nope, q_rot, latent_BxTxC, ctx.mask, cfg)
+    elif topk is not None and S > 1 and latent_dtype == q_nope.dtype and dense_is_cheaper(B, T, topk.shape[-1], cfg):
+        # decided on the global sequence, so every CP rank and one process take the same path; with a wider latent
+        # (--train.reduce_dtype) always gathered: only there is each key's gradient an exact sum over queries
+        allowed_BxSxT = ctx.mask.rows(0, S) & topk_as_mask(topk, T)
+        out_BxSxHxV = dense_mla(p, q_nope, q_rot, latent_BxTxC, ctx.mask, cfg, allowed_BxSxT=allowed_BxSxT)
     else:
         if topk is None:  # one query (decoding) over at most index_topk keys: all of them
             topk = torch.arange(T, device=x_BxSxD.device).expand(B, S, T)

@@ -8,8 +8,8 @@ from torch.func import grad, jacrev, vmap
 
 import glm5f
 import glm5f.model as model_mod
-from glm5f.attention import (AttnContext, Mask, dense_mla, indexer_topk, mla_project, sparse_mla, topk_as_mask,
-                             topk_first)
+from glm5f.attention import (AttnContext, Mask, dense_mla, indexer_topk, mla_project, sparse_attention,
+                             sparse_attention_unblocked, sparse_mla, topk_as_mask, topk_first)
 from glm5f.decode import extend, init_cache
 from glm5f.moe import routed_experts
 from glm5f.ops import linear, swiglu_mlp
@@ -64,6 +64,57 @@ def test_sparse_attention_equals_masked_dense_oracle(case):
     g_dense = torch.autograd.grad((dense * weight).sum(), inputs)
     for a, b in zip(g_sparse, g_dense):
         assert torch.allclose(a, b, atol=1e-10, rtol=1e-9)
+
+
+@SETTINGS
+@given(st.integers(1, 2), st.integers(1, 40), st.integers(1, 12), st.integers(1, 3), st.integers(1, 50),
+       st.sampled_from(["causal", "padded", "packed", "bias"]), st.booleans(), st.integers(0, 2**31 - 1))
+def test_blocked_sparse_core_equals_unblocked_oracle(B, T, K, H, block, kind, cp_shard, seed):
+    """The blocked core (query blocks, gathers recomputed in the backward) against the all-at-once oracle, fp64:
+    values and both gradients, ragged last blocks, padding, packed documents, an additive bias, a CP-like shard
+    of the queries (global keys, local queries)."""
+    g = torch.Generator().manual_seed(seed)
+    K, R, P = min(K, T), 6, 2
+    q_index = torch.arange(T)
+    if cp_shard and T > 1:  # this rank's queries: a contiguous share of the sequence, as a CP chunk
+        a = int(torch.randint(0, T - 1, (1,), generator=g))
+        q_index = q_index[a:int(torch.randint(a + 1, T + 1, (1,), generator=g))]
+    S = q_index.numel()
+    key_valid = torch.rand(B, T, generator=g) > 0.3 if kind == "padded" else None
+    seg = torch.randint(0, 3, (B, T), generator=g).sort(-1).values if kind == "packed" else None
+    mask = Mask(q_index, T, key_valid=key_valid, q_segment=None if seg is None else seg[:, q_index], k_segment=seg)
+    scores = torch.randn(B, S, T, generator=g).masked_fill(~mask.rows(0, S), float("-inf"))
+    idx = topk_first(scores, K)
+    allowed = mask.at(idx)
+    bias = torch.randn(B, S, K, generator=g, dtype=torch.float64) if kind == "bias" else None
+    q = torch.randn(B, S, H, R + P, generator=g, dtype=torch.float64).requires_grad_()
+    latent = torch.randn(B, T, R + P, generator=g, dtype=torch.float64).requires_grad_()
+    blocked = sparse_attention(q, latent, idx, allowed, 0.7, R, bias, block=block)
+    oracle = sparse_attention_unblocked(q, latent, idx, allowed, 0.7, R, bias)
+    assert torch.allclose(blocked, oracle, atol=1e-12, rtol=1e-10)
+    w = torch.randn(blocked.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad((blocked * w).sum(), (q, latent)),
+                    torch.autograd.grad((oracle * w).sum(), (q, latent))):
+        assert torch.allclose(a, b, atol=1e-12, rtol=1e-10)
+
+
+def test_blocked_sparse_core_under_torch_func_matches_autograd():
+    """torch.func.grad and vmap route through the unblocked oracle; they agree with eager autograd through the
+    blocked core."""
+    g = torch.Generator().manual_seed(0)
+    B, S, T, H, R, P, K = 2, 9, 11, 3, 6, 2, 4
+    q = torch.randn(B, S, H, R + P, generator=g, dtype=torch.float64)
+    latent = torch.randn(B, T, R + P, generator=g, dtype=torch.float64)
+    idx = topk_first(torch.randn(B, S, T, generator=g), K)
+    allowed = idx <= torch.arange(S)[None, :, None]
+    f = lambda q_, lat_: sparse_attention(q_, lat_, idx, allowed, 0.5, R, block=2).square().sum()  # noqa: E731
+    eager = torch.autograd.grad(f(q.requires_grad_(), latent.requires_grad_()), (q, latent))
+    func = grad(f, argnums=(0, 1))(q.detach(), latent.detach())
+    for a, b in zip(eager, func):
+        assert torch.allclose(a, b, atol=1e-12)
+    per_example = vmap(lambda q1, l1, i1, a1: sparse_attention(q1[None], l1[None], i1[None], a1[None], 0.5, R)[0])(
+        q.detach(), latent.detach(), idx, allowed)
+    assert torch.allclose(per_example, sparse_attention(q.detach(), latent.detach(), idx, allowed, 0.5, R, block=3))
 
 
 def naive_mla(p, x, cfg, layer, ctx, prev_topk):
@@ -216,3 +267,32 @@ def test_fewer_visible_keys_than_k_never_attends_masked_keys():
     alone = glm5f.forward(params, cfg, ids[:, S - 5:])
     padded = glm5f.forward(params, cfg, ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
     assert (padded[0, S - 5:] - alone[0]).abs().max() <= 1e-5
+
+
+def test_cost_model_picks_the_cheaper_exact_path_and_both_agree():
+    """The documented cost model: masked dense over the top-k set at short L (K a large share of T), gathered
+    sparse at long L; attention() gives the same result whichever path it takes."""
+    from glm5f import attention as attn
+    cfg = glm5f.preset("glm5-tiny", hidden_size=512, num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=128,
+                       qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, index_head_dim=64)
+    assert attn.dense_is_cheaper(4, 512, 128, cfg)       # the B4 x S512, top-128 step
+    assert not attn.dense_is_cheaper(1, 8192, 512, cfg)  # long context: gather
+    assert not attn.dense_is_cheaper(1, 2048, 64, cfg)
+    tiny = small_cfg(index_topk=6)
+    params = glm5f.init_params(tiny, seed=3, dtype=torch.float64)
+    p = params["model"]["layers"][0]["self_attn"]
+    w = p["kv_b_proj"]["weight"].requires_grad_()
+    x = torch.randn(2, 20, tiny.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    ctx = model_mod.make_context(tiny, (2, 20), None, None, torch.float64, "cpu")
+    outs = []
+    for dense in (True, False):
+        orig = attn.dense_is_cheaper
+        attn.dense_is_cheaper = lambda *a, dense=dense: dense
+        try:
+            xg = x.clone().requires_grad_()
+            out, _ = attn.attention(p, xg, tiny, 0, ctx, None)
+            outs.append((out, *torch.autograd.grad(out.square().sum(), [xg, w])))
+        finally:
+            attn.dense_is_cheaper = orig
+    for a, b in zip(*outs):
+        assert torch.allclose(a, b, atol=1e-12, rtol=1e-10)
