@@ -286,13 +286,13 @@ def test_cost_model_picks_the_cheaper_exact_path_and_both_agree():
     ctx = model_mod.make_context(tiny, (2, 20), None, None, torch.float64, "cpu")
     outs = []
     for dense in (True, False):
-        orig = attn.dense_is_cheaper
-        attn.dense_is_cheaper = lambda *a, dense=dense: dense
+        orig, orig_switch = attn.dense_is_cheaper, attn.DENSE_TOPK_PATH
+        attn.dense_is_cheaper, attn.DENSE_TOPK_PATH = (lambda *a, dense=dense: dense), True
         try:
             xg = x.clone().requires_grad_()
             out, _ = attn.attention(p, xg, tiny, 0, ctx, None)
             outs.append((out, *torch.autograd.grad(out.square().sum(), [xg, w])))
         finally:
-            attn.dense_is_cheaper = orig
+            attn.dense_is_cheaper, attn.DENSE_TOPK_PATH = orig, orig_switch
     for a, b in zip(*outs):
         assert torch.allclose(a, b, atol=1e-12, rtol=1e-10)
