@@ -98,6 +98,8 @@ class TrainConfig:
     device: str = "auto"
     """auto (cuda if present, else cpu), cpu, cuda, npu."""
     log_every: int = 10
+    skip_nonfinite: bool = False
+    """On a NaN/inf loss or gradient norm, skip that step's update (logged) and go on; default: stop the run."""
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -103,6 +104,18 @@ def step_grads(params: dict, batch: dict, cfg: Config, model_cfg: glm5f.GLM5Conf
     return float(layout.sum(loss_sum) / n_targets), grads, {k: layout.sum(c) for k, c in counts.items()}
 
 
+def check_finite(params: dict, layout: Layout, step: int, last_ckpt: str | None) -> None:
+    """Refuse to checkpoint parameters holding NaN or inf (counted over all ranks' shards)."""
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t
+    bad = {p: (~torch.isfinite(local(t))).sum() for p, t in flatten(params).items() if t.is_floating_point()}
+    counts = layout.sum(torch.stack(list(bad.values())).to(torch.float64)) if bad else torch.zeros(0)
+    names = [p for p, n in zip(bad, counts.tolist()) if n]
+    if names:
+        raise TrainingError(f"step {step}: non-finite values in {len(names)} parameter(s) ({', '.join(names[:3])}"
+                            f"{', ...' if len(names) > 3 else ''}); not writing a checkpoint of them. The last good "
+                            f"checkpoint is {last_ckpt or 'none (no checkpoint written yet)'}")
+
+
 def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     errors = validate(cfg, world_size=layout.world if layout else 1)
     if errors:
@@ -169,24 +182,33 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         batch = {k: v.to(device) for k, v in data.next_batch().items()}
         check_input_ids(batch["input_ids"], model_cfg)
         loss, grads, counts = step_grads(params, batch, cfg, model_cfg, layout)
-        if not torch.isfinite(torch.tensor(loss)):
-            raise TrainingError(f"step {step + 1}: the loss is {loss}; stopping before the update. "
-                                f"The last good checkpoint is {last_ckpt or 'none (no checkpoint written yet)'}")
         grads, grad_norm = clip_by_global_norm(grads, cfg.optim.clip_norm)
         lr = lr_schedule(step, peak=cfg.optim.lr, warmup=cfg.optim.warmup_steps, total=cfg.train.steps,
                          min_ratio=cfg.optim.min_lr_ratio)
-        params, opt_state = adamw_update(params, grads, opt_state, lr, b1=cfg.optim.b1, b2=cfg.optim.b2,
-                                         eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
-        params = balance_router_bias(params, counts, cfg.optim.bias_update_rate)
+        bad = [f"the {name} is {v}" for name, v in (("loss", loss), ("grad norm", float(grad_norm)))
+               if not math.isfinite(v)]
+        if bad and not cfg.train.skip_nonfinite:
+            raise TrainingError(f"step {step + 1}: {' and '.join(bad)}; stopping before the update. The last good "
+                                f"checkpoint is {last_ckpt or 'none (no checkpoint written yet)'}; resume from it "
+                                f"with a lower --optim.lr, or pass --train.skip_nonfinite to skip such steps")
+        if bad:
+            say(f"step {step + 1}: {' and '.join(bad)}; skipping this step's update (--train.skip_nonfinite)")
+        else:
+            params, opt_state = adamw_update(params, grads, opt_state, lr, b1=cfg.optim.b1, b2=cfg.optim.b2,
+                                             eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
+            params = balance_router_bias(params, counts, cfg.optim.bias_update_rate)
         dt = time.perf_counter() - t0
         tokens = batch["input_ids"].numel()
         rec = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": float(grad_norm), "tokens": tokens,
                "tokens_per_s": tokens / dt, "step_time_s": dt}
+        if bad:
+            rec["skipped"] = True
         records.append(rec)
         if layout.is_main:
             log.write(rec)
             progress.update(step + 1, rec)
         if (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0) or step + 1 == cfg.train.steps:
+            check_finite(params, layout, step + 1, last_ckpt)
             last_ckpt = checkpoint.save(
                 run_dir, step + 1, {"params": params, "optim": opt_state},
                 extra={"step": step + 1, "data": data.state_dict(), "rng": checkpoint.rng_state()},
