@@ -21,6 +21,7 @@ import glm5f
 from configs import Config, validate
 from glm5f import checkpoint
 from glm5f.data import make_source
+from glm5f.hf import check_export_dir
 from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
 from glm5f.model import apply, check_input_ids, cross_entropy_sum, shift_labels
 from glm5f.optim import adamw_init, adamw_update, balance_router_bias, clip_by_global_norm, lr_schedule, value_and_grad
@@ -121,6 +122,9 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     if errors:
         raise TrainingError("invalid configuration:\n  - " + "\n  - ".join(errors))
     check_supported(cfg)
+    if cfg.checkpoint.export_hf:
+        with user_errors():
+            check_export_dir(cfg.checkpoint.export_hf, run_dir=cfg.checkpoint.dir)
     torch.manual_seed(cfg.train.seed)
     layout = layout or Layout(resolve_device(cfg.train.device))
     device, dtype, run_dir = layout.device, getattr(torch, cfg.train.dtype), cfg.checkpoint.dir
@@ -167,6 +171,7 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
             say(f"resumed from {last_ckpt} at step {start}")
     if start >= cfg.train.steps:
         say(f"nothing to do: step {start} >= --train.steps {cfg.train.steps}")
+        export(cfg, model_cfg, params, layout, say)
         return read_metrics(run_dir)
 
     log = MetricsLog(run_dir, start) if layout.is_main else None
@@ -221,12 +226,18 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
             say(f"loss curve: {os.path.join(run_dir, 'loss.png')}")
         first, last = history[0]["loss"], history[-1]["loss"]
         say(f"done: loss {first:.4f} (step {history[0]['step']}) -> {last:.4f} (step {history[-1]['step']})")
+    export(cfg, model_cfg, params, layout, say)
+    return records
+
+
+def export(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, layout: Layout, say) -> None:
+    """--checkpoint.export_hf: the weights as a Transformers checkpoint (collective: every rank gathers)."""
     if cfg.checkpoint.export_hf:
         full = map_with_path(lambda p, t: layout.full(t), params)
         if layout.is_main:
-            glm5f.save_hf(cfg.checkpoint.export_hf, model_cfg, full)
+            with user_errors():
+                glm5f.save_hf(cfg.checkpoint.export_hf, model_cfg, full)
             say(f"exported Transformers checkpoint: {cfg.checkpoint.export_hf}")
-    return records
 
 
 def run_rank(argv: list[str]) -> None:

@@ -339,6 +339,37 @@ def test_export_hf_and_compare_script(tmp_path):
     assert "0.000e+00" in out.stdout and os.path.isfile(tmp_path / "c.png")
 
 
+def test_export_hf_refuses_foreign_directories_before_training(tmp_path):
+    foreign = tmp_path / "notes"
+    foreign.mkdir()
+    (foreign / "thesis.txt").write_text("years of work")
+    with pytest.raises(TrainingError, match=r"holds files that are not a previous glm5f export \(thesis.txt\)"):
+        train(cli(*TINY, "--train.steps", "2", "--checkpoint.dir", str(tmp_path / "r"),
+                  "--checkpoint.export_hf", str(foreign)))
+    assert (foreign / "thesis.txt").read_text() == "years of work" and os.listdir(foreign) == ["thesis.txt"]
+    assert not (tmp_path / "r").exists()  # refused before training
+    for target in (tmp_path / "r", tmp_path):
+        with pytest.raises(TrainingError, match="is or contains the run directory"):
+            train(cli(*TINY, "--train.steps", "2", "--checkpoint.dir", str(tmp_path / "r"),
+                      "--checkpoint.export_hf", str(target)))
+    assert sorted(os.listdir(tmp_path)) == ["notes"]
+
+
+def test_export_hf_replaces_its_own_export_and_exports_a_finished_run(tmp_path):
+    run, hf = str(tmp_path / "r"), tmp_path / "hf"
+    hf.mkdir()  # empty is fine
+    train(cli(*TINY, "--train.steps", "2", "--checkpoint.dir", run, "--checkpoint.export_hf", str(hf)))
+    first = (hf / "model.safetensors").read_bytes()
+    train(cli(*TINY, "--train.steps", "4", "--checkpoint.dir", run, "--checkpoint.resume", "latest",
+              "--checkpoint.export_hf", str(hf)))  # a previous export: replaced
+    assert (hf / "model.safetensors").read_bytes() != first
+    again = tmp_path / "again"
+    train(cli(*TINY, "--train.steps", "4", "--checkpoint.dir", run, "--checkpoint.resume", "latest",
+              "--checkpoint.export_hf", str(again)))  # nothing to train, still exported
+    assert (again / "model.safetensors").read_bytes() == (hf / "model.safetensors").read_bytes()
+    assert not any(".tmp-" in n or ".old-" in n for n in os.listdir(tmp_path))
+
+
 def test_help_lists_every_section():
     out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--help"], capture_output=True, text=True,
                          cwd=ROOT)
