@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import shutil
 import sys
 import time
 
@@ -117,6 +118,31 @@ def check_finite(params: dict, layout: Layout, step: int, last_ckpt: str | None)
                             f"checkpoint is {last_ckpt or 'none (no checkpoint written yet)'}")
 
 
+RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png")  # what a run writes into its directory
+
+
+def check_run_dir(cfg: Config, is_main: bool) -> None:
+    """A run directory holding a previous run is only continued (--checkpoint.resume) or, with
+    --checkpoint.overwrite, emptied of what we wrote; anything else would mix two runs' metrics and checkpoints."""
+    run_dir = cfg.checkpoint.dir
+    if cfg.checkpoint.resume or not os.path.isdir(run_dir):
+        return
+    found = [n for n in RUN_FILES[:2] if os.path.exists(os.path.join(run_dir, n))]
+    if not found:
+        return
+    if not cfg.checkpoint.overwrite:
+        raise TrainingError(f"the run directory {run_dir} already holds a run ({', '.join(found)}); continue it "
+                            f"with --checkpoint.resume latest, start over with --checkpoint.overwrite (deletes "
+                            f"its {', '.join(RUN_FILES)}), or pass another --checkpoint.dir")
+    if is_main:
+        for n in RUN_FILES:
+            path = os.path.join(run_dir, n)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.exists(path):
+                os.remove(path)
+
+
 def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     errors = validate(cfg, world_size=layout.world if layout else 1)
     if errors:
@@ -125,6 +151,7 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     if cfg.checkpoint.export_hf:
         with user_errors():
             check_export_dir(cfg.checkpoint.export_hf, run_dir=cfg.checkpoint.dir)
+    check_run_dir(cfg, is_main=layout.is_main if layout else True)
     torch.manual_seed(cfg.train.seed)
     layout = layout or Layout(resolve_device(cfg.train.device))
     device, dtype, run_dir = layout.device, getattr(torch, cfg.train.dtype), cfg.checkpoint.dir

@@ -370,6 +370,26 @@ def test_export_hf_replaces_its_own_export_and_exports_a_finished_run(tmp_path):
     assert not any(".tmp-" in n or ".old-" in n for n in os.listdir(tmp_path))
 
 
+def test_second_run_into_a_used_run_dir_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default --checkpoint.dir, runs/default, as a user running train.py twice
+    assert main(TINY + ["--train.steps", "2"]) == 0
+    before = (tmp_path / "runs" / "default" / "metrics.jsonl").read_text()
+    assert main(TINY + ["--train.steps", "3", "--data.seed", "1"]) == 1
+    err = capsys.readouterr().err
+    assert ("error: the run directory runs/default already holds a run (checkpoints, metrics.jsonl); continue it "
+            "with --checkpoint.resume latest, start over with --checkpoint.overwrite") in err
+    assert (tmp_path / "runs" / "default" / "metrics.jsonl").read_text() == before
+    assert sorted(os.listdir(tmp_path / "runs" / "default" / "checkpoints")) == ["latest", "step_00000002"]
+    (tmp_path / "runs" / "default" / "notes.txt").write_text("mine")
+    assert main(TINY + ["--train.steps", "3", "--checkpoint.overwrite", "--checkpoint.every", "0"]) == 0
+    run = tmp_path / "runs" / "default"
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
+    assert sorted(os.listdir(run / "checkpoints")) == ["latest", "step_00000003"]
+    assert (run / "notes.txt").read_text() == "mine"  # overwrite removes only what a run writes
+    assert main(TINY + ["--train.steps", "3", "--checkpoint.overwrite", "--checkpoint.resume", "latest"]) == 1
+    assert "--checkpoint.overwrite deletes the checkpoints --checkpoint.resume would" in capsys.readouterr().err
+
+
 def test_help_lists_every_section():
     out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--help"], capture_output=True, text=True,
                          cwd=ROOT)
