@@ -98,6 +98,8 @@ class TrainConfig:
     device: str = "auto"
     """auto (cuda if present, else cpu), cpu, cuda, npu."""
     log_every: int = 10
+    skip_nonfinite: bool = False
+    """On a NaN/inf loss or gradient norm, skip that step's update (logged) and go on; default: stop the run."""
 
 
 @dataclass
@@ -127,7 +129,10 @@ class CheckpointConfig:
     resume: Optional[str] = None
     """'latest' (the run directory's newest checkpoint, or a fresh start if none) or a checkpoint path."""
     export_hf: Optional[str] = None
-    """Also write the final weights as a Transformers checkpoint to this directory."""
+    """Also write the final weights as a Transformers checkpoint to this directory (new, empty, or a previous
+    export, which is replaced)."""
+    overwrite: bool = False
+    """Start over in a run directory that holds a previous run: delete its checkpoints/, metrics.jsonl, loss.png."""
 
 
 @dataclass
@@ -155,6 +160,9 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     if cfg.train.reduce_dtype and cfg.train.dtype == "float64" and cfg.train.reduce_dtype != "float64":
         errs.append(f"--train.reduce_dtype {cfg.train.reduce_dtype} is narrower than --train.dtype float64; "
                     f"drop it or use float64")
+    if cfg.checkpoint.overwrite and cfg.checkpoint.resume:
+        errs.append("--checkpoint.overwrite deletes the checkpoints --checkpoint.resume would continue from; "
+                    "pass one of them")
     if cfg.optim.lr <= 0:
         errs.append(f"--optim.lr must be positive, got {cfg.optim.lr}")
     if not 0 <= cfg.optim.min_lr_ratio <= 1:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
+import shutil
 import sys
 import time
 
@@ -20,6 +22,7 @@ import glm5f
 from configs import Config, validate
 from glm5f import checkpoint
 from glm5f.data import make_source
+from glm5f.hf import check_export_dir
 from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
 from glm5f.model import apply, check_input_ids, cross_entropy_sum, shift_labels
 from glm5f.optim import adamw_init, adamw_update, balance_router_bias, clip_by_global_norm, lr_schedule, value_and_grad
@@ -103,11 +106,52 @@ def step_grads(params: dict, batch: dict, cfg: Config, model_cfg: glm5f.GLM5Conf
     return float(layout.sum(loss_sum) / n_targets), grads, {k: layout.sum(c) for k, c in counts.items()}
 
 
+def check_finite(params: dict, layout: Layout, step: int, last_ckpt: str | None) -> None:
+    """Refuse to checkpoint parameters holding NaN or inf (counted over all ranks' shards)."""
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t
+    bad = {p: (~torch.isfinite(local(t))).sum() for p, t in flatten(params).items() if t.is_floating_point()}
+    counts = layout.sum(torch.stack(list(bad.values())).to(torch.float64)) if bad else torch.zeros(0)
+    names = [p for p, n in zip(bad, counts.tolist()) if n]
+    if names:
+        raise TrainingError(f"step {step}: non-finite values in {len(names)} parameter(s) ({', '.join(names[:3])}"
+                            f"{', ...' if len(names) > 3 else ''}); not writing a checkpoint of them. The last good "
+                            f"checkpoint is {last_ckpt or 'none (no checkpoint written yet)'}")
+
+
+RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png")  # what a run writes into its directory
+
+
+def check_run_dir(cfg: Config, is_main: bool) -> None:
+    """A run directory holding a previous run is only continued (--checkpoint.resume) or, with
+    --checkpoint.overwrite, emptied of what we wrote; anything else would mix two runs' metrics and checkpoints."""
+    run_dir = cfg.checkpoint.dir
+    if cfg.checkpoint.resume or not os.path.isdir(run_dir):
+        return
+    found = [n for n in RUN_FILES[:2] if os.path.exists(os.path.join(run_dir, n))]
+    if not found:
+        return
+    if not cfg.checkpoint.overwrite:
+        raise TrainingError(f"the run directory {run_dir} already holds a run ({', '.join(found)}); continue it "
+                            f"with --checkpoint.resume latest, start over with --checkpoint.overwrite (deletes "
+                            f"its {', '.join(RUN_FILES)}), or pass another --checkpoint.dir")
+    if is_main:
+        for n in RUN_FILES:
+            path = os.path.join(run_dir, n)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.exists(path):
+                os.remove(path)
+
+
 def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     errors = validate(cfg, world_size=layout.world if layout else 1)
     if errors:
         raise TrainingError("invalid configuration:\n  - " + "\n  - ".join(errors))
     check_supported(cfg)
+    if cfg.checkpoint.export_hf:
+        with user_errors():
+            check_export_dir(cfg.checkpoint.export_hf, run_dir=cfg.checkpoint.dir)
+    check_run_dir(cfg, is_main=layout.is_main if layout else True)
     torch.manual_seed(cfg.train.seed)
     layout = layout or Layout(resolve_device(cfg.train.device))
     device, dtype, run_dir = layout.device, getattr(torch, cfg.train.dtype), cfg.checkpoint.dir
@@ -154,6 +198,7 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
             say(f"resumed from {last_ckpt} at step {start}")
     if start >= cfg.train.steps:
         say(f"nothing to do: step {start} >= --train.steps {cfg.train.steps}")
+        export(cfg, model_cfg, params, layout, say)
         return read_metrics(run_dir)
 
     log = MetricsLog(run_dir, start) if layout.is_main else None
@@ -169,24 +214,33 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         batch = {k: v.to(device) for k, v in data.next_batch().items()}
         check_input_ids(batch["input_ids"], model_cfg)
         loss, grads, counts = step_grads(params, batch, cfg, model_cfg, layout)
-        if not torch.isfinite(torch.tensor(loss)):
-            raise TrainingError(f"step {step + 1}: the loss is {loss}; stopping before the update. "
-                                f"The last good checkpoint is {last_ckpt or 'none (no checkpoint written yet)'}")
         grads, grad_norm = clip_by_global_norm(grads, cfg.optim.clip_norm)
         lr = lr_schedule(step, peak=cfg.optim.lr, warmup=cfg.optim.warmup_steps, total=cfg.train.steps,
                          min_ratio=cfg.optim.min_lr_ratio)
-        params, opt_state = adamw_update(params, grads, opt_state, lr, b1=cfg.optim.b1, b2=cfg.optim.b2,
-                                         eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
-        params = balance_router_bias(params, counts, cfg.optim.bias_update_rate)
+        bad = [f"the {name} is {v}" for name, v in (("loss", loss), ("grad norm", float(grad_norm)))
+               if not math.isfinite(v)]
+        if bad and not cfg.train.skip_nonfinite:
+            raise TrainingError(f"step {step + 1}: {' and '.join(bad)}; stopping before the update. The last good "
+                                f"checkpoint is {last_ckpt or 'none (no checkpoint written yet)'}; resume from it "
+                                f"with a lower --optim.lr, or pass --train.skip_nonfinite to skip such steps")
+        if bad:
+            say(f"step {step + 1}: {' and '.join(bad)}; skipping this step's update (--train.skip_nonfinite)")
+        else:
+            params, opt_state = adamw_update(params, grads, opt_state, lr, b1=cfg.optim.b1, b2=cfg.optim.b2,
+                                             eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
+            params = balance_router_bias(params, counts, cfg.optim.bias_update_rate)
         dt = time.perf_counter() - t0
         tokens = batch["input_ids"].numel()
         rec = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": float(grad_norm), "tokens": tokens,
                "tokens_per_s": tokens / dt, "step_time_s": dt}
+        if bad:
+            rec["skipped"] = True
         records.append(rec)
         if layout.is_main:
             log.write(rec)
             progress.update(step + 1, rec)
         if (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0) or step + 1 == cfg.train.steps:
+            check_finite(params, layout, step + 1, last_ckpt)
             last_ckpt = checkpoint.save(
                 run_dir, step + 1, {"params": params, "optim": opt_state},
                 extra={"step": step + 1, "data": data.state_dict(), "rng": checkpoint.rng_state()},
@@ -199,12 +253,18 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
             say(f"loss curve: {os.path.join(run_dir, 'loss.png')}")
         first, last = history[0]["loss"], history[-1]["loss"]
         say(f"done: loss {first:.4f} (step {history[0]['step']}) -> {last:.4f} (step {history[-1]['step']})")
+    export(cfg, model_cfg, params, layout, say)
+    return records
+
+
+def export(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, layout: Layout, say) -> None:
+    """--checkpoint.export_hf: the weights as a Transformers checkpoint (collective: every rank gathers)."""
     if cfg.checkpoint.export_hf:
         full = map_with_path(lambda p, t: layout.full(t), params)
         if layout.is_main:
-            glm5f.save_hf(cfg.checkpoint.export_hf, model_cfg, full)
+            with user_errors():
+                glm5f.save_hf(cfg.checkpoint.export_hf, model_cfg, full)
             say(f"exported Transformers checkpoint: {cfg.checkpoint.export_hf}")
-    return records
 
 
 def run_rank(argv: list[str]) -> None:

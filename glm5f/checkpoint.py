@@ -57,7 +57,12 @@ def set_rng_state(state: dict) -> None:
 def save(run_dir: str, step: int, state: dict, extra: dict, meta: dict, keep: int = 3) -> str:
     """Write checkpoint `step` of `state` (a tree of tensors or DTensors; collective under torch.distributed),
     with `extra` (small tensors/ints, loaded with weights_only) and `meta` (JSON). Keeps the `keep` newest
-    (keep <= 0 keeps all). Returns the checkpoint's path."""
+    (keep <= 0 keeps all), so never the newest one. Refuses (ValueError, before writing anything) a state with
+    NaN or inf in it: every kept checkpoint, the newest above all, is one to resume from. Returns its path."""
+    bad = [p for p, t in _leaves(state) if t.is_floating_point() and not bool(torch.isfinite(_local(t)).all())]
+    if bad:
+        raise ValueError(f"refusing to save checkpoint {step}: non-finite values in {', '.join(bad[:3])}"
+                         f"{', ...' if len(bad) > 3 else ''}; the checkpoints already in {run_dir} are kept")
     root = os.path.join(run_dir, "checkpoints")
     name = f"{PREFIX}{step:08d}"
     final, tmp = os.path.join(root, name), os.path.join(root, f".tmp-{name}")
@@ -77,6 +82,22 @@ def save(run_dir: str, step: int, state: dict, extra: dict, meta: dict, keep: in
         _prune(root, keep, name)
     _barrier()
     return final
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _leaves(tree, prefix: str = ""):
+    """(path, tensor) for every tensor of a nested dict/list."""
+    if isinstance(tree, torch.Tensor):
+        yield prefix, tree
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _leaves(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from _leaves(v, f"{prefix}.{i}" if prefix else str(i))
 
 
 def _complete(root: str) -> list[str]:

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import sys
+import threading
+import time
 import traceback
 from datetime import timedelta
 from typing import NamedTuple
@@ -207,7 +210,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(local_rank: int, world: int, port: int, fn, args):
+def _die_with_parent(parent_pid: int) -> None:
+    """End this worker when its launcher dies, even by SIGKILL: the kernel's parent-death signal on Linux, and a
+    thread that exits once the parent pid changes (elsewhere, or if the parent died before prctl took effect)."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True, name="die-with-parent").start()
+
+
+def _worker(local_rank: int, world: int, port: int, fn, args, parent_pid: int | None = None):
+    if parent_pid is not None:
+        _die_with_parent(parent_pid)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
                       LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     try:
@@ -230,7 +252,7 @@ def spawn(fn, world: int, *args) -> None:
     import torch.multiprocessing as mp
 
     try:
-        mp.start_processes(_worker, args=(world, free_port(), fn, args), nprocs=world, join=True,
+        mp.start_processes(_worker, args=(world, free_port(), fn, args, os.getpid()), nprocs=world, join=True,
                            start_method="spawn")
     except mp.ProcessRaisedException as e:
         raise WorkerFailure(f"a worker process failed (its traceback is above); all {world} workers were "

@@ -187,11 +187,40 @@ def hf_state_dict(params: dict, *, fused_experts: bool = False) -> dict[str, tor
     return out
 
 
+EXPORT_MARKER = ".glm5f-export"
+
+
+def _is_export(path: str) -> bool:
+    """Whether `path` holds a previous save_hf export: our marker, or exactly config.json + safetensors (+ index)."""
+    names = set(os.listdir(path))
+    if EXPORT_MARKER in names:
+        return True
+    shards = {n for n in names if n.startswith("model") and n.endswith(".safetensors")}
+    return "config.json" in names and bool(shards) and names - shards <= {"config.json", "model.safetensors.index.json"}
+
+
+def check_export_dir(path: str | os.PathLike, run_dir: str | os.PathLike | None = None) -> None:
+    """Raise ValueError unless save_hf may write `path`: new, empty, or a previous export of ours (which it
+    replaces); never the run directory `run_dir` or a directory that contains it."""
+    path = os.path.realpath(os.fspath(path))
+    if run_dir is not None:
+        run = os.path.realpath(os.fspath(run_dir))
+        if run == path or run.startswith(path.rstrip(os.sep) + os.sep):
+            raise ValueError(f"--checkpoint.export_hf {path} is or contains the run directory {run}; export to "
+                             f"a directory of its own, e.g. {os.path.join(run, 'hf')}")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"export directory {path} is a file; pass a new or empty directory")
+    if os.path.isdir(path) and os.listdir(path) and not _is_export(path):
+        raise ValueError(f"export directory {path} holds files that are not a previous glm5f export "
+                         f"({', '.join(sorted(os.listdir(path))[:5])}); pass a new or empty directory, or remove them")
+
+
 def save_hf(path: str | os.PathLike, cfg: GLM5Config, params: dict, *, max_shard_bytes: int = 5 << 30) -> None:
     """Write a Transformers checkpoint directory (config.json + safetensors, per-expert keys, sharded with an
     index above `max_shard_bytes`). Written into a temporary sibling and renamed, so `path` never holds half a
-    checkpoint."""
+    checkpoint. `path` must be new, empty or a previous export (check_export_dir); that one is replaced."""
     path = os.fspath(path).rstrip("/")
+    check_export_dir(path)
     tensors = hf_state_dict(params)
     dtypes = {t.dtype for t in tensors.values()}
     shards, current, size = [], [], 0
@@ -216,6 +245,7 @@ def save_hf(path: str | os.PathLike, cfg: GLM5Config, params: dict, *, max_shard
         for name, keys in zip(names, shards):
             save_file({k: _materialize(tensors[k]) for k in keys}, os.path.join(tmp, name),
                       metadata={"format": "pt"})
+        open(os.path.join(tmp, EXPORT_MARKER), "w").close()
         if len(shards) > 1:
             index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
                      "weight_map": {k: n for n, keys in zip(names, shards) for k in keys}}

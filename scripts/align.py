@@ -49,7 +49,7 @@ COMMON = ["--model.preset", "glm5-scaled-moe", "--data.type", "synthetic", "--da
 def run(name: str, args: list[str], out: str, steps: int, extra: list[str]) -> float:
     run_dir = os.path.join(out, name)
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), *COMMON, "--train.steps", str(steps),
-           "--checkpoint.dir", run_dir, *extra, *args]
+           "--checkpoint.dir", run_dir, "--checkpoint.overwrite", *extra, *args]
     t = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:

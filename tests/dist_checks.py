@@ -170,3 +170,10 @@ def die_on_rank_one() -> None:
     t = torch.ones(1)
     dist.all_reduce(t)
     time.sleep(60)
+
+
+def ignore_sigint_and_wait(pid_dir: str) -> None:
+    """A rank that cannot act on SIGINT (as one stuck in native code): records its pid, then waits."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    open(os.path.join(pid_dir, str(os.getpid())), "w").close()
+    time.sleep(300)

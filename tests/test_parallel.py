@@ -1,6 +1,7 @@
 """Parallel layouts (FSDP/DP, CP, EP and their mixes) against the single-process run, on local gloo processes."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -153,3 +154,83 @@ def test_torchrun_launch(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("done: loss") == 1  # only rank 0 reports
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+
+
+def _children(pid: int) -> list[int]:
+    """The spawned ranks of process `pid` (its multiprocessing spawn_main children), from /proc."""
+    kids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = open(f"/proc/{d}/stat").read()
+                cmd = open(f"/proc/{d}/cmdline", "rb").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmd:
+                kids.append(int(d))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ranks_die_with_a_killed_launcher(tmp_path):
+    run = tmp_path / "run"
+    launcher = subprocess.Popen([sys.executable, "train.py", "--model.preset", "glm5-tiny", "--data.type", "synthetic",
+                                 "--data.batch_size", "2", "--data.seq_len", "32", "--train.steps", "100000",
+                                 "--checkpoint.every", "0", "--parallel.dp_shard", "2", "--checkpoint.dir", str(run)],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 240
+        while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text():
+            assert launcher.poll() is None, "the launcher exited before training"
+            assert time.time() < deadline, "training never started"
+            time.sleep(0.2)
+        ranks = _children(launcher.pid)
+        assert len(ranks) == 2
+    finally:
+        launcher.kill()
+        launcher.wait()
+    deadline = time.time() + 10
+    while any(_alive(p) for p in ranks) and time.time() < deadline:
+        time.sleep(0.2)
+    left = [p for p in ranks if _alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"ranks {left} outlived their launcher"
+
+
+LAUNCH = ("import sys; sys.path[:0] = [{root!r}, {tests!r}]; import dist_checks; from glm5f.distributed import spawn; "
+          "spawn(dist_checks.ignore_sigint_and_wait, 2, {pids!r})")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ranks_that_ignore_sigint_still_die_with_their_launcher(tmp_path):
+    """torch's own parent-death signal is SIGINT, which a rank stuck in native code never acts on."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    code = LAUNCH.format(root=ROOT, tests=os.path.join(ROOT, "tests"), pids=str(pids))
+    launcher = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while len(os.listdir(pids)) < 2:
+            assert launcher.poll() is None, "the launcher exited before its ranks started"
+            assert time.time() < deadline, "the ranks never started"
+            time.sleep(0.1)
+        ranks = [int(p) for p in os.listdir(pids)]
+        assert sorted(ranks) == sorted(_children(launcher.pid))
+    finally:
+        launcher.kill()
+        launcher.wait()
+    deadline = time.time() + 10
+    while any(_alive(p) for p in ranks) and time.time() < deadline:
+        time.sleep(0.2)
+    left = [p for p in ranks if _alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"ranks {left} outlived their launcher"

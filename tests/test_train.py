@@ -136,11 +136,79 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, capsys):
             "--checkpoint.dir", str(tmp_path)]
     assert main(args) == 1
     err = capsys.readouterr().err
-    assert "the loss is nan" in err or "the loss is inf" in err
+    assert any(f"the {what} is {v}" in err for what in ("loss", "grad norm") for v in ("nan", "inf"))
     step = int(err.split("step ")[1].split(":")[0])
     assert f"step_{step - 1:08d}" in err
     assert checkpoint.latest(str(tmp_path)).endswith(f"step_{step - 1:08d}")
     assert not any(n.startswith(".tmp") for n in os.listdir(tmp_path / "checkpoints"))
+
+
+TINY = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", "--data.batch_size", "2", "--data.seq_len", "32"]
+
+
+def nan_grad_norm_at(monkeypatch, bad_step):
+    """Make clip_by_global_norm report a NaN norm (with a finite loss) on the bad_step-th call."""
+    import train as train_mod
+    real, calls = train_mod.clip_by_global_norm, []
+
+    def clip(grads, max_norm):
+        calls.append(1)
+        grads, norm = real(grads, max_norm)
+        return grads, torch.full_like(norm, float("nan")) if len(calls) == bad_step else norm
+    monkeypatch.setattr(train_mod, "clip_by_global_norm", clip)
+
+
+def test_nan_grad_norm_with_finite_loss_stops_before_the_update(tmp_path, capsys, monkeypatch):
+    nan_grad_norm_at(monkeypatch, 3)
+    assert main(TINY + ["--train.steps", "6", "--checkpoint.every", "1", "--checkpoint.keep", "1",
+                        "--checkpoint.dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "error: step 3: the grad norm is nan; stopping before the update" in err
+    assert f"The last good checkpoint is {tmp_path / 'checkpoints' / 'step_00000002'}" in err
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_00000002"]
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    cfg = glm5f.preset("glm5-tiny")
+    state = {"params": glm5f.init_params(cfg), "optim": adamw_init(glm5f.init_params(cfg))}
+    assert checkpoint.load(checkpoint.latest(str(tmp_path)), state)["step"] == 2
+    assert all(torch.isfinite(t).all() for t in glm5f.flatten(state["params"]).values())
+
+
+def test_skip_nonfinite_skips_the_update_and_goes_on(tmp_path, capsys, monkeypatch):
+    nan_grad_norm_at(monkeypatch, 2)
+    recs = train(cli(*TINY, "--train.steps", "4", "--train.skip_nonfinite", "--checkpoint.dir", str(tmp_path)))
+    assert "step 2: the grad norm is nan; skipping this step's update" in capsys.readouterr().out
+    assert [r["step"] for r in recs] == [1, 2, 3, 4] and [r.get("skipped", False) for r in recs] == [0, 1, 0, 0]
+    cfg = glm5f.preset("glm5-tiny")
+    state = {"params": glm5f.init_params(cfg), "optim": adamw_init(glm5f.init_params(cfg))}
+    checkpoint.load(checkpoint.latest(str(tmp_path)), state)
+    assert int(state["optim"]["count"]) == 3  # three updates of four steps
+
+
+def test_checkpoint_save_refuses_nonfinite_and_keeps_the_newest(tmp_path):
+    good = {"params": {"w": torch.ones(3)}}
+    first = checkpoint.save(str(tmp_path), 1, good, extra={"step": 1}, meta={}, keep=1)
+    with pytest.raises(ValueError, match="refusing to save checkpoint 2: non-finite values in params.w"):
+        checkpoint.save(str(tmp_path), 2, {"params": {"w": torch.tensor([1.0, float("inf"), 0.0])}},
+                        extra={"step": 2}, meta={}, keep=1)
+    assert checkpoint.latest(str(tmp_path)) == first
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_00000001"]
+
+
+def test_nonfinite_params_are_never_checkpointed(tmp_path, capsys, monkeypatch):
+    import train as train_mod
+    real, calls = train_mod.adamw_update, []
+
+    def update(params, *a, **k):
+        calls.append(1)
+        params, state = real(params, *a, **k)
+        if len(calls) == 2:
+            params = {**params, "lm_head": {"weight": params["lm_head"]["weight"] * float("inf")}}
+        return params, state
+    monkeypatch.setattr(train_mod, "adamw_update", update)
+    assert main(TINY + ["--train.steps", "4", "--checkpoint.every", "1", "--checkpoint.dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "error: step 2: non-finite values in 1 parameter(s) (lm_head.weight); not writing a checkpoint" in err
+    assert checkpoint.latest(str(tmp_path)).endswith("step_00000001")
 
 
 def test_bad_data_is_reported(tmp_path, capsys):
@@ -269,6 +337,57 @@ def test_export_hf_and_compare_script(tmp_path):
                           str(tmp_path / "r2"), "--png", str(tmp_path / "c.png")], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "0.000e+00" in out.stdout and os.path.isfile(tmp_path / "c.png")
+
+
+def test_export_hf_refuses_foreign_directories_before_training(tmp_path):
+    foreign = tmp_path / "notes"
+    foreign.mkdir()
+    (foreign / "thesis.txt").write_text("years of work")
+    with pytest.raises(TrainingError, match=r"holds files that are not a previous glm5f export \(thesis.txt\)"):
+        train(cli(*TINY, "--train.steps", "2", "--checkpoint.dir", str(tmp_path / "r"),
+                  "--checkpoint.export_hf", str(foreign)))
+    assert (foreign / "thesis.txt").read_text() == "years of work" and os.listdir(foreign) == ["thesis.txt"]
+    assert not (tmp_path / "r").exists()  # refused before training
+    for target in (tmp_path / "r", tmp_path):
+        with pytest.raises(TrainingError, match="is or contains the run directory"):
+            train(cli(*TINY, "--train.steps", "2", "--checkpoint.dir", str(tmp_path / "r"),
+                      "--checkpoint.export_hf", str(target)))
+    assert sorted(os.listdir(tmp_path)) == ["notes"]
+
+
+def test_export_hf_replaces_its_own_export_and_exports_a_finished_run(tmp_path):
+    run, hf = str(tmp_path / "r"), tmp_path / "hf"
+    hf.mkdir()  # empty is fine
+    train(cli(*TINY, "--train.steps", "2", "--checkpoint.dir", run, "--checkpoint.export_hf", str(hf)))
+    first = (hf / "model.safetensors").read_bytes()
+    train(cli(*TINY, "--train.steps", "4", "--checkpoint.dir", run, "--checkpoint.resume", "latest",
+              "--checkpoint.export_hf", str(hf)))  # a previous export: replaced
+    assert (hf / "model.safetensors").read_bytes() != first
+    again = tmp_path / "again"
+    train(cli(*TINY, "--train.steps", "4", "--checkpoint.dir", run, "--checkpoint.resume", "latest",
+              "--checkpoint.export_hf", str(again)))  # nothing to train, still exported
+    assert (again / "model.safetensors").read_bytes() == (hf / "model.safetensors").read_bytes()
+    assert not any(".tmp-" in n or ".old-" in n for n in os.listdir(tmp_path))
+
+
+def test_second_run_into_a_used_run_dir_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default --checkpoint.dir, runs/default, as a user running train.py twice
+    assert main(TINY + ["--train.steps", "2"]) == 0
+    before = (tmp_path / "runs" / "default" / "metrics.jsonl").read_text()
+    assert main(TINY + ["--train.steps", "3", "--data.seed", "1"]) == 1
+    err = capsys.readouterr().err
+    assert ("error: the run directory runs/default already holds a run (checkpoints, metrics.jsonl); continue it "
+            "with --checkpoint.resume latest, start over with --checkpoint.overwrite") in err
+    assert (tmp_path / "runs" / "default" / "metrics.jsonl").read_text() == before
+    assert sorted(os.listdir(tmp_path / "runs" / "default" / "checkpoints")) == ["latest", "step_00000002"]
+    (tmp_path / "runs" / "default" / "notes.txt").write_text("mine")
+    assert main(TINY + ["--train.steps", "3", "--checkpoint.overwrite", "--checkpoint.every", "0"]) == 0
+    run = tmp_path / "runs" / "default"
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
+    assert sorted(os.listdir(run / "checkpoints")) == ["latest", "step_00000003"]
+    assert (run / "notes.txt").read_text() == "mine"  # overwrite removes only what a run writes
+    assert main(TINY + ["--train.steps", "3", "--checkpoint.overwrite", "--checkpoint.resume", "latest"]) == 1
+    assert "--checkpoint.overwrite deletes the checkpoints --checkpoint.resume would" in capsys.readouterr().err
 
 
 def test_help_lists_every_section():
