@@ -194,14 +194,14 @@ def topk_first(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest scores (compared in fp32) along the last dim; equal scores go to the lower index.
 
     Ties are common (ReLU zeros) and torch.topk breaks them arbitrarily, so a query could see different keys in
-    a full forward, a decode step or a context-parallel shard. Each score's order-preserving 32-bit pattern goes
-    in the high half of an int64 key and the reversed index in the low half: the keys are unique.
+    a full forward, a decode step or a context-parallel shard. Each score's 32-bit pattern is made
+    order-preserving (negative floats: flip all but the sign bit), goes in the high half of an int64 key and the
+    reversed index in the low half: the keys are unique. Two temporaries the size of `scores` (int32, int64).
     """
-    bits = (scores.float() + 0.0).view(torch.int32).long()  # + 0.0 turns -0.0 into +0.0
-    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    T = scores.shape[-1]
-    rev_index = torch.arange(T - 1, -1, -1, device=scores.device)
-    return (ordered * (1 << 32) + rev_index).topk(k, dim=-1).indices
+    bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into +0.0; a fresh tensor, changed in place
+    bits ^= (bits >> 31) & 0x7FFFFFFF
+    rev_index = torch.arange(scores.shape[-1] - 1, -1, -1, device=scores.device)
+    return bits.to(torch.int64).mul_(1 << 32).add_(rev_index).topk(k, dim=-1).indices
 
 
 # ---- attention cores ----------------------------------------------------------------------------------------------
@@ -224,11 +224,11 @@ def _gather_rows(latent_BxTxC: torch.Tensor, idx_BxSxK: torch.Tensor, dtype: tor
 
 def _block_probs(q_BxSxHxC, sel_BxSxKxC, allowed_BxSxK, bias_BxSxK, scale):
     """Softmax probabilities [B, S, H, K] (fp32 or wider) of one block of queries over its selected rows."""
-    scores_BxSxHxK = torch.einsum("bshc,bskc->bshk", q_BxSxHxC, sel_BxSxKxC) * scale
+    scores_BxSxHxK = torch.matmul(q_BxSxHxC, sel_BxSxKxC.transpose(-1, -2)).mul_(scale)
     if bias_BxSxK is not None:
         scores_BxSxHxK = scores_BxSxHxK + bias_BxSxK[:, :, None, :]
-    scores_BxSxHxK = wide(scores_BxSxHxK).masked_fill(~allowed_BxSxK[:, :, None, :],
-                                                      torch.finfo(wide_dtype(q_BxSxHxC.dtype)).min)
+    scores_BxSxHxK = wide(scores_BxSxHxK).masked_fill_(~allowed_BxSxK[:, :, None, :],
+                                                       torch.finfo(wide_dtype(q_BxSxHxC.dtype)).min)
     return torch.softmax(scores_BxSxHxK, dim=-1)
 
 
@@ -246,7 +246,7 @@ class _BlockedSparseAttention(torch.autograd.Function):
             sel = _gather_rows(latent_BxTxC, idx_BxSxK[:, a:b], dt)
             probs = _block_probs(q_BxSxHxC[:, a:b], sel, allowed_BxSxK[:, a:b],
                                  None if bias_BxSxK is None else bias_BxSxK[:, a:b], scale).to(dt)
-            outs.append(torch.einsum("bshk,bskr->bshr", probs, sel[..., :value_dim]))
+            outs.append(torch.matmul(probs, sel[..., :value_dim]))
         return torch.cat(outs, dim=1)
 
     @staticmethod
@@ -272,12 +272,12 @@ class _BlockedSparseAttention(torch.autograd.Function):
             sel = _gather_rows(latent_BxTxC, idx_BxSxK[:, a:b], dt)
             probs_w = _block_probs(q, sel, allowed, None if bias_BxSxK is None else bias_BxSxK[:, a:b], scale)
             probs = probs_w.to(dt)
-            dprobs_w = wide(torch.einsum("bshr,bskr->bshk", dout, sel[..., :R]))
+            dprobs_w = wide(torch.matmul(dout, sel[..., :R].transpose(-1, -2)))
             dscores_w = probs_w * (dprobs_w - (probs_w * dprobs_w).sum(-1, keepdim=True))
-            dscores = dscores_w.masked_fill(~allowed[:, :, None, :], 0).to(dt) * scale
-            dq_blocks.append(torch.einsum("bshk,bskc->bshc", dscores, sel))
-            dsel = torch.einsum("bshk,bshc->bskc", dscores, q)
-            dsel[..., :R] += torch.einsum("bshk,bshr->bskr", probs, dout)
+            dscores = dscores_w.masked_fill_(~allowed[:, :, None, :], 0).to(dt).mul_(scale)
+            dq_blocks.append(torch.matmul(dscores, sel))
+            dsel = torch.matmul(dscores.transpose(-1, -2), q)
+            dsel[..., :R] += torch.matmul(probs.transpose(-1, -2), dout)
             dlatent.index_add_(0, (idx_BxSxK[:, a:b] + offsets).flatten(),
                                dsel.reshape(-1, C).to(latent_BxTxC.dtype))
         return torch.cat(dq_blocks, dim=1), dlatent.view(B, T, C), None, None, None, None, None, None

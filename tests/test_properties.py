@@ -296,3 +296,17 @@ def test_cost_model_picks_the_cheaper_exact_path_and_both_agree():
             attn.dense_is_cheaper, attn.DENSE_TOPK_PATH = orig, orig_switch
     for a, b in zip(*outs):
         assert torch.allclose(a, b, atol=1e-12, rtol=1e-10)
+
+
+@SETTINGS
+@given(st.integers(1, 40), st.integers(0, 2**31 - 1), st.sampled_from([torch.float32, torch.float64]))
+def test_topk_first_is_a_stable_descending_sort(T, seed, dtype):
+    """topk_first picks what a stable sort by descending fp32 score picks: ties (ReLU zeros, -0.0 and +0.0, -inf,
+    repeated negatives) go to the lower index."""
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.tensor([0.0, -0.0, 1.5, -1.5, 2.0**-140, -3.0, float("-inf"), float("inf")], dtype=dtype)
+    scores = torch.where(torch.rand(3, T, generator=g) < 0.5, pool[torch.randint(0, len(pool), (3, T), generator=g)],
+                         torch.randn(3, T, generator=g, dtype=dtype))
+    k = int(torch.randint(1, T + 1, (), generator=g))
+    want = torch.sort(scores.float() + 0.0, dim=-1, descending=True, stable=True).indices[:, :k]
+    assert torch.equal(topk_first(scores, k).sort().values, want.sort().values)
