@@ -32,6 +32,8 @@ class Mask:
     key_valid [B, T]: False for padding keys. q_segment [B, S] / k_segment [B, T]: document ids (packed
     sequences attend within their document). dense [B, S, T] bool: a user's 4D mask, used as given (no causal
     part added), with `bias` [B, S, T] its additive values where it was a float mask with non-zero entries.
+    q_index_host: q_index on the CPU where q_index lives on an accelerator (the indexer reads it to size its
+    chunks without waiting for the device).
     """
 
     q_index: torch.Tensor
@@ -41,6 +43,7 @@ class Mask:
     k_segment: torch.Tensor | None = None
     dense: torch.Tensor | None = None
     bias: torch.Tensor | None = None
+    q_index_host: torch.Tensor | None = None
 
     @property
     def is_plain_causal(self) -> bool:
@@ -65,7 +68,8 @@ class Mask:
         """How many leading keys queries start:stop can see at most (causal: one past the last query's index)."""
         if self.dense is not None or stop <= start:
             return self.num_keys
-        return min(self.num_keys, int(self.q_index[start:stop].max()) + 1)
+        q_index = self.q_index if self.q_index_host is None else self.q_index_host
+        return min(self.num_keys, int(q_index[start:stop].max()) + 1)
 
     def at(self, idx_BxSxK: torch.Tensor) -> torch.Tensor:
         """allowed [B, S, K] at the key indices idx (without building [S, T])."""

@@ -130,13 +130,15 @@ class DistLayout(Layout):
 
     def context(self, cfg: GLM5Config, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> AttnContext:
         q_index, S = batch["q_index"], batch["full_position_ids"].shape[1]
+        host = cp_positions(S, self.cp, self.cp_rank)
         if "full_attention_mask" in batch:
-            mask = Mask(q_index, S, key_valid=batch["full_attention_mask"].bool())
+            mask = Mask(q_index, S, key_valid=batch["full_attention_mask"].bool(), q_index_host=host)
         elif "attention_mask" in batch:
             mask = dense_mask(batch["attention_mask"], q_index)
         else:
             seg = packed_segments(batch["full_position_ids"])
-            mask = Mask(q_index, S, q_segment=None if seg is None else seg[:, q_index], k_segment=seg)
+            mask = Mask(q_index, S, q_segment=None if seg is None else seg[:, q_index], k_segment=seg,
+                        q_index_host=host)
         cos, sin = rope_tables(cfg, batch["position_ids"], dtype)
         return AttnContext(cos, sin, mask, self._collect(S))
 

@@ -114,15 +114,15 @@ def packed_segments(position_ids_BxS: torch.Tensor) -> torch.Tensor | None:
 
 def make_mask(attention_mask: torch.Tensor | None, position_ids_BxS: torch.Tensor, B: int, S: int, device) -> Mask:
     """The attention mask of a forward over S tokens (queries and keys are the same S positions)."""
-    q_index = torch.arange(S, device=device)
+    q_index, host = torch.arange(S, device=device), torch.arange(S)
     if attention_mask is None:
         seg = packed_segments(position_ids_BxS)
-        return Mask(q_index, S, q_segment=seg, k_segment=seg)
+        return Mask(q_index, S, q_segment=seg, k_segment=seg, q_index_host=host)
     if attention_mask.ndim == 2:
         if tuple(attention_mask.shape) != (B, S):
             raise ValueError(f"a 2D attention_mask must be [batch, seq] = [{B}, {S}], got "
                              f"{tuple(attention_mask.shape)}")
-        return Mask(q_index, S, key_valid=attention_mask.to(device=device, dtype=torch.bool))
+        return Mask(q_index, S, key_valid=attention_mask.to(device=device, dtype=torch.bool), q_index_host=host)
     if attention_mask.ndim == 4:
         if attention_mask.shape[0] not in (1, B) or tuple(attention_mask.shape[2:]) != (S, S):
             raise ValueError(f"a 4D attention_mask must be [{B}, 1, {S}, {S}], got {tuple(attention_mask.shape)}")
