@@ -14,24 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
-import statistics
-import subprocess
-import sys
-import time
+import os
 
 import torch
 
-BENCH_MODEL = dict(vocab_size=4096, hidden_size=512, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=256,
-                   kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, index_n_heads=16,
-                   index_head_dim=64, num_hidden_layers=1, first_k_dense_replace=1, index_topk_pattern=None,
-                   index_topk_freq=1, intermediate_size=1024, moe_intermediate_size=256, n_routed_experts=16,
-                   num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1)
-
-
-def peak_rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
+from common import BENCH_MODEL, median_seconds, peak_memory_gb, run_child
 
 def run_side(side: str, seq: int, topk: int, steps: int, dtype: torch.dtype, device: str) -> dict:
     import glm5f
@@ -80,34 +67,19 @@ def run_side(side: str, seq: int, topk: int, steps: int, dtype: torch.dtype, dev
             out.float().square().mean().backward()
 
         indexer_only = None
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    base = peak_rss_gb()
-
-    def timed(fn):
-        sync()
-        t = time.perf_counter()
-        fn()
-        sync()
-        return time.perf_counter() - t
-
-    timed(step)  # warm-up
-    seconds = statistics.median(timed(step) for _ in range(steps))
+    base = peak_memory_gb(device)
+    seconds = median_seconds(step, steps, device)
     out = {"side": side, "seq": seq, "topk": topk, "seconds": seconds, "tokens_per_s": seq / seconds,
-           "peak_rss_gb": peak_rss_gb(), "rss_before_gb": base}
-    if device.startswith("cuda"):
-        out["peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 2**30
+           "peak_rss_gb": peak_memory_gb(device), "rss_before_gb": base}
     if indexer_only is not None:
-        out["indexer_seconds"] = statistics.median(timed(indexer_only) for _ in range(steps))
+        out["indexer_seconds"] = median_seconds(indexer_only, steps, device)
     return out
 
 
 def child(args, side: str, seq: int) -> dict:
-    cmd = [sys.executable, __file__, "--child", side, "--seq", str(seq), "--topk", str(args.topk),
-           "--steps", str(args.steps), "--dtype", args.dtype, "--device", args.device]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        sys.exit(f"error: the {side} side at L={seq} failed:\n{res.stderr[-3000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return run_child(os.path.abspath(__file__), ["--child", side, "--seq", str(seq), "--topk", str(args.topk),
+                                                 "--steps", str(args.steps), "--dtype", args.dtype,
+                                                 "--device", args.device], f"the {side} side at L={seq}")
 
 
 def show(r: dict) -> str:

@@ -1,82 +1,99 @@
-"""Forward + backward time of glm5f and of Transformers' GlmMoeDsaForCausalLM on the same weights and batch.
+"""Whole-model forward + backward: glm5f against Transformers' GlmMoeDsaForCausalLM (eager), same weights and batch.
 
-    python bench/forward_backward.py --preset glm5-scaled-moe --batch 2 --seq 512 --steps 5
-    python bench/forward_backward.py --preset bench --batch 4 --seq 512 --topk 128   # the attention bench's model,
-                                                                                     # 4 layers, 16 experts top-2
+    python bench/forward_backward.py --batch 4 --seq 512            # the bench model (4 layers), index_topk 128
+    python bench/forward_backward.py --batch 1 --seq 2048
+    python bench/forward_backward.py --preset glm5-scaled-moe --batch 2 --seq 512
+    python bench/forward_backward.py --device cuda --dtype bfloat16 --side glm5f --batch 8 --seq 4096   # MFU
 
-Both run in this process, alternating, after a warm-up; prints the median seconds of each and their ratio.
+Each side runs in its own subprocess (peak memory is that side's alone). Prints the median seconds, tokens/s, peak
+memory, both ratios, and each side's utilisation: model FLOPs of the step (bench/common.py `train_flops`, indexer
+included) over its time over the matmul peak measured in the same run (an n^3 matmul in the same dtype).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import json
+import os
 import tempfile
-import time
 
 import torch
 
-import glm5f
+from common import BENCH_MODEL, matmul_peak_flops, median_seconds, peak_memory_gb, run_child, train_flops
+
+
+def model_config(args):
+    import glm5f
+    if args.preset == "bench":
+        return glm5f.preset("glm5-tiny", **{**BENCH_MODEL, "num_hidden_layers": 4, "index_topk": args.topk or 128,
+                                            "max_position_embeddings": max(4096, args.seq)})
+    return glm5f.preset(args.preset, **({"index_topk": args.topk} if args.topk else {}))
+
+
+def run_side(args) -> dict:
+    import glm5f
+    dtype = getattr(torch, args.dtype)
+    cfg = model_config(args)
+    params = glm5f.init_params(cfg, seed=0, dtype=dtype, device=args.device)
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(args.device)
+    if args.child == "glm5f":
+        leaves = [t.requires_grad_() for k, t in glm5f.flatten(params).items() if glm5f.params.trainable(k)]
+
+        def step():
+            loss = glm5f.causal_lm_loss(glm5f.forward(params, cfg, ids), ids)
+            torch.autograd.grad(loss, leaves, allow_unused=True)
+    else:
+        from transformers import AutoModelForCausalLM
+        with tempfile.TemporaryDirectory() as d:
+            glm5f.save_hf(d, cfg, params)
+            del params  # the peak is the reference model's alone
+            model = AutoModelForCausalLM.from_pretrained(d, attn_implementation="eager", dtype=dtype)
+        model = model.to(args.device).train()
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            model(ids, labels=ids).loss.backward()
+    seconds = median_seconds(step, args.steps, args.device)
+    return {"side": args.child, "seconds": seconds, "peak_gb": peak_memory_gb(args.device)}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="glm5-scaled-moe")
-    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--preset", default="bench", help="'bench' (the issue's 4-layer model) or a glm5f preset name")
+    ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--topk", type=int, default=None, help="index_topk (default: the preset's)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per side (after one warm-up)")
+    ap.add_argument("--topk", type=int, default=None, help="index_topk (default: 128 for 'bench', else the preset's)")
+    ap.add_argument("--side", default="both", choices=["both", "glm5f", "transformers"])
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    from transformers import AutoModelForCausalLM
-
+    if args.child:
+        torch.manual_seed(0)
+        print(json.dumps(run_side(args)))
+        return
     dtype = getattr(torch, args.dtype)
-    if args.preset == "bench":
-        from attention import BENCH_MODEL  # bench/attention.py, beside this file
-        cfg = glm5f.preset("glm5-tiny", **{**BENCH_MODEL, "num_hidden_layers": 4, "index_topk": args.topk or 128,
-                                           "max_position_embeddings": max(4096, args.seq)})
-    else:
-        cfg = glm5f.preset(args.preset, **({"index_topk": args.topk} if args.topk else {}))
-    params = glm5f.init_params(cfg, seed=0, dtype=dtype, device=args.device)
-    with tempfile.TemporaryDirectory() as d:
-        glm5f.save_hf(d, cfg, params)
-        model = AutoModelForCausalLM.from_pretrained(d, attn_implementation="eager", dtype=dtype).to(args.device)
-    model.train()
-    leaves = [t.requires_grad_() for k, t in glm5f.flatten(params).items() if glm5f.params.trainable(k)]
-    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=args.device,
-                        generator=torch.Generator().manual_seed(0)) if args.device == "cpu" else \
-        torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=args.device)
-
-    def ours():
-        loss = glm5f.causal_lm_loss(glm5f.forward(params, cfg, ids), ids)
-        torch.autograd.grad(loss, leaves, allow_unused=True)
-
-    def reference():
-        model.zero_grad(set_to_none=True)
-        model(ids, labels=ids).loss.backward()
-
-    def timed(fn):
-        if args.device.startswith("cuda"):
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if args.device.startswith("cuda"):
-            torch.cuda.synchronize()
-        return time.perf_counter() - t
-
-    ours(), reference()  # warm-up
-    t_ours, t_ref = [], []
-    for _ in range(args.steps):
-        t_ours.append(timed(ours))
-        t_ref.append(timed(reference))
-    a, b = statistics.median(t_ours), statistics.median(t_ref)
+    peak = matmul_peak_flops(args.device, dtype)
+    cfg = model_config(args)
+    flops = train_flops(cfg, args.batch, args.seq)
     tokens = args.batch * args.seq
-    print(f"{args.preset} batch={args.batch} seq={args.seq} index_topk={cfg.index_topk} {args.dtype} on "
-          f"{args.device} ({torch.get_num_threads()} threads), median of {args.steps}:")
-    print(f"  glm5f         {a:8.3f} s  {tokens / a:10.0f} tok/s")
-    print(f"  transformers  {b:8.3f} s  {tokens / b:10.0f} tok/s")
-    print(f"  speed-up      {b / a:8.2f}x")
+    print(f"{args.preset} B{args.batch}xS{args.seq} index_topk {cfg.index_topk}, {args.dtype} on {args.device} "
+          f"({torch.get_num_threads()} threads), median of {args.steps}; model {flops / 1e9:.1f} GFLOP per step, "
+          f"matmul peak {peak / 1e9:.1f} GFLOP/s (2048^3, this run)")
+    flags = ["--preset", args.preset, "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
+             "--device", args.device, "--dtype", args.dtype] + (["--topk", str(args.topk)] if args.topk else [])
+    sides = ["glm5f", "transformers"] if args.side == "both" else [args.side]
+    here = os.path.abspath(__file__)
+    res = {s: run_child(here, ["--child", s, *flags], f"the {s} side") for s in sides}
+    for s, r in res.items():
+        print(f"  {s:12s} {r['seconds']:8.3f} s  {tokens / r['seconds']:9.0f} tok/s  peak {r['peak_gb']:6.2f} GB  "
+              f"utilisation {flops / r['seconds'] / peak:6.1%}", flush=True)
+    if len(res) == 2:
+        a, b = res["glm5f"], res["transformers"]
+        print(f"  ratio        {b['seconds'] / a['seconds']:8.2f}x faster, {a['peak_gb'] / b['peak_gb']:.3f} of the "
+              f"peak memory")
 
 
 if __name__ == "__main__":

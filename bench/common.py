@@ -1,0 +1,88 @@
+"""What every bench shares: one subprocess per side (so each peak is that side's alone), timing, peak memory, the
+measured matmul peak, and the model FLOPs of a GLM-5 config (what utilisation and MFU are computed from)."""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+# The issue's bench model: hidden 512, 8 heads, q_lora 256, kv_lora 128, nope 64, rope 32, v 64, indexer 16 x 64,
+# 16 experts top-2 + 1 shared, vocab 4096. bench/attention.py uses one layer of it, bench/forward_backward.py four.
+BENCH_MODEL = dict(vocab_size=4096, hidden_size=512, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=256,
+                   kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, index_n_heads=16,
+                   index_head_dim=64, num_hidden_layers=1, first_k_dense_replace=1, index_topk_pattern=None,
+                   index_topk_freq=1, intermediate_size=1024, moe_intermediate_size=256, n_routed_experts=16,
+                   num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1)
+
+
+def peak_memory_gb(device: str) -> float:
+    """Peak memory of this process: allocated accelerator memory on CUDA, resident set size on the CPU."""
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def median_seconds(fn, steps: int, device: str) -> float:
+    """Median wall time of fn over `steps` calls, after one warm-up call."""
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+    def once():
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t
+
+    once()
+    return statistics.median(once() for _ in range(steps))
+
+
+def matmul_peak_flops(device: str, dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
+    """FLOP/s of an n^3 matmul in `dtype` on `device`, best of `reps`: the peak utilisation is measured against."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best = min(median_seconds(lambda: a @ b, 1, device) for _ in range(reps))
+    return 2 * n**3 / best
+
+
+def train_flops(cfg, batch: int, seq: int) -> float:
+    """Model FLOPs of one forward + backward over [batch, seq] causal tokens (2 per multiply-add; backward twice
+    the forward; the indexer forward only, as it gets no gradient from the LM loss).
+
+    Counted as the model defines it, independent of how a side computes it: attention per head over the keys each
+    query attends (min(index_topk, visible) where the layer is sparse), key/value up-projection once per token,
+    experts per routed and shared slot, the indexer over every visible key.
+    """
+    D, H, Q, R = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank
+    N, P, V = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    I, J = cfg.index_n_heads, cfg.index_head_dim
+    visible = (seq + 1) / 2  # mean keys a causal query sees
+    sparse = sum(min(cfg.index_topk, s + 1) for s in range(seq)) / seq
+    attended = sparse if seq > cfg.index_topk else visible
+    macs, indexer_macs = 0.0, 0.0
+    for layer in range(cfg.num_hidden_layers):
+        macs += D * Q + Q * H * (N + P) + D * (R + P) + R * H * (N + V) + H * V * D
+        macs += attended * H * (N + P + V)
+        if cfg.indexer_types[layer] == "full":
+            indexer_macs += Q * I * J + D * J + D * I + visible * I * (J + 1)
+        if cfg.is_moe(layer):
+            F = cfg.moe_intermediate_size
+            macs += D * cfg.n_routed_experts + 3 * D * F * (cfg.num_experts_per_tok + cfg.n_shared_experts)
+        else:
+            macs += 3 * D * cfg.intermediate_size
+    macs += D * cfg.vocab_size
+    return 2 * batch * seq * (3 * macs + indexer_macs)
+
+
+def run_child(script: str, args: list[str], what: str) -> dict:
+    """Run `script --child ...` in a fresh interpreter and return the JSON object its last line prints."""
+    res = subprocess.run([sys.executable, script, *args], capture_output=True, text=True)
+    if res.returncode != 0:
+        sys.exit(f"{res.stderr[-3000:]}\nerror: {what} failed (its output is above)")
+    return json.loads(res.stdout.strip().splitlines()[-1])
