@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from glm5f.config import read_json
+
 PREFIX = "step_"
 
 
@@ -133,8 +135,7 @@ def read_meta(path: str) -> dict:
     if not os.path.isfile(meta_file):
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no meta.json): pass a checkpoint directory "
                                 f"such as RUN/checkpoints/{PREFIX}00000010, or 'latest'")
-    with open(meta_file) as f:
-        return json.load(f)
+    return read_json(meta_file, "the checkpoint's meta.json (step, model and run config)")
 
 
 def load(path: str, state: dict) -> dict:

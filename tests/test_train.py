@@ -433,3 +433,23 @@ def test_hf_datasets_from_disk(tmp_path):
                     split="test", pack=False).next_batch()
     assert b["input_ids"][0, :4].tolist() == [256, ord("x"), ord("y"), 257]
     assert b["labels"][0, :4].tolist() == [-100, -100, ord("y"), 257]
+
+
+def test_resume_under_another_data_type_is_refused(tmp_path, capsys):
+    run = str(tmp_path)
+    assert main(TINY + ["--train.steps", "2", "--checkpoint.dir", run]) == 0
+    before = (tmp_path / "metrics.jsonl").read_text()
+    assert main(TINY[:4] + ["--data.type", "text", "--train.steps", "4", "--checkpoint.dir", run,
+                            "--checkpoint.resume", "latest"]) == 1
+    err = capsys.readouterr().err
+    assert (f"error: {tmp_path / 'checkpoints' / 'step_00000002'} was saved by a run on --data.type synthetic, not "
+            f"text: resume it with --data.type synthetic") in err
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+
+
+def test_a_run_failing_before_its_first_step_writes_nothing(tmp_path, monkeypatch):
+    import train as train_mod
+    monkeypatch.setattr(train_mod, "step_grads", lambda *a: (_ for _ in ()).throw(TrainingError("boom")))
+    with pytest.raises(TrainingError, match="boom"):
+        train(cli(*TINY, "--train.steps", "2", "--checkpoint.dir", str(tmp_path / "r")))
+    assert not (tmp_path / "r").exists()  # no empty metrics.jsonl
