@@ -189,7 +189,10 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     # ---- resume
     start, last_ckpt = 0, None
     if cfg.checkpoint.resume:
-        last_ckpt = checkpoint.latest(run_dir) if cfg.checkpoint.resume == "latest" else cfg.checkpoint.resume
+        with user_errors():
+            last_ckpt, note = checkpoint.choose(run_dir, cfg.checkpoint.resume)
+        if note:
+            say(note)
         if last_ckpt is None:
             say(f"no checkpoint in {run_dir}/checkpoints: starting from step 0")
         else:
