@@ -203,7 +203,8 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
                                     f"--model flags (see its meta.json)")
             check_same_data(cfg, meta, last_ckpt)
             state = {"params": params, "optim": opt_state}
-            extra = checkpoint.load(last_ckpt, state)
+            with user_errors():
+                extra = checkpoint.load(last_ckpt, state)
             params, opt_state = state["params"], state["optim"]
             try:
                 data.load_state_dict(extra["data"])

@@ -227,5 +227,12 @@ def read_meta(path: str) -> dict:
 def load(path: str, state: dict) -> dict:
     """Fill `state` (same tree as saved, any sharding) in place from checkpoint `path`; returns its extra."""
     read_meta(path)
-    _quiet_dcp(dcp.load, state, checkpoint_id=path)
-    return torch.load(os.path.join(path, "extra.pt"), weights_only=True)
+    try:
+        _quiet_dcp(dcp.load, state, checkpoint_id=path)
+        return torch.load(os.path.join(path, "extra.pt"), weights_only=True)
+    except (Exception, dcp.CheckpointException) as e:  # damaged, no manifest: DCP or torch.load fails part-way
+        if isinstance(e, dcp.CheckpointException) and e.failures:
+            e = next(iter(e.failures.values()))[0]  # (exception, stack) of the first rank that failed
+        why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}".rstrip(": ")
+        raise ValueError(f"cannot read checkpoint {path} ({why}); it may be damaged: resume from an older one in "
+                         f"{os.path.dirname(os.path.normpath(path))}") from None

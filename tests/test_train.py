@@ -506,3 +506,9 @@ def test_checkpoint_without_manifest_still_resumes(tmp_path, capsys):
     assert main(TINY + ["--train.steps", "3", "--checkpoint.dir", run, "--checkpoint.resume", "latest"]) == 0
     out = capsys.readouterr().out
     assert f"resumed from {tmp_path / 'checkpoints' / 'step_00000002'} at step 2" in out and "damaged" not in out
+    old = tmp_path / "checkpoints" / "step_00000003"
+    os.remove(old / "manifest.json")
+    with open(old / "__0_0.distcp", "r+b") as f:
+        f.truncate(1000)
+    assert main(TINY + ["--train.steps", "4", "--checkpoint.dir", run, "--checkpoint.resume", "latest"]) == 1
+    assert (f"error: cannot read checkpoint {old} (") in capsys.readouterr().err
