@@ -14,6 +14,7 @@ from typing import Annotated, Literal, Optional
 import tyro
 
 import glm5f
+from glm5f.data import load_batches
 
 # Every scalar field of GLM5Config can be overridden on the command line: --model.hidden_size 128.
 _OVERRIDABLE = [f for f in dataclasses.fields(glm5f.GLM5Config)
@@ -205,8 +206,11 @@ def _layout_errors(cfg: Config, model: glm5f.GLM5Config) -> list[str]:
     if p.cp > 1:
         seq = cfg.data.seq_len
         if cfg.data.type == "preset_pt" and cfg.data.path and os.path.isfile(cfg.data.path):
-            import torch
-            seq = torch.load(cfg.data.path, weights_only=True)[0]["input_ids"].shape[1]
+            try:
+                seq = load_batches(cfg.data.path)[0]["input_ids"].shape[1]
+            except (ValueError, LookupError, TypeError, AttributeError) as e:
+                return errs + [str(e) if isinstance(e, ValueError) else f"--data.path {cfg.data.path}: expected a "
+                               f"list of dicts with 'input_ids' (torch.save of a list of batches)"]
         if seq % (2 * p.cp):
             errs.append(f"context parallelism cuts each sequence into 2 x cp = {2 * p.cp} equal chunks: the sequence "
                         f"length {seq} must divide by {2 * p.cp} (change --data.seq_len)")

@@ -118,6 +118,15 @@ def check_finite(params: dict, layout: Layout, step: int, last_ckpt: str | None)
                             f"checkpoint is {last_ckpt or 'none (no checkpoint written yet)'}")
 
 
+def check_same_data(cfg: Config, meta: dict, ckpt: str) -> None:
+    """A checkpoint's data position (an epoch/offset, a step, a batch index) means something only for the
+    --data.type it was saved with."""
+    saved = (meta.get("run") or {}).get("data", {}).get("type")
+    if saved is not None and saved != cfg.data.type:
+        raise TrainingError(f"{ckpt} was saved by a run on --data.type {saved}, not {cfg.data.type}: resume it with "
+                            f"--data.type {saved}, or start a new run with another --checkpoint.dir")
+
+
 RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png")  # what a run writes into its directory
 
 
@@ -180,7 +189,10 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     # ---- resume
     start, last_ckpt = 0, None
     if cfg.checkpoint.resume:
-        last_ckpt = checkpoint.latest(run_dir) if cfg.checkpoint.resume == "latest" else cfg.checkpoint.resume
+        with user_errors():
+            last_ckpt, note = checkpoint.choose(run_dir, cfg.checkpoint.resume)
+        if note:
+            say(note)
         if last_ckpt is None:
             say(f"no checkpoint in {run_dir}/checkpoints: starting from step 0")
         else:
@@ -189,10 +201,16 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
             if meta.get("model") != model_cfg.to_hf():
                 raise TrainingError(f"{last_ckpt} was saved for another model config; resume with the same "
                                     f"--model flags (see its meta.json)")
+            check_same_data(cfg, meta, last_ckpt)
             state = {"params": params, "optim": opt_state}
-            extra = checkpoint.load(last_ckpt, state)
+            with user_errors():
+                extra = checkpoint.load(last_ckpt, state)
             params, opt_state = state["params"], state["optim"]
-            data.load_state_dict(extra["data"])
+            try:
+                data.load_state_dict(extra["data"])
+            except (KeyError, TypeError) as e:
+                raise TrainingError(f"{last_ckpt}: its data position does not fit --data.type {cfg.data.type} "
+                                    f"(no {e}); resume with the --data flags it was saved with") from None
             checkpoint.set_rng_state(extra["rng"])
             start = extra["step"]
             say(f"resumed from {last_ckpt} at step {start}")

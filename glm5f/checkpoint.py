@@ -1,9 +1,10 @@
 """Training checkpoints: params and optimizer state through torch.distributed.checkpoint (DCP), beside them the
 step, RNG states, data position and the resolved config.
 
-Layout of a run directory: checkpoints/step_00000010/ (DCP shards, extra.pt, meta.json), checkpoints/latest
-(the name of the newest complete checkpoint). A checkpoint is written into a temporary directory and renamed
-when complete; `latest` is replaced after that; so a killed save leaves the previous checkpoint as latest.
+Layout of a run directory: checkpoints/step_00000010/ (DCP shards, extra.pt, meta.json, manifest.json),
+checkpoints/latest (the name of the newest complete checkpoint). A checkpoint is written into a temporary
+directory and renamed when complete; `latest` is replaced after that; so a killed save leaves the previous
+checkpoint as latest. manifest.json, written last, holds each file's size and CRC-32: a resume checks them.
 """
 
 from __future__ import annotations
@@ -13,12 +14,16 @@ import os
 import random
 import shutil
 import warnings
+import zlib
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from glm5f.config import read_json
+
 PREFIX = "step_"
+MANIFEST = "manifest.json"
 
 
 def _rank() -> int:
@@ -75,6 +80,7 @@ def save(run_dir: str, step: int, state: dict, extra: dict, meta: dict, keep: in
     if _rank() == 0:
         torch.save(extra, os.path.join(tmp, "extra.pt"))
         _write_atomic(os.path.join(tmp, "meta.json"), json.dumps({"step": step, **meta}, indent=2, default=str))
+        _write_manifest(tmp)
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -128,17 +134,105 @@ def latest(run_dir: str) -> str | None:
     return os.path.join(root, done[-1]) if done else None
 
 
+def _crc32(path: str) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def _write_manifest(ckpt: str) -> None:
+    """manifest.json: the size and CRC-32 of every file of checkpoint directory `ckpt` (all ranks' shards, read
+    back from disk), written atomically after all of them."""
+    names = sorted(n for n in os.listdir(ckpt) if n != MANIFEST and os.path.isfile(os.path.join(ckpt, n)))
+    files = {n: {"bytes": os.path.getsize(os.path.join(ckpt, n)), "crc32": _crc32(os.path.join(ckpt, n))}
+             for n in names}
+    _write_atomic(os.path.join(ckpt, MANIFEST), json.dumps({"files": files}, indent=1))
+
+
+def verify(path: str) -> str | None:
+    """What is wrong with checkpoint `path`'s files against its manifest ('extra.pt is missing', ...); None when
+    they all match, or when it has no manifest (written before manifests existed: nothing to check)."""
+    if not os.path.isfile(os.path.join(path, MANIFEST)):
+        return None
+    try:
+        files = read_json(os.path.join(path, MANIFEST), "a checkpoint manifest")["files"]
+    except (ValueError, KeyError):
+        return f"{MANIFEST} is unreadable"
+    for name, want in files.items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"{name} is missing"
+        if os.path.getsize(file) != want["bytes"]:
+            return f"{name} has {os.path.getsize(file)} bytes, not the {want['bytes']} it was saved with"
+        if _crc32(file) != want["crc32"]:
+            return f"{name} does not match its CRC-32 in {MANIFEST} (corrupted)"
+    return None
+
+
+def newest_complete(root: str) -> str | None:
+    """The newest checkpoint under `root` (a run's checkpoints/) whose files match its manifest, or None."""
+    for name in reversed(_complete(root)):
+        if verify(os.path.join(root, name)) is None:
+            return os.path.join(root, name)
+    return None
+
+
+def _choose(run_dir: str, resume: str) -> tuple[str | None, str | None]:
+    if resume == "latest":
+        first = latest(run_dir)
+        problem = first and verify(first)
+        if not problem:
+            return first, None
+        good = newest_complete(os.path.dirname(first))
+        if good is None:
+            raise ValueError(f"checkpoint {first} is damaged ({problem}) and no other checkpoint in "
+                             f"{os.path.dirname(first)} is complete: start over with --checkpoint.overwrite")
+        return good, f"checkpoint {first} is damaged ({problem}): resuming from {good}, the newest complete one"
+    problem = verify(resume)
+    if not problem:
+        return resume, None
+    good = newest_complete(os.path.dirname(os.path.normpath(resume)))
+    raise ValueError(f"checkpoint {resume} is damaged: {problem}. " +
+                     (f"Resume from the newest complete checkpoint instead: --checkpoint.resume {good}" if good else
+                      "No checkpoint beside it is complete: start over with --checkpoint.overwrite"))
+
+
+def choose(run_dir: str, resume: str) -> tuple[str | None, str | None]:
+    """The checkpoint --checkpoint.resume `resume` continues from (None: no checkpoint yet), checked against its
+    manifest, and a line to print when 'latest' fell back to an older one. A damaged explicit checkpoint is a
+    ValueError naming the bad file and the checkpoint to pass instead. Rank 0 decides, for every rank."""
+    result = [None]
+    if _rank() == 0:
+        try:
+            result[0] = _choose(run_dir, resume)
+        except ValueError as e:
+            result[0] = e
+    if dist.is_initialized():
+        dist.broadcast_object_list(result, src=0)
+    if isinstance(result[0], ValueError):
+        raise result[0]
+    return result[0]
+
+
 def read_meta(path: str) -> dict:
     meta_file = os.path.join(path, "meta.json")
     if not os.path.isfile(meta_file):
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no meta.json): pass a checkpoint directory "
                                 f"such as RUN/checkpoints/{PREFIX}00000010, or 'latest'")
-    with open(meta_file) as f:
-        return json.load(f)
+    return read_json(meta_file, "the checkpoint's meta.json (step, model and run config)")
 
 
 def load(path: str, state: dict) -> dict:
     """Fill `state` (same tree as saved, any sharding) in place from checkpoint `path`; returns its extra."""
     read_meta(path)
-    _quiet_dcp(dcp.load, state, checkpoint_id=path)
-    return torch.load(os.path.join(path, "extra.pt"), weights_only=True)
+    try:
+        _quiet_dcp(dcp.load, state, checkpoint_id=path)
+        return torch.load(os.path.join(path, "extra.pt"), weights_only=True)
+    except (Exception, dcp.CheckpointException) as e:  # damaged, no manifest: DCP or torch.load fails part-way
+        if isinstance(e, dcp.CheckpointException) and e.failures:
+            e = next(iter(e.failures.values()))[0]  # (exception, stack) of the first rank that failed
+        why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}".rstrip(": ")
+        raise ValueError(f"cannot read checkpoint {path} ({why}); it may be damaged: resume from an older one in "
+                         f"{os.path.dirname(os.path.normpath(path))}") from None

@@ -23,6 +23,21 @@ _HF_BOOKKEEPING = {
 }
 
 
+def read_json(path: str, expected: str) -> dict:
+    """The JSON object in file `path`; a ValueError naming the file and the `expected` content otherwise."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); expected "
+                         f"{expected}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text; expected {expected}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: holds a JSON {type(obj).__name__}, expected {expected}")
+    return obj
+
+
 @dataclass(frozen=True)
 class GLM5Config:
     """Hyper-parameters of a GLM-5 (`glm_moe_dsa`) network. Defaults are the full GLM-5.
@@ -150,8 +165,7 @@ class GLM5Config:
                 path = os.path.join(path, "config.json")
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"no config.json at {path!r}: pass a checkpoint directory or a config.json")
-            with open(path) as f:
-                source = json.load(f)
+            source = read_json(path, "a Transformers config.json (a JSON object of the model's fields)")
         d = dict(source)
         model_type = d.get("model_type", MODEL_TYPE)
         if model_type != MODEL_TYPE:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 from dataclasses import dataclass
 from importlib import resources
 
@@ -47,7 +48,11 @@ class FileTokenizer:
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
         if not os.path.isfile(file):
             raise FileNotFoundError(f"no tokenizer.json at {file!r}: pass a tokenizer.json or a directory with one")
-        self._tok = Tokenizer.from_file(file)
+        try:
+            self._tok = Tokenizer.from_file(file)
+        except Exception as e:  # tokenizers raises a bare Exception on a malformed file
+            raise ValueError(f"--model.tokenizer_path {file}: not a readable tokenizer.json ({e}); pass the "
+                             f"tokenizer.json of a Transformers/tokenizers tokenizer") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         find = lambda *names: next((i for n in names if (i := self._tok.token_to_id(n)) is not None), None)  # noqa
         self.bos_id = find("<|begin_of_text|>", "<s>", "[gMASK]", "<bos>", "<|endoftext|>")
@@ -147,11 +152,16 @@ def dataset_examples(path: str, tok, split: str | None) -> list[Example]:
 
 
 def check_vocab(examples: list[Example], vocab_size: int, source: str) -> None:
+    """Every token id in [0, vocab_size), every label too or IGNORE_INDEX (a ValueError naming the first bad one)."""
     for i, ex in enumerate(examples):
         bad = [t for t in ex.ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"{source}: example {i} has token id {bad[0]} outside [0, vocab_size={vocab_size}): "
                              f"the tokenizer or the data does not fit the model's vocabulary")
+        bad = [t for t in ex.labels if t != IGNORE_INDEX and not (isinstance(t, int) and 0 <= t < vocab_size)]
+        if bad:
+            raise ValueError(f"{source}: example {i} has label {bad[0]} outside [0, vocab_size={vocab_size}) "
+                             f"(use {IGNORE_INDEX} where no loss is taken): fix the labels or raise --model.vocab_size")
 
 
 # ---- sources ------------------------------------------------------------------------------------------------------
@@ -242,15 +252,29 @@ class SyntheticSource:
         self.step = state["step"]
 
 
+def load_batches(path: str):
+    """What torch.save wrote to `path`, read with weights_only (tensors, lists, dicts; never arbitrary pickles).
+    A missing file or one that is not such a torch.save is a FileNotFoundError / ValueError naming it."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--data.path {path!r}: no such file (expected torch.save of a list of batches)")
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as e:  # torch raises UnpicklingError, RuntimeError, KeyError, EOFError... on a foreign file
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        why = f"it holds a Python object ({found.group(1)}), not only tensors" if found else \
+            "not a file written by torch.save"
+        raise ValueError(f"--data.path {path}: cannot read it as --data.type preset_pt batches: {why}. Save a list "
+                         f"of dicts of tensors: torch.save([{{'input_ids': ids_BxS, 'labels': labels_BxS}}, ...], "
+                         f"path)") from None
+
+
 class PresetSource:
     """Fixed batches saved with torch.save (a list of dicts of [B, S] tensors), replayed in order, cycling."""
 
     KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 
     def __init__(self, path: str, vocab_size: int):
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"--data.path {path!r}: no such file (expected torch.save of a list of batches)")
-        batches = torch.load(path, weights_only=True)
+        batches = load_batches(path)
         if not isinstance(batches, (list, tuple)) or not batches:
             raise ValueError(f"{path}: expected a non-empty list of batches, found {type(batches).__name__}")
         for i, b in enumerate(batches):
@@ -267,6 +291,12 @@ class PresetSource:
                                  f"{list(ids.shape)} (attention_mask may also be [batch, 1, seq, seq])")
             if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < vocab_size):
                 raise ValueError(f"{path}: batch {i} has token ids outside [0, vocab_size={vocab_size})")
+            labels = b.get("labels", ids)
+            wrong = labels[(labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab_size))]
+            if wrong.numel():
+                raise ValueError(f"{path}: batch {i} has label {int(wrong[0])} outside [0, vocab_size={vocab_size}) "
+                                 f"(use {IGNORE_INDEX} where no loss is taken): fix the labels or raise "
+                                 f"--model.vocab_size")
         self.batches, self.index = list(batches), 0
 
     def next_batch(self) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from glm5f.config import GLM5Config
+from glm5f.config import GLM5Config, read_json
 from glm5f.params import abstract_params, describe_mismatch, flatten, leaf_dtype, unflatten
 
 _EXPERT_LEAF = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -32,8 +32,10 @@ def checkpoint_files(path: str) -> list[str]:
     """The safetensors files of a checkpoint directory (sharded via model.safetensors.index.json, or not)."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        weight_map = read_json(index, "a safetensors index with a 'weight_map'").get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: no 'weight_map' object (tensor name -> shard file)")
+        files = sorted(set(weight_map.values()))
         missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
         if missing:
             raise FileNotFoundError(f"{index} names shard files that are not there: {missing}")

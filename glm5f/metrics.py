@@ -11,9 +11,9 @@ import time
 class Progress:
     """One updating console line (a plain line every `every` steps when not a terminal)."""
 
-    def __init__(self, total: int, start: int = 0, every: int = 10, stream=sys.stdout):
-        self.total, self.start, self.every, self.stream = total, start, every, stream
-        self.tty = stream.isatty()
+    def __init__(self, total: int, start: int = 0, every: int = 10, stream=None):
+        self.total, self.start, self.every, self.stream = total, start, every, stream or sys.stdout
+        self.tty = self.stream.isatty()
         self.t0 = time.perf_counter()
 
     def update(self, step: int, rec: dict) -> None:
@@ -35,15 +35,22 @@ class MetricsLog:
     by a run that died before its next checkpoint) are dropped first, so each step appears once."""
 
     def __init__(self, run_dir: str, resume_step: int = 0):
-        os.makedirs(run_dir, exist_ok=True)
+        self.run_dir, self.resume_step, self.started = run_dir, resume_step, False
         self.path = os.path.join(run_dir, "metrics.jsonl")
-        kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step] if resume_step else []
+
+    def _start(self) -> None:
+        """On the first record (so a run that fails before it leaves the directory as it was)."""
+        os.makedirs(self.run_dir, exist_ok=True)
+        kept = [r for r in read_metrics(self.path) if r["step"] <= self.resume_step] if self.resume_step else []
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in kept)
         os.replace(tmp, self.path)
+        self.started = True
 
     def write(self, rec: dict) -> None:
+        if not self.started:
+            self._start()
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
 

@@ -162,3 +162,71 @@ def test_failed_save_leaves_no_directory(tmp_path, tiny):
     with pytest.raises(Exception):
         glm5f.save_hf(tmp_path / "bad", cfg, bad)
     assert os.listdir(tmp_path) == []
+
+
+# ---- the train CLI: bad input ends in one `error:` line, and the run directory stays as it was ----------------
+
+TINY_RUN = ["--model.preset", "glm5-tiny", "--data.batch_size", "2", "--data.seq_len", "32", "--train.steps", "2"]
+
+
+def run_error(capsys, *args) -> str:
+    """train.py's exit status must be 1; returns its stderr (the `error:` line)."""
+    from train import main
+    assert main(TINY_RUN + list(args)) == 1
+    return capsys.readouterr().err
+
+
+def test_labels_outside_vocab_are_an_error_line(tmp_path, capsys):
+    data = tmp_path / "lab.jsonl"
+    data.write_text(json.dumps({"input_ids": list(range(1, 9)), "labels": [1, 2, 3, 9999, 5, 6, 7, 8]}) + "\n")
+    err = run_error(capsys, "--data.type", "json_file", "--data.path", str(data), "--checkpoint.dir",
+                    str(tmp_path / "r"))
+    assert f"error: {data}: example 0 has label 9999 outside [0, vocab_size=512) (use -100 where no loss" in err
+    torch.save([{"input_ids": torch.ones(2, 8, dtype=torch.long), "labels": torch.full((2, 8), 9999)}],
+               tmp_path / "lab.pt")
+    err = run_error(capsys, "--data.type", "preset_pt", "--data.path", str(tmp_path / "lab.pt"), "--checkpoint.dir",
+                    str(tmp_path / "r"))
+    assert f"error: {tmp_path / 'lab.pt'}: batch 0 has label 9999 outside [0, vocab_size=512)" in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_broken_tokenizer_json_is_an_error_line(tmp_path, capsys):
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text('{"model": {"bad"\n')
+    err = run_error(capsys, "--model.tokenizer_path", str(tmp_path), "--checkpoint.dir", str(tmp_path / "r"))
+    assert f"error: --model.tokenizer_path {tok}: not a readable tokenizer.json (" in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_preset_pt_that_is_not_a_torch_file(tmp_path, capsys):
+    import argparse
+    (tmp_path / "notes.pt").write_text("hello")
+    torch.save([{"input_ids": torch.ones(2, 8, dtype=torch.long), "x": argparse.Namespace()}], tmp_path / "obj.pt")
+    for name, why in [("notes.pt", "not a file written by torch.save"),
+                      ("obj.pt", "it holds a Python object (argparse.Namespace), not only tensors")]:
+        err = run_error(capsys, "--data.type", "preset_pt", "--data.path", str(tmp_path / name), "--checkpoint.dir",
+                        str(tmp_path / "r"))
+        assert f"error: --data.path {tmp_path / name}: cannot read it as --data.type preset_pt batches: {why}" in err
+        assert "weights_only" not in err and "Traceback" not in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_malformed_meta_and_config_json_name_the_file(tmp_path, capsys):
+    from train import main
+    run = tmp_path / "r"
+    assert main(TINY_RUN + ["--data.type", "synthetic", "--checkpoint.dir", str(run)]) == 0
+    ckpt = run / "checkpoints" / "step_00000002"
+    (ckpt / "manifest.json").unlink(missing_ok=True)  # as a checkpoint written before manifests
+    (ckpt / "meta.json").write_text('{"step": 2,\n')
+    err = run_error(capsys, "--data.type", "synthetic", "--train.steps", "3", "--checkpoint.dir", str(run),
+                    "--checkpoint.resume", str(ckpt))
+    assert f"error: {ckpt / 'meta.json'}: not valid JSON (Expecting property name" in err
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text('{"model_type": \n')
+    from train import main
+    assert main(["--model.init_from", str(tmp_path / "hf"), "--checkpoint.dir", str(tmp_path / "r2")]) == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'hf' / 'config.json'}: not valid JSON (Expecting value at line 2 column 1)" in err
+    with pytest.raises(ValueError, match="config.json: holds a JSON list"):
+        (tmp_path / "hf" / "config.json").write_text("[1]")
+        glm5f.load_hf(tmp_path / "hf")

@@ -433,3 +433,82 @@ def test_hf_datasets_from_disk(tmp_path):
                     split="test", pack=False).next_batch()
     assert b["input_ids"][0, :4].tolist() == [256, ord("x"), ord("y"), 257]
     assert b["labels"][0, :4].tolist() == [-100, -100, ord("y"), 257]
+
+
+def test_resume_under_another_data_type_is_refused(tmp_path, capsys):
+    run = str(tmp_path)
+    assert main(TINY + ["--train.steps", "2", "--checkpoint.dir", run]) == 0
+    before = (tmp_path / "metrics.jsonl").read_text()
+    assert main(TINY[:4] + ["--data.type", "text", "--train.steps", "4", "--checkpoint.dir", run,
+                            "--checkpoint.resume", "latest"]) == 1
+    err = capsys.readouterr().err
+    assert (f"error: {tmp_path / 'checkpoints' / 'step_00000002'} was saved by a run on --data.type synthetic, not "
+            f"text: resume it with --data.type synthetic") in err
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+
+
+def test_a_run_failing_before_its_first_step_writes_nothing(tmp_path, monkeypatch):
+    import train as train_mod
+    monkeypatch.setattr(train_mod, "step_grads", lambda *a: (_ for _ in ()).throw(TrainingError("boom")))
+    with pytest.raises(TrainingError, match="boom"):
+        train(cli(*TINY, "--train.steps", "2", "--checkpoint.dir", str(tmp_path / "r")))
+    assert not (tmp_path / "r").exists()  # no empty metrics.jsonl
+
+
+def test_damaged_checkpoint_is_named_and_latest_falls_back(tmp_path, capsys):
+    run, root = str(tmp_path), tmp_path / "checkpoints"
+    args = TINY + ["--checkpoint.every", "1", "--checkpoint.keep", "0", "--checkpoint.dir", run]
+    assert main(args + ["--train.steps", "3"]) == 0
+    manifest = json.loads((root / "step_00000003" / "manifest.json").read_text())["files"]
+    assert sorted(manifest) == [".metadata", "__0_0.distcp", "extra.pt", "meta.json"]
+    size = manifest["__0_0.distcp"]["bytes"]
+    with open(root / "step_00000003" / "__0_0.distcp", "r+b") as f:
+        f.truncate(1000)
+    (root / "step_00000002" / "extra.pt").unlink()
+    capsys.readouterr()
+    assert main(args + ["--train.steps", "4", "--checkpoint.resume", str(root / "step_00000003")]) == 1
+    assert (f"error: checkpoint {root / 'step_00000003'} is damaged: __0_0.distcp has 1000 bytes, not the {size} it "
+            f"was saved with. Resume from the newest complete checkpoint instead: --checkpoint.resume "
+            f"{root / 'step_00000001'}") in capsys.readouterr().err
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]  # the refused resume wrote nothing
+    assert main(args + ["--train.steps", "4", "--checkpoint.keep", "1", "--checkpoint.resume", "latest"]) == 0
+    out = capsys.readouterr().out
+    assert (f"checkpoint {root / 'step_00000003'} is damaged (__0_0.distcp has 1000 bytes, not the {size} it was "
+            f"saved with): resuming from {root / 'step_00000001'}, the newest complete one") in out
+    assert f"resumed from {root / 'step_00000001'} at step 1" in out
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4]
+    assert checkpoint.latest(run).endswith("step_00000004") and checkpoint.verify(checkpoint.latest(run)) is None
+    assert sorted(os.listdir(root)) == ["latest", "step_00000004"]  # rotation kept the newest complete one
+
+
+def test_checkpoint_verify_finds_each_kind_of_damage(tmp_path):
+    path = checkpoint.save(str(tmp_path), 1, {"params": {"w": torch.ones(64)}}, extra={"step": 1}, meta={})
+    assert checkpoint.verify(path) is None
+    meta_file = tmp_path / "checkpoints" / "step_00000001" / ".metadata"
+    good = meta_file.read_bytes()
+    meta_file.write_bytes(good[:-1] + bytes([good[-1] ^ 0xFF]))  # same size, one byte flipped
+    assert checkpoint.verify(path) == ".metadata does not match its CRC-32 in manifest.json (corrupted)"
+    meta_file.write_bytes(good)
+    os.remove(os.path.join(path, "extra.pt"))
+    assert checkpoint.verify(path) == "extra.pt is missing"
+    with pytest.raises(ValueError, match="no other checkpoint in .* is complete: start over with --checkpoint.overw"):
+        checkpoint.choose(str(tmp_path), "latest")
+    (tmp_path / "checkpoints" / "step_00000001" / "manifest.json").write_text("{")
+    assert checkpoint.verify(path) == "manifest.json is unreadable"
+    os.remove(os.path.join(path, "manifest.json"))  # as a checkpoint written before manifests: not checked
+    assert checkpoint.verify(path) is None and checkpoint.choose(str(tmp_path), "latest") == (path, None)
+
+
+def test_checkpoint_without_manifest_still_resumes(tmp_path, capsys):
+    run = str(tmp_path)
+    assert main(TINY + ["--train.steps", "2", "--checkpoint.dir", run]) == 0
+    os.remove(tmp_path / "checkpoints" / "step_00000002" / "manifest.json")
+    assert main(TINY + ["--train.steps", "3", "--checkpoint.dir", run, "--checkpoint.resume", "latest"]) == 0
+    out = capsys.readouterr().out
+    assert f"resumed from {tmp_path / 'checkpoints' / 'step_00000002'} at step 2" in out and "damaged" not in out
+    old = tmp_path / "checkpoints" / "step_00000003"
+    os.remove(old / "manifest.json")
+    with open(old / "__0_0.distcp", "r+b") as f:
+        f.truncate(1000)
+    assert main(TINY + ["--train.steps", "4", "--checkpoint.dir", run, "--checkpoint.resume", "latest"]) == 1
+    assert (f"error: cannot read checkpoint {old} (") in capsys.readouterr().err
