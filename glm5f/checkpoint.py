@@ -18,6 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from glm5f.config import GLM5Config
+from glm5f.params import abstract_params, map_with_path
+
 PREFIX = "step_"
 
 
@@ -115,6 +118,20 @@ def _prune(root: str, keep: int, newest: str) -> None:
                 shutil.rmtree(os.path.join(root, n), ignore_errors=True)
 
 
+def resolve(path: str) -> str:
+    """A checkpoint directory, or the latest checkpoint of a run directory; FileNotFoundError naming what is
+    missing otherwise."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: no such directory (expected a run directory or a checkpoint in one)")
+    if os.path.isfile(os.path.join(path, "meta.json")):
+        return path
+    found = latest(path)
+    if found is None:
+        raise FileNotFoundError(f"{path}: no complete checkpoint (neither {path}/meta.json nor "
+                                f"{path}/checkpoints/{PREFIX}*/meta.json); train with --checkpoint.dir {path} first")
+    return found
+
+
 def latest(run_dir: str) -> str | None:
     """The newest complete checkpoint of a run directory (by its `latest` marker), or None."""
     root = os.path.join(run_dir, "checkpoints")
@@ -135,6 +152,19 @@ def read_meta(path: str) -> dict:
                                 f"such as RUN/checkpoints/{PREFIX}00000010, or 'latest'")
     with open(meta_file) as f:
         return json.load(f)
+
+
+def load_params(path: str) -> tuple[GLM5Config, dict]:
+    """(model config, full params) of training checkpoint `path`, in this one process whatever layout saved it
+    (DCP reshards); the optimizer state is not read. Params keep the run's master dtype (fp32, fp64 in fp64 runs)."""
+    meta = read_meta(path)
+    if "model" not in meta:
+        raise ValueError(f"{path}/meta.json has no model config: not a glm5f training checkpoint")
+    cfg = GLM5Config.from_hf(meta["model"])
+    master = torch.float64 if meta.get("run", {}).get("train", {}).get("dtype") == "float64" else torch.float32
+    params = map_with_path(lambda p, t: torch.empty(t.shape, dtype=t.dtype), abstract_params(cfg, master))
+    _quiet_dcp(dcp.load, {"params": params}, checkpoint_id=path)
+    return cfg, params
 
 
 def load(path: str, state: dict) -> dict:
