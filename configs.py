@@ -137,6 +137,20 @@ class CheckpointConfig:
 
 
 @dataclass
+class EvalConfig:
+    every: int = 100
+    """Held-out loss every N steps and at the end (eval_loss, eval_ppl in metrics.jsonl); 0: never."""
+    batches: int = 2
+    """Held-out batches of --data.batch_size x --data.seq_len per evaluation (the same ones each time)."""
+    path: Optional[str] = None
+    """Held-out data in --data.type's format (JSONL for text and synthetic runs). Default: text: every 20th
+    document of the embedded corpus (never trained on); synthetic: sequences from a step training never reaches;
+    json_file, hf_datasets, preset_pt: no evaluation unless --eval.path or --eval.split is given."""
+    split: Optional[str] = None
+    """Split of the hf_datasets DatasetDict at --eval.path (default --data.path) to evaluate on, e.g. test."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -144,6 +158,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 def validate(cfg: Config, world_size: int | None = None) -> list[str]:
@@ -155,7 +170,8 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
                              ("--data.batch_size", cfg.data.batch_size, 1), ("--data.seq_len", cfg.data.seq_len, 2),
                              ("--checkpoint.every", cfg.checkpoint.every, 0), ("--checkpoint.keep", cfg.checkpoint.keep, 0),
                              ("--optim.warmup_steps", cfg.optim.warmup_steps, 0),
-                             ("--train.log_every", cfg.train.log_every, 1)]:
+                             ("--train.log_every", cfg.train.log_every, 1),
+                             ("--eval.every", cfg.eval.every, 0), ("--eval.batches", cfg.eval.batches, 1)]:
         if value < low:
             errs.append(f"{name} must be >= {low}, got {value}")
     if cfg.train.reduce_dtype and cfg.train.dtype == "float64" and cfg.train.reduce_dtype != "float64":
@@ -182,6 +198,10 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
                     f"--parallel.dp_shard ({cfg.train.grad_accum} x {p.dp_shard})")
     if cfg.data.type in ("json_file", "preset_pt", "hf_datasets") and not cfg.data.path:
         errs.append(f"--data.type {cfg.data.type} needs --data.path")
+    if cfg.eval.split is not None and cfg.data.type != "hf_datasets":
+        errs.append(f"--eval.split needs --data.type hf_datasets (got {cfg.data.type}); pass --eval.path instead")
+    elif cfg.eval.split is not None and cfg.eval.path is None and cfg.eval.split == cfg.data.split:
+        errs.append(f"--eval.split {cfg.eval.split} is the training split (--data.split): choose another split")
     if cfg.train.device not in ("auto", "cpu", "cuda", "npu") and not cfg.train.device.startswith(("cuda:", "npu:")):
         errs.append(f"--train.device must be auto, cpu, cuda or npu, got {cfg.train.device!r}")
     if cfg.model.preset not in glm5f.PRESETS and not cfg.model.init_from:

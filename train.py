@@ -21,7 +21,7 @@ import tyro
 import glm5f
 from configs import Config, validate
 from glm5f import checkpoint
-from glm5f.data import make_source
+from glm5f.data import make_eval_source, make_source
 from glm5f.hf import check_export_dir
 from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
 from glm5f.model import apply, check_input_ids, cross_entropy_sum, shift_labels
@@ -71,6 +71,13 @@ def micro_loss(params: dict, batch: dict, n_targets: torch.Tensor, model_cfg: gl
 loss_and_grad = value_and_grad(micro_loss, has_aux=True)
 
 
+def with_targets(batch: dict) -> dict:
+    """The batch with its next-token targets (shifted on whole sequences, before any split) and valid tokens."""
+    mask = batch.get("attention_mask")
+    return dict(batch, targets=shift_labels(batch["labels"]),
+                valid=mask if mask is not None and mask.ndim == 2 else torch.ones_like(batch["input_ids"]))
+
+
 def step_grads(params: dict, batch: dict, cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout):
     """(mean loss of the global batch, gradients of the trained leaves, per-MoE-layer expert token counts).
 
@@ -83,9 +90,7 @@ def step_grads(params: dict, batch: dict, cfg: Config, model_cfg: glm5f.GLM5Conf
     master = {p: t.dtype for p, t in flatten(params).items()}
     if reduce is not None:
         params = map_with_path(lambda p, t: t.to(torch.promote_types(t.dtype, reduce)), params)
-    mask = batch.get("attention_mask")
-    batch = dict(batch, targets=shift_labels(batch["labels"]),  # on whole sequences, before any split
-                 valid=mask if mask is not None and mask.ndim == 2 else torch.ones_like(batch["input_ids"]))
+    batch = with_targets(batch)
     n_targets = (batch["targets"] != glm5f.IGNORE_INDEX).sum().clamp(min=1)
     moe_layers = [i for i in range(model_cfg.num_hidden_layers) if model_cfg.is_moe(i)]
     grads, loss_sum, counts = None, torch.zeros((), dtype=torch.float64, device=batch["input_ids"].device), {}
@@ -104,6 +109,25 @@ def step_grads(params: dict, batch: dict, cfg: Config, model_cfg: glm5f.GLM5Conf
             counts[key] = counts.get(key, 0) + c
     grads = {p: g.to(master[p]) for p, g in grads.items()}
     return float(layout.sum(loss_sum) / n_targets), grads, {k: layout.sum(c) for k, c in counts.items()}
+
+
+@torch.no_grad()
+def eval_loss(params: dict, batches: list[dict], cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout) -> float:
+    """Token-weighted mean loss of `params` over the held-out batches: every batch cut into micro-batches and
+    rank shares as a training step's, the loss sums added over all of them and divided by all their targets."""
+    dtype = getattr(torch, cfg.train.dtype)
+    weight_dtype = getattr(torch, cfg.train.reduce_dtype) if cfg.train.reduce_dtype else dtype
+    one = torch.ones((), device=layout.device)
+    loss_sum, n_targets = torch.zeros((), dtype=torch.float64, device=layout.device), 0
+    for batch in batches:
+        batch = with_targets(batch)
+        n_targets += int((batch["targets"] != glm5f.IGNORE_INDEX).sum())
+        B, n = len(batch["input_ids"]), cfg.train.grad_accum
+        for micro in range(n):
+            mb = layout.local_batch({k: v[micro * B // n:(micro + 1) * B // n] for k, v in batch.items()})
+            _, (mb_loss, _) = micro_loss(params, mb, one, model_cfg, layout, dtype, weight_dtype, False)
+            loss_sum = loss_sum + mb_loss
+    return float(layout.sum(loss_sum) / max(n_targets, 1))
 
 
 def check_finite(params: dict, layout: Layout, step: int, last_ckpt: str | None) -> None:
@@ -185,6 +209,16 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         data = make_source(cfg.data.type, vocab_size=model_cfg.vocab_size, batch_size=cfg.data.batch_size,
                            seq_len=cfg.data.seq_len, seed=cfg.data.seed, path=cfg.data.path,
                            tokenizer_path=cfg.model.tokenizer_path, pack=cfg.data.pack, split=cfg.data.split)
+        held_out = make_eval_source(cfg.data.type, vocab_size=model_cfg.vocab_size, batch_size=cfg.data.batch_size,
+                                    seq_len=cfg.data.seq_len, seed=cfg.data.seed, path=cfg.eval.path,
+                                    split=cfg.eval.split, train_path=cfg.data.path,
+                                    tokenizer_path=cfg.model.tokenizer_path, pack=cfg.data.pack)
+        eval_batches = [] if held_out is None or not cfg.eval.every else \
+            [{k: v.to(device) for k, v in held_out.next_batch().items()} for _ in range(cfg.eval.batches)]
+        for b in eval_batches:
+            check_input_ids(b["input_ids"], model_cfg)
+    if held_out is None and cfg.eval.every:
+        say(f"no evaluation: {cfg.data.type} data has no held-out part; pass --eval.path (or --eval.split)")
 
     # ---- resume
     start, last_ckpt = 0, None
@@ -253,6 +287,9 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
                "tokens_per_s": tokens / dt, "step_time_s": dt}
         if bad:
             rec["skipped"] = True
+        if eval_batches and ((step + 1) % cfg.eval.every == 0 or step + 1 == cfg.train.steps):
+            rec["eval_loss"] = eval_loss(params, eval_batches, cfg, model_cfg, layout)
+            rec["eval_ppl"] = math.exp(rec["eval_loss"]) if rec["eval_loss"] < 700 else math.inf
         records.append(rec)
         if layout.is_main:
             log.write(rec)
@@ -271,6 +308,10 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
             say(f"loss curve: {os.path.join(run_dir, 'loss.png')}")
         first, last = history[0]["loss"], history[-1]["loss"]
         say(f"done: loss {first:.4f} (step {history[0]['step']}) -> {last:.4f} (step {history[-1]['step']})")
+        evals = [r for r in history if "eval_loss" in r]
+        if evals:
+            say(f"held-out: eval_loss {evals[-1]['eval_loss']:.4f} (ppl {evals[-1]['eval_ppl']:.2f}) at step "
+                f"{evals[-1]['step']}")
     export(cfg, model_cfg, params, layout, say)
     return records
 

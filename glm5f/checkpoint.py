@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from glm5f.config import read_json
+from glm5f.config import GLM5Config, read_json
+from glm5f.params import abstract_params, map_with_path
 
 PREFIX = "step_"
 MANIFEST = "manifest.json"
@@ -119,6 +120,20 @@ def _prune(root: str, keep: int, newest: str) -> None:
         for n in _complete(root)[:-keep]:
             if n != newest:
                 shutil.rmtree(os.path.join(root, n), ignore_errors=True)
+
+
+def resolve(path: str) -> str:
+    """A checkpoint directory, or the latest checkpoint of a run directory; FileNotFoundError naming what is
+    missing otherwise."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: no such directory (expected a run directory or a checkpoint in one)")
+    if os.path.isfile(os.path.join(path, "meta.json")):
+        return path
+    found = latest(path)
+    if found is None:
+        raise FileNotFoundError(f"{path}: no complete checkpoint (neither {path}/meta.json nor "
+                                f"{path}/checkpoints/{PREFIX}*/meta.json); train with --checkpoint.dir {path} first")
+    return found
 
 
 def latest(run_dir: str) -> str | None:
@@ -222,6 +237,24 @@ def read_meta(path: str) -> dict:
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no meta.json): pass a checkpoint directory "
                                 f"such as RUN/checkpoints/{PREFIX}00000010, or 'latest'")
     return read_json(meta_file, "the checkpoint's meta.json (step, model and run config)")
+
+
+def load_params(path: str) -> tuple[GLM5Config, dict]:
+    """(model config, full params) of training checkpoint `path`, in this one process whatever layout saved it
+    (DCP reshards); the optimizer state is not read. Params keep the run's master dtype (fp32, fp64 in fp64 runs)."""
+    meta = read_meta(path)
+    if "model" not in meta:
+        raise ValueError(f"{path}/meta.json has no model config: not a glm5f training checkpoint")
+    problem = verify(path)
+    if problem:
+        good = newest_complete(os.path.dirname(os.path.normpath(path)))
+        raise ValueError(f"checkpoint {path} is damaged: {problem}" +
+                         (f". The newest complete checkpoint beside it is {good}" if good else ""))
+    cfg = GLM5Config.from_hf(meta["model"])
+    master = torch.float64 if meta.get("run", {}).get("train", {}).get("dtype") == "float64" else torch.float32
+    params = map_with_path(lambda p, t: torch.empty(t.shape, dtype=t.dtype), abstract_params(cfg, master))
+    _quiet_dcp(dcp.load, {"params": params}, checkpoint_id=path)
+    return cfg, params
 
 
 def load(path: str, state: dict) -> dict:

@@ -114,10 +114,20 @@ def record_example(tok, rec, where: str) -> Example:
                      f"found keys {sorted(rec)}")
 
 
-def embedded_documents() -> list[str]:
-    """The corpus shipped with glm5f (see glm5f/data/SOURCE.md)."""
+HELD_OUT_EVERY = 20  # every 20th document of the embedded corpus is held out for evaluation, never trained on
+
+
+def embedded_documents(part: str | None = None) -> list[str]:
+    """The corpus shipped with glm5f (see glm5f/data/SOURCE.md): all of it, or its "train" or "eval" part
+    (every HELD_OUT_EVERY-th document, counting from the HELD_OUT_EVERY-th, is "eval")."""
     with resources.files("glm5f").joinpath("data/corpus.txt.gz").open("rb") as raw:
-        return gzip.decompress(raw.read()).decode("utf-8").split("\f\n")
+        docs = gzip.decompress(raw.read()).decode("utf-8").split("\f\n")
+    held = lambda i: i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1  # noqa: E731
+    if part is None:
+        return docs
+    if part not in ("train", "eval"):
+        raise ValueError(f"part must be None, 'train' or 'eval', got {part!r}")
+    return [d for i, d in enumerate(docs) if held(i) == (part == "eval")]
 
 
 def json_examples(path: str, tok) -> list[Example]:
@@ -228,10 +238,12 @@ class PackedSource:
 
 class SyntheticSource:
     """Seeded random sequences from a fixed sparse bigram table (four successors per token): learnable, and a
-    pure function of (seed, step)."""
+    pure function of (seed, step). Held-out sequences start at step HELD_OUT_STEP, which training never reaches."""
 
-    def __init__(self, batch_size: int, seq_len: int, vocab_size: int, seed: int):
-        self.B, self.S, self.V, self.seed, self.step = batch_size, seq_len, vocab_size, seed, 0
+    HELD_OUT_STEP = 10**12
+
+    def __init__(self, batch_size: int, seq_len: int, vocab_size: int, seed: int, step: int = 0):
+        self.B, self.S, self.V, self.seed, self.step = batch_size, seq_len, vocab_size, seed, step
         g = torch.Generator().manual_seed(seed)
         self.successors = torch.randint(0, vocab_size, (vocab_size, 4), generator=g)
 
@@ -314,6 +326,27 @@ class PresetSource:
         self.index = state["index"]
 
 
+def make_eval_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, seed: int = 0,
+                     path: str | None = None, split: str | None = None, train_path: str | None = None,
+                     tokenizer_path: str | None = None, pack: bool = True):
+    """The held-out data of a run of `--data.type kind`: `path` (default the training data's `train_path`) and
+    `split` when given, in that data type's format (JSONL for text and synthetic runs); else the held-out part of
+    the embedded text or of the synthetic stream. None when there is none (json_file, hf_datasets, preset_pt
+    without a path or split)."""
+    common = dict(vocab_size=vocab_size, batch_size=batch_size, seq_len=seq_len, seed=seed,
+                  tokenizer_path=tokenizer_path, pack=pack)
+    if path is not None or split is not None:
+        eval_kind = "json_file" if kind in ("text", "synthetic") else kind
+        return make_source(eval_kind, path=path or train_path, split=split, **common)
+    if kind == "synthetic":
+        return SyntheticSource(batch_size, seq_len, vocab_size, seed, step=SyntheticSource.HELD_OUT_STEP)
+    if kind == "text":  # the training source has checked the tokenizer against the model
+        tok = make_tokenizer(tokenizer_path)
+        examples = [text_example(tok, d) for d in embedded_documents("eval")]
+        return PackedSource(examples, batch_size, seq_len, seed, tok.pad_id, pack, "embedded corpus (held out)")
+    return None
+
+
 def make_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, seed: int = 0, path: str | None = None,
                 tokenizer_path: str | None = None, pack: bool = True, split: str | None = None):
     """The data source of `--data.type kind` for a model of vocab_size."""
@@ -328,7 +361,7 @@ def make_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, se
         raise ValueError(f"the tokenizer has {tok.vocab_size} ids but the model's vocab_size is {vocab_size}: "
                          f"raise --model.vocab_size to at least {tok.vocab_size}")
     if kind == "text":
-        examples = [text_example(tok, d) for d in embedded_documents()]
+        examples = [text_example(tok, d) for d in embedded_documents("train")]
         name = "embedded corpus"
     elif kind in ("json_file", "hf_datasets"):
         if path is None:

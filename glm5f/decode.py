@@ -63,15 +63,26 @@ def extend(params: dict, cfg: GLM5Config, cache: Cache, input_ids_BxS: torch.Ten
     return logits
 
 
-@torch.no_grad()
-def generate(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, max_new_tokens: int, *,
-             attention_mask: torch.Tensor | None = None, eos_token_id: int | None = None,
-             temperature: float = 0.0, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Prompt + up to max_new_tokens tokens [B, S + n]. Greedy when temperature == 0, else sampled.
+def sample(logits_BxV: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
+           generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next tokens [B]: argmax when temperature == 0, else sampled from softmax(logits / temperature) restricted
+    to the smallest set of most likely tokens whose probability reaches top_p."""
+    if temperature <= 0:
+        return logits_BxV.argmax(-1)
+    probs_BxV = torch.softmax(logits_BxV.float() / temperature, dim=-1)
+    if top_p < 1:
+        sorted_BxV, order_BxV = probs_BxV.sort(dim=-1, descending=True)
+        before_BxV = sorted_BxV.cumsum(-1) - sorted_BxV  # mass of the more likely tokens
+        sorted_BxV = sorted_BxV.masked_fill(before_BxV >= top_p, 0)  # the most likely one always stays
+        probs_BxV = torch.zeros_like(probs_BxV).scatter(-1, order_BxV, sorted_BxV)
+    return torch.multinomial(probs_BxV, 1, generator=generator)[:, 0]
 
-    attention_mask [B, S] marks left padding of the prompts (positions then count real tokens only). Rows that
-    produced eos_token_id keep emitting it; decoding stops early once every row has.
-    """
+
+@torch.no_grad()
+def stream(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, max_new_tokens: int, *,
+           attention_mask: torch.Tensor | None = None, eos_token_id: int | None = None, temperature: float = 0.0,
+           top_p: float = 1.0, generator: torch.Generator | None = None):
+    """Yield the new tokens [B] one step at a time (see `generate`)."""
     check_input_ids(input_ids, cfg)
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -90,19 +101,28 @@ def generate(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, max_new_tok
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     next_pos = positions[:, -1:] + 1
     logits = extend(params, cfg, cache, input_ids, positions, valid)[:, -1]
-    out, done = [input_ids], torch.zeros(B, dtype=torch.bool, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
     for step in range(max_new_tokens):
-        if temperature > 0:
-            probs = torch.softmax(logits.float() / temperature, dim=-1)
-            token = torch.multinomial(probs, 1, generator=generator)[:, 0]
-        else:
-            token = logits.argmax(-1)
+        token = sample(logits, temperature, top_p, generator)
         if eos_token_id is not None:
             token = torch.where(done, torch.full_like(token, eos_token_id), token)
             done = done | (token == eos_token_id)
-        out.append(token[:, None])
+        yield token
         if step == max_new_tokens - 1 or bool(done.all()):
             break
         logits = extend(params, cfg, cache, token[:, None], next_pos, valid)[:, -1]
         next_pos = next_pos + 1
-    return torch.cat(out, dim=1)
+
+
+def generate(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, max_new_tokens: int, *,
+             attention_mask: torch.Tensor | None = None, eos_token_id: int | None = None,
+             temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Prompt + up to max_new_tokens tokens [B, S + n]. Greedy when temperature == 0, else sampled (nucleus
+    sampling with top_p < 1).
+
+    attention_mask [B, S] marks left padding of the prompts (positions then count real tokens only). Rows that
+    produced eos_token_id keep emitting it; decoding stops early once every row has.
+    """
+    new = stream(params, cfg, input_ids, max_new_tokens, attention_mask=attention_mask, eos_token_id=eos_token_id,
+                 temperature=temperature, top_p=top_p, generator=generator)
+    return torch.cat([input_ids] + [t[:, None] for t in new], dim=1)

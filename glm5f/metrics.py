@@ -23,9 +23,12 @@ class Progress:
         bar = "#" * int(width * step / self.total) + "-" * (width - int(width * step / self.total))
         line = (f"[{bar}] {step}/{self.total} loss {rec['loss']:.4f} lr {rec['lr']:.2e} "
                 f"gnorm {rec['grad_norm']:.3f} {rec['tokens_per_s']:.0f} tok/s eta {eta:.0f}s")
-        if self.tty:
-            self.stream.write("\r" + line + ("\n" if step == self.total else ""))
-        elif step % self.every == 0 or step == self.total or step == self.start + 1:
+        evaluated = "eval_loss" in rec
+        if evaluated:
+            line += f" | eval_loss {rec['eval_loss']:.4f} eval_ppl {rec['eval_ppl']:.2f}"
+        if self.tty:  # a line with an evaluation stays on the screen
+            self.stream.write("\r" + line + ("\n" if step == self.total or evaluated else ""))
+        elif step % self.every == 0 or step == self.total or step == self.start + 1 or evaluated:
             self.stream.write(line + "\n")
         self.stream.flush()
 
@@ -66,7 +69,8 @@ def read_metrics(path: str) -> list[dict]:
 
 
 def plot_losses(runs: dict[str, list[dict]], out_png: str, title: str = "loss") -> bool:
-    """Loss curves of several runs into one PNG. False (and nothing written) without matplotlib."""
+    """Loss curves of several runs into one PNG, each run's held-out loss (eval_loss) dashed beside its training
+    loss. False (and nothing written) without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -74,13 +78,20 @@ def plot_losses(runs: dict[str, list[dict]], out_png: str, title: str = "loss") 
     except ImportError:
         return False
     fig, ax = plt.subplots(figsize=(7, 4))
+    has_eval = False
     for name, recs in runs.items():
-        ax.plot([r["step"] for r in recs], [r["loss"] for r in recs], label=name, linewidth=1)
+        evals = [r for r in recs if "eval_loss" in r]
+        line, = ax.plot([r["step"] for r in recs], [r["loss"] for r in recs], linewidth=1,
+                        label=f"{name} train" if evals else name)
+        if evals:
+            has_eval = True
+            ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "--o", color=line.get_color(),
+                    markersize=3, linewidth=1, label=f"{name} eval")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    if len(runs) > 1:
+    if len(runs) > 1 or has_eval:
         ax.legend()
     fig.tight_layout()
     fig.savefig(out_png, dpi=120)

@@ -1,4 +1,5 @@
-"""Compare the loss curves of runs: per-step differences against the first run, and one PNG of all curves.
+"""Compare the loss curves of runs: per-step differences against the first run (training loss, and the held-out
+eval_loss where both runs have it), and one PNG of all curves, held-out ones dashed.
 
     python scripts/compare_runs.py runs/base runs/cp2 runs/ep2 --png runs/compare.png
 """
@@ -14,10 +15,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from glm5f.metrics import plot_losses, read_metrics  # noqa: E402
 
 
-def compare(base: list[dict], other: list[dict]) -> dict:
-    """{steps, avg, max} of |loss difference| over the steps both runs logged."""
-    a = {r["step"]: r["loss"] for r in base}
-    diffs = [abs(a[r["step"]] - r["loss"]) for r in other if r["step"] in a]
+def compare(base: list[dict], other: list[dict], key: str = "loss") -> dict:
+    """{steps, avg, max} of |difference| of `key` over the steps both runs logged it."""
+    a = {r["step"]: r[key] for r in base if key in r}
+    diffs = [abs(a[r["step"]] - r[key]) for r in other if r["step"] in a and key in r]
     if not diffs:
         return {"steps": 0, "avg": float("nan"), "max": float("nan")}
     return {"steps": len(diffs), "avg": sum(diffs) / len(diffs), "max": max(diffs)}
@@ -34,10 +35,12 @@ def main(argv=None) -> int:
         print(f"error: no metrics.jsonl records in {empty}", file=sys.stderr)
         return 1
     names = list(runs)
-    print(f"{'run':<24}{'steps':>7}{'avg |diff|':>14}{'max |diff|':>14}   (against {names[0]})")
+    print(f"{'run':<24}{'curve':<6}{'steps':>7}{'avg |diff|':>14}{'max |diff|':>14}   (against {names[0]})")
     for name in names[1:]:
-        c = compare(runs[names[0]], runs[name])
-        print(f"{name:<24}{c['steps']:>7}{c['avg']:>14.3e}{c['max']:>14.3e}")
+        for key, label in (("loss", "train"), ("eval_loss", "eval")):
+            c = compare(runs[names[0]], runs[name], key)
+            if c["steps"] or key == "loss":
+                print(f"{name:<24}{label:<6}{c['steps']:>7}{c['avg']:>14.3e}{c['max']:>14.3e}")
     if args.png:
         print(f"plot: {args.png}" if plot_losses(runs, args.png) else "plot skipped (matplotlib not installed)")
     return 0

@@ -116,6 +116,10 @@ def test_resume_across_layouts(first, then, tmp_path):
     switched = [r["loss"] for r in read_metrics(run)]
     assert len(switched) == 6
     assert max(abs(a - b) for a, b in zip(switched, straight)) <= 1e-4
+    evals = [{r["step"]: r["eval_loss"] for r in read_metrics(d) if "eval_loss" in r}
+             for d in (tmp_path / "straight", run)]
+    assert evals[0].keys() == {6} and evals[1].keys() == {3, 6}  # held-out loss at each run's end, in its layout
+    assert abs(evals[0][6] - evals[1][6]) <= 1e-4
 
 
 @pytest.mark.parametrize("args,message", [
