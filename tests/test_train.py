@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -397,6 +398,25 @@ def test_help_lists_every_section():
     for flag in ("--model.preset", "--data.type", "--optim.lr", "--train.steps", "--train.activation_checkpointing",
                  "--parallel.cp", "--checkpoint.resume", "--model.hidden_size"):
         assert flag in out.stdout, flag
+
+
+def test_every_flag_has_help():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--help"], capture_output=True, text=True,
+                         cwd=ROOT, env=dict(os.environ, COLUMNS="100"))
+    assert out.returncode == 0
+    helps, flag = {}, None  # flag -> its help text, "(default: ...)" left out
+    for line in out.stdout.splitlines():
+        inner = line.strip().strip("│").strip()
+        if line.strip()[:1] in "╭╰─":
+            flag = None
+        elif inner.startswith("-"):
+            flag = inner.split()[0].rstrip(",")
+            helps[flag] = ""
+        elif flag:
+            helps[flag] += " " + inner
+    helps = {f: re.sub(r"\(default: [^)]*\)", "", h).strip() for f, h in helps.items()}
+    assert len(helps) > 60 and "--data.seq_len" in helps
+    assert [f for f, h in helps.items() if not h] == []
 
 
 def test_tokenizer_file(tmp_path):
