@@ -142,6 +142,17 @@ def test_world_mismatch_under_torchrun(monkeypatch, tmp_path, capsys):
     assert "must equal the number of processes (4)" in capsys.readouterr().err
 
 
+def test_warnings_come_from_rank_zero_only(tmp_path, capfd):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "q", "response": ""}\n{"text": "some text"}\n')
+    assert main(["--model.preset", "glm5-tiny", "--data.type", "json_file", "--data.path", str(data),
+                 "--data.batch_size", "2", "--data.seq_len", "32", "--train.steps", "1", "--parallel.dp_shard", "2",
+                 "--checkpoint.dir", str(tmp_path / "run")]) == 0
+    err = capfd.readouterr().err
+    assert err.count("warning: --train.steps 1 ends inside the 20-step warm-up") == 1, err
+    assert err.count("warning: 1 of 2 records have an empty response") == 1, err
+
+
 def test_dead_worker_stops_the_others():
     t = time.perf_counter()
     with pytest.raises(RuntimeError, match="worker 1 died with exit code -9; all 2 workers were stopped"):

@@ -238,6 +238,43 @@ def test_bad_data_is_reported(tmp_path, capsys):
         make_source("preset_pt", vocab_size=512, batch_size=2, seq_len=16, path=str(tmp_path / "b.pt"))
 
 
+def write_records(path, records) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_warnings_print_once_and_only_when_due(tmp_path, capsys):
+    data = write_records(tmp_path / "d.jsonl", [{"prompt": "q", "response": "an answer"}, {"prompt": "q", "response": ""},
+                                                 {"prompt": "q", "response": " "}, {"text": "some text"}])
+    args = ["--model.preset", "glm5-tiny", "--data.type", "json_file", "--data.path", data, "--data.batch_size", "2",
+            "--data.seq_len", "32", "--train.steps", "2"]
+    assert main(args + ["--checkpoint.dir", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 2, err
+    assert ("warning: --train.steps 2 ends inside the 20-step warm-up (--optim.warmup_steps): the learning rate peaks "
+            "at 3.00e-04, not --optim.lr 3.00e-03\n") in err
+    assert (f"warning: 2 of 4 records have an empty response (the first at {data}:2); each trains only on its "
+            f"end-of-sequence token\n") in err
+    clean = write_records(tmp_path / "clean.jsonl", [{"prompt": "q", "response": "a"}, {"text": "some text"}])
+    assert main(args + ["--data.path", clean, "--optim.warmup_steps", "2", "--checkpoint.dir", str(tmp_path / "b")]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_unused_tokenizer_warns(tmp_path):
+    tok = bpe_tokenizer(tmp_path)
+    ids = write_records(tmp_path / "ids.jsonl", [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])
+    text = write_records(tmp_path / "text.jsonl", [{"input_ids": [1, 2, 3]}, {"text": "the cat"}])
+    for kind, path, tokenizer, expected in [
+            ("synthetic", None, tok, f"--model.tokenizer_path {tok} is not used: --data.type synthetic does not "
+                                     f"tokenize text"),
+            ("json_file", ids, tok, f"--model.tokenizer_path {tok} is not used: every record holds input_ids "
+                                    f"already"),
+            ("synthetic", None, None, None), ("json_file", ids, None, None), ("json_file", text, tok, None)]:
+        seen = []
+        make_source(kind, vocab_size=512, batch_size=1, seq_len=8, path=path, tokenizer_path=tokenizer, warn=seen.append)
+        assert seen == ([expected] if expected else []), (kind, path, tokenizer)
+
+
 def test_invalid_run_configs_fail_before_any_work(tmp_path):
     run = tmp_path / "never"
     for args, message in [(["--train.steps", "-3"], "--train.steps must be >= 1"),
@@ -419,14 +456,22 @@ def test_every_flag_has_help():
     assert [f for f, h in helps.items() if not h] == []
 
 
-def test_tokenizer_file(tmp_path):
+def bpe_tokenizer(directory) -> str:
+    """A small BPE tokenizer.json in `directory` (its path)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train_from_iterator(["the cat sat on the mat", "a dog ran"] * 20,
                             trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>", "<s>", "</s>", "<pad>"]))
-    tok.save(str(tmp_path / "tokenizer.json"))
+    tok.save(str(directory / "tokenizer.json"))
+    return str(directory / "tokenizer.json")
+
+
+def test_tokenizer_file(tmp_path):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(bpe_tokenizer(tmp_path))
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"text": "the cat sat"}) + "\n")
     b = make_source("json_file", vocab_size=64, batch_size=1, seq_len=6, path=str(data), tokenizer_path=str(tmp_path),
