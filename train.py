@@ -255,8 +255,11 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
 
     if layout.is_main:
         history = read_metrics(run_dir)
-        if plot_losses({os.path.basename(os.path.abspath(run_dir)): history}, os.path.join(run_dir, "loss.png")):
-            say(f"loss curve: {os.path.join(run_dir, 'loss.png')}")
+        png = os.path.join(run_dir, "loss.png")
+        if plot_losses({os.path.basename(os.path.abspath(run_dir)): history}, png):
+            say(f"loss curve: {png}")
+        else:
+            say("no loss curve: matplotlib is not installed (pip install matplotlib)")
         first, last = history[0]["loss"], history[-1]["loss"]
         say(f"done: loss {first:.4f} (step {history[0]['step']}) -> {last:.4f} (step {history[-1]['step']})")
     export(cfg, model_cfg, params, layout, say)

@@ -52,6 +52,15 @@ def test_default_run_learns(tmp_path):
     assert checkpoint.latest(str(tmp_path)).endswith("step_00000040")
 
 
+def test_without_matplotlib_one_line_says_why_there_is_no_plot(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert main(TINY + ["--train.steps", "2", "--optim.warmup_steps", "2", "--checkpoint.dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if "loss curve" in line] == [
+        "no loss curve: matplotlib is not installed (pip install matplotlib)"]
+    assert not (tmp_path / "loss.png").exists()
+
+
 @pytest.mark.parametrize("data", ["synthetic", "json_file"])
 def test_bitwise_resume(tmp_path, data):
     args = MOE + ["--data.type", data]
