@@ -238,5 +238,6 @@ def test_ranks_that_ignore_sigint_still_die_with_their_launcher(tmp_path):
     pids = tmp_path / "pids"
     pids.mkdir()
     code = LAUNCH.format(root=ROOT, tests=os.path.join(ROOT, "tests"), pids=str(pids))
-    ranks = assert_ranks_die_with_their_launcher([sys.executable, "-c", code], started=lambda: len(os.listdir(pids)) == 2)
+    ranks = assert_ranks_die_with_their_launcher([sys.executable, "-c", code],
+                                                 started=lambda: len(os.listdir(pids)) == 2)
     assert sorted(ranks) == sorted(int(p) for p in os.listdir(pids))

@@ -253,8 +253,9 @@ def write_records(path, records) -> str:
 
 
 def test_warnings_print_once_and_only_when_due(tmp_path, capsys):
-    data = write_records(tmp_path / "d.jsonl", [{"prompt": "q", "response": "an answer"}, {"prompt": "q", "response": ""},
-                                                 {"prompt": "q", "response": " "}, {"text": "some text"}])
+    data = write_records(tmp_path / "d.jsonl", [{"prompt": "q", "response": "an answer"},
+                                                 {"prompt": "q", "response": ""}, {"prompt": "q", "response": " "},
+                                                 {"text": "some text"}])
     args = ["--model.preset", "glm5-tiny", "--data.type", "json_file", "--data.path", data, "--data.batch_size", "2",
             "--data.seq_len", "32", "--train.steps", "2"]
     assert main(args + ["--checkpoint.dir", str(tmp_path / "a")]) == 0
@@ -265,12 +266,18 @@ def test_warnings_print_once_and_only_when_due(tmp_path, capsys):
     assert (f"warning: 2 of 4 records have an empty response (the first at {data}:2); each trains only on its "
             f"end-of-sequence token\n") in err
     clean = write_records(tmp_path / "clean.jsonl", [{"prompt": "q", "response": "a"}, {"text": "some text"}])
-    assert main(args + ["--data.path", clean, "--optim.warmup_steps", "2", "--checkpoint.dir", str(tmp_path / "b")]) == 0
+    assert main(args + ["--data.path", clean, "--optim.warmup_steps", "2",
+                        "--checkpoint.dir", str(tmp_path / "b")]) == 0
     assert "warning" not in capsys.readouterr().err
 
 
-def test_unused_tokenizer_warns(tmp_path):
+def test_unused_tokenizer_warns(tmp_path, capsys):
     tok = bpe_tokenizer(tmp_path)
+    assert main(TINY + ["--model.tokenizer_path", tok, "--train.steps", "1", "--optim.warmup_steps", "1",
+                        "--checkpoint.dir", str(tmp_path / "run")]) == 0
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if "warning" in line] == [
+        f"warning: --model.tokenizer_path {tok} is not used: --data.type synthetic does not tokenize text"]
     ids = write_records(tmp_path / "ids.jsonl", [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])
     text = write_records(tmp_path / "text.jsonl", [{"input_ids": [1, 2, 3]}, {"text": "the cat"}])
     for kind, path, tokenizer, expected in [
@@ -280,7 +287,8 @@ def test_unused_tokenizer_warns(tmp_path):
                                     f"already"),
             ("synthetic", None, None, None), ("json_file", ids, None, None), ("json_file", text, tok, None)]:
         seen = []
-        make_source(kind, vocab_size=512, batch_size=1, seq_len=8, path=path, tokenizer_path=tokenizer, warn=seen.append)
+        make_source(kind, vocab_size=512, batch_size=1, seq_len=8, path=path, tokenizer_path=tokenizer,
+                    warn=seen.append)
         assert seen == ([expected] if expected else []), (kind, path, tokenizer)
 
 
