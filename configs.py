@@ -59,21 +59,29 @@ class DataConfig:
     batch_size: int = 16
     """Sequences per optimizer step (the global batch, over all micro-batches and ranks)."""
     seq_len: int = 128
+    """Tokens per sequence (input ids and labels; at least 2)."""
     pack: bool = True
     """Pack documents back to back (positions restart per document); else one padded document per row."""
     seed: int = 0
+    """Seed of the data order (shuffling, synthetic sequences); independent of --train.seed."""
 
 
 @dataclass
 class OptimConfig:
     lr: float = 3e-3
+    """Peak learning rate, reached after warmup_steps."""
     warmup_steps: int = 20
+    """Steps of linear warm-up from lr / warmup_steps to lr; 0: start at lr."""
     min_lr_ratio: float = 0.1
     """Cosine decay ends at lr * min_lr_ratio."""
     weight_decay: float = 0.1
+    """AdamW decoupled weight decay (matrices and embeddings only; not norms, biases or the router bias)."""
     b1: float = 0.9
+    """AdamW decay rate of the gradient mean (beta1)."""
     b2: float = 0.95
+    """AdamW decay rate of the squared-gradient mean (beta2)."""
     eps: float = 1e-8
+    """AdamW epsilon, added to the root of the squared-gradient mean."""
     clip_norm: float = 1.0
     """Global gradient-norm clip; 0 disables."""
     bias_update_rate: float = 1e-3
@@ -96,9 +104,11 @@ class TrainConfig:
     activation_checkpointing: bool = False
     """Recompute each decoder layer in the backward pass."""
     seed: int = 0
+    """Seed of the parameter initialisation and of torch's random state."""
     device: str = "auto"
     """auto (cuda if present, else cpu), cpu, cuda, npu."""
     log_every: int = 10
+    """Print a progress line every N steps (when the output is not a terminal)."""
     skip_nonfinite: bool = False
     """On a NaN/inf loss or gradient norm, skip that step's update (logged) and go on; default: stop the run."""
 

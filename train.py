@@ -21,7 +21,7 @@ import tyro
 import glm5f
 from configs import Config, validate
 from glm5f import checkpoint
-from glm5f.data import make_eval_source, make_source
+from glm5f.data import make_eval_source, make_source, print_warning
 from glm5f.hf import check_export_dir
 from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
 from glm5f.model import apply, check_input_ids, cross_entropy_sum, shift_labels
@@ -189,6 +189,11 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     layout = layout or Layout(resolve_device(cfg.train.device))
     device, dtype, run_dir = layout.device, getattr(torch, cfg.train.dtype), cfg.checkpoint.dir
     say = print if layout.is_main else (lambda *a, **k: None)
+    warn = print_warning if layout.is_main else (lambda message: None)
+    steps, warmup = cfg.train.steps, cfg.optim.warmup_steps
+    if steps < warmup:
+        warn(f"--train.steps {steps} ends inside the {warmup}-step warm-up (--optim.warmup_steps): the learning "
+             f"rate peaks at {cfg.optim.lr * steps / warmup:.2e}, not --optim.lr {cfg.optim.lr:.2e}")
 
     # ---- model: a preset (with overrides) or a Transformers checkpoint; fp32 master parameters (fp64 in fp64 runs)
     master = torch.promote_types(dtype, torch.float32)
@@ -208,7 +213,8 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     with user_errors():
         data = make_source(cfg.data.type, vocab_size=model_cfg.vocab_size, batch_size=cfg.data.batch_size,
                            seq_len=cfg.data.seq_len, seed=cfg.data.seed, path=cfg.data.path,
-                           tokenizer_path=cfg.model.tokenizer_path, pack=cfg.data.pack, split=cfg.data.split)
+                           tokenizer_path=cfg.model.tokenizer_path, pack=cfg.data.pack, split=cfg.data.split,
+                           warn=warn)
         held_out = make_eval_source(cfg.data.type, vocab_size=model_cfg.vocab_size, batch_size=cfg.data.batch_size,
                                     seq_len=cfg.data.seq_len, seed=cfg.data.seed, path=cfg.eval.path,
                                     split=cfg.eval.split, train_path=cfg.data.path,
@@ -304,8 +310,11 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
 
     if layout.is_main:
         history = read_metrics(run_dir)
-        if plot_losses({os.path.basename(os.path.abspath(run_dir)): history}, os.path.join(run_dir, "loss.png")):
-            say(f"loss curve: {os.path.join(run_dir, 'loss.png')}")
+        png = os.path.join(run_dir, "loss.png")
+        if plot_losses({os.path.basename(os.path.abspath(run_dir)): history}, png):
+            say(f"loss curve: {png}")
+        else:
+            say("no loss curve: matplotlib is not installed (pip install matplotlib)")
         first, last = history[0]["loss"], history[-1]["loss"]
         say(f"done: loss {first:.4f} (step {history[0]['step']}) -> {last:.4f} (step {history[-1]['step']})")
         evals = [r for r in history if "eval_loss" in r]

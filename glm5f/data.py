@@ -13,6 +13,7 @@ import gzip
 import json
 import os
 import re
+import sys
 from dataclasses import dataclass
 from importlib import resources
 
@@ -130,10 +131,10 @@ def embedded_documents(part: str | None = None) -> list[str]:
     return [d for i, d in enumerate(docs) if held(i) == (part == "eval")]
 
 
-def json_examples(path: str, tok) -> list[Example]:
+def json_records(path: str):
+    """(where, record) for each line of a JSONL file."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--data.path {path!r}: no such file (expected a JSONL file, one record per line)")
-    out = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -142,11 +143,11 @@ def json_examples(path: str, tok) -> list[Example]:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
-            out.append(record_example(tok, rec, f"{path}:{n}"))
-    return out
+            yield f"{path}:{n}", rec
 
 
-def dataset_examples(path: str, tok, split: str | None) -> list[Example]:
+def dataset_records(path: str, split: str | None):
+    """(where, record) for each row of a datasets.save_to_disk directory (one split of a DatasetDict)."""
     try:
         import datasets
     except ImportError as e:
@@ -158,7 +159,25 @@ def dataset_examples(path: str, tok, split: str | None) -> list[Example]:
         if split is None and len(ds) != 1:
             raise ValueError(f"{path} holds splits {list(ds)}: choose one with --data.split")
         ds = ds[split or next(iter(ds))]
-    return [record_example(tok, rec, f"{path}[{i}]") for i, rec in enumerate(ds)]
+    for i, rec in enumerate(ds):
+        yield f"{path}[{i}]", rec
+
+
+def record_examples(records, tok, tokenizer_path: str | None, warn) -> list[Example]:
+    """The Examples of (where, record) pairs. Warns once about records with an empty response, and about a
+    --model.tokenizer_path that no record uses (all hold input_ids)."""
+    out, empty, tokenized = [], [], 0
+    for where, rec in records:
+        out.append(record_example(tok, rec, where))
+        tokenized += "input_ids" in rec
+        if "input_ids" not in rec and "prompt" in rec and "response" in rec and not str(rec["response"]).strip():
+            empty.append(where)
+    if empty:
+        warn(f"{len(empty)} of {len(out)} records have an empty response (the first at {empty[0]}); each trains "
+             f"only on its end-of-sequence token")
+    if tokenizer_path and out and tokenized == len(out):
+        warn(f"--model.tokenizer_path {tokenizer_path} is not used: every record holds input_ids already")
+    return out
 
 
 def check_vocab(examples: list[Example], vocab_size: int, source: str) -> None:
@@ -337,7 +356,7 @@ def make_eval_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: in
                   tokenizer_path=tokenizer_path, pack=pack)
     if path is not None or split is not None:
         eval_kind = "json_file" if kind in ("text", "synthetic") else kind
-        return make_source(eval_kind, path=path or train_path, split=split, **common)
+        return make_source(eval_kind, path=path or train_path, split=split, warn=lambda message: None, **common)
     if kind == "synthetic":
         return SyntheticSource(batch_size, seq_len, vocab_size, seed, step=SyntheticSource.HELD_OUT_STEP)
     if kind == "text":  # the training source has checked the tokenizer against the model
@@ -347,9 +366,16 @@ def make_eval_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: in
     return None
 
 
+def print_warning(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
 def make_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, seed: int = 0, path: str | None = None,
-                tokenizer_path: str | None = None, pack: bool = True, split: str | None = None):
-    """The data source of `--data.type kind` for a model of vocab_size."""
+                tokenizer_path: str | None = None, pack: bool = True, split: str | None = None, warn=print_warning):
+    """The data source of `--data.type kind` for a model of vocab_size. What looks like a mistake in the data
+    (an empty response, an unused tokenizer) is passed to `warn`, one line each."""
+    if tokenizer_path and kind in ("synthetic", "preset_pt"):
+        warn(f"--model.tokenizer_path {tokenizer_path} is not used: --data.type {kind} does not tokenize text")
     if kind == "synthetic":
         return SyntheticSource(batch_size, seq_len, vocab_size, seed)
     if kind == "preset_pt":
@@ -366,7 +392,8 @@ def make_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, se
     elif kind in ("json_file", "hf_datasets"):
         if path is None:
             raise ValueError(f"--data.type {kind} needs --data.path")
-        examples = json_examples(path, tok) if kind == "json_file" else dataset_examples(path, tok, split)
+        records = json_records(path) if kind == "json_file" else dataset_records(path, split)
+        examples = record_examples(records, tok, tokenizer_path, warn)
         name = path
     else:
         raise ValueError(f"unknown --data.type {kind!r}")

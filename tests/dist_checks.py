@@ -21,6 +21,7 @@ from configs import Config
 from glm5f.attention import attention
 from glm5f.distributed import DistLayout, cp_positions, init_process
 from glm5f.model import make_context
+from glm5f.optim import global_norm
 from glm5f.moe import routed_experts
 from glm5f.parallel import Layout
 
@@ -48,7 +49,8 @@ def first_step_grads(argv: list[str], out_path: str | None) -> dict:
     data = glm5f.data.make_source(cfg.data.type, vocab_size=model_cfg.vocab_size, batch_size=cfg.data.batch_size,
                                   seq_len=cfg.data.seq_len, seed=cfg.data.seed)
     loss, grads, counts = step_grads(params, data.next_batch(), cfg, model_cfg, layout)
-    result = {"loss": loss, "grads": {k: layout.full(g) for k, g in grads.items()},
+    result = {"loss": loss, "grad_norm": float(global_norm(grads)),
+              "grads": {k: layout.full(g) for k, g in grads.items()},
               "counts": {k: c for k, c in counts.items()}}
     if out_path and layout.is_main:
         torch.save(result, out_path)

@@ -155,12 +155,23 @@ def test_sharded_checkpoint_round_trip(tmp_path, tiny):
         assert torch.equal(v, glm5f.flatten(loaded)[k]), k
 
 
-def test_failed_save_leaves_no_directory(tmp_path, tiny):
+def test_failed_save_leaves_no_directory(tmp_path, tiny, monkeypatch):
+    """A save that dies midway (the disk fills on the second shard) leaves neither a half-written directory nor
+    its temporary one, and a previous export in its place untouched."""
     cfg, params = tiny
-    bad = glm5f.unflatten({k: (v if k != "model.norm.weight" else object()) for k, v in glm5f.flatten(params).items()},
-                          params)
-    with pytest.raises(Exception):
-        glm5f.save_hf(tmp_path / "bad", cfg, bad)
+    real, written, held = glm5f.hf.save_file, [], []
+
+    def disk_full_on_second_shard(tensors, filename, **kwargs):
+        if written:
+            held[:] = sorted(os.listdir(os.path.dirname(filename)))  # what the directory holds when it fails
+            raise OSError(28, "No space left on device")
+        real(tensors, filename, **kwargs)
+        written.append(filename)
+
+    monkeypatch.setattr(glm5f.hf, "save_file", disk_full_on_second_shard)
+    with pytest.raises(OSError, match="No space left on device"):
+        glm5f.save_hf(tmp_path / "out", cfg, params, max_shard_bytes=200_000)
+    assert held == ["config.json", os.path.basename(written[0])]
     assert os.listdir(tmp_path) == []
 
 
@@ -230,3 +241,14 @@ def test_malformed_meta_and_config_json_name_the_file(tmp_path, capsys):
     with pytest.raises(ValueError, match="config.json: holds a JSON list"):
         (tmp_path / "hf" / "config.json").write_text("[1]")
         glm5f.load_hf(tmp_path / "hf")
+
+    monkeypatch.setattr(glm5f.hf, "save_file", real)
+    glm5f.save_hf(tmp_path / "out", cfg, params)
+    before = {n: (tmp_path / "out" / n).read_bytes() for n in os.listdir(tmp_path / "out")}
+    monkeypatch.setattr(glm5f.hf, "save_file", disk_full_on_second_shard)
+    written.clear()
+    held.clear()
+    with pytest.raises(OSError, match="No space left on device"):
+        glm5f.save_hf(tmp_path / "out", cfg, params, max_shard_bytes=200_000)
+    assert held and os.listdir(tmp_path) == ["out"]
+    assert {n: (tmp_path / "out" / n).read_bytes() for n in os.listdir(tmp_path / "out")} == before

@@ -44,13 +44,15 @@ def test_layouts_are_exact_in_float64(tmp_path):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_first_step_gradients_equal_single_process(layout, tmp_path):
+def test_first_step_gradients_equal_single_process(layout, tmp_path, capfd):
     argv = COMMON + ["--train.steps", "1"]
     ref = dist_checks.first_step_grads(argv, None)
     world = 4 if layout == "dp2-cp2" else 2
     spawn(dist_checks.first_step_grads, world, argv + LAYOUTS[layout], str(tmp_path / "g.pt"))
     got = torch.load(tmp_path / "g.pt", weights_only=True)
     assert abs(got["loss"] - ref["loss"]) <= 1e-6
+    assert abs(got["grad_norm"] - ref["grad_norm"]) <= 1e-6 * ref["grad_norm"]
+    assert "suboptimal" not in capfd.readouterr().err  # DTensor's warning about two all_reduces in a row
     assert got["grads"].keys() == ref["grads"].keys()
     for k, g in ref["grads"].items():
         err = float((got["grads"][k] - g).norm() / g.norm().clamp(min=1e-30))
@@ -129,12 +131,14 @@ def test_resume_across_layouts(first, then, tmp_path):
     (["--parallel.dp_shard", "2", "--model.preset", "glm5-scaled-dense", "--parallel.ep", "2"], "needs MoE layers"),
     (["--parallel.dp_shard", "2", "--parallel.tp", "2"], "tensor parallelism"),
 ])
-def test_invalid_layouts_fail_before_spawning(args, message, tmp_path, capsys):
-    t = time.perf_counter()
+def test_invalid_layouts_fail_before_spawning(args, message, tmp_path, capsys, monkeypatch):
+    def no_spawn(*a):
+        raise AssertionError("no process should have been started")
+
+    monkeypatch.setattr("train.spawn", no_spawn)
     assert main(COMMON + ["--checkpoint.dir", str(tmp_path / "x"), *args]) == 1
     assert message in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
-    assert time.perf_counter() - t < 5, "no process should have been started"
 
 
 def test_world_mismatch_under_torchrun(monkeypatch, tmp_path, capsys):
@@ -142,6 +146,17 @@ def test_world_mismatch_under_torchrun(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert main(COMMON + ["--parallel.dp_shard", "2", "--checkpoint.dir", str(tmp_path)]) == 1
     assert "must equal the number of processes (4)" in capsys.readouterr().err
+
+
+def test_warnings_come_from_rank_zero_only(tmp_path, capfd):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "q", "response": ""}\n{"text": "some text"}\n')
+    assert main(["--model.preset", "glm5-tiny", "--data.type", "json_file", "--data.path", str(data),
+                 "--data.batch_size", "2", "--data.seq_len", "32", "--train.steps", "1", "--parallel.dp_shard", "2",
+                 "--checkpoint.dir", str(tmp_path / "run")]) == 0
+    err = capfd.readouterr().err
+    assert err.count("warning: --train.steps 1 ends inside the 20-step warm-up") == 1, err
+    assert err.count("warning: 1 of 2 records have an empty response") == 1, err
 
 
 def test_dead_worker_stops_the_others():
@@ -182,18 +197,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_ranks_die_with_a_killed_launcher(tmp_path):
-    run = tmp_path / "run"
-    launcher = subprocess.Popen([sys.executable, "train.py", "--model.preset", "glm5-tiny", "--data.type", "synthetic",
-                                 "--data.batch_size", "2", "--data.seq_len", "32", "--train.steps", "100000",
-                                 "--checkpoint.every", "0", "--parallel.dp_shard", "2", "--checkpoint.dir", str(run)],
-                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def assert_ranks_die_with_their_launcher(cmd: list[str], started) -> list[int]:
+    """Run the launcher `cmd` until started() is true, kill -9 it, and require both of its spawned ranks to end
+    within 10 s (survivors are killed, then reported). Returns the ranks' pids."""
+    launcher = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 240
-        while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text():
-            assert launcher.poll() is None, "the launcher exited before training"
-            assert time.time() < deadline, "training never started"
+        while not started():
+            assert launcher.poll() is None, "the launcher exited before its ranks started"
+            assert time.time() < deadline, "the ranks never started"
             time.sleep(0.2)
         ranks = _children(launcher.pid)
         assert len(ranks) == 2
@@ -207,6 +219,17 @@ def test_ranks_die_with_a_killed_launcher(tmp_path):
     for p in left:
         os.kill(p, signal.SIGKILL)
     assert not left, f"ranks {left} outlived their launcher"
+    return ranks
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ranks_die_with_a_killed_launcher(tmp_path):
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert_ranks_die_with_their_launcher(
+        [sys.executable, "train.py", "--model.preset", "glm5-tiny", "--data.type", "synthetic", "--data.batch_size",
+         "2", "--data.seq_len", "32", "--train.steps", "100000", "--checkpoint.every", "0", "--parallel.dp_shard", "2",
+         "--checkpoint.dir", str(tmp_path / "run")],
+        started=lambda: metrics.exists() and metrics.read_text() != "")
 
 
 LAUNCH = ("import sys; sys.path[:0] = [{root!r}, {tests!r}]; import dist_checks; from glm5f.distributed import spawn; "
@@ -219,22 +242,6 @@ def test_ranks_that_ignore_sigint_still_die_with_their_launcher(tmp_path):
     pids = tmp_path / "pids"
     pids.mkdir()
     code = LAUNCH.format(root=ROOT, tests=os.path.join(ROOT, "tests"), pids=str(pids))
-    launcher = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 120
-        while len(os.listdir(pids)) < 2:
-            assert launcher.poll() is None, "the launcher exited before its ranks started"
-            assert time.time() < deadline, "the ranks never started"
-            time.sleep(0.1)
-        ranks = [int(p) for p in os.listdir(pids)]
-        assert sorted(ranks) == sorted(_children(launcher.pid))
-    finally:
-        launcher.kill()
-        launcher.wait()
-    deadline = time.time() + 10
-    while any(_alive(p) for p in ranks) and time.time() < deadline:
-        time.sleep(0.2)
-    left = [p for p in ranks if _alive(p)]
-    for p in left:
-        os.kill(p, signal.SIGKILL)
-    assert not left, f"ranks {left} outlived their launcher"
+    ranks = assert_ranks_die_with_their_launcher([sys.executable, "-c", code],
+                                                 started=lambda: len(os.listdir(pids)) == 2)
+    assert sorted(ranks) == sorted(int(p) for p in os.listdir(pids))

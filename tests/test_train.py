@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -49,6 +50,15 @@ def test_default_run_learns(tmp_path):
     assert {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s"} <= logged[0].keys()
     assert os.path.isfile(tmp_path / "loss.png")
     assert checkpoint.latest(str(tmp_path)).endswith("step_00000040")
+
+
+def test_without_matplotlib_one_line_says_why_there_is_no_plot(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert main(TINY + ["--train.steps", "2", "--optim.warmup_steps", "2", "--checkpoint.dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if "loss curve" in line] == [
+        "no loss curve: matplotlib is not installed (pip install matplotlib)"]
+    assert not (tmp_path / "loss.png").exists()
 
 
 @pytest.mark.parametrize("data", ["synthetic", "json_file"])
@@ -237,6 +247,51 @@ def test_bad_data_is_reported(tmp_path, capsys):
         make_source("preset_pt", vocab_size=512, batch_size=2, seq_len=16, path=str(tmp_path / "b.pt"))
 
 
+def write_records(path, records) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_warnings_print_once_and_only_when_due(tmp_path, capsys):
+    data = write_records(tmp_path / "d.jsonl", [{"prompt": "q", "response": "an answer"},
+                                                 {"prompt": "q", "response": ""}, {"prompt": "q", "response": " "},
+                                                 {"text": "some text"}])
+    args = ["--model.preset", "glm5-tiny", "--data.type", "json_file", "--data.path", data, "--data.batch_size", "2",
+            "--data.seq_len", "32", "--train.steps", "2"]
+    assert main(args + ["--checkpoint.dir", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 2, err
+    assert ("warning: --train.steps 2 ends inside the 20-step warm-up (--optim.warmup_steps): the learning rate peaks "
+            "at 3.00e-04, not --optim.lr 3.00e-03\n") in err
+    assert (f"warning: 2 of 4 records have an empty response (the first at {data}:2); each trains only on its "
+            f"end-of-sequence token\n") in err
+    clean = write_records(tmp_path / "clean.jsonl", [{"prompt": "q", "response": "a"}, {"text": "some text"}])
+    assert main(args + ["--data.path", clean, "--optim.warmup_steps", "2",
+                        "--checkpoint.dir", str(tmp_path / "b")]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_unused_tokenizer_warns(tmp_path, capsys):
+    tok = bpe_tokenizer(tmp_path)
+    assert main(TINY + ["--model.tokenizer_path", tok, "--train.steps", "1", "--optim.warmup_steps", "1",
+                        "--checkpoint.dir", str(tmp_path / "run")]) == 0
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if "warning" in line] == [
+        f"warning: --model.tokenizer_path {tok} is not used: --data.type synthetic does not tokenize text"]
+    ids = write_records(tmp_path / "ids.jsonl", [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])
+    text = write_records(tmp_path / "text.jsonl", [{"input_ids": [1, 2, 3]}, {"text": "the cat"}])
+    for kind, path, tokenizer, expected in [
+            ("synthetic", None, tok, f"--model.tokenizer_path {tok} is not used: --data.type synthetic does not "
+                                     f"tokenize text"),
+            ("json_file", ids, tok, f"--model.tokenizer_path {tok} is not used: every record holds input_ids "
+                                    f"already"),
+            ("synthetic", None, None, None), ("json_file", ids, None, None), ("json_file", text, tok, None)]:
+        seen = []
+        make_source(kind, vocab_size=512, batch_size=1, seq_len=8, path=path, tokenizer_path=tokenizer,
+                    warn=seen.append)
+        assert seen == ([expected] if expected else []), (kind, path, tokenizer)
+
+
 def test_invalid_run_configs_fail_before_any_work(tmp_path):
     run = tmp_path / "never"
     for args, message in [(["--train.steps", "-3"], "--train.steps must be >= 1"),
@@ -399,14 +454,41 @@ def test_help_lists_every_section():
         assert flag in out.stdout, flag
 
 
-def test_tokenizer_file(tmp_path):
+def test_every_flag_has_help():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--help"], capture_output=True, text=True,
+                         cwd=ROOT, env=dict(os.environ, COLUMNS="100"))
+    assert out.returncode == 0
+    helps, flag = {}, None  # flag -> its help text, "(default: ...)" left out
+    for line in out.stdout.splitlines():
+        inner = line.strip().strip("│").strip()
+        if line.strip()[:1] in "╭╰─":
+            flag = None
+        elif inner.startswith("-"):
+            flag = inner.split()[0].rstrip(",")
+            helps[flag] = ""
+        elif flag:
+            helps[flag] += " " + inner
+    helps = {f: re.sub(r"\(default: [^)]*\)", "", h).strip() for f, h in helps.items()}
+    assert len(helps) > 60 and "--data.seq_len" in helps
+    assert [f for f, h in helps.items() if not h] == []
+
+
+def bpe_tokenizer(directory) -> str:
+    """A small BPE tokenizer.json in `directory` (its path)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train_from_iterator(["the cat sat on the mat", "a dog ran"] * 20,
                             trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>", "<s>", "</s>", "<pad>"]))
-    tok.save(str(tmp_path / "tokenizer.json"))
+    tok.save(str(directory / "tokenizer.json"))
+    return str(directory / "tokenizer.json")
+
+
+def test_tokenizer_file(tmp_path):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(bpe_tokenizer(tmp_path))
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"text": "the cat sat"}) + "\n")
     b = make_source("json_file", vocab_size=64, batch_size=1, seq_len=6, path=str(data), tokenizer_path=str(tmp_path),
@@ -421,9 +503,8 @@ def test_hf_datasets_from_disk(tmp_path):
 
     datasets.Dataset.from_dict({"text": ["hello world", "a second document"]}).save_to_disk(str(tmp_path / "one"))
     b = make_source("hf_datasets", vocab_size=512, batch_size=2, seq_len=12, path=str(tmp_path / "one")).next_batch()
-    assert b["input_ids"].shape == (2, 12)
-    decoded = ByteTokenizer().decode(b["input_ids"].flatten().tolist())
-    assert "hello world" in decoded or "a second document"[:10] in decoded
+    # packed in the seeded order: bos "hello world", then its eos, bos and the start of the second document
+    assert b["input_ids"].tolist() == [[256, *b"hello world"], [257, 256, *b"a second d"]]
     splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"prompt": ["q"], "response": ["a"]}),
                                    "test": datasets.Dataset.from_dict({"prompt": ["x"], "response": ["y"]})})
     splits.save_to_disk(str(tmp_path / "two"))
