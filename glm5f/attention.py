@@ -21,7 +21,7 @@ from glm5f.config import GLM5Config
 from glm5f.ops import apply_rope, layer_norm, linear, rms_norm, wide, wide_dtype
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm use 1e-6, not rms_norm_eps
-INDEXER_QUERY_CHUNK_ELEMS = 1 << 25  # bound on the indexer's per-chunk [B, S, I, T] fp32 scores
+INDEXER_QUERY_CHUNK_ELEMS = 1 << 24  # bound on the indexer's per-chunk [B, S, I, T] fp32 scores
 
 
 @dataclass
@@ -183,15 +183,17 @@ def indexer_topk(p: dict, x_BxSxD: torch.Tensor, q_BxSxQ: torch.Tensor, keys_BxT
     T = keys_BxTxJ.shape[1]
     K = min(cfg.index_topk, T)
     chunk = max(1, INDEXER_QUERY_CHUNK_ELEMS // max(1, B * cfg.index_n_heads * T))
-    out = []
-    for start in range(0, S, chunk):
+    idx_BxSxK = torch.empty(B, S, K, dtype=torch.long, device=x_BxSxD.device)
+    # the last chunk first: causal chunks see more keys the later they are, so each chunk's buffers fit in the
+    # memory the one before freed (in ascending order every chunk needs more, and the host heap only grows)
+    for start in reversed(range(0, S, chunk)):
         stop = min(S, start + chunk)
         # keys past the chunk's last query are masked for all of it: they are not scored (half the causal work);
         # at least K keys are kept, so the picks past a query's visible keys are the same masked ones as over all T
         num_keys = max(K, ctx.mask.visible_keys(start, stop))
         scores = indexer_scores(p, x_BxSxD, q_BxSxQ, keys_BxTxJ, cfg, ctx, start, stop, num_keys)
-        out.append(topk_first(scores, K))
-    return torch.cat(out, dim=1)
+        idx_BxSxK[:, start:stop] = topk_first(scores, K)
+    return idx_BxSxK
 
 
 def topk_first(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -243,15 +245,16 @@ class _BlockedSparseAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale, value_dim, block):
-        S, dt = q_BxSxHxC.shape[1], q_BxSxHxC.dtype
-        outs = []
+        B, S, H, _ = q_BxSxHxC.shape
+        dt = q_BxSxHxC.dtype
+        out_BxSxHxR = q_BxSxHxC.new_empty(B, S, H, value_dim)
         for a in range(0, S, block):
             b = min(S, a + block)
             sel = _gather_rows(latent_BxTxC, idx_BxSxK[:, a:b], dt)
             probs = _block_probs(q_BxSxHxC[:, a:b], sel, allowed_BxSxK[:, a:b],
                                  None if bias_BxSxK is None else bias_BxSxK[:, a:b], scale).to(dt)
-            outs.append(torch.matmul(probs, sel[..., :value_dim]))
-        return torch.cat(outs, dim=1)
+            torch.matmul(probs, sel[..., :value_dim], out=out_BxSxHxR[:, a:b])
+        return out_BxSxHxR
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -265,7 +268,7 @@ class _BlockedSparseAttention(torch.autograd.Function):
         scale, R, block = ctx.scale, ctx.value_dim, ctx.block
         B, S, H, C = q_BxSxHxC.shape
         T, dt = latent_BxTxC.shape[1], q_BxSxHxC.dtype
-        dq_blocks = []
+        dq_BxSxHxC = torch.empty_like(q_BxSxHxC)
         # each selected row's gradient is summed over the queries that chose it in the latent's dtype (as the
         # unblocked path's index_select backward does): exact, so independent of blocks and of rank layouts
         dlatent = torch.zeros(B * T, C, dtype=latent_BxTxC.dtype, device=latent_BxTxC.device)
@@ -279,12 +282,12 @@ class _BlockedSparseAttention(torch.autograd.Function):
             dprobs_w = wide(torch.matmul(dout, sel[..., :R].transpose(-1, -2)))
             dscores_w = probs_w * (dprobs_w - (probs_w * dprobs_w).sum(-1, keepdim=True))
             dscores = dscores_w.masked_fill_(~allowed[:, :, None, :], 0).to(dt).mul_(scale)
-            dq_blocks.append(torch.matmul(dscores, sel))
+            dq_BxSxHxC[:, a:b] = torch.matmul(dscores, sel)
             dsel = torch.matmul(dscores.transpose(-1, -2), q)
             dsel[..., :R] += torch.matmul(probs.transpose(-1, -2), dout)
             dlatent.index_add_(0, (idx_BxSxK[:, a:b] + offsets).flatten(),
                                dsel.reshape(-1, C).to(latent_BxTxC.dtype))
-        return torch.cat(dq_blocks, dim=1), dlatent.view(B, T, C), None, None, None, None, None, None
+        return dq_BxSxHxC, dlatent.view(B, T, C), None, None, None, None, None, None
 
 
 def sparse_attention(q_BxSxHxC: torch.Tensor, latent_BxTxC: torch.Tensor, idx_BxSxK: torch.Tensor,
