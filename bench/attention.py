@@ -13,12 +13,11 @@ only up to --ref-max-seq.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
 
-from common import BENCH_MODEL, median_seconds, peak_memory_gb, run_child
+from common import BENCH_MODEL, add_run_flags, median_seconds, peak_memory_gb, run_child, serve_child
 
 def run_side(side: str, seq: int, topk: int, steps: int, dtype: torch.dtype, device: str) -> dict:
     import glm5f
@@ -98,14 +97,9 @@ def main():
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--side", default="both", choices=["both", "glm5f", "transformers"])
     ap.add_argument("--ref-max-seq", type=int, default=8192, help="longest L the Transformers side runs at")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    add_run_flags(ap)
     args = ap.parse_args()
-    if args.child:
-        torch.manual_seed(0)
-        print(json.dumps(run_side(args.child, args.seq, args.topk, args.steps, getattr(torch, args.dtype),
-                                  args.device)))
+    if serve_child(args, lambda a: run_side(a.child, a.seq, a.topk, a.steps, getattr(torch, a.dtype), a.device)):
         return
     seqs = [int(s) for s in args.sweep.split(",")] if args.sweep else [args.seq]
     print(f"one attention layer fwd+bwd, top-k {args.topk}, {args.dtype} on {args.device} "

@@ -3,6 +3,7 @@ measured matmul peak, and the model FLOPs of a GLM-5 config (what utilisation an
 
 from __future__ import annotations
 
+import argparse
 import json
 import resource
 import statistics
@@ -86,3 +87,19 @@ def run_child(script: str, args: list[str], what: str) -> dict:
     if res.returncode != 0:
         sys.exit(f"{res.stderr[-3000:]}\nerror: {what} failed (its output is above)")
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def add_run_flags(ap) -> None:
+    """--device, --dtype, and the hidden --child a bench passes to the subprocess of one side."""
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+
+
+def serve_child(args, run_side) -> bool:
+    """In a side's subprocess (--child SIDE): run it and print its JSON result; returns whether it did."""
+    if not args.child:
+        return False
+    torch.manual_seed(0)
+    print(json.dumps(run_side(args)))
+    return True

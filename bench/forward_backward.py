@@ -13,13 +13,13 @@ included) over its time over the matmul peak measured in the same run (an n^3 ma
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 
 import torch
 
-from common import BENCH_MODEL, matmul_peak_flops, median_seconds, peak_memory_gb, run_child, train_flops
+from common import (BENCH_MODEL, add_run_flags, matmul_peak_flops, median_seconds, peak_memory_gb, run_child,
+                    serve_child, train_flops)
 
 
 def model_config(args):
@@ -66,13 +66,9 @@ def main():
     ap.add_argument("--steps", type=int, default=3, help="timed steps per side (after one warm-up)")
     ap.add_argument("--topk", type=int, default=None, help="index_topk (default: 128 for 'bench', else the preset's)")
     ap.add_argument("--side", default="both", choices=["both", "glm5f", "transformers"])
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    add_run_flags(ap)
     args = ap.parse_args()
-    if args.child:
-        torch.manual_seed(0)
-        print(json.dumps(run_side(args)))
+    if serve_child(args, run_side):
         return
     dtype = getattr(torch, args.dtype)
     peak = matmul_peak_flops(args.device, dtype)

@@ -10,13 +10,12 @@ Each side runs in its own subprocess; prints the median seconds, tokens/s, peak 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 
 import torch
 
-from common import BENCH_MODEL, median_seconds, peak_memory_gb, run_child
+from common import BENCH_MODEL, add_run_flags, median_seconds, peak_memory_gb, run_child, serve_child
 
 
 def run_side(args) -> dict:
@@ -57,13 +56,9 @@ def main():
     ap.add_argument("--top", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    add_run_flags(ap)
     args = ap.parse_args()
-    if args.child:
-        torch.manual_seed(0)
-        print(json.dumps(run_side(args)))
+    if serve_child(args, run_side):
         return
     flags = ["--experts", str(args.experts), "--top", str(args.top), "--tokens", str(args.tokens),
              "--steps", str(args.steps), "--device", args.device, "--dtype", args.dtype]
