@@ -174,6 +174,17 @@ def test_failed_save_leaves_no_directory(tmp_path, tiny, monkeypatch):
     assert held == ["config.json", os.path.basename(written[0])]
     assert os.listdir(tmp_path) == []
 
+    monkeypatch.setattr(glm5f.hf, "save_file", real)
+    glm5f.save_hf(tmp_path / "out", cfg, params)
+    before = {n: (tmp_path / "out" / n).read_bytes() for n in os.listdir(tmp_path / "out")}
+    monkeypatch.setattr(glm5f.hf, "save_file", disk_full_on_second_shard)
+    written.clear()
+    held.clear()
+    with pytest.raises(OSError, match="No space left on device"):
+        glm5f.save_hf(tmp_path / "out", cfg, params, max_shard_bytes=200_000)
+    assert held and os.listdir(tmp_path) == ["out"]
+    assert {n: (tmp_path / "out" / n).read_bytes() for n in os.listdir(tmp_path / "out")} == before
+
 
 # ---- the train CLI: bad input ends in one `error:` line, and the run directory stays as it was ----------------
 
@@ -241,14 +252,3 @@ def test_malformed_meta_and_config_json_name_the_file(tmp_path, capsys):
     with pytest.raises(ValueError, match="config.json: holds a JSON list"):
         (tmp_path / "hf" / "config.json").write_text("[1]")
         glm5f.load_hf(tmp_path / "hf")
-
-    monkeypatch.setattr(glm5f.hf, "save_file", real)
-    glm5f.save_hf(tmp_path / "out", cfg, params)
-    before = {n: (tmp_path / "out" / n).read_bytes() for n in os.listdir(tmp_path / "out")}
-    monkeypatch.setattr(glm5f.hf, "save_file", disk_full_on_second_shard)
-    written.clear()
-    held.clear()
-    with pytest.raises(OSError, match="No space left on device"):
-        glm5f.save_hf(tmp_path / "out", cfg, params, max_shard_bytes=200_000)
-    assert held and os.listdir(tmp_path) == ["out"]
-    assert {n: (tmp_path / "out" / n).read_bytes() for n in os.listdir(tmp_path / "out")} == before
