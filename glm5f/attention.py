@@ -253,7 +253,7 @@ class _BlockedSparseAttention(torch.autograd.Function):
             sel = _gather_rows(latent_BxTxC, idx_BxSxK[:, a:b], dt)
             probs = _block_probs(q_BxSxHxC[:, a:b], sel, allowed_BxSxK[:, a:b],
                                  None if bias_BxSxK is None else bias_BxSxK[:, a:b], scale).to(dt)
-            torch.matmul(probs, sel[..., :value_dim], out=out_BxSxHxR[:, a:b])
+            out_BxSxHxR[:, a:b] = torch.matmul(probs, sel[..., :value_dim])
         return out_BxSxHxR
 
     @staticmethod
