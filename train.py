@@ -57,15 +57,20 @@ def check_supported(cfg: Config) -> None:
         raise NotImplementedError("tensor parallelism (--parallel.tp) is not built yet; use dp_shard, cp and ep")
 
 
-def micro_loss(params: dict, batch: dict, n_targets: torch.Tensor, model_cfg: glm5f.GLM5Config, layout: Layout,
+def micro_loss(params: dict, batch: dict, denoms: dict, model_cfg: glm5f.GLM5Config, layout: Layout,
                dtype: torch.dtype, weight_dtype: torch.dtype, remat: bool):
-    """This rank's share of the step loss (its token loss sum / the step's target count), with the loss sum and
-    the expert choices of every MoE layer as aux. Activations are `dtype`; weights compute in `weight_dtype`."""
+    """This rank's share of the step's objective, with (sums, routes) as aux.
+
+    sums maps each objective's name to this rank's fp64 sum of it ("loss": the token cross-entropies); the
+    objective is sum over names of coefficient * sums[name] / denoms[its denominator], denoms being the step's
+    global counts ("targets": next-token targets), so the step's value does not depend on the layout. routes are
+    the expert choices of every MoE layer. Activations are `dtype`; weights compute in `weight_dtype`.
+    """
     compute = layout.gather_params(map_with_path(lambda p, t: t.to(leaf_dtype(p, weight_dtype)), params))
     ctx = layout.context(model_cfg, batch, dtype)
-    logits, routes = apply(compute, model_cfg, batch["input_ids"], ctx, experts=layout.experts, remat=remat)
-    loss_sum, _ = cross_entropy_sum(logits, batch["targets"])
-    return loss_sum / n_targets, (loss_sum, routes)
+    logits, aux = apply(compute, model_cfg, batch["input_ids"], ctx, experts=layout.experts, remat=remat)
+    sums = {"loss": cross_entropy_sum(logits, batch["targets"])[0]}
+    return sums["loss"] / denoms["targets"], (sums, aux["routes"])
 
 
 loss_and_grad = value_and_grad(micro_loss, has_aux=True)
@@ -78,12 +83,18 @@ def with_targets(batch: dict) -> dict:
                 valid=mask if mask is not None and mask.ndim == 2 else torch.ones_like(batch["input_ids"]))
 
 
-def step_grads(params: dict, batch: dict, cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout):
-    """(mean loss of the global batch, gradients of the trained leaves, per-MoE-layer expert token counts).
+def step_denoms(batch: dict) -> dict:
+    """The global counts the step's objectives are averaged over (at least 1 each), of a `with_targets` batch."""
+    return {"targets": (batch["targets"] != glm5f.IGNORE_INDEX).sum().clamp(min=1)}
 
-    The batch is the step's global batch; it is cut into micro-batches, each rank computes its share, and the
-    token-weighted mean over all of them is the same whatever the layout. With --train.reduce_dtype the gradients
-    are taken, and summed over micro-batches and ranks, in that dtype and rounded to the parameters' at the end.
+
+def step_grads(params: dict, batch: dict, cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout):
+    """(metrics, gradients of the trained leaves, per-MoE-layer expert token counts) of one step.
+
+    metrics maps each objective's name to its mean over the global batch ("loss": the LM loss). The batch is the
+    step's global batch; it is cut into micro-batches, each rank computes its share, and the token-weighted means
+    over all of them are the same whatever the layout. With --train.reduce_dtype the gradients are taken, and
+    summed over micro-batches and ranks, in that dtype and rounded to the parameters' at the end.
     """
     dtype = getattr(torch, cfg.train.dtype)
     reduce = getattr(torch, cfg.train.reduce_dtype) if cfg.train.reduce_dtype else None
@@ -91,16 +102,16 @@ def step_grads(params: dict, batch: dict, cfg: Config, model_cfg: glm5f.GLM5Conf
     if reduce is not None:
         params = map_with_path(lambda p, t: t.to(torch.promote_types(t.dtype, reduce)), params)
     batch = with_targets(batch)
-    n_targets = (batch["targets"] != glm5f.IGNORE_INDEX).sum().clamp(min=1)
+    denoms = step_denoms(batch)
     moe_layers = [i for i in range(model_cfg.num_hidden_layers) if model_cfg.is_moe(i)]
-    grads, loss_sum, counts = None, torch.zeros((), dtype=torch.float64, device=batch["input_ids"].device), {}
+    grads, sums, counts = None, {}, {}
     B, n = len(batch["input_ids"]), cfg.train.grad_accum
     for micro in range(n):
         mb = layout.local_batch({k: v[micro * B // n:(micro + 1) * B // n] for k, v in batch.items()})
-        (_, (mb_loss, routes)), g = loss_and_grad(params, mb, n_targets, model_cfg, layout, dtype, reduce or dtype,
+        (_, (mb_sums, routes)), g = loss_and_grad(params, mb, denoms, model_cfg, layout, dtype, reduce or dtype,
                                                   cfg.train.activation_checkpointing)
         grads = g if grads is None else dict(zip(grads, torch._foreach_add(list(grads.values()), list(g.values()))))
-        loss_sum = loss_sum + mb_loss
+        sums = {k: sums.get(k, 0) + v for k, v in mb_sums.items()}
         valid = mb["valid"].flatten().to(torch.float32)
         for layer, idx in zip(moe_layers, routes):
             c = torch.bincount(idx.flatten(), weights=valid.repeat_interleave(idx.shape[1]),
@@ -108,7 +119,11 @@ def step_grads(params: dict, batch: dict, cfg: Config, model_cfg: glm5f.GLM5Conf
             key = f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
             counts[key] = counts.get(key, 0) + c
     grads = {p: g.to(master[p]) for p, g in grads.items()}
-    return float(layout.sum(loss_sum) / n_targets), grads, {k: layout.sum(c) for k, c in counts.items()}
+    metrics = {k: float(layout.sum(v) / denoms[OBJECTIVE_DENOMS[k]]) for k, v in sums.items()}
+    return metrics, grads, {k: layout.sum(c) for k, c in counts.items()}
+
+
+OBJECTIVE_DENOMS = {"loss": "targets"}  # each objective's denominator in `step_denoms`
 
 
 @torch.no_grad()
@@ -117,7 +132,7 @@ def eval_loss(params: dict, batches: list[dict], cfg: Config, model_cfg: glm5f.G
     rank shares as a training step's, the loss sums added over all of them and divided by all their targets."""
     dtype = getattr(torch, cfg.train.dtype)
     weight_dtype = getattr(torch, cfg.train.reduce_dtype) if cfg.train.reduce_dtype else dtype
-    one = torch.ones((), device=layout.device)
+    one = {"targets": torch.ones((), device=layout.device)}
     loss_sum, n_targets = torch.zeros((), dtype=torch.float64, device=layout.device), 0
     for batch in batches:
         batch = with_targets(batch)
@@ -125,8 +140,8 @@ def eval_loss(params: dict, batches: list[dict], cfg: Config, model_cfg: glm5f.G
         B, n = len(batch["input_ids"]), cfg.train.grad_accum
         for micro in range(n):
             mb = layout.local_batch({k: v[micro * B // n:(micro + 1) * B // n] for k, v in batch.items()})
-            _, (mb_loss, _) = micro_loss(params, mb, one, model_cfg, layout, dtype, weight_dtype, False)
-            loss_sum = loss_sum + mb_loss
+            _, (mb_sums, _) = micro_loss(params, mb, one, model_cfg, layout, dtype, weight_dtype, False)
+            loss_sum = loss_sum + mb_sums["loss"]
     return float(layout.sum(loss_sum) / max(n_targets, 1))
 
 
@@ -271,7 +286,8 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         t0 = time.perf_counter()
         batch = {k: v.to(device) for k, v in data.next_batch().items()}
         check_input_ids(batch["input_ids"], model_cfg)
-        loss, grads, counts = step_grads(params, batch, cfg, model_cfg, layout)
+        metrics, grads, counts = step_grads(params, batch, cfg, model_cfg, layout)
+        loss = metrics["loss"]
         grads, grad_norm = clip_by_global_norm(grads, cfg.optim.clip_norm)
         lr = lr_schedule(step, peak=cfg.optim.lr, warmup=cfg.optim.warmup_steps, total=cfg.train.steps,
                          min_ratio=cfg.optim.min_lr_ratio)
@@ -289,7 +305,7 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
             params = balance_router_bias(params, counts, cfg.optim.bias_update_rate)
         dt = time.perf_counter() - t0
         tokens = batch["input_ids"].numel()
-        rec = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": float(grad_norm), "tokens": tokens,
+        rec = {"step": step + 1, **metrics, "lr": lr, "grad_norm": float(grad_norm), "tokens": tokens,
                "tokens_per_s": tokens / dt, "step_time_s": dt}
         if bad:
             rec["skipped"] = True

@@ -18,23 +18,27 @@ def decoder_layer(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, c
                   prev_topk: torch.Tensor | None, experts: ExpertsFn = expert_ffn):
     """Pre-norm attention and MLP (dense SwiGLU or MoE) with residuals.
 
-    Returns (x [B, S, D], top-k indices for the next shared layer, expert indices [N, K] or None for dense MLPs).
+    Returns (x [B, S, D], top-k indices for the next shared layer, aux): aux is a dict of this layer's extra
+    outputs, "expert_idx" [N, K] for MoE layers (the experts each token chose).
     """
     a_BxSxD, topk = attention(p["self_attn"], rms_norm(p["input_layernorm"]["weight"], x_BxSxD, cfg.rms_norm_eps),
                               cfg, layer, ctx, prev_topk)
     x_BxSxD = x_BxSxD + a_BxSxD
     h_BxSxD = rms_norm(p["post_attention_layernorm"]["weight"], x_BxSxD, cfg.rms_norm_eps)
+    aux = {}
     if cfg.is_moe(layer):
-        m_BxSxD, expert_idx = moe(p["mlp"], h_BxSxD, cfg, experts)
+        m_BxSxD, aux["expert_idx"] = moe(p["mlp"], h_BxSxD, cfg, experts)
     else:
-        m_BxSxD, expert_idx = swiglu_mlp(p["mlp"], h_BxSxD), None
-    return x_BxSxD + m_BxSxD, topk, expert_idx
+        m_BxSxD = swiglu_mlp(p["mlp"], h_BxSxD)
+    return x_BxSxD + m_BxSxD, topk, aux
 
 
 def apply(params: dict, cfg: GLM5Config, input_ids_BxS: torch.Tensor, ctx: AttnContext, *,
           experts: ExpertsFn = expert_ffn, remat: bool = False):
-    """Logits [B, S, V] and the expert indices [N, K] of every MoE layer, for inputs already checked and a
-    prepared context. `remat` recomputes each decoder layer in the backward pass (activation checkpointing)."""
+    """(logits [B, S, V], aux) for inputs already checked and a prepared context. aux: "routes", the expert
+    indices [N, K] of every MoE layer; "layers", each layer's aux dict (see `decoder_layer`); "hidden", the last
+    layer's output [B, S, D] before the final norm. `remat` recomputes each decoder layer in the backward pass
+    (activation checkpointing)."""
     x_BxSxD = F.embedding(input_ids_BxS, params["model"]["embed_tokens"]["weight"]).to(ctx.dtype)
     return apply_embeds(params, cfg, x_BxSxD, ctx, experts=experts, remat=remat)
 
@@ -42,18 +46,24 @@ def apply(params: dict, cfg: GLM5Config, input_ids_BxS: torch.Tensor, ctx: AttnC
 def apply_embeds(params: dict, cfg: GLM5Config, x_BxSxD: torch.Tensor, ctx: AttnContext, *,
                  experts: ExpertsFn = expert_ffn, remat: bool = False):
     """`apply` from input embeddings [B, S, D] instead of token ids."""
-    topk, routes = None, []
+    topk, layers = None, []
     for i, p_layer in enumerate(params["model"]["layers"]):
         if remat and torch.is_grad_enabled():
-            x_BxSxD, topk, expert_idx = checkpoint(decoder_layer, p_layer, x_BxSxD, cfg, i, ctx, topk, experts,
-                                                   use_reentrant=False)
+            x_BxSxD, topk, aux = checkpoint(decoder_layer, p_layer, x_BxSxD, cfg, i, ctx, topk, experts,
+                                            use_reentrant=False)
         else:
-            x_BxSxD, topk, expert_idx = decoder_layer(p_layer, x_BxSxD, cfg, i, ctx, topk, experts)
-        if expert_idx is not None:
-            routes.append(expert_idx)
+            x_BxSxD, topk, aux = decoder_layer(p_layer, x_BxSxD, cfg, i, ctx, topk, experts)
+        layers.append(aux)
+    logits = lm_head(params, cfg, x_BxSxD)
+    return logits, {"routes": [a["expert_idx"] for a in layers if "expert_idx" in a], "layers": layers,
+                    "hidden": x_BxSxD}
+
+
+def lm_head(params: dict, cfg: GLM5Config, x_BxSxD: torch.Tensor) -> torch.Tensor:
+    """Logits [B, S, V] of hidden states: the final norm, then the LM head (the embedding when tied)."""
     x_BxSxD = rms_norm(params["model"]["norm"]["weight"], x_BxSxD, cfg.rms_norm_eps)
     head = params["model"]["embed_tokens"] if cfg.tie_word_embeddings else params["lm_head"]
-    return linear(head, x_BxSxD), routes
+    return linear(head, x_BxSxD)
 
 
 def forward(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,

@@ -48,8 +48,8 @@ def first_step_grads(argv: list[str], out_path: str | None) -> dict:
     params = layout.shard_params(glm5f.init_params(model_cfg, seed=cfg.train.seed))
     data = glm5f.data.make_source(cfg.data.type, vocab_size=model_cfg.vocab_size, batch_size=cfg.data.batch_size,
                                   seq_len=cfg.data.seq_len, seed=cfg.data.seed)
-    loss, grads, counts = step_grads(params, data.next_batch(), cfg, model_cfg, layout)
-    result = {"loss": loss, "grad_norm": float(global_norm(grads)),
+    metrics, grads, counts = step_grads(params, data.next_batch(), cfg, model_cfg, layout)
+    result = {"loss": metrics["loss"], "metrics": metrics, "grad_norm": float(global_norm(grads)),
               "grads": {k: layout.full(g) for k, g in grads.items()},
               "counts": {k: c for k, c in counts.items()}}
     if out_path and layout.is_main:
