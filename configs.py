@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Annotated, Literal, Optional
 
@@ -15,6 +16,7 @@ import tyro
 
 import glm5f
 from glm5f.data import load_batches
+from glm5f.optim import trained_paths
 
 # Every scalar field of GLM5Config can be overridden on the command line: --model.hidden_size 128.
 _OVERRIDABLE = [f for f in dataclasses.fields(glm5f.GLM5Config)
@@ -111,6 +113,15 @@ class TrainConfig:
     """Print a progress line every N steps (when the output is not a terminal)."""
     skip_nonfinite: bool = False
     """On a NaN/inf loss or gradient norm, skip that step's update (logged) and go on; default: stop the run."""
+    trainable: Optional[str] = None
+    """Train only the parameters whose dotted path matches this regex (re.search), e.g. indexer; the others get no
+    gradient, no optimizer state, and (routers) no bias balancing. Default: all."""
+    indexer_loss: Literal["off", "dense", "sparse"] = "off"
+    """Train the DSA lightning indexer on the KL from the main attention's head-summed probabilities (detached) to
+    the index scores' softmax: dense over every visible key (warm-up), sparse over the selected top-k keys. The
+    indexer's inputs are detached, so the rest of the model learns from the LM loss only. off: indexer frozen."""
+    indexer_loss_coeff: float = 0.001
+    """Weight of the indexer loss (per valid query, summed over indexer layers) in the step's objective."""
 
 
 @dataclass
@@ -220,7 +231,7 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         model = glm5f.GLM5Config.from_hf(cfg.model.init_from) if cfg.model.init_from else cfg.model.build()
     except (ValueError, TypeError, FileNotFoundError) as e:
         return errs + [f"the model config is invalid: {e}"]
-    return errs + _layout_errors(cfg, model)
+    return errs + _layout_errors(cfg, model) + _trainable_errors(cfg, model)
 
 
 def _layout_errors(cfg: Config, model: glm5f.GLM5Config) -> list[str]:
@@ -244,4 +255,24 @@ def _layout_errors(cfg: Config, model: glm5f.GLM5Config) -> list[str]:
         if seq % (2 * p.cp):
             errs.append(f"context parallelism cuts each sequence into 2 x cp = {2 * p.cp} equal chunks: the sequence "
                         f"length {seq} must divide by {2 * p.cp} (change --data.seq_len)")
+    return errs
+
+
+def _trainable_errors(cfg: Config, model: glm5f.GLM5Config) -> list[str]:
+    """What is wrong with --train.trainable and the indexer loss for this model."""
+    t = cfg.train
+    errs = [] if t.indexer_loss_coeff >= 0 else [f"--train.indexer_loss_coeff must be >= 0, got {t.indexer_loss_coeff}"]
+    if t.trainable is None:
+        return errs
+    try:
+        re.compile(t.trainable)
+    except re.error as e:
+        return errs + [f"--train.trainable {t.trainable!r} is not a regular expression ({e})"]
+    abstract = glm5f.abstract_params(model)
+    if not trained_paths(abstract, t.trainable, indexer=t.indexer_loss != "off"):
+        hint = ""
+        if t.indexer_loss == "off" and trained_paths(abstract, t.trainable, indexer=True):
+            hint = " (the indexer's parameters are trained only with --train.indexer_loss dense or sparse)"
+        errs.append(f"--train.trainable {t.trainable!r} matches none of the trained parameters{hint}; parameter "
+                    f"paths look like model.layers.0.self_attn.indexer.wk.weight")
     return errs

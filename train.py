@@ -25,7 +25,8 @@ from glm5f.data import make_eval_source, make_source, print_warning
 from glm5f.hf import check_export_dir
 from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
 from glm5f.model import apply, check_input_ids, cross_entropy_sum, shift_labels
-from glm5f.optim import adamw_init, adamw_update, balance_router_bias, clip_by_global_norm, lr_schedule, value_and_grad
+from glm5f.optim import (adamw_init, adamw_update, balance_router_bias, clip_by_global_norm, lr_schedule, matches,
+                         trained_paths, value_and_grad)
 from glm5f.distributed import DistLayout, WorkerFailure, init_process, spawn, under_torchrun
 from glm5f.parallel import Layout
 from glm5f.params import flatten, leaf_dtype, map_with_path
@@ -58,19 +59,31 @@ def check_supported(cfg: Config) -> None:
 
 
 def micro_loss(params: dict, batch: dict, denoms: dict, model_cfg: glm5f.GLM5Config, layout: Layout,
-               dtype: torch.dtype, weight_dtype: torch.dtype, remat: bool):
+               dtype: torch.dtype, weight_dtype: torch.dtype, remat: bool, indexer_loss: str = "off",
+               indexer_coeff: float = 0.0):
     """This rank's share of the step's objective, with (sums, routes) as aux.
 
     sums maps each objective's name to this rank's fp64 sum of it ("loss": the token cross-entropies); the
     objective is sum over names of coefficient * sums[name] / denoms[its denominator], denoms being the step's
     global counts ("targets": next-token targets), so the step's value does not depend on the layout. routes are
     the expert choices of every MoE layer. Activations are `dtype`; weights compute in `weight_dtype`.
+    With `indexer_loss` "dense" or "sparse", sums also hold "indexer_loss" (the indexer's KL, summed over the
+    indexer layers and the valid queries, weighed by `indexer_coeff`) and "indexer_recall" (summed over the valid
+    queries, averaged over the indexer layers; not an objective).
     """
     compute = layout.gather_params(map_with_path(lambda p, t: t.to(leaf_dtype(p, weight_dtype)), params))
     ctx = layout.context(model_cfg, batch, dtype)
+    if indexer_loss != "off":
+        ctx = dataclasses.replace(ctx, indexer_loss=indexer_loss)
     logits, aux = apply(compute, model_cfg, batch["input_ids"], ctx, experts=layout.experts, remat=remat)
     sums = {"loss": cross_entropy_sum(logits, batch["targets"])[0]}
-    return sums["loss"] / denoms["targets"], (sums, aux["routes"])
+    objective = sums["loss"] / denoms["targets"]
+    if indexer_loss != "off":
+        layers = [a for a in aux["layers"] if "indexer_loss" in a]
+        sums["indexer_loss"] = sum(a["indexer_loss"] for a in layers)
+        sums["indexer_recall"] = sum(a["indexer_recall"] for a in layers) / max(1, len(layers))
+        objective = objective + indexer_coeff * sums["indexer_loss"] / denoms["queries"]
+    return objective, (sums, aux["routes"])
 
 
 loss_and_grad = value_and_grad(micro_loss, has_aux=True)
@@ -85,13 +98,16 @@ def with_targets(batch: dict) -> dict:
 
 def step_denoms(batch: dict) -> dict:
     """The global counts the step's objectives are averaged over (at least 1 each), of a `with_targets` batch."""
-    return {"targets": (batch["targets"] != glm5f.IGNORE_INDEX).sum().clamp(min=1)}
+    return {"targets": (batch["targets"] != glm5f.IGNORE_INDEX).sum().clamp(min=1),
+            "queries": batch["valid"].sum().clamp(min=1)}
 
 
 def step_grads(params: dict, batch: dict, cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout):
     """(metrics, gradients of the trained leaves, per-MoE-layer expert token counts) of one step.
 
-    metrics maps each objective's name to its mean over the global batch ("loss": the LM loss). The batch is the
+    metrics maps each objective's name to its mean over the global batch ("loss": the LM loss; "indexer_loss" and
+    "indexer_recall" with --train.indexer_loss, per valid query). Only the leaves --train.trainable selects (and
+    the indexer's only with the indexer loss on) get gradients. The batch is the
     step's global batch; it is cut into micro-batches, each rank computes its share, and the token-weighted means
     over all of them are the same whatever the layout. With --train.reduce_dtype the gradients are taken, and
     summed over micro-batches and ranks, in that dtype and rounded to the parameters' at the end.
@@ -105,11 +121,14 @@ def step_grads(params: dict, batch: dict, cfg: Config, model_cfg: glm5f.GLM5Conf
     denoms = step_denoms(batch)
     moe_layers = [i for i in range(model_cfg.num_hidden_layers) if model_cfg.is_moe(i)]
     grads, sums, counts = None, {}, {}
+    t = cfg.train
+    grad_fn = value_and_grad(micro_loss, has_aux=True,
+                             paths=trained_paths(params, t.trainable, indexer=t.indexer_loss != "off"))
     B, n = len(batch["input_ids"]), cfg.train.grad_accum
     for micro in range(n):
         mb = layout.local_batch({k: v[micro * B // n:(micro + 1) * B // n] for k, v in batch.items()})
-        (_, (mb_sums, routes)), g = loss_and_grad(params, mb, denoms, model_cfg, layout, dtype, reduce or dtype,
-                                                  cfg.train.activation_checkpointing)
+        (_, (mb_sums, routes)), g = grad_fn(params, mb, denoms, model_cfg, layout, dtype, reduce or dtype,
+                                            cfg.train.activation_checkpointing, t.indexer_loss, t.indexer_loss_coeff)
         grads = g if grads is None else dict(zip(grads, torch._foreach_add(list(grads.values()), list(g.values()))))
         sums = {k: sums.get(k, 0) + v for k, v in mb_sums.items()}
         valid = mb["valid"].flatten().to(torch.float32)
@@ -123,7 +142,8 @@ def step_grads(params: dict, batch: dict, cfg: Config, model_cfg: glm5f.GLM5Conf
     return metrics, grads, {k: layout.sum(c) for k, c in counts.items()}
 
 
-OBJECTIVE_DENOMS = {"loss": "targets"}  # each objective's denominator in `step_denoms`
+# each objective's denominator in `step_denoms`
+OBJECTIVE_DENOMS = {"loss": "targets", "indexer_loss": "queries", "indexer_recall": "queries"}
 
 
 @torch.no_grad()
@@ -222,7 +242,7 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         model_cfg = cfg.model.build()
         params = glm5f.init_params(model_cfg, seed=cfg.train.seed, dtype=master, device=device)
     params = layout.shard_params(params)
-    opt_state = adamw_init(params)
+    opt_state = adamw_init(params, trained_paths(params, cfg.train.trainable, indexer=cfg.train.indexer_loss != "off"))
 
     # ---- data
     with user_errors():
@@ -302,7 +322,8 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         else:
             params, opt_state = adamw_update(params, grads, opt_state, lr, b1=cfg.optim.b1, b2=cfg.optim.b2,
                                              eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
-            params = balance_router_bias(params, counts, cfg.optim.bias_update_rate)
+            params = balance_router_bias(params, {k: c for k, c in counts.items() if matches(cfg.train.trainable, k)},
+                                         cfg.optim.bias_update_rate)
         dt = time.perf_counter() - t0
         tokens = batch["input_ids"].numel()
         rec = {"step": step + 1, **metrics, "lr": lr, "grad_norm": float(grad_norm), "tokens": tokens,
@@ -333,6 +354,9 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
             say("no loss curve: matplotlib is not installed (pip install matplotlib)")
         first, last = history[0]["loss"], history[-1]["loss"]
         say(f"done: loss {first:.4f} (step {history[0]['step']}) -> {last:.4f} (step {history[-1]['step']})")
+        if "indexer_loss" in history[0]:
+            say(f"indexer: indexer_loss {history[0]['indexer_loss']:.4f} -> {history[-1]['indexer_loss']:.4f}, "
+                f"indexer_recall {history[0]['indexer_recall']:.4f} -> {history[-1]['indexer_recall']:.4f}")
         evals = [r for r in history if "eval_loss" in r]
         if evals:
             say(f"held-out: eval_loss {evals[-1]['eval_loss']:.4f} (ppl {evals[-1]['eval_ppl']:.2f}) at step "

@@ -34,7 +34,7 @@ def run_side(side: str, seq: int, topk: int, steps: int, dtype: torch.dtype, dev
 
         def step():
             xg = x.detach().requires_grad_()
-            out, _ = attention(p, xg, cfg, 0, ctx, None)
+            out, _, _ = attention(p, xg, cfg, 0, ctx, None)
             torch.autograd.grad(out.float().square().mean(), [xg, *leaves])
 
         def indexer_only():

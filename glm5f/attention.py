@@ -99,12 +99,14 @@ def identity_keys(layer: int, name: str, local: torch.Tensor) -> torch.Tensor:
 class AttnContext:
     """What attention needs beyond params and activations: rope tables of the local queries, the mask, and
     `collect(layer, name, local_keys) -> keys over all T positions` (identity; an all-gather under context
-    parallelism; append-and-read for a decode cache)."""
+    parallelism; append-and-read for a decode cache). `indexer_loss`: "off", or the key set of the indexer's KL
+    loss ("dense": every visible key, "sparse": the selected top-k; see `indexer_kl`)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
     mask: Mask
     collect: Callable[[int, str, torch.Tensor], torch.Tensor] = identity_keys
+    indexer_loss: str = "off"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -405,16 +407,21 @@ def dense_is_cheaper(B: int, T: int, K: int, cfg: GLM5Config) -> bool:
 # ---- the attention block ------------------------------------------------------------------------------------------
 
 def attention(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, ctx: AttnContext,
-              prev_topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+              prev_topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
     """MLA + DSA for one layer. Returns (output [B, S, D], top-k indices [B, S, K] or None when every key is
-    selected). A "full" layer runs its indexer; a "shared" layer reuses `prev_topk` from the last full layer."""
+    selected, aux). A "full" layer runs its indexer; a "shared" layer reuses `prev_topk` from the last full layer.
+    aux: with ctx.indexer_loss on, a full layer's "indexer_loss" and "indexer_recall" fp64 sums (`indexer_kl`)."""
     B, S, _ = x_BxSxD.shape
     q_nope, q_rot, q_BxSxQ, latent_BxSxC = mla_project(p, x_BxSxD, cfg, ctx)
     # the latent rows are gathered (and their gradients summed over queries and CP ranks) in kv_b's dtype
     latent_dtype = torch.promote_types(latent_BxSxC.dtype, p["kv_b_proj"]["weight"].dtype)
     latent_BxTxC = ctx.collect(layer, "latent", latent_BxSxC.to(latent_dtype))
     T = latent_BxTxC.shape[1]
-    if "indexer" in p:
+    if "indexer" in p and ctx.indexer_loss != "off":  # trained by its own loss only: its inputs are detached
+        keys_BxTxJ = ctx.collect(layer, "index_keys", indexer_keys(p["indexer"], x_BxSxD.detach(), cfg, ctx))
+        topk = indexer_topk(p["indexer"], x_BxSxD, q_BxSxQ, keys_BxTxJ.detach(), cfg, ctx) \
+            if T > cfg.index_topk else None
+    elif "indexer" in p:
         with torch.no_grad():  # the indexer is not trained through the language-model loss (as in the reference)
             keys_BxTxJ = ctx.collect(layer, "index_keys", indexer_keys(p["indexer"], x_BxSxD, cfg, ctx))
         topk = indexer_topk(p["indexer"], x_BxSxD, q_BxSxQ, keys_BxTxJ, cfg, ctx) if T > cfg.index_topk else None
@@ -432,4 +439,123 @@ def attention(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, ctx: 
         if topk is None:  # one query (decoding) over at most index_topk keys: all of them
             topk = torch.arange(T, device=x_BxSxD.device).expand(B, S, T)
         out_BxSxHxV = sparse_mla(p, q_nope, q_rot, latent_BxTxC, topk, ctx.mask, cfg)
-    return linear(p["o_proj"], out_BxSxHxV.reshape(B, S, -1)), topk
+    aux = {}
+    if "indexer" in p and ctx.indexer_loss != "off":
+        aux["indexer_loss"], aux["indexer_recall"] = indexer_kl(
+            p, x_BxSxD.detach(), q_BxSxQ.detach(), keys_BxTxJ, q_nope.detach(), q_rot.detach(),
+            latent_BxTxC.detach(), None if topk is None or topk.shape[-1] >= T else topk, cfg, ctx)
+    return linear(p["o_proj"], out_BxSxHxV.reshape(B, S, -1)), topk, aux
+
+
+# ---- the indexer's training objective -----------------------------------------------------------------------------
+
+INDEXER_LOSS_BLOCK_ELEMS = 1 << 23  # bound on one query block's scores of both attentions, [B, s, keys, ~2H + 3I]
+
+
+def indexer_kl(p: dict, x_BxSxD: torch.Tensor, q_BxSxQ: torch.Tensor, keys_BxTxJ: torch.Tensor,
+               q_nope_BxSxHxN: torch.Tensor, q_rot_BxSxHxP: torch.Tensor, latent_BxTxC: torch.Tensor,
+               topk: torch.Tensor | None, cfg: GLM5Config, ctx: AttnContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """(KL sum, recall sum): fp64 sums over this rank's valid queries of the lightning indexer's distillation loss.
+
+    Per query, over its key set (ctx.indexer_loss "dense": every key it may see; "sparse": its selected top-k):
+    the target is the main attention's probabilities (fp32 softmax of the MLA scores), summed over heads and
+    L1-normalised, detached; the student is the log-softmax of the index scores sum_i w_i relu(q_i . k / sqrt(J))
+    over the same keys; the loss is KL(target || student). Recall is the target's mass on the selected keys (1
+    where every key is selected, and in sparse mode). Only the indexer's leaves p["indexer"] get gradients (the
+    other inputs must come detached); keys_BxTxJ are the collected index keys, with their graph.
+    """
+    ip = p["indexer"]
+    B, S = x_BxSxD.shape[:2]
+    I, J, P, H = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim, cfg.num_attention_heads
+    q_BxSxIxJ = linear(ip["wq_b"], q_BxSxQ).view(B, S, I, J)
+    q_rot, q_pass = q_BxSxIxJ.split([P, J - P], dim=-1)
+    q_BxSxIxJ = wide(torch.cat([apply_rope(q_rot, ctx.cos, ctx.sin), q_pass], dim=-1))
+    w_BxSxI = linear(ip["weights_proj"], wide(x_BxSxD)) * I ** -0.5
+    with torch.no_grad():  # the target's queries, absorbed into latent space as the sparse path computes them
+        dt, act = latent_BxTxC.dtype, q_nope_BxSxHxN.dtype
+        w_k_HxNxR, _ = kv_b_heads(p, cfg)
+        q_abs_BxSxHxR = torch.einsum("bshn,hnr->bshr", q_nope_BxSxHxN.to(dt), w_k_HxNxR.detach().to(dt)).to(act)
+        qa_BxSxHxC = torch.cat([q_abs_BxSxHxR, q_rot_BxSxHxP], dim=-1)
+    mask = ctx.mask
+    valid_BxS = (mask.key_valid.expand(B, -1)[:, mask.q_index] if mask.key_valid is not None
+                 else torch.ones(B, S, dtype=torch.bool, device=x_BxSxD.device))
+    sparse = ctx.indexer_loss == "sparse" and topk is not None
+    C = latent_BxTxC.shape[-1]
+    width = topk.shape[-1] if sparse else keys_BxTxJ.shape[1]
+    block = max(1, INDEXER_LOSS_BLOCK_ELEMS // max(1, B * width * (2 * H + 3 * I + 8 + (C + J if sparse else 0))))
+    return _IndexerKL.apply(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, qa_BxSxHxC, latent_BxTxC, topk, valid_BxS, mask,
+                            cfg.softmax_scale, sparse, block)
+
+
+def _gather_keys(keys_BxTxJ: torch.Tensor, idx_BxSxK: torch.Tensor) -> torch.Tensor:
+    """Rows [B, S, K, J] of keys at each query's indices (differentiable)."""
+    B, T, J = keys_BxTxJ.shape
+    rows = (idx_BxSxK + T * torch.arange(B, device=idx_BxSxK.device)[:, None, None]).flatten()
+    return keys_BxTxJ.reshape(B * T, J).index_select(0, rows).view(*idx_BxSxK.shape, J)
+
+
+class _IndexerKL(torch.autograd.Function):
+    """The indexer's KL over query blocks, with its gradient taken block by block in the forward (the student's
+    [B, s, I, keys] scores live for one block only); the backward scales the saved input gradients."""
+
+    @staticmethod
+    def forward(ctx, q_BxSxIxJ, w_BxSxI, keys_BxTxJ, qa_BxSxHxC, latent_BxTxC, topk, valid_BxS, mask, scale,
+                sparse, block):
+        want = any(ctx.needs_input_grad[:3])
+        B, S = valid_BxS.shape
+        T, J = keys_BxTxJ.shape[1:]
+        grads = [torch.zeros_like(t) for t in (q_BxSxIxJ, w_BxSxI, keys_BxTxJ)] if want else []
+        loss = torch.zeros((), dtype=torch.float64, device=q_BxSxIxJ.device)
+        recall = torch.zeros_like(loss)
+        keys_d = keys_BxTxJ.detach().requires_grad_(want)
+        for a in range(0, S, block):
+            b = min(S, a + block)
+            valid = valid_BxS[:, a:b].to(torch.float64)
+            if sparse:
+                idx = topk[:, a:b]
+                rows = _gather_rows(latent_BxTxC, idx, qa_BxSxHxC.dtype)
+                allowed, bias = mask.at(idx), mask.bias_at(idx)
+            else:
+                nk = mask.visible_keys(a, b)
+                rows = latent_BxTxC[:, None, :nk].to(qa_BxSxHxC.dtype)
+                allowed = mask.rows(a, b, nk)
+                bias = None if mask.bias is None else mask.bias[:, a:b, :nk]
+            # the target: heads' probabilities summed, zero off the key set, L1-normalised
+            probs = _block_probs(qa_BxSxHxC[:, a:b], rows, allowed, bias, scale).sum(2)
+            target = probs.masked_fill_(~allowed, 0)
+            target = target / target.sum(-1, keepdim=True).clamp(min=torch.finfo(target.dtype).tiny)
+            with torch.enable_grad():
+                q = q_BxSxIxJ[:, a:b].detach().requires_grad_(want)
+                w = w_BxSxI[:, a:b].detach().requires_grad_(want)
+                k = wide(keys_d)
+                if sparse:
+                    z = torch.einsum("bsij,bskj->bsik", q, _gather_keys(k, idx))
+                else:
+                    z = torch.matmul(q, k[:, None, :nk].transpose(-1, -2))
+                scores = torch.einsum("bsi,bsik->bsk", w, (z * J ** -0.5).relu())
+                if bias is not None:
+                    scores = scores + bias
+                scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+                kl = (torch.xlogy(target, target) - target * torch.log_softmax(scores, dim=-1)).sum(-1)
+                block_loss = (kl.to(torch.float64) * valid).sum()
+                if want:
+                    dq, dw, dk = torch.autograd.grad(block_loss, [q, w, keys_d])
+                    grads[0][:, a:b] = dq
+                    grads[1][:, a:b] = dw
+                    grads[2] += dk
+            loss += block_loss.detach()
+            if sparse:
+                mass = target.sum(-1)
+            elif topk is None:
+                mass = target.sum(-1)
+            else:
+                mass = (target * topk_as_mask(topk[:, a:b], T)[..., :nk]).sum(-1)
+            recall += (mass.to(torch.float64) * valid).sum()
+        ctx.save_for_backward(*grads)
+        ctx.mark_non_differentiable(recall)
+        return loss, recall
+
+    @staticmethod
+    def backward(ctx, dloss, drecall):
+        dq, dw, dk = ctx.saved_tensors
+        return (dq * dloss.to(dq.dtype), dw * dloss.to(dw.dtype), dk * dloss.to(dk.dtype)) + (None,) * 8

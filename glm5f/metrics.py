@@ -23,6 +23,8 @@ class Progress:
         bar = "#" * int(width * step / self.total) + "-" * (width - int(width * step / self.total))
         line = (f"[{bar}] {step}/{self.total} loss {rec['loss']:.4f} lr {rec['lr']:.2e} "
                 f"gnorm {rec['grad_norm']:.3f} {rec['tokens_per_s']:.0f} tok/s eta {eta:.0f}s")
+        if "indexer_loss" in rec:
+            line += f" indexer_loss {rec['indexer_loss']:.4f} recall {rec['indexer_recall']:.3f}"
         evaluated = "eval_loss" in rec
         if evaluated:
             line += f" | eval_loss {rec['eval_loss']:.4f} eval_ppl {rec['eval_ppl']:.2f}"

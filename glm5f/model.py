@@ -19,13 +19,13 @@ def decoder_layer(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, c
     """Pre-norm attention and MLP (dense SwiGLU or MoE) with residuals.
 
     Returns (x [B, S, D], top-k indices for the next shared layer, aux): aux is a dict of this layer's extra
-    outputs, "expert_idx" [N, K] for MoE layers (the experts each token chose).
+    outputs, "expert_idx" [N, K] for MoE layers (the experts each token chose), and the attention's (the
+    indexer loss's sums, see `attention`).
     """
-    a_BxSxD, topk = attention(p["self_attn"], rms_norm(p["input_layernorm"]["weight"], x_BxSxD, cfg.rms_norm_eps),
+    a_BxSxD, topk, aux = attention(p["self_attn"], rms_norm(p["input_layernorm"]["weight"], x_BxSxD, cfg.rms_norm_eps),
                               cfg, layer, ctx, prev_topk)
     x_BxSxD = x_BxSxD + a_BxSxD
     h_BxSxD = rms_norm(p["post_attention_layernorm"]["weight"], x_BxSxD, cfg.rms_norm_eps)
-    aux = {}
     if cfg.is_moe(layer):
         m_BxSxD, aux["expert_idx"] = moe(p["mlp"], h_BxSxD, cfg, experts)
     else:

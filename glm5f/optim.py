@@ -1,16 +1,17 @@
 """Optimizer as pure functions over the params tree (optax style): AdamW with foreach ops, global-norm clipping,
 warmup + cosine schedule, and the router's auxiliary-loss-free bias rule.
 
-How each leaf is treated is one small table, `leaf_rule(path)`:
+How each leaf is treated is one small table, `leaf_rule(path)`; `--train.trainable` narrows the trained set further:
   decay     AdamW with weight decay       matrices and embeddings
   no_decay  AdamW without weight decay    norm scales and biases (1-D)
-  frozen    untouched                     the DSA indexer (the LM loss does not differentiate it)
+  frozen    untouched                     the DSA indexer, unless trained by its own loss (--train.indexer_loss)
   balance   bias += rate * sign(mean load - load), no gradient    the router's e_score_correction_bias
 """
 
 from __future__ import annotations
 
 import math
+import re
 from typing import Callable
 
 import torch
@@ -20,44 +21,53 @@ from glm5f.ops import wide_dtype
 from glm5f.params import flatten, is_buffer, unflatten
 
 
-def leaf_rule(path: str, ndim: int) -> str:
+def leaf_rule(path: str, ndim: int, indexer: bool = False) -> str:
+    """How the leaf at `path` is optimized; `indexer`: the DSA indexer is trained (by the indexer loss)."""
     if is_buffer(path):
         return "balance"
-    if ".indexer." in path:
+    if ".indexer." in path and not indexer:
         return "frozen"
     return "decay" if ndim >= 2 else "no_decay"
 
 
-def trained_paths(params: dict) -> list[str]:
-    """Paths of the leaves AdamW updates (rule decay or no_decay), in tree order."""
-    return [p for p, t in flatten(params).items() if leaf_rule(p, t.ndim) in ("decay", "no_decay")]
+def matches(pattern: str | None, path: str) -> bool:
+    """Whether --train.trainable `pattern` (a regex, re.search; None: everything) selects the leaf at `path`."""
+    return pattern is None or re.search(pattern, path) is not None
 
 
-def value_and_grad(fn: Callable, has_aux: bool = False):
+def trained_paths(params: dict, trainable: str | None = None, indexer: bool = False) -> list[str]:
+    """Paths of the leaves AdamW updates (rule decay or no_decay, matched by the `trainable` regex), in tree
+    order."""
+    return [p for p, t in flatten(params).items()
+            if leaf_rule(p, t.ndim, indexer) in ("decay", "no_decay") and matches(trainable, p)]
+
+
+def value_and_grad(fn: Callable, has_aux: bool = False, paths: list[str] | None = None):
     """JAX-like value_and_grad over the trained leaves of the first argument (a params tree), by eager autograd.
 
-    Returns g(params, *args) -> (fn's value or (value, aux), {path: gradient}); unused leaves get zeros.
+    Returns g(params, *args) -> (fn's value or (value, aux), {path: gradient}); unused leaves get zeros. `paths`:
+    the leaves to differentiate (default `trained_paths(params)`); the others are constants.
     """
     def wrapped(params: dict, *args, **kwargs):
         flat = flatten(params)
-        paths = set(trained_paths(params))
-        live = {p: (t.detach().requires_grad_() if p in paths else t.detach()) for p, t in flat.items()}
+        trained = set(trained_paths(params) if paths is None else paths)
+        live = {p: (t.detach().requires_grad_() if p in trained else t.detach()) for p, t in flat.items()}
         out = fn(unflatten(live, params), *args, **kwargs)
         value = out[0] if has_aux else out
-        leaves = [live[p] for p in flat if p in paths]
-        grads = torch.autograd.grad(value, leaves, allow_unused=True)
+        leaves = [live[p] for p in flat if p in trained]
+        grads = torch.autograd.grad(value, leaves, allow_unused=True) if value.requires_grad else [None] * len(leaves)
         grads = {p: (g if g is not None else torch.zeros_like(t)) for p, t, g in
-                 zip((p for p in flat if p in paths), leaves, grads)}
+                 zip((p for p in flat if p in trained), leaves, grads)}
         detached = pytree.tree_map(lambda o: o.detach() if isinstance(o, torch.Tensor) else o, out)
         return detached, grads
     return wrapped
 
 
-def adamw_init(params: dict) -> dict:
-    """{"count": 0, "mu": {path: zeros}, "nu": {path: zeros}} for the trained leaves (fp32 moments, fp64 for
-    fp64 leaves)."""
+def adamw_init(params: dict, paths: list[str] | None = None) -> dict:
+    """{"count": 0, "mu": {path: zeros}, "nu": {path: zeros}} for the trained leaves `paths` (default
+    `trained_paths(params)`; fp32 moments, fp64 for fp64 leaves). Leaves without state are never updated."""
     flat = flatten(params)
-    paths = trained_paths(params)
+    paths = trained_paths(params) if paths is None else paths
     zeros = lambda: {p: torch.zeros_like(flat[p], dtype=wide_dtype(flat[p].dtype)) for p in paths}  # noqa: E731
     return {"count": torch.zeros((), dtype=torch.int64), "mu": zeros(), "nu": zeros()}
 
@@ -77,7 +87,7 @@ def adamw_update(params: dict, grads: dict[str, torch.Tensor], state: dict, lr: 
                             torch._foreach_mul(g, g), alpha=1 - b2)
     denom = torch._foreach_add(torch._foreach_sqrt(torch._foreach_div(nu, 1 - b2 ** t)), eps)
     step = torch._foreach_div(torch._foreach_div(mu, 1 - b1 ** t), denom)
-    decay = [1 - lr * weight_decay if leaf_rule(p, flat[p].ndim) == "decay" else 1.0 for p in paths]
+    decay = [1 - lr * weight_decay if leaf_rule(p, flat[p].ndim, indexer=True) == "decay" else 1.0 for p in paths]
     p32 = torch._foreach_mul([x.to(wide_dtype(x.dtype)) for x in p_old], decay)
     new = torch._foreach_add(p32, step, alpha=-lr)
     updated = dict(flat)

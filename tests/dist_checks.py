@@ -88,8 +88,8 @@ def cp_attention_property() -> None:
             mask |= torch.eye(S, dtype=torch.bool)
 
         def run(x, ctx):
-            out0, topk_idx = attention(layers[0]["self_attn"], x, cfg, 0, ctx, None)
-            out2, _ = attention(layers[2]["self_attn"], out0, cfg, 2, ctx, topk_idx)
+            out0, topk_idx, _ = attention(layers[0]["self_attn"], x, cfg, 0, ctx, None)
+            out2, _, _ = attention(layers[2]["self_attn"], out0, cfg, 2, ctx, topk_idx)
             return out2
 
         leaves = [layers[0]["self_attn"]["q_b_proj"]["weight"], layers[2]["self_attn"]["kv_b_proj"]["weight"]]

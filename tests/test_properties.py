@@ -290,7 +290,7 @@ def test_cost_model_picks_the_cheaper_exact_path_and_both_agree():
         attn.dense_is_cheaper, attn.DENSE_TOPK_PATH = (lambda *a, dense=dense: dense), True
         try:
             xg = x.clone().requires_grad_()
-            out, _ = attn.attention(p, xg, tiny, 0, ctx, None)
+            out, _, _ = attn.attention(p, xg, tiny, 0, ctx, None)
             outs.append((out, *torch.autograd.grad(out.square().sum(), [xg, w])))
         finally:
             attn.dense_is_cheaper, attn.DENSE_TOPK_PATH = orig, orig_switch
