@@ -508,13 +508,16 @@ class _IndexerKL(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float64, device=q_BxSxIxJ.device)
         recall = torch.zeros_like(loss)
         keys_d = keys_BxTxJ.detach().requires_grad_(want)
+        if sparse:  # as the sparse path sees them (Mask.at takes every query's indices)
+            allowed_BxSxK, bias_BxSxK = mask.at(topk), mask.bias_at(topk)
         for a in range(0, S, block):
             b = min(S, a + block)
             valid = valid_BxS[:, a:b].to(torch.float64)
             if sparse:
                 idx = topk[:, a:b]
                 rows = _gather_rows(latent_BxTxC, idx, qa_BxSxHxC.dtype)
-                allowed, bias = mask.at(idx), mask.bias_at(idx)
+                allowed = allowed_BxSxK[:, a:b]
+                bias = None if bias_BxSxK is None else bias_BxSxK[:, a:b]
             else:
                 nk = mask.visible_keys(a, b)
                 rows = latent_BxTxC[:, None, :nk].to(qa_BxSxHxC.dtype)

@@ -86,9 +86,12 @@ def naive_indexer_kl(p: dict, x: torch.Tensor, cos, sin, keyset_BxSxT, selected_
     return (terms.sum(-1) * valid_BxS).sum(), (recall * valid_BxS).sum()
 
 
+@pytest.mark.parametrize("blocks", ["one", "many"])
 @pytest.mark.parametrize("kind", ["causal", "padding", "packed"])
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
-def test_indexer_kl_and_its_gradients_match_the_formula(mode, kind):
+def test_indexer_kl_and_its_gradients_match_the_formula(mode, kind, blocks, monkeypatch):
+    if blocks == "many":  # query blocks of 1 to 3 queries
+        monkeypatch.setattr(glm5f.attention, "INDEXER_LOSS_BLOCK_ELEMS", 4000)
     am, pos, allowed, valid = inputs(kind)
     p = layer0_params()
     x = torch.randn(B, S, CFG.hidden_size, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
@@ -142,6 +145,18 @@ def test_indexer_loss_leaves_every_other_gradient_unchanged(mode):
     assert all(float(g_on[k].norm()) > 0 for k in indexer)
     assert on["loss"] == off["loss"] and set(off) == {"loss"}
     assert on["indexer_loss"] > 0 and 0 < on["indexer_recall"] <= 1 + 1e-6
+
+
+def test_indexer_loss_under_activation_checkpointing():
+    params, batch = glm5f.init_params(CFG), batch_of("packed")
+    args = ["--model.preset", "glm5-tiny", "--model.index_topk", "8", "--model.initializer_range", "0.2",
+            "--train.indexer_loss", "dense"]
+    plain, g, _ = step_grads(params, batch, cli(*args), CFG, Layout(torch.device("cpu")))
+    remat, g_remat, _ = step_grads(params, batch, cli(*args, "--train.activation_checkpointing"), CFG,
+                                   Layout(torch.device("cpu")))
+    assert plain == remat
+    for k in g:
+        assert torch.equal(g[k], g_remat[k]), k
 
 
 def test_trainable_selects_leaves_and_bad_patterns_are_config_errors():
