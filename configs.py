@@ -111,6 +111,9 @@ class TrainConfig:
     """Print a progress line every N steps (when the output is not a terminal)."""
     skip_nonfinite: bool = False
     """On a NaN/inf loss or gradient norm, skip that step's update (logged) and go on; default: stop the run."""
+    seq_aux_loss_coeff: float = 0.0
+    """Weight of DeepSeek-V3's sequence-wise auxiliary balance loss (per MoE layer, mean over sequences, summed
+    over layers; logged as seq_aux_loss), beside the aux-loss-free bias update; 0: off."""
 
 
 @dataclass
@@ -194,6 +197,8 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         errs.append(f"--optim.lr must be positive, got {cfg.optim.lr}")
     if not 0 <= cfg.optim.min_lr_ratio <= 1:
         errs.append(f"--optim.min_lr_ratio must lie in [0, 1], got {cfg.optim.min_lr_ratio}")
+    if cfg.train.seq_aux_loss_coeff < 0:
+        errs.append(f"--train.seq_aux_loss_coeff must be >= 0, got {cfg.train.seq_aux_loss_coeff}")
     if cfg.optim.bias_update_rate < 0:
         errs.append(f"--optim.bias_update_rate must be >= 0, got {cfg.optim.bias_update_rate}")
     p = cfg.parallel

@@ -25,6 +25,7 @@ from glm5f.data import make_eval_source, make_source, print_warning
 from glm5f.hf import check_export_dir
 from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
 from glm5f.model import apply, check_input_ids, cross_entropy_sum, shift_labels
+from glm5f.moe import SeqAux
 from glm5f.optim import adamw_init, adamw_update, balance_router_bias, clip_by_global_norm, lr_schedule, value_and_grad
 from glm5f.distributed import DistLayout, WorkerFailure, init_process, spawn, under_torchrun
 from glm5f.parallel import Layout
@@ -58,19 +59,28 @@ def check_supported(cfg: Config) -> None:
 
 
 def micro_loss(params: dict, batch: dict, denoms: dict, model_cfg: glm5f.GLM5Config, layout: Layout,
-               dtype: torch.dtype, weight_dtype: torch.dtype, remat: bool):
+               dtype: torch.dtype, weight_dtype: torch.dtype, remat: bool, seq_aux_coeff: float = 0.0):
     """This rank's share of the step's objective, with (sums, routes) as aux.
 
-    sums maps each objective's name to this rank's fp64 sum of it ("loss": the token cross-entropies); the
-    objective is sum over names of coefficient * sums[name] / denoms[its denominator], denoms being the step's
-    global counts ("targets": next-token targets), so the step's value does not depend on the layout. routes are
-    the expert choices of every MoE layer. Activations are `dtype`; weights compute in `weight_dtype`.
+    sums maps each objective's name to this rank's fp64 sum of it ("loss": the token cross-entropies;
+    "seq_aux_loss" when seq_aux_coeff > 0: the sequence-wise balance loss of every sequence, summed over the MoE
+    layers); the objective is sum over names of coefficient * sums[name] / denoms[its denominator], denoms being
+    the step's global counts ("targets": next-token targets, "sequences": sequences with a valid token), so the
+    step's value does not depend on the layout. routes are the expert choices of every MoE layer. Activations are
+    `dtype`; weights compute in `weight_dtype`.
     """
     compute = layout.gather_params(map_with_path(lambda p, t: t.to(leaf_dtype(p, weight_dtype)), params))
     ctx = layout.context(model_cfg, batch, dtype)
+    if seq_aux_coeff:
+        ctx = dataclasses.replace(ctx, seq_aux=SeqAux(batch["valid"], layout.seq_sum))
     logits, aux = apply(compute, model_cfg, batch["input_ids"], ctx, experts=layout.experts, remat=remat)
     sums = {"loss": cross_entropy_sum(logits, batch["targets"])[0]}
-    return sums["loss"] / denoms["targets"], (sums, aux["routes"])
+    objective = sums["loss"] / denoms["targets"]
+    if seq_aux_coeff:
+        sums["seq_aux_loss"] = sum((a["seq_aux_loss"] for a in aux["layers"] if "seq_aux_loss" in a),
+                                   torch.zeros((), dtype=torch.float64, device=logits.device))
+        objective = objective + seq_aux_coeff * sums["seq_aux_loss"] / denoms["sequences"]
+    return objective, (sums, aux["routes"])
 
 
 loss_and_grad = value_and_grad(micro_loss, has_aux=True)
@@ -85,7 +95,8 @@ def with_targets(batch: dict) -> dict:
 
 def step_denoms(batch: dict) -> dict:
     """The global counts the step's objectives are averaged over (at least 1 each), of a `with_targets` batch."""
-    return {"targets": (batch["targets"] != glm5f.IGNORE_INDEX).sum().clamp(min=1)}
+    return {"targets": (batch["targets"] != glm5f.IGNORE_INDEX).sum().clamp(min=1),
+            "sequences": (batch["valid"].sum(1) > 0).sum().clamp(min=1)}
 
 
 def step_grads(params: dict, batch: dict, cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout):
@@ -109,7 +120,7 @@ def step_grads(params: dict, batch: dict, cfg: Config, model_cfg: glm5f.GLM5Conf
     for micro in range(n):
         mb = layout.local_batch({k: v[micro * B // n:(micro + 1) * B // n] for k, v in batch.items()})
         (_, (mb_sums, routes)), g = loss_and_grad(params, mb, denoms, model_cfg, layout, dtype, reduce or dtype,
-                                                  cfg.train.activation_checkpointing)
+                                                  cfg.train.activation_checkpointing, cfg.train.seq_aux_loss_coeff)
         grads = g if grads is None else dict(zip(grads, torch._foreach_add(list(grads.values()), list(g.values()))))
         sums = {k: sums.get(k, 0) + v for k, v in mb_sums.items()}
         valid = mb["valid"].flatten().to(torch.float32)
@@ -123,7 +134,7 @@ def step_grads(params: dict, batch: dict, cfg: Config, model_cfg: glm5f.GLM5Conf
     return metrics, grads, {k: layout.sum(c) for k, c in counts.items()}
 
 
-OBJECTIVE_DENOMS = {"loss": "targets"}  # each objective's denominator in `step_denoms`
+OBJECTIVE_DENOMS = {"loss": "targets", "seq_aux_loss": "sequences"}  # each objective's denominator in `step_denoms`
 
 
 @torch.no_grad()

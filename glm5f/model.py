@@ -19,7 +19,8 @@ def decoder_layer(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, c
     """Pre-norm attention and MLP (dense SwiGLU or MoE) with residuals.
 
     Returns (x [B, S, D], top-k indices for the next shared layer, aux): aux is a dict of this layer's extra
-    outputs, "expert_idx" [N, K] for MoE layers (the experts each token chose).
+    outputs, "expert_idx" [N, K] for MoE layers (the experts each token chose), and "seq_aux_loss" (this rank's
+    fp64 sum of the sequence-wise balance loss) when ctx.seq_aux asks for it.
     """
     a_BxSxD, topk = attention(p["self_attn"], rms_norm(p["input_layernorm"]["weight"], x_BxSxD, cfg.rms_norm_eps),
                               cfg, layer, ctx, prev_topk)
@@ -27,7 +28,8 @@ def decoder_layer(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, c
     h_BxSxD = rms_norm(p["post_attention_layernorm"]["weight"], x_BxSxD, cfg.rms_norm_eps)
     aux = {}
     if cfg.is_moe(layer):
-        m_BxSxD, aux["expert_idx"] = moe(p["mlp"], h_BxSxD, cfg, experts)
+        m_BxSxD, aux["expert_idx"], moe_aux = moe(p["mlp"], h_BxSxD, cfg, experts, ctx.seq_aux)
+        aux.update(moe_aux)
     else:
         m_BxSxD = swiglu_mlp(p["mlp"], h_BxSxD)
     return x_BxSxD + m_BxSxD, topk, aux
