@@ -122,6 +122,9 @@ class TrainConfig:
     indexer's inputs are detached, so the rest of the model learns from the LM loss only. off: indexer frozen."""
     indexer_loss_coeff: float = 0.001
     """Weight of the indexer loss (per valid query, summed over indexer layers) in the step's objective."""
+    seq_aux_loss_coeff: float = 0.0
+    """Weight of DeepSeek-V3's sequence-wise auxiliary balance loss (per MoE layer, mean over sequences, summed
+    over layers; logged as seq_aux_loss), beside the aux-loss-free bias update; 0: off."""
 
 
 @dataclass
@@ -205,6 +208,8 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         errs.append(f"--optim.lr must be positive, got {cfg.optim.lr}")
     if not 0 <= cfg.optim.min_lr_ratio <= 1:
         errs.append(f"--optim.min_lr_ratio must lie in [0, 1], got {cfg.optim.min_lr_ratio}")
+    if cfg.train.seq_aux_loss_coeff < 0:
+        errs.append(f"--train.seq_aux_loss_coeff must be >= 0, got {cfg.train.seq_aux_loss_coeff}")
     if cfg.optim.bias_update_rate < 0:
         errs.append(f"--optim.bias_update_rate must be >= 0, got {cfg.optim.bias_update_rate}")
     p = cfg.parallel

@@ -25,6 +25,7 @@ from glm5f.data import make_eval_source, make_source, print_warning
 from glm5f.hf import check_export_dir
 from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
 from glm5f.model import apply, check_input_ids, cross_entropy_sum, shift_labels
+from glm5f.moe import SeqAux
 from glm5f.optim import (adamw_init, adamw_update, balance_router_bias, clip_by_global_norm, lr_schedule, matches,
                          trained_paths, value_and_grad)
 from glm5f.distributed import DistLayout, WorkerFailure, init_process, spawn, under_torchrun
@@ -58,35 +59,62 @@ def check_supported(cfg: Config) -> None:
         raise NotImplementedError("tensor parallelism (--parallel.tp) is not built yet; use dp_shard, cp and ep")
 
 
+@dataclasses.dataclass(frozen=True)
+class Objectives:
+    """What a training step optimizes beside the LM loss, and the weights (the --train flags of the same names).
+
+    indexer_loss: "off", "dense" or "sparse" (the DSA indexer's KL to the main attention); seq_aux_loss_coeff:
+    DeepSeek-V3's sequence-wise balance loss (0: off).
+    """
+
+    indexer_loss: str = "off"
+    indexer_loss_coeff: float = 0.0
+    seq_aux_loss_coeff: float = 0.0
+
+    @classmethod
+    def of(cls, train_cfg) -> "Objectives":
+        return cls(**{f.name: getattr(train_cfg, f.name) for f in dataclasses.fields(cls)})
+
+    def coeffs(self) -> dict[str, float]:
+        """Each objective's weight in the step's value; the other sums (e.g. indexer_recall) are only metrics."""
+        return {"loss": 1.0, "indexer_loss": self.indexer_loss_coeff, "seq_aux_loss": self.seq_aux_loss_coeff}
+
+
+LM_ONLY = Objectives()
+
+
 def micro_loss(params: dict, batch: dict, denoms: dict, model_cfg: glm5f.GLM5Config, layout: Layout,
-               dtype: torch.dtype, weight_dtype: torch.dtype, remat: bool, indexer_loss: str = "off",
-               indexer_coeff: float = 0.0):
+               dtype: torch.dtype, weight_dtype: torch.dtype, remat: bool, objectives: Objectives = LM_ONLY):
     """This rank's share of the step's objective, with (sums, routes) as aux.
 
-    sums maps each objective's name to this rank's fp64 sum of it ("loss": the token cross-entropies); the
-    objective is sum over names of coefficient * sums[name] / denoms[its denominator], denoms being the step's
-    global counts ("targets": next-token targets), so the step's value does not depend on the layout. routes are
-    the expert choices of every MoE layer. Activations are `dtype`; weights compute in `weight_dtype`.
-    With `indexer_loss` "dense" or "sparse", sums also hold "indexer_loss" (the indexer's KL, summed over the
-    indexer layers and the valid queries, weighed by `indexer_coeff`) and "indexer_recall" (summed over the valid
-    queries, averaged over the indexer layers; not an objective).
+    sums maps each objective's name to this rank's fp64 sum of it: "loss", the token cross-entropies; with
+    --train.indexer_loss, "indexer_loss" (the indexer's KL summed over the indexer layers and the valid queries)
+    and "indexer_recall" (summed over the valid queries, averaged over the indexer layers; a metric only); with
+    --train.seq_aux_loss_coeff, "seq_aux_loss" (the sequence-wise balance loss of every sequence, summed over the
+    MoE layers). The objective is the sum over names of coefficient * sums[name] / denoms[its denominator]
+    (OBJECTIVE_DENOMS), denoms being the step's global counts (`step_denoms`), so the step's value does not
+    depend on the layout. routes are the expert choices of every MoE layer. Activations are `dtype`; weights
+    compute in `weight_dtype`.
     """
     compute = layout.gather_params(map_with_path(lambda p, t: t.to(leaf_dtype(p, weight_dtype)), params))
     ctx = layout.context(model_cfg, batch, dtype)
-    if indexer_loss != "off":
-        ctx = dataclasses.replace(ctx, indexer_loss=indexer_loss)
+    if objectives.indexer_loss != "off":
+        ctx = dataclasses.replace(ctx, indexer_loss=objectives.indexer_loss)
+    if objectives.seq_aux_loss_coeff:
+        ctx = dataclasses.replace(ctx, seq_aux=SeqAux(batch["valid"], layout.seq_sum))
     logits, aux = apply(compute, model_cfg, batch["input_ids"], ctx, experts=layout.experts, remat=remat)
+    layers, routes = aux["layers"], aux["routes"]
     sums = {"loss": cross_entropy_sum(logits, batch["targets"])[0]}
-    objective = sums["loss"] / denoms["targets"]
-    if indexer_loss != "off":
-        layers = [a for a in aux["layers"] if "indexer_loss" in a]
-        sums["indexer_loss"] = sum(a["indexer_loss"] for a in layers)
-        sums["indexer_recall"] = sum(a["indexer_recall"] for a in layers) / max(1, len(layers))
-        objective = objective + indexer_coeff * sums["indexer_loss"] / denoms["queries"]
-    return objective, (sums, aux["routes"])
-
-
-loss_and_grad = value_and_grad(micro_loss, has_aux=True)
+    zero = torch.zeros((), dtype=torch.float64, device=logits.device)
+    if objectives.indexer_loss != "off":
+        indexed = [a for a in layers if "indexer_loss" in a]
+        sums["indexer_loss"] = sum((a["indexer_loss"] for a in indexed), zero)
+        sums["indexer_recall"] = sum((a["indexer_recall"] for a in indexed), zero) / max(1, len(indexed))
+    if objectives.seq_aux_loss_coeff:
+        sums["seq_aux_loss"] = sum((a["seq_aux_loss"] for a in layers if "seq_aux_loss" in a), zero)
+    coeffs = objectives.coeffs()
+    objective = sum(coeffs[k] * v / denoms[OBJECTIVE_DENOMS[k]] for k, v in sums.items() if k in coeffs)
+    return objective, (sums, routes)
 
 
 def with_targets(batch: dict) -> dict:
@@ -99,7 +127,8 @@ def with_targets(batch: dict) -> dict:
 def step_denoms(batch: dict) -> dict:
     """The global counts the step's objectives are averaged over (at least 1 each), of a `with_targets` batch."""
     return {"targets": (batch["targets"] != glm5f.IGNORE_INDEX).sum().clamp(min=1),
-            "queries": batch["valid"].sum().clamp(min=1)}
+            "queries": batch["valid"].sum().clamp(min=1),
+            "sequences": (batch["valid"].sum(1) > 0).sum().clamp(min=1)}
 
 
 def step_grads(params: dict, batch: dict, cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout):
@@ -128,7 +157,7 @@ def step_grads(params: dict, batch: dict, cfg: Config, model_cfg: glm5f.GLM5Conf
     for micro in range(n):
         mb = layout.local_batch({k: v[micro * B // n:(micro + 1) * B // n] for k, v in batch.items()})
         (_, (mb_sums, routes)), g = grad_fn(params, mb, denoms, model_cfg, layout, dtype, reduce or dtype,
-                                            cfg.train.activation_checkpointing, t.indexer_loss, t.indexer_loss_coeff)
+                                            cfg.train.activation_checkpointing, Objectives.of(t))
         grads = g if grads is None else dict(zip(grads, torch._foreach_add(list(grads.values()), list(g.values()))))
         sums = {k: sums.get(k, 0) + v for k, v in mb_sums.items()}
         valid = mb["valid"].flatten().to(torch.float32)
@@ -143,7 +172,8 @@ def step_grads(params: dict, batch: dict, cfg: Config, model_cfg: glm5f.GLM5Conf
 
 
 # each objective's denominator in `step_denoms`
-OBJECTIVE_DENOMS = {"loss": "targets", "indexer_loss": "queries", "indexer_recall": "queries"}
+OBJECTIVE_DENOMS = {"loss": "targets", "indexer_loss": "queries", "indexer_recall": "queries",
+                    "seq_aux_loss": "sequences"}
 
 
 @torch.no_grad()

@@ -32,7 +32,7 @@ def run_side(args) -> dict:
 
         def step():
             xg = x.detach().requires_grad_()
-            out, _ = moe(p, xg, cfg)
+            out, _, _ = moe(p, xg, cfg)
             torch.autograd.grad(out.float().square().mean(), [xg, *leaves])
     else:
         from transformers import AutoModelForCausalLM

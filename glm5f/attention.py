@@ -12,13 +12,16 @@ P qk_rope_head_dim, N qk_nope_head_dim, V v_head_dim, C = R + P, Q q_lora_rank, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
 
 from glm5f.config import GLM5Config
 from glm5f.ops import apply_rope, layer_norm, linear, rms_norm, wide, wide_dtype
+
+if TYPE_CHECKING:
+    from glm5f.moe import SeqAux
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm use 1e-6, not rms_norm_eps
 INDEXER_QUERY_CHUNK_ELEMS = 1 << 24  # bound on the indexer's per-chunk [B, S, I, T] fp32 scores
@@ -99,14 +102,17 @@ def identity_keys(layer: int, name: str, local: torch.Tensor) -> torch.Tensor:
 class AttnContext:
     """What attention needs beyond params and activations: rope tables of the local queries, the mask, and
     `collect(layer, name, local_keys) -> keys over all T positions` (identity; an all-gather under context
-    parallelism; append-and-read for a decode cache). `indexer_loss`: "off", or the key set of the indexer's KL
-    loss ("dense": every visible key, "sparse": the selected top-k; see `indexer_kl`)."""
+    parallelism; append-and-read for a decode cache). The objectives a training forward adds ride along:
+    `indexer_loss`, "off" or the key set of the indexer's KL loss ("dense": every visible key, "sparse": the
+    selected top-k; see `indexer_kl`); `seq_aux`, set when the MoE layers are to compute their sequence-wise
+    balance loss."""
 
     cos: torch.Tensor
     sin: torch.Tensor
     mask: Mask
     collect: Callable[[int, str, torch.Tensor], torch.Tensor] = identity_keys
     indexer_loss: str = "off"
+    seq_aux: SeqAux | None = None
 
     @property
     def dtype(self) -> torch.dtype:

@@ -116,6 +116,13 @@ class DistLayout(Layout):
         dist.all_reduce(t)
         return t
 
+    def seq_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.cp == 1:
+            return t
+        t = t.detach().clone()
+        dist.all_reduce(t, group=self.cp_group)
+        return t
+
     # ---- data
     def local_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         B, S = batch["input_ids"].shape

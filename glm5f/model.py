@@ -19,15 +19,17 @@ def decoder_layer(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, c
     """Pre-norm attention and MLP (dense SwiGLU or MoE) with residuals.
 
     Returns (x [B, S, D], top-k indices for the next shared layer, aux): aux is a dict of this layer's extra
-    outputs, "expert_idx" [N, K] for MoE layers (the experts each token chose), and the attention's (the
-    indexer loss's sums, see `attention`).
+    outputs: "expert_idx" [N, K] for MoE layers (the experts each token chose); the indexer loss's sums when
+    ctx.indexer_loss asks for them (see `attention`); "seq_aux_loss" (this rank's fp64 sum of the sequence-wise
+    balance loss) when ctx.seq_aux asks for it.
     """
-    a_BxSxD, topk, aux = attention(p["self_attn"], rms_norm(p["input_layernorm"]["weight"], x_BxSxD, cfg.rms_norm_eps),
-                              cfg, layer, ctx, prev_topk)
+    x_norm_BxSxD = rms_norm(p["input_layernorm"]["weight"], x_BxSxD, cfg.rms_norm_eps)
+    a_BxSxD, topk, aux = attention(p["self_attn"], x_norm_BxSxD, cfg, layer, ctx, prev_topk)
     x_BxSxD = x_BxSxD + a_BxSxD
     h_BxSxD = rms_norm(p["post_attention_layernorm"]["weight"], x_BxSxD, cfg.rms_norm_eps)
     if cfg.is_moe(layer):
-        m_BxSxD, aux["expert_idx"] = moe(p["mlp"], h_BxSxD, cfg, experts)
+        m_BxSxD, aux["expert_idx"], moe_aux = moe(p["mlp"], h_BxSxD, cfg, experts, ctx.seq_aux)
+        aux.update(moe_aux)
     else:
         m_BxSxD = swiglu_mlp(p["mlp"], h_BxSxD)
     return x_BxSxD + m_BxSxD, topk, aux

@@ -6,6 +6,7 @@ M = N * K routed rows.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -15,15 +16,23 @@ from glm5f.config import GLM5Config
 from glm5f.ops import linear, swiglu_mlp, wide
 
 
+def router_scores(p: dict, x_NxD: torch.Tensor) -> torch.Tensor:
+    """The router's sigmoid scores [N, E] (fp32, or fp64 in fp64 runs), before the correction bias."""
+    return linear(p, wide(x_NxD)).sigmoid()
+
+
 def route(p: dict, x_NxD: torch.Tensor, cfg: GLM5Config) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-K experts [N, K] and their weights [N, K] (fp32, or fp64 in fp64 runs).
+    """Top-K experts [N, K] and their weights [N, K] (fp32, or fp64 in fp64 runs)."""
+    return select_experts(p, router_scores(p, x_NxD), cfg)
+
+
+def select_experts(p: dict, scores_NxE: torch.Tensor, cfg: GLM5Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route` from the router's scores [N, E].
 
     Sigmoid scores in fp32; e_score_correction_bias shifts the *choice* only (the weights are unbiased scores);
     with n_group > 1 only the topk_group groups with the best top-2 sums are eligible; weights are normalised
     when norm_topk_prob and scaled by routed_scaling_factor.
     """
-    logits_NxE = linear(p, wide(x_NxD))
-    scores_NxE = logits_NxE.sigmoid()
     choice_NxE = scores_NxE + p["e_score_correction_bias"].to(scores_NxE.dtype)
     G = cfg.n_group
     if cfg.topk_group < G:
@@ -102,11 +111,51 @@ def routed_experts(p: dict, x_NxD: torch.Tensor, idx_NxK: torch.Tensor, w_NxK: t
     return unsorted_MxD.view(N, K, x_NxD.shape[-1]).sum(1).to(x_NxD.dtype)
 
 
-def moe(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, ffn: ExpertsFn = expert_ffn):
-    """Routed experts plus shared experts. Returns (output [B, S, D], expert indices [N, K] of each token)."""
+@dataclass
+class SeqAux:
+    """Asks `moe` for its sequence-wise balance loss (DeepSeek-V3's), over this rank's B sequences.
+
+    valid_BxS marks the real tokens of this rank's share of each sequence (padding 0); seq_sum(t) sums a
+    per-sequence tensor [B, ...] over the ranks holding the other parts of the same sequences (the identity in
+    one process, an all-reduce over the context-parallel group), without autograd.
+    """
+
+    valid_BxS: torch.Tensor
+    seq_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+
+
+def seq_aux_loss(scores_BxSxE: torch.Tensor, idx_BxSxK: torch.Tensor, seq: SeqAux) -> torch.Tensor:
+    """This rank's share (fp64) of sum over sequences of L_seq = sum_i f_i P_i.
+
+    Per sequence of T valid tokens: f_i = E / (K T) * (tokens that chose expert i), P_i = (1/T) sum_t s'_{t,i},
+    s' the scores normalised over all E experts. f and T count every rank's part of the sequence (seq.seq_sum);
+    f is a constant, so the rank's share is sum over its valid tokens of sum_i (f_i / T) s'_{t,i}, and the
+    shares add up to the loss and its gradient over the ranks. Sequences without a valid token add 0.
+    """
+    B, S, E = scores_BxSxE.shape
+    K = idx_BxSxK.shape[-1]
+    with torch.no_grad():
+        valid_BxS = seq.valid_BxS.to(torch.float64)
+        chosen_BxE = valid_BxS.new_zeros(B, E).scatter_add_(1, idx_BxSxK.reshape(B, S * K),
+                                                            valid_BxS.repeat_interleave(K, dim=1))
+        stats_BxE1 = seq.seq_sum(torch.cat([chosen_BxE, valid_BxS.sum(1, keepdim=True)], dim=1))
+        counts_BxE, T_B = stats_BxE1[:, :E], stats_BxE1[:, E].clamp(min=1)
+        coef_BxE = counts_BxE * (E / (K * T_B[:, None] ** 2))  # f_i / T
+    share_BxSxE = scores_BxSxE / scores_BxSxE.sum(-1, keepdim=True)
+    return torch.einsum("bse,bs,be->", share_BxSxE.to(torch.float64), valid_BxS, coef_BxE)
+
+
+def moe(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, ffn: ExpertsFn = expert_ffn, seq: SeqAux | None = None):
+    """Routed experts plus shared experts. Returns (output [B, S, D], expert indices [N, K] of each token, aux):
+    aux holds "seq_aux_loss" (see `seq_aux_loss`) when `seq` asks for it, else nothing."""
     x_NxD = x_BxSxD.reshape(-1, x_BxSxD.shape[-1])
-    idx_NxK, w_NxK = route(p["gate"], x_NxD, cfg)
+    scores_NxE = router_scores(p["gate"], x_NxD)
+    idx_NxK, w_NxK = select_experts(p["gate"], scores_NxE, cfg)
     y_NxD = routed_experts(p["experts"], x_NxD, idx_NxK, w_NxK, cfg.n_routed_experts, ffn)
     if "shared_experts" in p:
         y_NxD = y_NxD + swiglu_mlp(p["shared_experts"], x_NxD)
-    return y_NxD.view_as(x_BxSxD), idx_NxK
+    aux = {}
+    if seq is not None:
+        B, S = x_BxSxD.shape[:2]
+        aux["seq_aux_loss"] = seq_aux_loss(scores_NxE.view(B, S, -1), idx_NxK.view(B, S, -1), seq)
+    return y_NxD.view_as(x_BxSxD), idx_NxK, aux

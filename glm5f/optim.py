@@ -74,25 +74,48 @@ def adamw_init(params: dict, paths: list[str] | None = None) -> dict:
 
 def adamw_update(params: dict, grads: dict[str, torch.Tensor], state: dict, lr: float, *, b1: float = 0.9,
                  b2: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.1) -> tuple[dict, dict]:
-    """One AdamW step (decoupled weight decay on "decay" leaves). Returns new (params, state); inputs are not
-    modified."""
+    """One AdamW step (decoupled weight decay on "decay" leaves), in place. Returns (params, state).
+
+    params and state are donated, as JAX donates buffers: the trained leaves, state["mu"] and state["nu"] are
+    consumed and updated where they lie, and the returned trees hold the same tensors (only "count" is new), so
+    the step needs no second copy of them; keep a clone of anything whose old value is still wanted. grads are
+    only read. Besides the moments, one temporary list the size of the trained leaves is alive at a time (g*g,
+    then the denominator, then the step; an fp32 copy of each low-precision leaf in turn, and of the gradients
+    that are not fp32 already). The float operations are those of the out-of-place form, in the same order, so
+    the results are the same bit for bit. Works on DTensor leaves (the foreach ops run shard by shard).
+    """
     flat = flatten(params)
     paths = list(state["mu"])
     count = state["count"] + 1
     t = int(count)
-    p_old = [flat[p] for p in paths]
+    p_leaves = [flat[p] for p in paths]
+    mu, nu = [state["mu"][p] for p in paths], [state["nu"][p] for p in paths]
     g = [grads[p].to(wide_dtype(grads[p].dtype)) for p in paths]
-    mu = torch._foreach_add(torch._foreach_mul([state["mu"][p] for p in paths], b1), g, alpha=1 - b1)
-    nu = torch._foreach_add(torch._foreach_mul([state["nu"][p] for p in paths], b2),
-                            torch._foreach_mul(g, g), alpha=1 - b2)
-    denom = torch._foreach_add(torch._foreach_sqrt(torch._foreach_div(nu, 1 - b2 ** t)), eps)
-    step = torch._foreach_div(torch._foreach_div(mu, 1 - b1 ** t), denom)
+    torch._foreach_mul_(mu, b1)
+    torch._foreach_add_(mu, g, alpha=1 - b1)
+    tmp = torch._foreach_mul(g, g)
+    del g
+    torch._foreach_mul_(nu, b2)
+    torch._foreach_add_(nu, tmp, alpha=1 - b2)
+    del tmp  # freed before the next list is made
+    tmp = list(torch._foreach_div(nu, 1 - b2 ** t))
+    torch._foreach_sqrt_(tmp)
+    torch._foreach_add_(tmp, eps)  # the denominator
+    for i, m in enumerate(mu):  # the step (mu / bc1) / denominator, leaf by leaf into the denominator's place
+        step = torch._foreach_div([m], 1 - b1 ** t)
+        torch._foreach_div_(step, [tmp[i]])
+        tmp[i] = step[0]
     decay = [1 - lr * weight_decay if leaf_rule(p, flat[p].ndim, indexer=True) == "decay" else 1.0 for p in paths]
-    p32 = torch._foreach_mul([x.to(wide_dtype(x.dtype)) for x in p_old], decay)
-    new = torch._foreach_add(p32, step, alpha=-lr)
-    updated = dict(flat)
-    updated.update({p: n.to(o.dtype) for p, n, o in zip(paths, new, p_old)})
-    return unflatten(updated, params), {"count": count, "mu": dict(zip(paths, mu)), "nu": dict(zip(paths, nu))}
+    for group in ([i for i, x in enumerate(p_leaves) if x.dtype == wide_dtype(x.dtype)],
+                  *([i] for i, x in enumerate(p_leaves) if x.dtype != wide_dtype(x.dtype))):
+        # fp32 (fp64) leaves together, in place; each low-precision leaf through an fp32 copy, rounded back
+        p32 = [p_leaves[i].to(wide_dtype(p_leaves[i].dtype)) for i in group]
+        torch._foreach_mul_(p32, [decay[i] for i in group])
+        torch._foreach_add_(p32, [tmp[i] for i in group], alpha=-lr)
+        for i, new in zip(group, p32):
+            if new is not p_leaves[i]:
+                p_leaves[i].copy_(new)
+    return params, {"count": count, "mu": state["mu"], "nu": state["nu"]}
 
 
 def global_norm(grads: dict[str, torch.Tensor]) -> torch.Tensor:

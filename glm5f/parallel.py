@@ -47,6 +47,11 @@ class Layout:
         """Sum of a tensor over all ranks (here: itself)."""
         return t
 
+    def seq_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum of a per-sequence tensor [B, ...] over the ranks holding parts of this rank's sequences (here:
+        itself)."""
+        return t
+
     def full(self, t: torch.Tensor) -> torch.Tensor:
         """A leaf's full value on every rank (here: itself)."""
         return t
