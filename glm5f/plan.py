@@ -211,12 +211,13 @@ def activation_bytes(cfg: GLM5Config, run: RunShape, remat: bool | None = None) 
 # ---- the plan -----------------------------------------------------------------------------------------------------
 
 def plan(cfg: GLM5Config, run: RunShape, runtime_bytes: int = 0, device_bytes: int | None = None,
-         groups: Counter | None = None) -> dict:
+         groups: Counter | None = None, cache: dict | None = None) -> dict:
     """The memory plan of rank 0 (the largest shards) of a run: every line in bytes, and which phase peaks.
 
     total = runtime + max(forward/backward, update): forward/backward holds params, optimizer state, the previous
     micro-batches' gradients (grad_accum > 1), the gathered weights and the activations at their peak (the start of
-    the backward); the update holds params, optimizer state, gradients and AdamW's out-of-place copies.
+    the backward); the update holds params, optimizer state, gradients and AdamW's out-of-place copies. `groups`
+    (`leaf_groups(cfg)`) and `cache` (a dict of activations by micro-batch shape) save work over many plans.
     """
     s = state_bytes(cfg, run, 0, groups)
     act = getattr(torch, run.dtype)
@@ -226,7 +227,11 @@ def plan(cfg: GLM5Config, run: RunShape, runtime_bytes: int = 0, device_bytes: i
     ratio = _nbytes(getattr(torch, run.reduce_dtype)) // _nbytes(master) if run.reduce_dtype else 1
     reduce_extra = s["params"] * ratio + s["trained"] * (ratio - 1) if ratio > 1 else 0
     grads, optimizer = s["trained"], 2 * moment
-    with_remat, without_remat = activation_bytes(cfg, run, True), activation_bytes(cfg, run, False)
+    cache = {} if cache is None else cache
+    key = (run.batch_size // (run.grad_accum * run.dp_shard), run.seq_len, run.cp, run.dtype, run.reduce_dtype)
+    if key not in cache:
+        cache[key] = activation_bytes(cfg, run, True), activation_bytes(cfg, run, False)
+    with_remat, without_remat = cache[key]
     acts = with_remat if run.remat else without_remat
     update = ADAMW_UPDATE_COPIES * moment
     fwd_bwd = (s["params"] + optimizer + reduce_extra + (grads if run.grad_accum > 1 else 0) + s["gathered"]
@@ -316,7 +321,7 @@ def search(cfg: GLM5Config, run: RunShape, device_bytes: int, runtime_bytes: int
     """Plans of the smallest meshes that fit `device_bytes` per rank: world sizes in powers of two up to
     max_world, every cp (the sequence cut into 2 cp equal chunks), dp_shard = world / cp dividing the batch,
     every ep dividing the ranks and the experts; the `show` best by (world, total)."""
-    groups = leaf_groups(cfg)
+    groups, cache = leaf_groups(cfg), {}
     has_moe = "sparse" in cfg.mlp_layer_types
     found = []
     for world in _powers_of_two(max_world):
@@ -328,7 +333,7 @@ def search(cfg: GLM5Config, run: RunShape, device_bytes: int, runtime_bytes: int
             for ep in eps or [1]:
                 r = RunShape(dp, cp, ep, run.batch_size, run.seq_len, run.grad_accum, run.dtype, run.reduce_dtype,
                              run.remat)
-                p = plan(cfg, r, runtime_bytes, device_bytes, groups)
+                p = plan(cfg, r, runtime_bytes, device_bytes, groups, cache)
                 if p["fits"]:
                     found.append(p)
         if len(found) >= show:

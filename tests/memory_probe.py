@@ -2,8 +2,8 @@
 
     python tests/memory_probe.py OUT.json -- --model.preset glm5-scaled-moe --train.steps 2 ...
 
-Each rank records its resident set size before `train` allocates anything (the runtime: python, torch, the
-process group) and its peak (ru_maxrss) when the last step has updated, just before the checkpoint would be written
+Each rank first trains a toy model for one step (loading the kernels, thread pools and communication buffers
+every run has), records its resident set size then (the runtime: python, torch, the process group) and its peak (ru_maxrss) when the last step has updated, just before the checkpoint would be written
 (the checkpoint is not written: its serialisation buffers are not part of the training step), and the bytes of its
 parameter shards. OUT.json gets one record per rank.
 """
@@ -27,6 +27,10 @@ from glm5f import checkpoint  # noqa: E402
 from glm5f.plan import process_rss_bytes  # noqa: E402
 
 
+WARM_UP = ["--model.preset=glm5-tiny", "--model.num_hidden_layers=2", "--model.index_topk_pattern=FS",
+           "--data.batch_size=2", "--data.seq_len=32", "--train.steps=1", "--checkpoint.overwrite"]
+
+
 def probe(argv: list[str], out: str) -> None:
     """Train as train.py would, in this process (one rank), and write this rank's record to out.<rank>."""
     cfg = tyro.cli(Config, args=argv, use_underscores=True)
@@ -35,15 +39,22 @@ def probe(argv: list[str], out: str) -> None:
         from glm5f.distributed import DistLayout, init_process
         device = init_process(torch.device("cpu"))
         layout = DistLayout(cfg.parallel.dp_shard, cfg.parallel.cp, cfg.parallel.ep, device)
-    record = {"rank": layout.rank if layout else 0, "runtime_bytes": process_rss_bytes()}
+    record = {"rank": layout.rank if layout else 0, "cold_runtime_bytes": process_rss_bytes()}
 
     def save(run_dir, step, state, extra, meta, keep=3):
+        if "runtime_bytes" not in record:  # the end of the warm-up run
+            return os.path.join(run_dir, "not-written")
         record["peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         local = [t.to_local() if hasattr(t, "to_local") else t for t in _tensors(state["params"])]
         record["param_bytes"] = sum(t.numel() * t.element_size() for t in local)
         return os.path.join(run_dir, "not-written")
 
     checkpoint.save = save
+    # warm-up: one step of a toy model in the same layout loads the kernels, thread pools and communication
+    # buffers every run has; the resident size after it is the run's runtime
+    train.train(tyro.cli(Config, args=argv + WARM_UP + [f"--checkpoint.dir={cfg.checkpoint.dir}-warm-up"],
+                         use_underscores=True), layout)
+    record["runtime_bytes"] = process_rss_bytes()
     train.train(cfg, layout)
     with open(f"{out}.{record['rank']}", "w") as f:
         json.dump(record, f)

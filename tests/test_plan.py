@@ -150,6 +150,9 @@ def measure_against_plan(layout: str, tmp_path) -> list[tuple[float, float]]:
         p = plan(cfg.model.build(), run_shape(cfg), rec["runtime_bytes"])
         assert rec["param_bytes"] == state_bytes(cfg.model.build(), run_shape(cfg), rec["rank"])["params"]
         pairs.append((p["total_bytes"], rec["peak_bytes"]))
+        print(f"{layout} rank {rec['rank']}: runtime {rec['runtime_bytes'] / 1e6:.0f} MB, predicted "
+              f"{p['total_bytes'] / 1e6:.0f} MB ({p['peak_phase']}), measured {rec['peak_bytes'] / 1e6:.0f} MB, "
+              f"error {(p['total_bytes'] - rec['peak_bytes']) / rec['peak_bytes']:+.1%}")
     return pairs
 
 
