@@ -375,13 +375,16 @@ def main(argv: list[str] | None = None) -> int:
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else cfg.parallel.world
     try:
         errors = validate(cfg, world_size=world)
+        if cfg.plan:  # the plan of what the flags describe, with what a run of them would refuse
+            for e in errors:
+                print_warning(f"a run of these flags would stop: {e}")
+            with user_errors():
+                plan_run(cfg)
+            return 0
         if errors:  # before any process starts
             raise TrainingError("invalid configuration:\n  - " + "\n  - ".join(errors))
         check_supported(cfg)
-        if cfg.plan:
-            with user_errors():
-                plan_run(cfg)
-        elif under_torchrun():
+        if under_torchrun():
             run_rank(argv)
         elif world > 1:
             spawn(run_rank, world, argv)

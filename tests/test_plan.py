@@ -58,7 +58,7 @@ def test_local_shapes_tile_the_tensor_as_torch_chunk_does(size, chunks, second):
         assert got == (want0, pieces1[coords[0]] if coords[0] < len(pieces1) else 0)
 
 
-@pytest.mark.parametrize("B,S,layers,pattern", [(2, 256, 2, "FS"), (2, 48, 2, "FS"), (1, 128, 4, "FFSF")])
+@pytest.mark.parametrize("B,S,layers,pattern", [(2, 128, 2, "FS"), (2, 48, 2, "FS"), (1, 128, 4, "FFSF")])
 def test_saved_activations_match_what_autograd_saves(B, S, layers, pattern):
     """The plan's kept activations (decoder layers + logits, no transients) against the unique storages autograd
     saves in a real forward (parameters excluded): sparse layers (S > index_topk) and the dense path (S = 48)."""
@@ -99,6 +99,17 @@ def test_plan_json_prints_and_writes_nothing(tmp_path, capsys):
     assert p["params_bytes"] == state_bytes(glm5f.preset("glm5"), RunShape(dp_shard=256, ep=64))["params"]
     assert p["optimizer_bytes"] == 2 * p["grads_bytes"]
     assert not run_dir.exists()
+
+
+def test_plan_table_of_glm5_on_256_ranks(capsys):
+    """The issue's command: a table in seconds; the default batch (16) cannot feed 256 ranks, which is noted."""
+    t = time.perf_counter()
+    assert main(["--plan", "table", "--model.preset", "glm5", "--parallel.dp_shard", "256", "--parallel.ep", "64",
+                 "--data.seq_len", "4096"]) == 0
+    assert time.perf_counter() - t < 30
+    out, err = capsys.readouterr()
+    assert "256 ranks, ep 64" in out and "total (peak:" in out and "no device limit" in out
+    assert "would stop" in err and "--data.batch_size (16)" in err
 
 
 def test_plan_table_against_a_device_limit(capsys):
