@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import Shard
 
-from glm5f.attention import INDEXER_QUERY_CHUNK_ELEMS, SPARSE_BLOCK_ELEMS, sparse_block_size
+from glm5f.attention import INDEXER_QUERY_CHUNK_ELEMS, sparse_block_size
 from glm5f.config import GLM5Config
 from glm5f.distributed import MESH_RULES, logical_kind, mesh_shapes
 from glm5f.ops import wide_dtype
