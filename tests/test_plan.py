@@ -58,12 +58,14 @@ def test_local_shapes_tile_the_tensor_as_torch_chunk_does(size, chunks, second):
         assert got == (want0, pieces1[coords[0]] if coords[0] < len(pieces1) else 0)
 
 
-@pytest.mark.parametrize("B,S,layers,pattern", [(2, 128, 2, "FS"), (2, 48, 2, "FS"), (1, 128, 4, "FFSF")])
-def test_saved_activations_match_what_autograd_saves(B, S, layers, pattern):
+@pytest.mark.parametrize("B,S,layers,pattern,dtype", [(2, 128, 2, "FS", "float32"), (2, 48, 2, "FS", "float32"),
+                                                      (1, 128, 4, "FFSF", "float32"), (2, 128, 2, "FS", "bfloat16")])
+def test_saved_activations_match_what_autograd_saves(B, S, layers, pattern, dtype):
     """The plan's kept activations (decoder layers + logits, no transients) against the unique storages autograd
-    saves in a real forward (parameters excluded): sparse layers (S > index_topk) and the dense path (S = 48)."""
+    saves in a real forward (parameters excluded): sparse layers (S > index_topk), the dense path (S = 48), and
+    bf16 activations (fp32 norms and router, as micro_loss casts the weights)."""
     cfg = glm5f.preset("glm5-scaled-moe", num_hidden_layers=layers, index_topk_pattern=pattern)
-    params = glm5f.init_params(cfg)
+    params = glm5f.init_params(cfg, dtype=getattr(torch, dtype))
     leaves = list(flatten(params).values())
     for t in leaves:
         t.requires_grad_()
@@ -77,12 +79,12 @@ def test_saved_activations_match_what_autograd_saves(B, S, layers, pattern):
 
     ids = torch.randint(0, cfg.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logits, _ = apply(params, cfg, ids, make_context(cfg, ids.shape, None, None, torch.float32, "cpu"))
+        logits, _ = apply(params, cfg, ids, make_context(cfg, ids.shape, None, None, getattr(torch, dtype), "cpu"))
         cross_entropy_sum(logits, shift_labels(ids))
-    plan_acts = activation_bytes(cfg, RunShape(batch_size=B, seq_len=S), remat=False)
+    plan_acts = activation_bytes(cfg, RunShape(batch_size=B, seq_len=S, dtype=dtype), remat=False)
     measured = sum(saved.values())
     assert abs(plan_acts["layers"] + plan_acts["logits"] - measured) <= 0.1 * measured
-    remat = activation_bytes(cfg, RunShape(batch_size=B, seq_len=S), remat=True)
+    remat = activation_bytes(cfg, RunShape(batch_size=B, seq_len=S, dtype=dtype), remat=True)
     assert remat["layers"] < plan_acts["layers"] / 5
 
 
