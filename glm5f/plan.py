@@ -319,7 +319,8 @@ def search(cfg: GLM5Config, run: RunShape, device_bytes: int, runtime_bytes: int
            show: int = 8) -> list[dict]:
     """Plans of the smallest meshes that fit `device_bytes` per rank: world sizes in powers of two up to
     max_world, every cp (the sequence cut into 2 cp equal chunks), dp_shard = world / cp dividing the batch,
-    every ep dividing the ranks and the experts; the `show` best by (world, total)."""
+    every ep dividing the ranks and the experts; for each dp_shard x cp its ep of least memory, the `show` best
+    by (world, total)."""
     groups, cache = leaf_groups(cfg), {}
     has_moe = "sparse" in cfg.mlp_layer_types
     found = []
@@ -329,12 +330,12 @@ def search(cfg: GLM5Config, run: RunShape, device_bytes: int, runtime_bytes: int
             if run.seq_len % (2 * cp) or run.batch_size % (run.grad_accum * dp):
                 continue
             eps = [e for e in range(1, world + 1) if world % e == 0 and has_moe and cfg.n_routed_experts % e == 0]
-            for ep in eps or [1]:
-                r = RunShape(dp, cp, ep, run.batch_size, run.seq_len, run.grad_accum, run.dtype, run.reduce_dtype,
-                             run.remat)
-                p = plan(cfg, r, runtime_bytes, device_bytes, groups, cache)
-                if p["fits"]:
-                    found.append(p)
+            plans = [plan(cfg, RunShape(dp, cp, ep, run.batch_size, run.seq_len, run.grad_accum, run.dtype,
+                                        run.reduce_dtype, run.remat), runtime_bytes, device_bytes, groups, cache)
+                     for ep in eps or [1]]
+            best = min(plans, key=lambda p: p["total_bytes"])
+            if best["fits"]:
+                found.append(best)
         if len(found) >= show:
             break
     return sorted(found, key=lambda p: (p["world"], p["total_bytes"]))[:show]
