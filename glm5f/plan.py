@@ -121,7 +121,8 @@ def state_bytes(cfg: GLM5Config, run: RunShape, rank: int = 0, groups: Counter |
         w_bytes = _nbytes(wide_dtype(weight) if fp32 else weight)
         out["params"] += count * local * _nbytes(master)
         out["trained"] += count * local * _nbytes(master) * trained
-        copy = run.world > 1 or w_bytes != _nbytes(master)
+        entering = torch.promote_types(master, weight) if run.reduce_dtype else master  # what micro_loss gets
+        copy = run.world > 1 or w_bytes != _nbytes(wide_dtype(entering) if fp32 else entering)
         out["gathered"] += count * full * w_bytes * copy
         out["largest_gathered"] = max(out["largest_gathered"], full * w_bytes)
     return out
@@ -278,8 +279,9 @@ def _gb(x: int | None) -> str:
 
 def format_table(p: dict, model_name: str, run: RunShape, limit_note: str) -> str:
     """The plan as a table of lines, one per item, in GB (10^9 bytes)."""
+    master = torch.promote_types(getattr(torch, run.dtype), torch.float32)
     rows = [
-        ("parameters (fp32 master shards)", p["params_bytes"]),
+        (f"parameters ({str(master).replace('torch.', '')} master shards)", p["params_bytes"]),
         ("gradients (trained leaves)", p["grads_bytes"]),
         ("optimizer (AdamW mu + nu)", p["optimizer_bytes"]),
         ("gathered parameters (FSDP, fwd+bwd)", p["gathered_bytes"]),
