@@ -169,6 +169,15 @@ def layer_activations(cfg: GLM5Config, layer: int, B: int, S: int, T: int, run: 
             tensors["shared_hidden"] = 4 * n * F * cfg.n_shared_experts * a
     else:
         tensors["mlp_hidden"] = 4 * n * cfg.intermediate_size * a
+    if lat > a:  # weights wider than the activations (--train.reduce_dtype): each contraction keeps a wide copy
+        inputs = [D, D, Q, H * V] + ([H * N, H * R] if sparse else [])  # q_a, kv_a, q_b, o_proj, the kv_b einsums
+        if cfg.is_moe(layer):
+            k, F = cfg.num_experts_per_tok, cfg.moe_intermediate_size
+            Fs = F * cfg.n_shared_experts
+            inputs += [D] + [k * D, k * D, k * F] + ([D, D, Fs] if cfg.n_shared_experts else [])
+        else:
+            inputs += [D, D, cfg.intermediate_size]
+        tensors["wide_inputs"] = n * sum(inputs) * lat
     saved = sum(tensors.values())
     biggest = max(tensors.values())
     # transients: the indexer's chunk of scores and its top-k keys, the sparse core's block, backward gradients

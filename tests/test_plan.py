@@ -58,14 +58,15 @@ def test_local_shapes_tile_the_tensor_as_torch_chunk_does(size, chunks, second):
         assert got == (want0, pieces1[coords[0]] if coords[0] < len(pieces1) else 0)
 
 
-@pytest.mark.parametrize("B,S,layers,pattern,dtype", [(2, 128, 2, "FS", "float32"), (2, 48, 2, "FS", "float32"),
-                                                      (1, 128, 4, "FFSF", "float32"), (2, 128, 2, "FS", "bfloat16")])
-def test_saved_activations_match_what_autograd_saves(B, S, layers, pattern, dtype):
+@pytest.mark.parametrize("B,S,layers,pattern,dtype,reduce", [
+    (2, 128, 2, "FS", "float32", None), (2, 48, 2, "FS", "float32", None), (1, 128, 4, "FFSF", "float32", None),
+    (2, 128, 2, "FS", "bfloat16", None), (2, 128, 2, "FS", "float32", "float64")])
+def test_saved_activations_match_what_autograd_saves(B, S, layers, pattern, dtype, reduce):
     """The plan's kept activations (decoder layers + logits, no transients) against the unique storages autograd
     saves in a real forward (parameters excluded): sparse layers (S > index_topk), the dense path (S = 48), and
-    bf16 activations (fp32 norms and router, as micro_loss casts the weights)."""
+    bf16 activations (fp32 norms and router, as micro_loss casts the weights), fp64 weights of --train.reduce_dtype."""
     cfg = glm5f.preset("glm5-scaled-moe", num_hidden_layers=layers, index_topk_pattern=pattern)
-    params = glm5f.init_params(cfg, dtype=getattr(torch, dtype))
+    params = glm5f.init_params(cfg, dtype=getattr(torch, reduce or dtype))
     leaves = list(flatten(params).values())
     for t in leaves:
         t.requires_grad_()
@@ -81,10 +82,10 @@ def test_saved_activations_match_what_autograd_saves(B, S, layers, pattern, dtyp
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         logits, _ = apply(params, cfg, ids, make_context(cfg, ids.shape, None, None, getattr(torch, dtype), "cpu"))
         cross_entropy_sum(logits, shift_labels(ids))
-    plan_acts = activation_bytes(cfg, RunShape(batch_size=B, seq_len=S, dtype=dtype), remat=False)
+    plan_acts = activation_bytes(cfg, RunShape(batch_size=B, seq_len=S, dtype=dtype, reduce_dtype=reduce), remat=False)
     measured = sum(saved.values())
     assert abs(plan_acts["layers"] + plan_acts["logits"] - measured) <= 0.1 * measured
-    remat = activation_bytes(cfg, RunShape(batch_size=B, seq_len=S, dtype=dtype), remat=True)
+    remat = activation_bytes(cfg, RunShape(batch_size=B, seq_len=S, dtype=dtype, reduce_dtype=reduce), remat=True)
     assert remat["layers"] < plan_acts["layers"] / 5
 
 
