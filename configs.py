@@ -137,6 +137,8 @@ class ParallelConfig:
     """Expert-parallel ranks, carved out of dp_shard x cp."""
     tp: int = 1
     """Tensor parallelism (not built yet: must be 1)."""
+    device_memory_gb: Optional[float] = None
+    """Memory of one accelerator in GB (10^9 bytes) for --plan; default: the visible accelerator's (none on CPU)."""
 
     @property
     def world(self) -> int:
@@ -183,6 +185,9 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    plan: Optional[Literal["table", "json", "search"]] = None
+    """Print the per-rank memory plan of this run instead of running it (table, json, or search: the smallest
+    meshes that fit --parallel.device_memory_gb); allocates nothing, starts no process, writes nothing."""
 
 
 def validate(cfg: Config, world_size: int | None = None) -> list[str]:

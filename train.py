@@ -415,12 +415,26 @@ def run_rank(argv: list[str]) -> None:
     train(cfg, DistLayout(p.dp_shard, p.cp, p.ep, device))
 
 
+def plan_run(cfg: Config) -> None:
+    """--plan: print the memory plan of the run the other flags describe (nothing allocated, nothing written)."""
+    from glm5f.plan import print_plan
+
+    model_cfg = glm5f.GLM5Config.from_hf(cfg.model.init_from) if cfg.model.init_from else cfg.model.build()
+    print_plan(cfg, cfg.plan, model_cfg, resolve_device(cfg.train.device), cfg.model.init_from or cfg.model.preset)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     cfg = tyro.cli(Config, args=argv, use_underscores=True, description=__doc__)
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else cfg.parallel.world
     try:
         errors = validate(cfg, world_size=world)
+        if cfg.plan:  # the plan of what the flags describe, with what a run of them would refuse
+            for e in errors:
+                print_warning(f"a run of these flags would stop: {e}")
+            with user_errors():
+                plan_run(cfg)
+            return 0
         if errors:  # before any process starts
             raise TrainingError("invalid configuration:\n  - " + "\n  - ".join(errors))
         check_supported(cfg)

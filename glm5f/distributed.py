@@ -73,6 +73,13 @@ def cp_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
 
 
+def mesh_shapes(dp_shard: int, cp: int, ep: int) -> dict[str, tuple[int, ...]]:
+    """The shape of each named mesh of a dp_shard x cp run with ep expert ranks (what DistLayout builds; the
+    memory plan reads it to size shards without a process group)."""
+    world = dp_shard * cp
+    return {"fsdp": (world,), "data": (dp_shard, cp), "experts": (world // ep, ep)}
+
+
 class DistLayout(Layout):
     """A rank of dp_shard x cp processes (torch.distributed already initialised), with ep expert groups."""
 
@@ -81,9 +88,10 @@ class DistLayout(Layout):
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.is_main = self.rank == 0
         kind = device.type
-        self.meshes = {"fsdp": init_device_mesh(kind, (self.world,), mesh_dim_names=("fsdp",)),
-                       "data": init_device_mesh(kind, (dp_shard, cp), mesh_dim_names=("dp", "cp")),
-                       "experts": init_device_mesh(kind, (self.world // ep, ep), mesh_dim_names=("edp", "ep"))}
+        shapes = mesh_shapes(dp_shard, cp, ep)
+        self.meshes = {"fsdp": init_device_mesh(kind, shapes["fsdp"], mesh_dim_names=("fsdp",)),
+                       "data": init_device_mesh(kind, shapes["data"], mesh_dim_names=("dp", "cp")),
+                       "experts": init_device_mesh(kind, shapes["experts"], mesh_dim_names=("edp", "ep"))}
         # A flattened ("edp_ep") view lets DTensor reduce over both expert dims in one all_reduce (the gradient
         # norm of an expert leaf) instead of two in a row, which it warns about on every rank.
         self.meshes["experts"]._flatten("edp_ep")

@@ -1,0 +1,378 @@
+"""Memory plan of a run: per-rank bytes of parameters, gradients, optimizer state, FSDP's gathered weights and
+activations, from shapes and the run's sharding rules alone (nothing is allocated, no process group starts).
+
+    python train.py --plan table --model.preset glm5 --parallel.dp_shard 256 --parallel.ep 64 --data.seq_len 4096
+
+What it models is what the code does today: `micro_loss` gathers the whole params tree before the forward and the
+gathered weights stay alive through forward and backward; AdamW updates out of place (`ADAMW_UPDATE_COPIES`).
+Shape suffixes as in attention.py; n = B * S tokens of this rank, T keys (the whole sequence), M = n * k rows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import Shard
+
+from glm5f.attention import INDEXER_QUERY_CHUNK_ELEMS, sparse_block_size
+from glm5f.config import GLM5Config
+from glm5f.distributed import MESH_RULES, logical_kind, mesh_shapes
+from glm5f.ops import wide_dtype
+from glm5f.optim import leaf_rule
+from glm5f.params import flatten, leaf_dtype, param_layout
+
+GB = 10**9  # --parallel.device_memory_gb and the table count decimal gigabytes (an H200 has 141 GB)
+# Extra full-size copies of the trained leaves alive at the end of today's out-of-place AdamW step: new mu, new nu,
+# the denominator, the step, the fp32 parameters and the new parameters (an in-place update makes this 0).
+ADAMW_UPDATE_COPIES = 6
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What of a run the plan depends on (the `Config` fields, as plain values)."""
+
+    dp_shard: int = 1
+    cp: int = 1
+    ep: int = 1
+    batch_size: int = 16
+    seq_len: int = 128
+    grad_accum: int = 1
+    dtype: str = "float32"
+    reduce_dtype: str | None = None
+    remat: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.dp_shard * self.cp
+
+
+def run_shape(cfg) -> RunShape:
+    """The RunShape of a train.py `Config`."""
+    p, t = cfg.parallel, cfg.train
+    return RunShape(p.dp_shard, p.cp, p.ep, cfg.data.batch_size, cfg.data.seq_len, t.grad_accum, t.dtype,
+                    t.reduce_dtype, t.activation_checkpointing)
+
+
+def _nbytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+# ---- parameters, gradients, optimizer state -----------------------------------------------------------------------
+
+def local_shape(shape: tuple[int, ...], placements: list, mesh_shape: tuple[int, ...],
+                coords: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape a rank at mesh coordinates `coords` holds of a tensor laid out with `placements` (DTensor's
+    rule: each Shard(d) cuts dim d into mesh_shape[i] chunks of ceil(size / chunks), the last ones short or empty)."""
+    out = list(shape)
+    for pl, k, c in zip(placements, mesh_shape, coords):
+        if isinstance(pl, Shard):
+            out[pl.dim] = Shard.local_shard_size_and_offset(out[pl.dim], k, c)[0]
+    return tuple(out)
+
+
+def mesh_coords(rank: int, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major coordinates of `rank` in a mesh (as init_device_mesh numbers its ranks)."""
+    coords = []
+    for k in reversed(mesh_shape):
+        rank, c = divmod(rank, k)
+        coords.append(c)
+    return tuple(reversed(coords))
+
+
+def _numel(shape) -> int:
+    return math.prod(shape)
+
+
+def leaf_groups(cfg: GLM5Config) -> Counter:
+    """Counter of (shape, logical kind, path suffix kind) -> how many leaves: the plan's unit of work (a few dozen
+    groups for the full GLM-5, whose 78 layers repeat the same shapes)."""
+    groups = Counter()
+    for path, leaf in flatten(param_layout(cfg), is_leaf=lambda x: hasattr(x, "init")).items():
+        fp32 = leaf_dtype(path, torch.float16) != torch.float16  # stays fp32 whatever the compute dtype
+        trained = leaf_rule(path, len(leaf.shape)) in ("decay", "no_decay")
+        groups[(tuple(leaf.shape), logical_kind(path), fp32, trained)] += 1
+    return groups
+
+
+def state_bytes(cfg: GLM5Config, run: RunShape, rank: int = 0, groups: Counter | None = None) -> dict[str, int]:
+    """Bytes one rank holds of: "params" (the stored fp32 masters, every leaf), "trained" (its trained leaves, in
+    the master dtype: what gradients and each AdamW moment take), "gathered" (the weights `gather_params` builds
+    for the forward, in their compute dtype: the full leaf, the ep share of routed experts; 0 in one process,
+    where the forward reads the stored leaves, unless the compute dtype differs) and "largest_gathered" (one leaf).
+    """
+    groups = leaf_groups(cfg) if groups is None else groups
+    act = getattr(torch, run.dtype)
+    master = torch.promote_types(act, torch.float32)
+    weight = getattr(torch, run.reduce_dtype) if run.reduce_dtype else act
+    shapes = mesh_shapes(run.dp_shard, run.cp, run.ep)
+    out = dict(params=0, trained=0, gathered=0, largest_gathered=0)
+    for (shape, kind, fp32, trained), count in groups.items():
+        mesh, stored, gathered, _ = MESH_RULES[kind]
+        if run.world > 1:
+            coords = mesh_coords(rank, shapes[mesh])
+            local = _numel(local_shape(shape, stored, shapes[mesh], coords))
+            full = _numel(local_shape(shape, gathered, shapes[mesh], coords))
+        else:
+            local = full = _numel(shape)
+        w_bytes = _nbytes(wide_dtype(weight) if fp32 else weight)
+        out["params"] += count * local * _nbytes(master)
+        out["trained"] += count * local * _nbytes(master) * trained
+        entering = torch.promote_types(master, weight) if run.reduce_dtype else master  # what micro_loss gets
+        copy = run.world > 1 or w_bytes != _nbytes(wide_dtype(entering) if fp32 else entering)
+        out["gathered"] += count * full * w_bytes * copy
+        out["largest_gathered"] = max(out["largest_gathered"], full * w_bytes)
+    return out
+
+
+# ---- activations --------------------------------------------------------------------------------------------------
+
+def _sizes(run: RunShape):
+    act = getattr(torch, run.dtype)
+    weight = getattr(torch, run.reduce_dtype) if run.reduce_dtype else act
+    return _nbytes(act), _nbytes(wide_dtype(act)), _nbytes(torch.promote_types(act, weight))
+
+
+def layer_activations(cfg: GLM5Config, layer: int, B: int, S: int, T: int, run: RunShape) -> tuple[int, int, int]:
+    """(bytes autograd keeps for the backward, largest transient on top of them, bytes a checkpointed layer keeps)
+    of decoder layer `layer` over B x S queries and T keys (the saved tensors of each op, counted by storage)."""
+    a, w, lat = _sizes(run)
+    D, H, Q, R, P = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    N, V, C = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    n = B * S
+    norm = lambda width: n * width * (a + (w if a < w else 0))  # noqa: E731  the normalized input (+ fp32 copy)
+    sparse = T > cfg.index_topk and S > 1
+    K = min(cfg.index_topk, T)
+    full_indexer = cfg.has_indexer(layer)
+    tensors = {
+        "input": n * D * a, "input_norm": norm(D), "h": n * D * a,
+        "q_a": n * Q * a, "q_a_norm": norm(Q), "q_latent": n * Q * a, "q_b": n * H * (N + P) * a,
+        "kv_a": n * C * a, "kv_norm": norm(R), "latent_keys": B * T * C * lat, "o_proj_in": n * H * V * a,
+        "residual": n * D * a, "post_norm": norm(D), "h2": n * D * a,
+    }
+    if sparse:
+        tensors.update(q_abs=n * H * C * a, allowed=n * K, latent_out=n * H * R * a)
+        if full_indexer:
+            tensors["topk"] = n * K * 8
+    else:
+        tensors.update(kv_b=B * T * H * (N + V) * lat, keys=B * H * T * (N + P) * lat, queries=n * H * (N + P) * lat,
+                       sdpa_out=n * H * V * lat, logsumexp=B * H * S * 4)
+    if cfg.is_moe(layer):
+        E, k, F = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+        M = n * k
+        tensors.update(router_in=n * D * 4 if a < 4 else 0, scores=n * E * 4 + n * E, routes=n * k * 8 * 2,
+                       rows=M * D * a, expert_hidden=4 * M * F * a, expert_out=M * D * a)
+        if cfg.n_shared_experts:
+            tensors["shared_hidden"] = 4 * n * F * cfg.n_shared_experts * a
+    else:
+        tensors["mlp_hidden"] = 4 * n * cfg.intermediate_size * a
+    if lat > a:  # weights wider than the activations (--train.reduce_dtype): each contraction keeps a wide copy
+        inputs = [D, D, Q, H * V] + ([H * N, H * R] if sparse else [])  # q_a, kv_a, q_b, o_proj, the kv_b einsums
+        if cfg.is_moe(layer):
+            k, F = cfg.num_experts_per_tok, cfg.moe_intermediate_size
+            Fs = F * cfg.n_shared_experts
+            inputs += [D] + [k * D, k * D, k * F] + ([D, D, Fs] if cfg.n_shared_experts else [])
+        else:
+            inputs += [D, D, cfg.intermediate_size]
+        tensors["wide_inputs"] = n * sum(inputs) * lat
+    saved = sum(tensors.values())
+    biggest = max(tensors.values())
+    # transients: the indexer's chunk of scores and its top-k keys, the sparse core's block, backward gradients
+    fwd = 0
+    if sparse and full_indexer:
+        rows = min(S, max(1, INDEXER_QUERY_CHUNK_ELEMS // max(1, B * cfg.index_n_heads * T)))
+        fwd = B * T * cfg.index_head_dim * a + B * rows * cfg.index_n_heads * T * w + B * rows * T * (w + 1 + 4 + 8)
+    bwd = 2 * biggest
+    if sparse:
+        rows = min(S, sparse_block_size(B, K, C, H))
+        fwd = max(fwd, B * rows * K * (C * a + 2 * H * w))
+        bwd += B * T * C * lat + n * H * C * a + B * rows * K * (2 * C * a + 4 * H * w)
+    kept = n * D * a + (n * K * 8 if sparse and full_indexer else 0)
+    return saved, max(fwd, bwd), kept
+
+
+def activation_bytes(cfg: GLM5Config, run: RunShape, remat: bool | None = None) -> dict[str, int]:
+    """Peak activation bytes of one micro-batch on one rank: "layers" (what the decoder layers keep for the
+    backward), "logits" (the final norm, the log-probabilities [n, V] fp32 the cross-entropy keeps), "transient"
+    (the largest short-lived buffers on top) and "peak" (their sum). With `remat` (default: the run's) a layer
+    keeps only its input and top-k, and one layer at a time is recomputed in the backward."""
+    remat = run.remat if remat is None else remat
+    a, w, _ = _sizes(run)
+    B = max(1, run.batch_size // (run.grad_accum * run.dp_shard))
+    S, T = run.seq_len // run.cp, run.seq_len
+    n, D, V = B * S, cfg.hidden_size, cfg.vocab_size
+    per_layer = [layer_activations(cfg, i, B, S, T, run) for i in range(cfg.num_hidden_layers)]
+    rope = 2 * n * cfg.qk_rope_head_dim // 2 * a
+    logits = n * D * a + n * D * (a + (w if a < w else 0)) + n * D * a + n * V * 4
+    logits_transient = max(n * V * a + (n * V * 4 if a < 4 else 0), 2 * n * V * 4 + (n * V * a if a < 4 else 0))
+    if remat:
+        layers = sum(kept for _, _, kept in per_layer)
+        transient = max([saved + tr for saved, tr, _ in per_layer] + [logits_transient])
+    else:
+        layers = sum(saved for saved, _, _ in per_layer)
+        transient = max([tr for _, tr, _ in per_layer] + [logits_transient])
+    return dict(layers=layers + rope, logits=logits, transient=transient, peak=layers + rope + logits + transient)
+
+
+# ---- the plan -----------------------------------------------------------------------------------------------------
+
+def plan(cfg: GLM5Config, run: RunShape, runtime_bytes: int = 0, device_bytes: int | None = None,
+         groups: Counter | None = None, cache: dict | None = None) -> dict:
+    """The memory plan of rank 0 (the largest shards) of a run: every line in bytes, and which phase peaks.
+
+    total = runtime + max(forward/backward, update): forward/backward holds params, optimizer state, the previous
+    micro-batches' gradients (grad_accum > 1), the gathered weights and the activations at their peak (the start of
+    the backward); the update holds params, optimizer state, gradients and AdamW's out-of-place copies. `groups`
+    (`leaf_groups(cfg)`) and `cache` (a dict of activations by micro-batch shape) save work over many plans.
+    """
+    s = state_bytes(cfg, run, 0, groups)
+    act = getattr(torch, run.dtype)
+    master = torch.promote_types(act, torch.float32)
+    moment = s["trained"] * _nbytes(wide_dtype(master)) // _nbytes(master)
+    # --train.reduce_dtype wider than the masters: the step's params copy in it, gradients in it until the end
+    ratio = _nbytes(getattr(torch, run.reduce_dtype)) // _nbytes(master) if run.reduce_dtype else 1
+    reduce_extra = s["params"] * ratio + s["trained"] * (ratio - 1) if ratio > 1 else 0
+    grads, optimizer = s["trained"], 2 * moment
+    cache = {} if cache is None else cache
+    key = (run.batch_size // (run.grad_accum * run.dp_shard), run.seq_len, run.cp, run.dtype, run.reduce_dtype)
+    if key not in cache:
+        cache[key] = activation_bytes(cfg, run, True), activation_bytes(cfg, run, False)
+    with_remat, without_remat = cache[key]
+    acts = with_remat if run.remat else without_remat
+    update = ADAMW_UPDATE_COPIES * moment
+    fwd_bwd = (s["params"] + optimizer + reduce_extra + (grads if run.grad_accum > 1 else 0) + s["gathered"]
+               + acts["peak"] + s["largest_gathered"] * (run.world > 1))
+    step_end = s["params"] + optimizer + grads + update
+    total = runtime_bytes + max(fwd_bwd, step_end)
+    return dict(world=run.world, dp_shard=run.dp_shard, cp=run.cp, ep=run.ep, params_bytes=s["params"],
+                grads_bytes=grads, optimizer_bytes=optimizer, gathered_bytes=s["gathered"],
+                reduce_copy_bytes=reduce_extra, activations_bytes=acts["peak"],
+                activations_remat_bytes=with_remat["peak"], activations_no_remat_bytes=without_remat["peak"],
+                activation_layers_bytes=acts["layers"], activation_logits_bytes=acts["logits"],
+                activation_transient_bytes=acts["transient"], adamw_update_transient_bytes=update,
+                runtime_bytes=runtime_bytes, forward_backward_bytes=runtime_bytes + fwd_bwd,
+                update_bytes=runtime_bytes + step_end, peak_phase="forward/backward" if fwd_bwd >= step_end else
+                "update", total_bytes=total, device_bytes=device_bytes,
+                fits=None if device_bytes is None else total <= device_bytes)
+
+
+def process_rss_bytes() -> int:
+    """This process's resident set size now (from /proc; 0 where there is none)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def device_memory(cfg, device: torch.device) -> tuple[int | None, str]:
+    """(bytes per rank, where the figure comes from): --parallel.device_memory_gb, else the visible accelerator's,
+    else none on the CPU."""
+    gb = getattr(cfg.parallel, "device_memory_gb", None)
+    if gb:
+        return int(gb * GB), "--parallel.device_memory_gb"
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device.index or 0).total_memory, torch.cuda.get_device_name()
+    return None, "no device limit"
+
+
+def _gb(x: int | None) -> str:
+    return "-" if x is None else f"{x / GB:10.3f} GB"
+
+
+def format_table(p: dict, model_name: str, run: RunShape, limit_note: str) -> str:
+    """The plan as a table of lines, one per item, in GB (10^9 bytes)."""
+    master = torch.promote_types(getattr(torch, run.dtype), torch.float32)
+    rows = [
+        (f"parameters ({str(master).replace('torch.', '')} master shards)", p["params_bytes"]),
+        ("gradients (trained leaves)", p["grads_bytes"]),
+        ("optimizer (AdamW mu + nu)", p["optimizer_bytes"]),
+        ("gathered parameters (FSDP, fwd+bwd)", p["gathered_bytes"]),
+    ]
+    if p["reduce_copy_bytes"]:
+        rows.append(("params + grads in --train.reduce_dtype", p["reduce_copy_bytes"]))
+    rows += [
+        (f"activations {'with' if run.remat else 'without'} checkpointing", p["activations_bytes"]),
+        ("  decoder layers (kept for backward)", p["activation_layers_bytes"]),
+        ("  final norm + logits + cross-entropy", p["activation_logits_bytes"]),
+        ("  largest transient", p["activation_transient_bytes"]),
+        (f"  (activations {'without' if run.remat else 'with'} checkpointing)",
+         p["activations_no_remat_bytes" if run.remat else "activations_remat_bytes"]),
+        (f"AdamW update transient ({ADAMW_UPDATE_COPIES} copies)", p["adamw_update_transient_bytes"]),
+    ]
+    if p["runtime_bytes"]:
+        rows.append(("runtime (python + torch, measured)", p["runtime_bytes"]))
+    rows += [("peak in forward/backward", p["forward_backward_bytes"]), ("peak in the update", p["update_bytes"]),
+             (f"total (peak: {p['peak_phase']})", p["total_bytes"])]
+    B = max(1, run.batch_size // (run.grad_accum * run.dp_shard))
+    head = (f"memory plan of {model_name}: dp_shard {run.dp_shard} x cp {run.cp} = {run.world} ranks, ep {run.ep}; "
+            f"micro-batch {B} x {run.seq_len // run.cp} tokens per rank ({run.dtype}); per rank (rank 0)")
+    lines = [head] + [f"  {name:<44}{_gb(v)}" for name, v in rows]
+    if p["device_bytes"] is None:
+        lines.append(f"  {'device memory':<44}{limit_note}")
+    else:
+        verdict = "fits" if p["fits"] else "does NOT fit"
+        lines.append(f"  {'device memory (' + limit_note + ')':<44}{_gb(p['device_bytes'])}  -> {verdict}")
+    return "\n".join(lines)
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
+
+
+def search(cfg: GLM5Config, run: RunShape, device_bytes: int, runtime_bytes: int = 0, max_world: int = 8192,
+           show: int = 8) -> list[dict]:
+    """Plans of the smallest meshes that fit `device_bytes` per rank: world sizes in powers of two up to
+    max_world, every cp (the sequence cut into 2 cp equal chunks), dp_shard = world / cp dividing the batch,
+    every ep dividing the ranks and the experts; for each dp_shard x cp its ep of least memory, the `show` best
+    by (world, total)."""
+    groups, cache = leaf_groups(cfg), {}
+    has_moe = "sparse" in cfg.mlp_layer_types
+    found = []
+    for world in _powers_of_two(max_world):
+        for cp in _powers_of_two(world):
+            dp = world // cp
+            if run.seq_len % (2 * cp) or run.batch_size % (run.grad_accum * dp):
+                continue
+            eps = [e for e in range(1, world + 1) if world % e == 0 and has_moe and cfg.n_routed_experts % e == 0]
+            plans = [plan(cfg, RunShape(dp, cp, ep, run.batch_size, run.seq_len, run.grad_accum, run.dtype,
+                                        run.reduce_dtype, run.remat), runtime_bytes, device_bytes, groups, cache)
+                     for ep in eps or [1]]
+            best = min(plans, key=lambda p: p["total_bytes"])
+            if best["fits"]:
+                found.append(best)
+        if len(found) >= show:
+            break
+    return sorted(found, key=lambda p: (p["world"], p["total_bytes"]))[:show]
+
+
+def print_plan(cfg, mode: str, model_cfg: GLM5Config, device: torch.device, model_name: str) -> None:
+    """--plan table | json | search for a train.py `Config` (prints; allocates nothing)."""
+    run = run_shape(cfg)
+    device_bytes, note = device_memory(cfg, device)
+    runtime = process_rss_bytes() if device.type == "cpu" else 0
+    if mode == "search":
+        if device_bytes is None:
+            raise ValueError("--plan search needs a memory size to fit: pass --parallel.device_memory_gb (e.g. 141)")
+        found = search(cfg=model_cfg, run=run, device_bytes=device_bytes, runtime_bytes=runtime)
+        print(f"smallest meshes for {model_name} at batch {run.batch_size} x {run.seq_len} tokens ({run.dtype}"
+              f"{', activation checkpointing' if run.remat else ''}) within {device_bytes / GB:.0f} GB per rank:")
+        if not found:
+            print("  none up to 8192 ranks")
+        for p in found:
+            print(f"  dp_shard {p['dp_shard']:>5} x cp {p['cp']:>3} = {p['world']:>5} ranks, ep {p['ep']:>3}: "
+                  f"{p['total_bytes'] / GB:7.1f} GB (params {p['params_bytes'] / GB:.1f}, gathered "
+                  f"{p['gathered_bytes'] / GB:.1f}, optimizer {p['optimizer_bytes'] / GB:.1f}, activations "
+                  f"{p['activations_bytes'] / GB:.1f}; peak in {p['peak_phase']})")
+        return
+    p = plan(model_cfg, run, runtime, device_bytes)
+    if mode == "json":
+        print(json.dumps(dict(p, model=model_name, device_memory_source=note)))
+    else:
+        print(format_table(p, model_name, run, note))
