@@ -4,7 +4,8 @@ activations, from shapes and the run's sharding rules alone (nothing is allocate
     python train.py --plan table --model.preset glm5 --parallel.dp_shard 256 --parallel.ep 64 --data.seq_len 4096
 
 What it models is what the code does today: `micro_loss` gathers the whole params tree before the forward and the
-gathered weights stay alive through forward and backward; AdamW updates out of place (`ADAMW_UPDATE_COPIES`).
+gathered weights stay alive through forward and backward; AdamW updates in place with one temporary list
+(`ADAMW_UPDATE_COPIES`).
 Shape suffixes as in attention.py; n = B * S tokens of this rank, T keys (the whole sequence), M = n * k rows.
 """
 
@@ -26,9 +27,9 @@ from glm5f.optim import leaf_rule
 from glm5f.params import flatten, leaf_dtype, param_layout
 
 GB = 10**9  # --parallel.device_memory_gb and the table count decimal gigabytes (an H200 has 141 GB)
-# Extra full-size copies of the trained leaves alive at the end of today's out-of-place AdamW step: new mu, new nu,
-# the denominator, the step, the fp32 parameters and the new parameters (an in-place update makes this 0).
-ADAMW_UPDATE_COPIES = 6
+# Extra full-size copies of the trained leaves alive during the AdamW step: it updates params and moments in place
+# through one temporary list (g*g, then the denominator, then the step; `optim.adamw_update`).
+ADAMW_UPDATE_COPIES = 1
 
 
 @dataclass(frozen=True)
