@@ -22,8 +22,9 @@ def decoder_layer(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, c
     outputs, "expert_idx" [N, K] for MoE layers (the experts each token chose), and the attention's (the
     indexer loss's sums, see `attention`).
     """
-    a_BxSxD, topk, aux = attention(p["self_attn"], rms_norm(p["input_layernorm"]["weight"], x_BxSxD, cfg.rms_norm_eps),
-                              cfg, layer, ctx, prev_topk)
+    a_BxSxD, topk, aux = attention(p["self_attn"],
+                                   rms_norm(p["input_layernorm"]["weight"], x_BxSxD, cfg.rms_norm_eps),
+                                   cfg, layer, ctx, prev_topk)
     x_BxSxD = x_BxSxD + a_BxSxD
     h_BxSxD = rms_norm(p["post_attention_layernorm"]["weight"], x_BxSxD, cfg.rms_norm_eps)
     if cfg.is_moe(layer):
