@@ -9,7 +9,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch.nn.functional as F
 import tyro
 
 import glm5f
