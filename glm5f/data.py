@@ -231,17 +231,29 @@ class DatasetReader:
         return [None] * len(locs)
 
 
-def warn_about_records(notes, complete: bool, tokenizer_path: str | None, warn) -> None:
-    """Warn once about records with an empty response, and about a --model.tokenizer_path that no record uses
-    (all hold input_ids). notes: (where, holds input_ids, has an empty response) of the records read so far, the
-    whole dataset when `complete`."""
-    counted = f"{len(notes)}" if complete else f"the first {len(notes)}"
-    empty = [where for where, _, is_empty in notes if is_empty]
-    if empty:
-        warn(f"{len(empty)} of {counted} records have an empty response (the first at {empty[0]}); each trains "
-             f"only on its end-of-sequence token")
-    if tokenizer_path and notes and all(tokenized for _, tokenized, _ in notes):
-        warn(f"--model.tokenizer_path {tokenizer_path} is not used: every record holds input_ids already")
+class RecordNotes:
+    """What the first records of a dataset say about it: how many were read, how many hold input_ids, and where
+    the ones with an empty response are (the first, and a count)."""
+
+    def __init__(self):
+        self.records, self.tokenized, self.empty, self.first_empty = 0, 0, 0, None
+
+    def add(self, rec: dict, where: str) -> None:
+        self.records += 1
+        self.tokenized += "input_ids" in rec
+        if "input_ids" not in rec and "prompt" in rec and "response" in rec and not str(rec["response"]).strip():
+            self.empty += 1
+            self.first_empty = self.first_empty or where
+
+    def warn(self, complete: bool, tokenizer_path: str | None, warn) -> None:
+        """Warn once about records with an empty response, and about a --model.tokenizer_path that no record
+        uses (all hold input_ids); `complete`: the notes cover the whole dataset."""
+        counted = f"{self.records}" if complete else f"the first {self.records}"
+        if self.empty:
+            warn(f"{self.empty} of {counted} records have an empty response (the first at {self.first_empty}); "
+                 f"each trains only on its end-of-sequence token")
+        if tokenizer_path and self.records and self.tokenized == self.records:
+            warn(f"--model.tokenizer_path {tokenizer_path} is not used: every record holds input_ids already")
 
 
 def check_vocab(examples: list[Example], vocab_size: int, source: str, first: int = 0) -> None:
@@ -364,9 +376,9 @@ class StreamSource(RowPacker):
         self.epoch, self.draws, self.at_end, self.epoch_tokens = 0, 0, False, False
         self.buffer: list[tuple] = []  # (location, payload) of the records read but not yet drawn
         self.current, self.offset = None, 0  # (location, Example) being cut into rows
-        notes = []
+        notes = RecordNotes()
         self._fill(notes)
-        warn_about_records(notes, self.at_end, tokenizer_path, warn)
+        notes.warn(self.at_end, tokenizer_path, warn)
         if self.at_end and not any(self._example(loc, payload).ids for loc, payload in self.buffer):
             raise ValueError(f"{name}: the dataset is empty (no examples with tokens)")
 
@@ -375,9 +387,7 @@ class StreamSource(RowPacker):
         ex = record_example(self.tok, rec, self.reader.where(loc))
         check_vocab([ex], self.V, self.name, first=loc[2])
         if notes is not None:
-            empty = "input_ids" not in rec and "prompt" in rec and "response" in rec and \
-                not str(rec["response"]).strip()
-            notes.append((self.reader.where(loc), "input_ids" in rec, empty))
+            notes.add(rec, self.reader.where(loc))
         return ex
 
     def _fill(self, notes=None) -> None:

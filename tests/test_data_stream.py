@@ -200,6 +200,7 @@ RSS_CHILD = textwrap.dedent("""
             "--data.seq_len", "32", "--train.steps", "3", "--optim.warmup_steps", "0", "--eval.every", "0",
             "--checkpoint.every", "0", "--checkpoint.dir", run_dir]))
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    run(sys.argv[1], sys.argv[3] + "/warm")  # what a second run in one process adds is not the data's
     base = run(sys.argv[1], sys.argv[3] + "/tiny")
     big = run(sys.argv[2], sys.argv[3] + "/big")
     print("RSS_GROWTH", big - base)
@@ -208,7 +209,7 @@ RSS_CHILD = textwrap.dedent("""
 
 def rss_growth(tmp_path, megabytes: int) -> int:
     """Peak-RSS growth (bytes) of a few train steps on a `megabytes` JSONL file over the same run on a tiny one
-    (both in one fresh process, the tiny run first)."""
+    (all in one fresh process: the tiny run twice, then the big one)."""
     line = "".join(json.dumps({"text": f"document {i}: " + "lorem ipsum dolor sit amet " * 6}) + "\n"
                    for i in range(4000))
     chunk = line.encode() * max(1, (1 << 24) // len(line))  # ~16 MB
