@@ -358,11 +358,12 @@ class StreamSource(RowPacker):
     Order: each epoch reads the records from the start; each is drawn from a buffer of up to shuffle_buffer of
     them (a uniform pick, refilled from the reader), and at the end of the data the buffer drains before the next
     epoch starts, so every epoch is a permutation of the records (shuffle_buffer 1: the file's order). A record is
-    checked (JSON, keys, vocabulary: errors name its file:line) as it enters the buffer, and the first buffer is
-    filled here, so a small dataset is checked whole before training. The state is the reader's location, the
-    buffered records' locations (not their content), the count of draws made and the current record with the
-    offset into it, so a resumed source goes on exactly where it stopped. Every rank streams the whole data and
-    builds the same global batch; each then takes its own rows of it.
+    checked (JSON, keys, vocabulary: errors name its file:line, or its index in the file) as it enters the buffer,
+    and the first buffer is filled here, so a small dataset is checked whole before training; the buffer keeps
+    only the record's line (a dataset row: nothing), which is parsed and tokenized again when drawn. The state is
+    the reader's location, the buffered records' locations (not their content), the count of draws made and the
+    current record with the offset into it, so a resumed source goes on exactly where it stopped. Every rank
+    streams the whole data and builds the same global batch; each then takes its own rows of it.
     """
 
     def __init__(self, reader, tok, vocab_size: int, batch_size: int, seq_len: int, seed: int, pack: bool = True,
