@@ -66,6 +66,9 @@ class DataConfig:
     """Pack documents back to back (positions restart per document); else one padded document per row."""
     seed: int = 0
     """Seed of the data order (shuffling, synthetic sequences); independent of --train.seed."""
+    shuffle_buffer: int = 10000
+    """json_file, hf_datasets: records are streamed and drawn at random from a buffer of this many (memory holds
+    only these); each epoch is a permutation of the records. 1: the file's order."""
 
 
 @dataclass
@@ -203,6 +206,8 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
                              ("--eval.every", cfg.eval.every, 0), ("--eval.batches", cfg.eval.batches, 1)]:
         if value < low:
             errs.append(f"{name} must be >= {low}, got {value}")
+    if cfg.data.shuffle_buffer < 1:
+        errs.append(f"--data.shuffle_buffer must be >= 1 (1: no shuffling), got {cfg.data.shuffle_buffer}")
     if cfg.train.reduce_dtype and cfg.train.dtype == "float64" and cfg.train.reduce_dtype != "float64":
         errs.append(f"--train.reduce_dtype {cfg.train.reduce_dtype} is narrower than --train.dtype float64; "
                     f"drop it or use float64")

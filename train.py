@@ -279,11 +279,12 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         data = make_source(cfg.data.type, vocab_size=model_cfg.vocab_size, batch_size=cfg.data.batch_size,
                            seq_len=cfg.data.seq_len, seed=cfg.data.seed, path=cfg.data.path,
                            tokenizer_path=cfg.model.tokenizer_path, pack=cfg.data.pack, split=cfg.data.split,
-                           warn=warn)
+                           warn=warn, shuffle_buffer=cfg.data.shuffle_buffer)
         held_out = make_eval_source(cfg.data.type, vocab_size=model_cfg.vocab_size, batch_size=cfg.data.batch_size,
                                     seq_len=cfg.data.seq_len, seed=cfg.data.seed, path=cfg.eval.path,
                                     split=cfg.eval.split, train_path=cfg.data.path,
-                                    tokenizer_path=cfg.model.tokenizer_path, pack=cfg.data.pack)
+                                    tokenizer_path=cfg.model.tokenizer_path, pack=cfg.data.pack,
+                                    shuffle_buffer=cfg.data.shuffle_buffer)
         eval_batches = [] if held_out is None or not cfg.eval.every else \
             [{k: v.to(device) for k, v in held_out.next_batch().items()} for _ in range(cfg.eval.batches)]
         for b in eval_batches:
@@ -334,7 +335,8 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     records = []
     for step in range(start, cfg.train.steps):
         t0 = time.perf_counter()
-        batch = {k: v.to(device) for k, v in data.next_batch().items()}
+        with user_errors():  # a streamed record is read, and checked, when a batch needs it
+            batch = {k: v.to(device) for k, v in data.next_batch().items()}
         check_input_ids(batch["input_ids"], model_cfg)
         metrics, grads, counts = step_grads(params, batch, cfg, model_cfg, layout)
         loss = metrics["loss"]

@@ -1,10 +1,10 @@
 """Training data: sources of global batches {input_ids, labels, position_ids[, attention_mask]} of [B, S].
 
 Sources: `synthetic` (seeded random bigram language), `text` (the embedded corpus), `json_file` (JSONL of text,
-prompt/response or pre-tokenized ids), `preset_pt` (fixed batches from torch.save), `hf_datasets` (a dataset
-saved to disk). Documents are packed into rows of seq_len: positions restart at each document and attention
-stays inside it. Every source has state_dict() / load_state_dict(); a step's global batch depends only on the
-source and its state, never on how it is later split over micro-batches or ranks.
+prompt/response or pre-tokenized ids; streamed), `preset_pt` (fixed batches from torch.save), `hf_datasets` (a
+dataset saved to disk; streamed). Documents are packed into rows of seq_len: positions restart at each document
+and attention stays inside it. Every source has state_dict() / load_state_dict(); a step's global batch depends
+only on the source and its state, never on how it is later split over micro-batches or ranks.
 """
 
 from __future__ import annotations
@@ -131,58 +131,135 @@ def embedded_documents(part: str | None = None) -> list[str]:
     return [d for i, d in enumerate(docs) if held(i) == (part == "eval")]
 
 
-def json_records(path: str):
-    """(where, record) for each line of a JSONL file."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"--data.path {path!r}: no such file (expected a JSONL file, one record per line)")
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
-            yield f"{path}:{n}", rec
+class JsonlReader:
+    """The records of a JSONL file (gzip-compressed if its name ends in .gz), read one line at a time. A record's
+    location is (byte offset, line number, record index), its payload the line's bytes; a .gz file seeks by
+    decompressing from its start, so resuming in one costs a pass over what was already read."""
+
+    START = (0, 1, 0)
+
+    def __init__(self, path: str):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--data.path {path!r}: no such file (expected a JSONL file, one record per line)")
+        self.path, self._file = path, None
+        self.seek(self.START)
+
+    def _open(self):
+        return gzip.open(self.path, "rb") if self.path.endswith(".gz") else open(self.path, "rb")
+
+    def seek(self, loc) -> None:
+        """Read on from location `loc` (a record's start, or START)."""
+        if self._file is None:
+            self._file = self._open()
+        self._file.seek(loc[0])
+        self.next_loc = tuple(loc)
+
+    def read(self):
+        """(location, payload) of the next record, skipping blank lines; None at the end of the file."""
+        pos, line, index = self.next_loc
+        while raw := self._file.readline():
+            if raw.strip():
+                self.next_loc = (pos + len(raw), line + 1, index + 1)
+                return (pos, line, index), raw
+            pos, line = pos + len(raw), line + 1
+        self.next_loc = (pos, line, index)
+        return None
+
+    def where(self, loc) -> str:
+        return f"{self.path}:{loc[1]}"
+
+    def parse(self, loc, payload: bytes):
+        try:
+            return json.loads(payload)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{self.where(loc)}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{self.where(loc)}: not UTF-8 text ({e.reason} at byte {e.start} of the line)") from None
+
+    def payloads(self, locs) -> list[bytes]:
+        """The lines at `locs`, read in one forward pass over the file (and the reader back at next_loc)."""
+        out = {}
+        with self._open() as f:
+            for loc in sorted(set(locs)):
+                f.seek(loc[0])
+                out[loc] = f.readline()
+        self._file.close()
+        self._file = None
+        self.seek(self.next_loc)
+        return [out[loc] for loc in locs]
 
 
-def dataset_records(path: str, split: str | None):
-    """(where, record) for each row of a datasets.save_to_disk directory (one split of a DatasetDict)."""
-    try:
-        import datasets
-    except ImportError as e:
-        raise ImportError("--data.type hf_datasets needs the `datasets` package: pip install 'glm5f[datasets]'") from e
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"--data.path {path!r}: no dataset saved there (datasets' save_to_disk output)")
-    ds = datasets.load_from_disk(path)
-    if isinstance(ds, datasets.DatasetDict):
-        if split is None and len(ds) != 1:
-            raise ValueError(f"{path} holds splits {list(ds)}: choose one with --data.split")
-        ds = ds[split or next(iter(ds))]
-    for i, rec in enumerate(ds):
-        yield f"{path}[{i}]", rec
+class DatasetReader:
+    """The rows of one split of a datasets.save_to_disk directory, memory-mapped and read one at a time. A row's
+    location is (row, row, row); it carries no payload (the row is read again from the dataset)."""
+
+    START = (0, 0, 0)
+
+    def __init__(self, path: str, split: str | None):
+        try:
+            import datasets
+        except ImportError as e:
+            raise ImportError("--data.type hf_datasets needs the `datasets` package: "
+                              "pip install 'glm5f[datasets]'") from e
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"--data.path {path!r}: no dataset saved there (datasets' save_to_disk output)")
+        ds = datasets.load_from_disk(path)
+        if isinstance(ds, datasets.DatasetDict):
+            if split is None and len(ds) != 1:
+                raise ValueError(f"{path} holds splits {list(ds)}: choose one with --data.split")
+            ds = ds[split or next(iter(ds))]
+        self.path, self.ds = path, ds
+        self.seek(self.START)
+
+    def seek(self, loc) -> None:
+        self.next_loc = tuple(loc)
+
+    def read(self):
+        row = self.next_loc[0]
+        if row >= len(self.ds):
+            return None
+        self.next_loc = (row + 1,) * 3
+        return (row,) * 3, None
+
+    def where(self, loc) -> str:
+        return f"{self.path}[{loc[0]}]"
+
+    def parse(self, loc, payload):
+        return self.ds[loc[0]]
+
+    def payloads(self, locs) -> list:
+        return [None] * len(locs)
 
 
-def record_examples(records, tok, tokenizer_path: str | None, warn) -> list[Example]:
-    """The Examples of (where, record) pairs. Warns once about records with an empty response, and about a
-    --model.tokenizer_path that no record uses (all hold input_ids)."""
-    out, empty, tokenized = [], [], 0
-    for where, rec in records:
-        out.append(record_example(tok, rec, where))
-        tokenized += "input_ids" in rec
+class RecordNotes:
+    """What the first records of a dataset say about it: how many were read, how many hold input_ids, and where
+    the ones with an empty response are (the first, and a count)."""
+
+    def __init__(self):
+        self.records, self.tokenized, self.empty, self.first_empty = 0, 0, 0, None
+
+    def add(self, rec: dict, where: str) -> None:
+        self.records += 1
+        self.tokenized += "input_ids" in rec
         if "input_ids" not in rec and "prompt" in rec and "response" in rec and not str(rec["response"]).strip():
-            empty.append(where)
-    if empty:
-        warn(f"{len(empty)} of {len(out)} records have an empty response (the first at {empty[0]}); each trains "
-             f"only on its end-of-sequence token")
-    if tokenizer_path and out and tokenized == len(out):
-        warn(f"--model.tokenizer_path {tokenizer_path} is not used: every record holds input_ids already")
-    return out
+            self.empty += 1
+            self.first_empty = self.first_empty or where
+
+    def warn(self, complete: bool, tokenizer_path: str | None, warn) -> None:
+        """Warn once about records with an empty response, and about a --model.tokenizer_path that no record
+        uses (all hold input_ids); `complete`: the notes cover the whole dataset."""
+        counted = f"{self.records}" if complete else f"the first {self.records}"
+        if self.empty:
+            warn(f"{self.empty} of {counted} records have an empty response (the first at {self.first_empty}); "
+                 f"each trains only on its end-of-sequence token")
+        if tokenizer_path and self.records and self.tokenized == self.records:
+            warn(f"--model.tokenizer_path {tokenizer_path} is not used: every record holds input_ids already")
 
 
-def check_vocab(examples: list[Example], vocab_size: int, source: str) -> None:
-    """Every token id in [0, vocab_size), every label too or IGNORE_INDEX (a ValueError naming the first bad one)."""
-    for i, ex in enumerate(examples):
+def check_vocab(examples: list[Example], vocab_size: int, source: str, first: int = 0) -> None:
+    """Every token id in [0, vocab_size), every label too or IGNORE_INDEX (a ValueError naming the first bad one;
+    examples are numbered from `first`)."""
+    for i, ex in enumerate(examples, first):
         bad = [t for t in ex.ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"{source}: example {i} has token id {bad[0]} outside [0, vocab_size={vocab_size}): "
@@ -195,33 +272,15 @@ def check_vocab(examples: list[Example], vocab_size: int, source: str) -> None:
 
 # ---- sources ------------------------------------------------------------------------------------------------------
 
-class PackedSource:
-    """Rows of seq_len cut from the examples in a seeded per-epoch order, packed back to back (or one example per
-    row, truncated and padded, when pack=False)."""
-
-    def __init__(self, examples: list[Example], batch_size: int, seq_len: int, seed: int, pad_id: int,
-                 pack: bool = True, name: str = "data"):
-        if not examples or not any(ex.ids for ex in examples):
-            raise ValueError(f"{name}: the dataset is empty (no examples with tokens)")
-        self.examples, self.B, self.S, self.seed, self.pad_id, self.pack = \
-            examples, batch_size, seq_len, seed, pad_id, pack
-        self.epoch, self.index, self.offset = 0, 0, 0
-        self._order = self._permutation(0)
-
-    def _permutation(self, epoch: int) -> list[int]:
-        g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-        return torch.randperm(len(self.examples), generator=g).tolist()
-
-    def _advance(self):
-        self.index, self.offset = self.index + 1, 0
-        if self.index == len(self.examples):
-            self.epoch, self.index = self.epoch + 1, 0
-            self._order = self._permutation(self.epoch)
+class RowPacker:
+    """Rows of seq_len cut from a sequence of examples, packed back to back (or one example per row, truncated and
+    padded, when pack=False). A subclass says which example is current (`_current`) and moves on (`_advance`);
+    `offset` is how far into the current example the rows have come."""
 
     def _row(self):
         ids, labels, pos = [], [], []
         while len(ids) < self.S:
-            ex = self.examples[self._order[self.index]]
+            ex = self._current()
             take = min(self.S - len(ids), len(ex.ids) - self.offset)
             ids += ex.ids[self.offset:self.offset + take]
             lab = ex.labels[self.offset:self.offset + take]
@@ -247,12 +306,136 @@ class PackedSource:
             batch["attention_mask"] = torch.tensor([r[3] for r in rows])
         return batch
 
+
+class PackedSource(RowPacker):
+    """Rows of seq_len cut from the examples (all in memory) in a seeded per-epoch order, packed back to back (or
+    one example per row, truncated and padded, when pack=False)."""
+
+    def __init__(self, examples: list[Example], batch_size: int, seq_len: int, seed: int, pad_id: int,
+                 pack: bool = True, name: str = "data"):
+        if not examples or not any(ex.ids for ex in examples):
+            raise ValueError(f"{name}: the dataset is empty (no examples with tokens)")
+        self.examples, self.B, self.S, self.seed, self.pad_id, self.pack = \
+            examples, batch_size, seq_len, seed, pad_id, pack
+        self.epoch, self.index, self.offset = 0, 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        return torch.randperm(len(self.examples), generator=g).tolist()
+
+    def _current(self) -> Example:
+        return self.examples[self._order[self.index]]
+
+    def _advance(self):
+        self.index, self.offset = self.index + 1, 0
+        if self.index == len(self.examples):
+            self.epoch, self.index = self.epoch + 1, 0
+            self._order = self._permutation(self.epoch)
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "index": self.index, "offset": self.offset}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.index, self.offset = state["epoch"], state["index"], state["offset"]
         self._order = self._permutation(self.epoch)
+
+
+def shuffle_draw(seed: int, n: int) -> int:
+    """The n-th 64-bit draw of seed's stream (SplitMix64): a pure function of (seed, n), so a shuffle's random
+    state is one counter."""
+    mask, golden = 2**64 - 1, 0x9E3779B97F4A7C15
+    z = (seed * 0xBF58476D1CE4E5B9 + (n + 1) * golden) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+
+
+class StreamSource(RowPacker):
+    """Rows of seq_len packed from the records of a reader (JsonlReader, DatasetReader), read lazily: memory holds
+    at most `shuffle_buffer` records' payloads, whatever the corpus size.
+
+    Order: each epoch reads the records from the start; each is drawn from a buffer of up to shuffle_buffer of
+    them (a uniform pick, refilled from the reader), and at the end of the data the buffer drains before the next
+    epoch starts, so every epoch is a permutation of the records (shuffle_buffer 1: the file's order). A record is
+    checked (JSON, keys, vocabulary: errors name its file:line, or its index in the file) as it enters the buffer,
+    and the first buffer is filled here, so a small dataset is checked whole before training; the buffer keeps
+    only the record's line (a dataset row: nothing), which is parsed and tokenized again when drawn. The state is
+    the reader's location, the buffered records' locations (not their content), the count of draws made and the
+    current record with the offset into it, so a resumed source goes on exactly where it stopped. Every rank
+    streams the whole data and builds the same global batch; each then takes its own rows of it.
+    """
+
+    def __init__(self, reader, tok, vocab_size: int, batch_size: int, seq_len: int, seed: int, pack: bool = True,
+                 shuffle_buffer: int = 10_000, name: str = "data", tokenizer_path: str | None = None,
+                 warn=lambda message: None):
+        if shuffle_buffer < 1:
+            raise ValueError(f"--data.shuffle_buffer must be >= 1 (1: no shuffling), got {shuffle_buffer}")
+        self.reader, self.tok, self.V, self.name = reader, tok, vocab_size, name
+        self.B, self.S, self.seed, self.pad_id, self.pack, self.size = \
+            batch_size, seq_len, seed, tok.pad_id, pack, shuffle_buffer
+        self.epoch, self.draws, self.at_end, self.epoch_tokens = 0, 0, False, False
+        self.buffer: list[tuple] = []  # (location, payload) of the records read but not yet drawn
+        self.current, self.offset = None, 0  # (location, Example) being cut into rows
+        notes = RecordNotes()
+        self._fill(notes)
+        notes.warn(self.at_end, tokenizer_path, warn)
+        if self.at_end and not any(self._example(loc, payload).ids for loc, payload in self.buffer):
+            raise ValueError(f"{name}: the dataset is empty (no examples with tokens)")
+
+    def _example(self, loc, payload, notes=None) -> Example:
+        rec = self.reader.parse(loc, payload)
+        ex = record_example(self.tok, rec, self.reader.where(loc))
+        check_vocab([ex], self.V, self.name, first=loc[2])
+        if notes is not None:
+            notes.add(rec, self.reader.where(loc))
+        return ex
+
+    def _fill(self, notes=None) -> None:
+        while not self.at_end and len(self.buffer) < self.size:
+            got = self.reader.read()
+            if got is None:
+                self.at_end = True
+            else:
+                self._example(*got, notes)
+                self.buffer.append(got)
+
+    def _current(self) -> Example:
+        while self.current is None:
+            self._fill()
+            if not self.buffer:  # the epoch is over
+                if not self.epoch_tokens:
+                    raise ValueError(f"{self.name}: the dataset is empty (no examples with tokens)")
+                self.epoch, self.at_end, self.epoch_tokens = self.epoch + 1, False, False
+                self.reader.seek(self.reader.START)
+                continue
+            j = shuffle_draw(self.seed, self.draws) % len(self.buffer)
+            self.draws += 1
+            self.buffer[j], self.buffer[-1] = self.buffer[-1], self.buffer[j]
+            loc, payload = self.buffer.pop()
+            ex = self._example(loc, payload)
+            if ex.ids:
+                self.current, self.epoch_tokens = (loc, ex), True
+        return self.current[1]
+
+    def _advance(self):
+        self.current, self.offset = None, 0
+
+    def state_dict(self) -> dict:
+        locs = lambda items: torch.tensor([loc for loc, _ in items], dtype=torch.long).reshape(-1, 3)  # noqa: E731
+        return {"epoch": self.epoch, "draws": self.draws, "at_end": self.at_end, "epoch_tokens": self.epoch_tokens,
+                "next": torch.tensor(self.reader.next_loc), "buffer": locs(self.buffer),
+                "current": locs([self.current] if self.current else []), "offset": self.offset}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.draws, self.at_end, self.epoch_tokens, self.offset = \
+            state["epoch"], state["draws"], state["at_end"], state["epoch_tokens"], state["offset"]
+        buffer = [tuple(loc) for loc in state["buffer"].tolist()]
+        current = [tuple(loc) for loc in state["current"].tolist()]
+        self.reader.seek(tuple(state["next"].tolist()))
+        payloads = self.reader.payloads(buffer + current)
+        self.buffer = list(zip(buffer, payloads[:len(buffer)]))
+        self.current = (current[0], self._example(current[0], payloads[-1])) if current else None
 
 
 class SyntheticSource:
@@ -347,13 +530,13 @@ class PresetSource:
 
 def make_eval_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, seed: int = 0,
                      path: str | None = None, split: str | None = None, train_path: str | None = None,
-                     tokenizer_path: str | None = None, pack: bool = True):
+                     tokenizer_path: str | None = None, pack: bool = True, shuffle_buffer: int = 10_000):
     """The held-out data of a run of `--data.type kind`: `path` (default the training data's `train_path`) and
     `split` when given, in that data type's format (JSONL for text and synthetic runs); else the held-out part of
     the embedded text or of the synthetic stream. None when there is none (json_file, hf_datasets, preset_pt
     without a path or split)."""
     common = dict(vocab_size=vocab_size, batch_size=batch_size, seq_len=seq_len, seed=seed,
-                  tokenizer_path=tokenizer_path, pack=pack)
+                  tokenizer_path=tokenizer_path, pack=pack, shuffle_buffer=shuffle_buffer)
     if path is not None or split is not None:
         eval_kind = "json_file" if kind in ("text", "synthetic") else kind
         return make_source(eval_kind, path=path or train_path, split=split, warn=lambda message: None, **common)
@@ -371,9 +554,11 @@ def print_warning(message: str) -> None:
 
 
 def make_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, seed: int = 0, path: str | None = None,
-                tokenizer_path: str | None = None, pack: bool = True, split: str | None = None, warn=print_warning):
+                tokenizer_path: str | None = None, pack: bool = True, split: str | None = None, warn=print_warning,
+                shuffle_buffer: int = 10_000):
     """The data source of `--data.type kind` for a model of vocab_size. What looks like a mistake in the data
-    (an empty response, an unused tokenizer) is passed to `warn`, one line each."""
+    (an empty response, an unused tokenizer) is passed to `warn`, one line each. json_file and hf_datasets are
+    streamed, shuffled by a buffer of `shuffle_buffer` records (see StreamSource)."""
     if tokenizer_path and kind in ("synthetic", "preset_pt"):
         warn(f"--model.tokenizer_path {tokenizer_path} is not used: --data.type {kind} does not tokenize text")
     if kind == "synthetic":
@@ -392,9 +577,9 @@ def make_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, se
     elif kind in ("json_file", "hf_datasets"):
         if path is None:
             raise ValueError(f"--data.type {kind} needs --data.path")
-        records = json_records(path) if kind == "json_file" else dataset_records(path, split)
-        examples = record_examples(records, tok, tokenizer_path, warn)
-        name = path
+        reader = JsonlReader(path) if kind == "json_file" else DatasetReader(path, split)
+        return StreamSource(reader, tok, vocab_size, batch_size, seq_len, seed, pack, shuffle_buffer, path,
+                            tokenizer_path, warn)
     else:
         raise ValueError(f"unknown --data.type {kind!r}")
     check_vocab(examples, vocab_size, name)
