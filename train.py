@@ -24,7 +24,7 @@ from glm5f import checkpoint
 from glm5f.data import make_eval_source, make_source, print_warning
 from glm5f.hf import check_export_dir
 from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
-from glm5f.model import apply, check_input_ids, cross_entropy_sum, shift_labels
+from glm5f.model import apply, check_input_ids, cross_entropy_sum, mtp_apply, mtp_inputs, mtp_targets, shift_labels
 from glm5f.optim import adamw_init, adamw_update, balance_router_bias, clip_by_global_norm, lr_schedule, value_and_grad
 from glm5f.distributed import DistLayout, WorkerFailure, init_process, spawn, under_torchrun
 from glm5f.parallel import Layout
@@ -58,34 +58,58 @@ def check_supported(cfg: Config) -> None:
 
 
 def micro_loss(params: dict, batch: dict, denoms: dict, model_cfg: glm5f.GLM5Config, layout: Layout,
-               dtype: torch.dtype, weight_dtype: torch.dtype, remat: bool):
+               dtype: torch.dtype, weight_dtype: torch.dtype, remat: bool, mtp_weight: float = 0.0):
     """This rank's share of the step's objective, with (sums, routes) as aux.
 
     sums maps each objective's name to this rank's fp64 sum of it ("loss": the token cross-entropies); the
     objective is sum over names of coefficient * sums[name] / denoms[its denominator], denoms being the step's
     global counts ("targets": next-token targets), so the step's value does not depend on the layout. routes are
     the expert choices of every MoE layer. Activations are `dtype`; weights compute in `weight_dtype`.
+
+    A batch with MTP inputs (`with_targets(batch, depths)`) adds "mtp_loss" (coefficient `mtp_weight`): the sum
+    over depths of each depth's cross-entropy sum over its own global target count, over the number of depths,
+    so its value is the mean over depths of each depth's token mean. The MTP layers' routes follow the main ones.
     """
     compute = layout.gather_params(map_with_path(lambda p, t: t.to(leaf_dtype(p, weight_dtype)), params))
     ctx = layout.context(model_cfg, batch, dtype)
     logits, aux = apply(compute, model_cfg, batch["input_ids"], ctx, experts=layout.experts, remat=remat)
-    sums = {"loss": cross_entropy_sum(logits, batch["targets"])[0]}
-    return sums["loss"] / denoms["targets"], (sums, aux["routes"])
+    sums, routes = {"loss": cross_entropy_sum(logits, batch["targets"])[0]}, aux["routes"]
+    depths = sum(1 for k in batch if k.startswith("mtp_input_ids."))
+    if depths:
+        ids = [batch[f"mtp_input_ids.{d}"] for d in range(1, depths + 1)]
+        mtp_logits, mtp_aux = mtp_apply(compute, model_cfg, aux["hidden"], ids, ctx, experts=layout.experts,
+                                        remat=remat)
+        sums["mtp_loss"] = sum(cross_entropy_sum(lg, batch[f"mtp_targets.{d + 1}"])[0] / denoms["mtp_targets"][d]
+                               for d, lg in enumerate(mtp_logits))
+        routes = routes + mtp_aux["routes"]
+    coeff = {"loss": 1.0, "mtp_loss": mtp_weight}
+    objective = sum(coeff[k] * v / denoms[OBJECTIVE_DENOMS[k]] for k, v in sums.items())
+    return objective, (sums, routes)
 
 
 loss_and_grad = value_and_grad(micro_loss, has_aux=True)
 
 
-def with_targets(batch: dict) -> dict:
-    """The batch with its next-token targets (shifted on whole sequences, before any split) and valid tokens."""
+def with_targets(batch: dict, mtp_depths: int = 0) -> dict:
+    """The batch with its next-token targets (shifted on whole sequences, before any split) and valid tokens;
+    with mtp_depths, also each MTP depth d's inputs "mtp_input_ids.{d}" and targets "mtp_targets.{d}"."""
     mask = batch.get("attention_mask")
-    return dict(batch, targets=shift_labels(batch["labels"]),
-                valid=mask if mask is not None and mask.ndim == 2 else torch.ones_like(batch["input_ids"]))
+    valid = mask if mask is not None and mask.ndim == 2 else torch.ones_like(batch["input_ids"])
+    out = dict(batch, targets=shift_labels(batch["labels"]), valid=valid)
+    for d in range(1, mtp_depths + 1):
+        out[f"mtp_input_ids.{d}"] = mtp_inputs(batch["input_ids"], d)
+        out[f"mtp_targets.{d}"] = mtp_targets(batch["labels"], d, batch.get("position_ids"), valid)
+    return out
 
 
 def step_denoms(batch: dict) -> dict:
     """The global counts the step's objectives are averaged over (at least 1 each), of a `with_targets` batch."""
-    return {"targets": (batch["targets"] != glm5f.IGNORE_INDEX).sum().clamp(min=1)}
+    denoms = {"targets": (batch["targets"] != glm5f.IGNORE_INDEX).sum().clamp(min=1)}
+    mtp = [batch[f"mtp_targets.{d}"] for d in range(1, 1 + sum(k.startswith("mtp_targets.") for k in batch))]
+    if mtp:  # per depth: its target count; and the number of depths the MTP loss is a mean over
+        denoms["mtp_targets"] = torch.stack([(t != glm5f.IGNORE_INDEX).sum() for t in mtp]).clamp(min=1)
+        denoms["mtp_depths"] = torch.tensor(float(len(mtp)), dtype=torch.float64, device=mtp[0].device)
+    return denoms
 
 
 def step_grads(params: dict, batch: dict, cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout):
@@ -101,15 +125,16 @@ def step_grads(params: dict, batch: dict, cfg: Config, model_cfg: glm5f.GLM5Conf
     master = {p: t.dtype for p, t in flatten(params).items()}
     if reduce is not None:
         params = map_with_path(lambda p, t: t.to(torch.promote_types(t.dtype, reduce)), params)
-    batch = with_targets(batch)
+    batch = with_targets(batch, model_cfg.num_nextn_predict_layers)
     denoms = step_denoms(batch)
-    moe_layers = [i for i in range(model_cfg.num_hidden_layers) if model_cfg.is_moe(i)]
+    moe_layers = [i for i in range(model_cfg.num_hidden_layers + model_cfg.num_nextn_predict_layers)
+                  if model_cfg.is_moe(i)]
     grads, sums, counts = None, {}, {}
     B, n = len(batch["input_ids"]), cfg.train.grad_accum
     for micro in range(n):
         mb = layout.local_batch({k: v[micro * B // n:(micro + 1) * B // n] for k, v in batch.items()})
         (_, (mb_sums, routes)), g = loss_and_grad(params, mb, denoms, model_cfg, layout, dtype, reduce or dtype,
-                                                  cfg.train.activation_checkpointing)
+                                                  cfg.train.activation_checkpointing, cfg.train.mtp_loss_weight)
         grads = g if grads is None else dict(zip(grads, torch._foreach_add(list(grads.values()), list(g.values()))))
         sums = {k: sums.get(k, 0) + v for k, v in mb_sums.items()}
         valid = mb["valid"].flatten().to(torch.float32)
@@ -123,7 +148,7 @@ def step_grads(params: dict, batch: dict, cfg: Config, model_cfg: glm5f.GLM5Conf
     return metrics, grads, {k: layout.sum(c) for k, c in counts.items()}
 
 
-OBJECTIVE_DENOMS = {"loss": "targets"}  # each objective's denominator in `step_denoms`
+OBJECTIVE_DENOMS = {"loss": "targets", "mtp_loss": "mtp_depths"}  # each objective's denominator in `step_denoms`
 
 
 @torch.no_grad()
