@@ -72,30 +72,36 @@ def mtp_apply(params: dict, cfg: GLM5Config, hidden_BxSxD: torch.Tensor, mtp_inp
     `apply`, before the final norm) and each depth's input ids (`mtp_inputs`: depth d holds t_{i+d} at i).
 
     Depth d at position i: h = eh_proj(cat[enorm(embed(t_{i+d})), hnorm(h_i^{d-1})]) through its decoder layer
-    (h^0 the main model's), then shared_head.norm and the LM head; it predicts t_{i+d+1}. The embedding and head
-    are the main model's unless the layer holds its own copies (see params.MTP_COPIES). aux: "routes", the
+    (h^0 the main model's), then shared_head.norm and the LM head; it predicts t_{i+d+1}. aux: "routes", the
     expert indices of each MoE MTP layer; "hidden", the last depth's output.
     """
-    L, eps = cfg.num_hidden_layers, cfg.rms_norm_eps
     h_BxSxD, logits, routes = hidden_BxSxD, [], []
     for d, ids_BxS in enumerate(mtp_input_ids[:cfg.num_nextn_predict_layers]):
-        p = params["model"]["layers"][L + d]
-        embed = p.get("embed_tokens", params["model"]["embed_tokens"])["weight"]
-        e_BxSxD = F.embedding(ids_BxS, embed).to(ctx.dtype)
-        x_BxSxD = linear(p["eh_proj"], torch.cat([rms_norm(p["enorm"]["weight"], e_BxSxD, eps),
-                                                  rms_norm(p["hnorm"]["weight"], h_BxSxD, eps)], dim=-1))
-        if remat and torch.is_grad_enabled():
-            h_BxSxD, _, aux = checkpoint(decoder_layer, p, x_BxSxD, cfg, L + d, ctx, None, experts,
-                                         use_reentrant=False)
-        else:
-            h_BxSxD, _, aux = decoder_layer(p, x_BxSxD, cfg, L + d, ctx, None, experts)
+        lg, h_BxSxD, aux = mtp_layer(params, cfg, d + 1, h_BxSxD, ids_BxS, ctx, experts=experts, remat=remat)
+        logits.append(lg)
         if "expert_idx" in aux:
             routes.append(aux["expert_idx"])
-        head = p["shared_head"].get("head")
-        if head is None:
-            head = params["model"]["embed_tokens"] if cfg.tie_word_embeddings else params["lm_head"]
-        logits.append(linear(head, rms_norm(p["shared_head"]["norm"]["weight"], h_BxSxD, eps)))
     return logits, {"routes": routes, "hidden": h_BxSxD}
+
+
+def mtp_layer(params: dict, cfg: GLM5Config, depth: int, h_BxSxD: torch.Tensor, input_ids_BxS: torch.Tensor,
+              ctx: AttnContext, *, experts: ExpertsFn = expert_ffn, remat: bool = False):
+    """MTP depth `depth` (1-based): (logits [B, S, V], its output h^depth [B, S, D], the decoder layer's aux).
+    The embedding and head are the main model's unless the layer holds its own copies (params.MTP_COPIES)."""
+    layer, eps = cfg.num_hidden_layers + depth - 1, cfg.rms_norm_eps
+    p = params["model"]["layers"][layer]
+    embed = p.get("embed_tokens", params["model"]["embed_tokens"])["weight"]
+    e_BxSxD = F.embedding(input_ids_BxS, embed).to(ctx.dtype)
+    x_BxSxD = linear(p["eh_proj"], torch.cat([rms_norm(p["enorm"]["weight"], e_BxSxD, eps),
+                                              rms_norm(p["hnorm"]["weight"], h_BxSxD, eps)], dim=-1))
+    if remat and torch.is_grad_enabled():
+        h_BxSxD, _, aux = checkpoint(decoder_layer, p, x_BxSxD, cfg, layer, ctx, None, experts, use_reentrant=False)
+    else:
+        h_BxSxD, _, aux = decoder_layer(p, x_BxSxD, cfg, layer, ctx, None, experts)
+    head = p["shared_head"].get("head")
+    if head is None:
+        head = params["model"]["embed_tokens"] if cfg.tie_word_embeddings else params["lm_head"]
+    return linear(head, rms_norm(p["shared_head"]["norm"]["weight"], h_BxSxD, eps)), h_BxSxD, aux
 
 
 def forward(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
