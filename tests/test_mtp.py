@@ -225,8 +225,8 @@ def test_config_with_mtp_but_no_tensors_loads_without_them(hf_checkpoint):
     assert cfg.num_nextn_predict_layers == 0 and len(params["model"]["layers"]) == 3
 
 
-@SETTINGS
-@given(st.integers(0, 2**16), st.integers(1, 12), st.integers(0, 12), st.integers(1, 2), st.integers(1, 2))
+@settings(max_examples=4, deadline=None, derandomize=True)
+@given(st.integers(0, 2**16), st.integers(1, 10), st.integers(0, 8), st.integers(1, 2), st.integers(1, 2))
 def test_speculative_decoding_is_greedy_decoding(seed, prompt_len, new, batch, depths):
     cfg = CFG.replace(num_nextn_predict_layers=depths)
     params = glm5f.init_params(cfg, seed=seed % 97)
@@ -293,14 +293,29 @@ def test_speculative_decoding_with_padding_and_eos():
 
 
 def test_train_cli_writes_mtp_loss(tmp_path):
-    common = ["--data.batch_size", "4", "--data.seq_len", "48", "--train.steps", "3", "--eval.every", "0"]
-    assert main(common + ["--model.num_nextn_predict_layers", "1", "--checkpoint.dir", str(tmp_path / "a")]) == 0
+    assert main(["--data.batch_size", "2", "--data.seq_len", "32", "--train.steps", "3", "--eval.every", "0",
+                 "--model.num_nextn_predict_layers", "1", "--checkpoint.dir", str(tmp_path / "a")]) == 0
     history = read_metrics(str(tmp_path / "a"))
     assert len(history) == 3 and all(math.isfinite(r["mtp_loss"]) and r["mtp_loss"] > 0 for r in history)
-    assert history[-1]["mtp_loss"] < history[0]["mtp_loss"]
-    # weight 0: the MTP loss is logged, and the main model trains exactly as without an MTP layer
-    assert main(common + ["--model.num_nextn_predict_layers", "1", "--train.mtp_loss_weight", "0",
-                          "--checkpoint.dir", str(tmp_path / "b")]) == 0
-    assert main(common + ["--checkpoint.dir", str(tmp_path / "c")]) == 0
-    b, c = read_metrics(str(tmp_path / "b")), read_metrics(str(tmp_path / "c"))
-    assert [r["loss"] for r in b] == [r["loss"] for r in c] and "mtp_loss" not in c[0]
+
+
+def test_mtp_weight_scales_the_gradient_the_main_model_gets():
+    """Weight 0: the main leaves' gradients are bit for bit those of the model without an MTP layer; weight w:
+    they move by w times the MTP loss's gradient (checked against two weights)."""
+    base = glm5f.preset("glm5-tiny")
+    params = glm5f.init_params(CFG, seed=1)
+    main_params = glm5f.init_params(base, seed=1)
+    ids = torch.randint(0, CFG.vocab_size, (2, 24), generator=torch.Generator().manual_seed(2))
+    batch = {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(24).expand(2, 24)}
+    layout, run = Layout(torch.device("cpu")), Config()
+    grads = {}
+    for w in (0.0, 0.5, 1.0):
+        run.train.mtp_loss_weight = w
+        metrics, grads[w], _ = step_grads(params, batch, run, CFG, layout)
+    _, plain, _ = step_grads(main_params, batch, run, base, layout)
+    for k, g in plain.items():
+        assert torch.equal(grads[0.0][k], g), k
+    k = "model.layers.2.self_attn.o_proj.weight"
+    mtp_part = grads[1.0][k] - grads[0.0][k]
+    assert mtp_part.abs().max() > 0
+    assert rel_err(grads[0.5][k] - grads[0.0][k], 0.5 * mtp_part) <= 1e-4
