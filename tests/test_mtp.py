@@ -319,3 +319,23 @@ def test_mtp_weight_scales_the_gradient_the_main_model_gets():
     mtp_part = grads[1.0][k] - grads[0.0][k]
     assert mtp_part.abs().max() > 0
     assert rel_err(grads[0.5][k] - grads[0.0][k], 0.5 * mtp_part) <= 1e-4
+
+
+def test_context_and_expert_parallel_mtp_equals_one_process(tmp_path):
+    """cp2 x ep2 on packed text: the MTP inputs and targets are shifted on whole sequences before the CP split,
+    so the MTP loss, every gradient and the MTP layer's expert counts are the one-process ones."""
+    import dist_checks
+    from glm5f.distributed import spawn
+
+    argv = ["--model.preset", "glm5-tiny", "--model.num_nextn_predict_layers", "1", "--data.type", "text",
+            "--data.batch_size", "2", "--data.seq_len", "64", "--train.steps", "1"]
+    ref = dist_checks.first_step_grads(argv, None)
+    spawn(dist_checks.first_step_grads, 2, argv + ["--parallel.cp", "2", "--parallel.ep", "2"], str(tmp_path / "g.pt"))
+    got = torch.load(tmp_path / "g.pt", weights_only=True)
+    assert abs(got["metrics"]["mtp_loss"] - ref["metrics"]["mtp_loss"]) <= 1e-6
+    assert abs(got["loss"] - ref["loss"]) <= 1e-6
+    assert "model.layers.3.mlp.gate.e_score_correction_bias" in ref["counts"]
+    for k, c in ref["counts"].items():
+        assert torch.equal(got["counts"][k], c), k
+    for k, g in ref["grads"].items():
+        assert rel_err(got["grads"][k], g) <= 1e-5, f"{k}: relative gradient error {rel_err(got['grads'][k], g):.2e}"
