@@ -23,6 +23,10 @@ _OVERRIDABLE = [f for f in dataclasses.fields(glm5f.GLM5Config)
                 if f.type in ("int", "float", "bool", "str", "str | None")]
 
 
+_HELP = {"num_nextn_predict_layers": "multi-token-prediction (MTP) layers after the main ones, trained with "
+                                    "--train.mtp_loss_weight (overrides the preset's value: 1 in glm5, else 0)"}
+
+
 class _ModelMethods:
     def overrides(self) -> dict:
         return {f.name: getattr(self, f.name) for f in _OVERRIDABLE if getattr(self, f.name) is not None}
@@ -43,7 +47,7 @@ ModelConfig = dataclasses.make_dataclass(
          help="tokenizer.json (or a directory with one) for text data; default: the built-in byte tokenizer")],
       field(default=None))]
     + [(f.name, Annotated[Optional[{"int": int, "float": float, "bool": bool}.get(f.type, str)],
-                          tyro.conf.arg(help="overrides the preset's value")], field(default=None))
+                          tyro.conf.arg(help=_HELP.get(f.name, "overrides the preset's value"))], field(default=None))
        for f in _OVERRIDABLE],
     bases=(_ModelMethods,))
 ModelConfig.__doc__ = "The network: a preset, with any GLM5Config field overridden."
@@ -128,6 +132,9 @@ class TrainConfig:
     seq_aux_loss_coeff: float = 0.0
     """Weight of DeepSeek-V3's sequence-wise auxiliary balance loss (per MoE layer, mean over sequences, summed
     over layers; logged as seq_aux_loss), beside the aux-loss-free bias update; 0: off."""
+    mtp_loss_weight: float = 0.1
+    """Weight of the multi-token-prediction loss (mean over MTP depths of each depth's token mean; mtp_loss in
+    metrics.jsonl), added to the LM loss. Used when the model has MTP layers (--model.num_nextn_predict_layers)."""
 
 
 @dataclass

@@ -24,7 +24,7 @@ from glm5f import checkpoint
 from glm5f.data import make_eval_source, make_source, print_warning
 from glm5f.hf import check_export_dir
 from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
-from glm5f.model import apply, check_input_ids, cross_entropy_sum, shift_labels
+from glm5f.model import apply, check_input_ids, cross_entropy_sum, mtp_apply, mtp_inputs, mtp_targets, shift_labels
 from glm5f.moe import SeqAux
 from glm5f.optim import (adamw_init, adamw_update, balance_router_bias, clip_by_global_norm, lr_schedule, matches,
                          trained_paths, value_and_grad)
@@ -64,12 +64,14 @@ class Objectives:
     """What a training step optimizes beside the LM loss, and the weights (the --train flags of the same names).
 
     indexer_loss: "off", "dense" or "sparse" (the DSA indexer's KL to the main attention); seq_aux_loss_coeff:
-    DeepSeek-V3's sequence-wise balance loss (0: off).
+    DeepSeek-V3's sequence-wise balance loss (0: off); mtp_loss_weight: the MTP layers' cross-entropy (used when
+    the model has MTP layers).
     """
 
     indexer_loss: str = "off"
     indexer_loss_coeff: float = 0.0
     seq_aux_loss_coeff: float = 0.0
+    mtp_loss_weight: float = 0.0
 
     @classmethod
     def of(cls, train_cfg) -> "Objectives":
@@ -77,7 +79,8 @@ class Objectives:
 
     def coeffs(self) -> dict[str, float]:
         """Each objective's weight in the step's value; the other sums (e.g. indexer_recall) are only metrics."""
-        return {"loss": 1.0, "indexer_loss": self.indexer_loss_coeff, "seq_aux_loss": self.seq_aux_loss_coeff}
+        return {"loss": 1.0, "indexer_loss": self.indexer_loss_coeff, "seq_aux_loss": self.seq_aux_loss_coeff,
+                "mtp_loss": self.mtp_loss_weight}
 
 
 LM_ONLY = Objectives()
@@ -91,7 +94,10 @@ def micro_loss(params: dict, batch: dict, denoms: dict, model_cfg: glm5f.GLM5Con
     --train.indexer_loss, "indexer_loss" (the indexer's KL summed over the indexer layers and the valid queries)
     and "indexer_recall" (summed over the valid queries, averaged over the indexer layers; a metric only); with
     --train.seq_aux_loss_coeff, "seq_aux_loss" (the sequence-wise balance loss of every sequence, summed over the
-    MoE layers). The objective is the sum over names of coefficient * sums[name] / denoms[its denominator]
+    MoE layers); with MTP inputs in the batch (`with_targets(batch, depths)`), "mtp_loss": the sum over depths of
+    each depth's cross-entropy sum over its own global target count (its denominator is the number of depths, so
+    its value is the mean over depths of each depth's token mean). The MTP layers count as layers for the indexer
+    and balance losses, and their routes follow the main ones. The objective is the sum over names of coefficient * sums[name] / denoms[its denominator]
     (OBJECTIVE_DENOMS), denoms being the step's global counts (`step_denoms`), so the step's value does not
     depend on the layout. routes are the expert choices of every MoE layer. Activations are `dtype`; weights
     compute in `weight_dtype`.
@@ -105,6 +111,14 @@ def micro_loss(params: dict, batch: dict, denoms: dict, model_cfg: glm5f.GLM5Con
     logits, aux = apply(compute, model_cfg, batch["input_ids"], ctx, experts=layout.experts, remat=remat)
     layers, routes = aux["layers"], aux["routes"]
     sums = {"loss": cross_entropy_sum(logits, batch["targets"])[0]}
+    depths = sum(1 for k in batch if k.startswith("mtp_input_ids."))
+    if depths:
+        ids = [batch[f"mtp_input_ids.{d}"] for d in range(1, depths + 1)]
+        mtp_logits, mtp_aux = mtp_apply(compute, model_cfg, aux["hidden"], ids, ctx, experts=layout.experts,
+                                        remat=remat)
+        sums["mtp_loss"] = sum(cross_entropy_sum(lg, batch[f"mtp_targets.{d + 1}"])[0] / denoms["mtp_targets"][d]
+                               for d, lg in enumerate(mtp_logits))
+        layers, routes = layers + mtp_aux["layers"], routes + mtp_aux["routes"]
     zero = torch.zeros((), dtype=torch.float64, device=logits.device)
     if objectives.indexer_loss != "off":
         indexed = [a for a in layers if "indexer_loss" in a]
@@ -117,18 +131,28 @@ def micro_loss(params: dict, batch: dict, denoms: dict, model_cfg: glm5f.GLM5Con
     return objective, (sums, routes)
 
 
-def with_targets(batch: dict) -> dict:
-    """The batch with its next-token targets (shifted on whole sequences, before any split) and valid tokens."""
+def with_targets(batch: dict, mtp_depths: int = 0) -> dict:
+    """The batch with its next-token targets (shifted on whole sequences, before any split) and valid tokens;
+    with mtp_depths, also each MTP depth d's inputs "mtp_input_ids.{d}" and targets "mtp_targets.{d}"."""
     mask = batch.get("attention_mask")
-    return dict(batch, targets=shift_labels(batch["labels"]),
-                valid=mask if mask is not None and mask.ndim == 2 else torch.ones_like(batch["input_ids"]))
+    valid = mask if mask is not None and mask.ndim == 2 else torch.ones_like(batch["input_ids"])
+    out = dict(batch, targets=shift_labels(batch["labels"]), valid=valid)
+    for d in range(1, mtp_depths + 1):
+        out[f"mtp_input_ids.{d}"] = mtp_inputs(batch["input_ids"], d)
+        out[f"mtp_targets.{d}"] = mtp_targets(batch["labels"], d, batch.get("position_ids"), valid)
+    return out
 
 
 def step_denoms(batch: dict) -> dict:
     """The global counts the step's objectives are averaged over (at least 1 each), of a `with_targets` batch."""
-    return {"targets": (batch["targets"] != glm5f.IGNORE_INDEX).sum().clamp(min=1),
-            "queries": batch["valid"].sum().clamp(min=1),
-            "sequences": (batch["valid"].sum(1) > 0).sum().clamp(min=1)}
+    denoms = {"targets": (batch["targets"] != glm5f.IGNORE_INDEX).sum().clamp(min=1),
+              "queries": batch["valid"].sum().clamp(min=1),
+              "sequences": (batch["valid"].sum(1) > 0).sum().clamp(min=1)}
+    mtp = [batch[f"mtp_targets.{d}"] for d in range(1, 1 + sum(k.startswith("mtp_targets.") for k in batch))]
+    if mtp:  # per depth: its target count; and the number of depths the MTP loss is a mean over
+        denoms["mtp_targets"] = torch.stack([(t != glm5f.IGNORE_INDEX).sum() for t in mtp]).clamp(min=1)
+        denoms["mtp_depths"] = torch.tensor(float(len(mtp)), dtype=torch.float64, device=mtp[0].device)
+    return denoms
 
 
 def step_grads(params: dict, batch: dict, cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout):
@@ -146,9 +170,10 @@ def step_grads(params: dict, batch: dict, cfg: Config, model_cfg: glm5f.GLM5Conf
     master = {p: t.dtype for p, t in flatten(params).items()}
     if reduce is not None:
         params = map_with_path(lambda p, t: t.to(torch.promote_types(t.dtype, reduce)), params)
-    batch = with_targets(batch)
+    batch = with_targets(batch, model_cfg.num_nextn_predict_layers)
     denoms = step_denoms(batch)
-    moe_layers = [i for i in range(model_cfg.num_hidden_layers) if model_cfg.is_moe(i)]
+    moe_layers = [i for i in range(model_cfg.num_hidden_layers + model_cfg.num_nextn_predict_layers)
+                  if model_cfg.is_moe(i)]
     grads, sums, counts = None, {}, {}
     t = cfg.train
     grad_fn = value_and_grad(micro_loss, has_aux=True,
@@ -173,7 +198,7 @@ def step_grads(params: dict, batch: dict, cfg: Config, model_cfg: glm5f.GLM5Conf
 
 # each objective's denominator in `step_denoms`
 OBJECTIVE_DENOMS = {"loss": "targets", "indexer_loss": "queries", "indexer_recall": "queries",
-                    "seq_aux_loss": "sequences"}
+                    "seq_aux_loss": "sequences", "mtp_loss": "mtp_depths"}
 
 
 @torch.no_grad()

@@ -87,7 +87,9 @@ class GLM5Config:
     mlp_bias: bool = False  # accepted for compatibility; GLM-5's MLPs have no bias whatever it says
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
-    num_nextn_predict_layers: int = 0  # multi-token-prediction layers in the checkpoint (not part of forward)
+    # Multi-token-prediction (MTP) layers after the main ones: model.layers.{num_hidden_layers + d}. Trained by
+    # the MTP loss and used as a speculative draft; `forward` (the main model's logits) never runs them.
+    num_nextn_predict_layers: int = 0
     pad_token_id: int | None = None
     bos_token_id: int | None = 0
     eos_token_id: int | tuple[int, ...] | None = 1
@@ -139,10 +141,13 @@ class GLM5Config:
         return scale
 
     def is_moe(self, layer: int) -> bool:
-        return self.mlp_layer_types[layer] == "sparse"
+        """Whether `layer` has a MoE MLP. MTP layers (layer >= num_hidden_layers) are MoE when the last main
+        layer is (as in GLM-5 and DeepSeek-V3)."""
+        return self.mlp_layer_types[min(layer, self.num_hidden_layers - 1)] == "sparse"
 
     def has_indexer(self, layer: int) -> bool:
-        return self.indexer_types[layer] == "full"
+        """Whether `layer` runs its own DSA indexer; MTP layers always do (they have no earlier layer to share)."""
+        return layer >= self.num_hidden_layers or self.indexer_types[layer] == "full"
 
     def replace(self, **changes) -> GLM5Config:
         """A copy with `changes`; per-layer lists are re-derived unless given (they depend on the layer count)."""
@@ -228,6 +233,7 @@ def _validate(c: GLM5Config) -> None:
                  "v_head_dim", "index_topk", "index_n_heads", "index_head_dim", "n_routed_experts",
                  "num_experts_per_tok", "n_group", "topk_group", "max_position_embeddings"):
         need(getattr(c, name) > 0, f"{name} must be positive, got {getattr(c, name)}")
+    need(c.num_nextn_predict_layers >= 0, f"num_nextn_predict_layers must be >= 0, got {c.num_nextn_predict_layers}")
     need(c.n_shared_experts >= 0, f"n_shared_experts must be >= 0, got {c.n_shared_experts}")
     need(c.num_key_value_heads == c.num_attention_heads,
          f"MLA expands one latent into every head: num_key_value_heads must equal num_attention_heads "
@@ -267,7 +273,7 @@ def _validate(c: GLM5Config) -> None:
 
 # Presets: plain dicts of overrides on the defaults (the full GLM-5), looked up by name.
 PRESETS: dict[str, dict[str, Any]] = {
-    "glm5": {},
+    "glm5": {"num_nextn_predict_layers": 1},  # the release carries one MTP layer
     # MLA + DSA attention with dense SwiGLU MLPs only, a few hundred hidden units.
     "glm5-scaled-dense": dict(
         vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,

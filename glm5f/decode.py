@@ -1,5 +1,6 @@
 """Autoregressive decoding on an append-only cache: per layer the latent rows (compressed kv + rope key) and the
-indexer keys. Prefill runs the prompt in one pass, then one token at a time."""
+indexer keys. Prefill runs the prompt in one pass, then one token at a time, or (draft="mtp") the MTP layers
+propose tokens that the main model verifies in one pass (self-speculative decoding, exact greedy output)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from glm5f.attention import AttnContext, Mask
 from glm5f.config import GLM5Config
-from glm5f.model import apply, check_input_ids
+from glm5f.model import apply, check_input_ids, make_context, mtp_inputs, mtp_layer
 from glm5f.ops import rope_tables
 
 
@@ -38,10 +39,12 @@ def init_cache(cfg: GLM5Config, batch: int, capacity: int, dtype: torch.dtype = 
 
 @torch.no_grad()
 def extend(params: dict, cfg: GLM5Config, cache: Cache, input_ids_BxS: torch.Tensor, position_ids_BxS: torch.Tensor,
-           key_valid_BxT: torch.Tensor | None = None) -> torch.Tensor:
-    """Run S new tokens against the cache (appending their keys) and return their logits [B, S, V].
+           key_valid_BxT: torch.Tensor | None = None, *, with_hidden: bool = False):
+    """Run S new tokens against the cache (appending their keys) and return their logits [B, S, V] (and the
+    last layer's hidden states [B, S, D] before the final norm with `with_hidden`).
 
-    key_valid_BxT: padding of every position so far including the new ones (None: no padding).
+    key_valid_BxT: padding of every position so far including the new ones (None: no padding). Setting
+    `cache.length` back drops the last positions (they are overwritten by the next extend).
     """
     B, S = input_ids_BxS.shape
     start, stop = cache.length, cache.length + S
@@ -58,9 +61,9 @@ def extend(params: dict, cfg: GLM5Config, cache: Cache, input_ids_BxS: torch.Ten
                 key_valid=None if key_valid_BxT is None else key_valid_BxT[:, :stop],
                 q_index_host=torch.arange(start, stop))
     cos, sin = rope_tables(cfg, position_ids_BxS, cache.latent[0].dtype)
-    logits, _ = apply(params, cfg, input_ids_BxS, AttnContext(cos, sin, mask, collect))
+    logits, aux = apply(params, cfg, input_ids_BxS, AttnContext(cos, sin, mask, collect))
     cache.length = stop
-    return logits
+    return (logits, aux["hidden"]) if with_hidden else logits
 
 
 def sample(logits_BxV: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
@@ -116,13 +119,103 @@ def stream(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, max_new_token
 
 def generate(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, max_new_tokens: int, *,
              attention_mask: torch.Tensor | None = None, eos_token_id: int | None = None,
-             temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None) -> torch.Tensor:
+             temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None,
+             draft: str | None = None, stats: dict | None = None) -> torch.Tensor:
     """Prompt + up to max_new_tokens tokens [B, S + n]. Greedy when temperature == 0, else sampled (nucleus
     sampling with top_p < 1).
 
     attention_mask [B, S] marks left padding of the prompts (positions then count real tokens only). Rows that
     produced eos_token_id keep emitting it; decoding stops early once every row has.
+
+    draft="mtp" (greedy only): the MTP layers draft num_nextn_predict_layers tokens per step, the main model
+    checks them in one pass; the output is the greedy one. A `stats` dict is filled with "proposed" and
+    "accepted" draft tokens (summed over rows) and "acceptance_rate" (accepted / proposed; 0.0 if none was).
     """
+    if draft is not None:
+        if draft != "mtp":
+            raise ValueError(f"draft must be None or 'mtp', got {draft!r}")
+        if temperature > 0:
+            raise ValueError(f"draft='mtp' verifies greedy tokens only: pass temperature=0, got {temperature}")
+        new = speculative(params, cfg, input_ids, max_new_tokens, attention_mask=attention_mask,
+                          eos_token_id=eos_token_id, stats=stats)
+        return torch.cat([input_ids, new], dim=1)
     new = stream(params, cfg, input_ids, max_new_tokens, attention_mask=attention_mask, eos_token_id=eos_token_id,
                  temperature=temperature, top_p=top_p, generator=generator)
     return torch.cat([input_ids] + [t[:, None] for t in new], dim=1)
+
+
+def mtp_propose(params: dict, cfg: GLM5Config, tokens_BxM: torch.Tensor, hidden_BxNxD: torch.Tensor,
+                positions_BxN: torch.Tensor, valid_BxN: torch.Tensor | None, n: int) -> torch.Tensor:
+    """Draft tokens [B, n] following tokens_BxM, from the MTP depths 1..n run over the N = M - 1 positions whose
+    main hidden states hidden_BxNxD are known (recomputed in full each time: simple, not fast). Depth d at the
+    last position predicts token M - 1 + d from the tokens so far and the drafts of the depths before it."""
+    N = hidden_BxNxD.shape[1]
+    ctx = make_context(cfg, (tokens_BxM.shape[0], N), valid_BxN, positions_BxN, hidden_BxNxD.dtype,
+                       tokens_BxM.device)
+    seq_BxT, h_BxNxD = tokens_BxM, hidden_BxNxD
+    for d in range(1, n + 1):
+        logits_BxNxV, h_BxNxD, _ = mtp_layer(params, cfg, d, h_BxNxD, mtp_inputs(seq_BxT, d)[:, :N], ctx)
+        seq_BxT = torch.cat([seq_BxT, logits_BxNxV[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return seq_BxT[:, tokens_BxM.shape[1]:]
+
+
+@torch.no_grad()
+def speculative(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, max_new_tokens: int, *,
+                attention_mask: torch.Tensor | None = None, eos_token_id: int | None = None,
+                stats: dict | None = None) -> torch.Tensor:
+    """The greedy new tokens [B, n] by self-speculative decoding (see `generate`, draft="mtp").
+
+    Each step the MTP layers draft k tokens after the last one, the main model runs the last token and the
+    drafts against the cache, and the leading drafts that equal its greedy choices (in every row) are kept with
+    its next token; the cache drops the rest. So each step adds 1 to k + 1 tokens, all of them greedy."""
+    check_input_ids(input_ids, cfg)
+    depths = cfg.num_nextn_predict_layers
+    if depths < 1 or len(params["model"]["layers"]) < cfg.num_hidden_layers + depths:
+        raise ValueError(f"draft='mtp' needs MTP layers: the config has num_nextn_predict_layers={depths} and the "
+                         f"params {len(params['model']['layers']) - cfg.num_hidden_layers} past the main layers")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    B, S = input_ids.shape
+    device, dtype = input_ids.device, params["model"]["embed_tokens"]["weight"].dtype
+    capacity = S + max_new_tokens
+    if attention_mask is None:
+        valid, positions = None, torch.arange(capacity, device=device).expand(B, capacity)
+    else:
+        if tuple(attention_mask.shape) != (B, S):
+            raise ValueError(f"attention_mask must be [{B}, {S}], got {tuple(attention_mask.shape)}")
+        valid = torch.ones(B, capacity, dtype=torch.bool, device=device)
+        valid[:, :S] = attention_mask.bool()
+        prompt_pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        positions = torch.cat([prompt_pos, prompt_pos[:, -1:] + 1 + torch.arange(max_new_tokens, device=device)], 1)
+    proposed = accepted = 0
+    tokens = input_ids
+    if max_new_tokens:
+        cache = init_cache(cfg, B, capacity, dtype, device)
+        logits, hidden = extend(params, cfg, cache, input_ids, positions[:, :S], valid, with_hidden=True)
+        tokens = torch.cat([input_ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    while tokens.shape[1] - S < max_new_tokens:
+        if eos_token_id is not None and bool((tokens[:, S:] == eos_token_id).any(-1).all()):
+            break
+        M = tokens.shape[1]  # the cache and `hidden` hold positions 0..M-2; token M-1 is not run yet
+        k = min(depths, S + max_new_tokens - M - 1)
+        drafts = mtp_propose(params, cfg, tokens, hidden, positions[:, :M - 1],
+                             None if valid is None else valid[:, :M - 1], k)
+        logits, new_hidden = extend(params, cfg, cache, torch.cat([tokens[:, -1:], drafts], dim=1),
+                                    positions[:, M - 1:M + k], valid, with_hidden=True)
+        greedy = logits.argmax(-1)  # [B, k + 1]: the main model's token after each of them
+        a = int((drafts == greedy[:, :k]).long().cumprod(-1).sum(-1).min()) if k else 0
+        tokens = torch.cat([tokens, greedy[:, :a + 1]], dim=1)
+        hidden = torch.cat([hidden, new_hidden[:, :a + 1]], dim=1)
+        cache.length = M + a  # keep token M-1 and the a accepted drafts
+        proposed, accepted = proposed + B * k, accepted + B * a
+    if stats is not None:
+        stats.update(proposed=proposed, accepted=accepted, acceptance_rate=accepted / proposed if proposed else 0.0)
+    new = tokens[:, S:]
+    if eos_token_id is not None and new.shape[1]:  # as `stream`: eos repeats once emitted, stop when all did
+        done = (new == eos_token_id).long().cummax(-1).values.bool()
+        after = torch.cat([torch.zeros_like(done[:, :1]), done[:, :-1]], dim=1)
+        new = new.masked_fill(after, eos_token_id)
+        all_done = done.all(0)
+        if bool(all_done.any()):
+            new = new[:, :int(all_done.nonzero()[0]) + 1]
+    return new

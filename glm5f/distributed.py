@@ -60,6 +60,7 @@ class Spec(NamedTuple):
 
 
 BATCH_KEYS = ("input_ids", "labels", "targets", "position_ids", "attention_mask", "valid")
+MTP_BATCH_PREFIXES = ("mtp_input_ids.", "mtp_targets.")  # per MTP depth d: "mtp_input_ids.{d}", "mtp_targets.{d}"
 
 
 def logical_kind(path: str) -> str:
@@ -136,7 +137,8 @@ class DistLayout(Layout):
         B, S = batch["input_ids"].shape
         rows = slice(self.dp_rank * B // self.dp, (self.dp_rank + 1) * B // self.dp)
         q_index = cp_positions(S, self.cp, self.cp_rank).to(batch["input_ids"].device)
-        out = {k: v[rows].index_select(1, q_index) for k, v in batch.items() if k in BATCH_KEYS and v.ndim == 2}
+        out = {k: v[rows].index_select(1, q_index) for k, v in batch.items()
+               if (k in BATCH_KEYS or k.startswith(MTP_BATCH_PREFIXES)) and v.ndim == 2}
         out["full_position_ids"] = batch["position_ids"][rows]
         mask = batch.get("attention_mask")
         if mask is not None and mask.ndim == 2:

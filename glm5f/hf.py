@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from glm5f.config import GLM5Config, read_json
-from glm5f.params import abstract_params, describe_mismatch, flatten, leaf_dtype, unflatten
+from glm5f.params import MTP_COPIES, abstract_params, describe_mismatch, flatten, leaf_dtype, unflatten
 
 _EXPERT_LEAF = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.weight$")
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
@@ -59,10 +59,11 @@ def _inventory(files: list[str]) -> dict[str, tuple[str, tuple[int, ...], str]]:
     return inv
 
 
-def _plan(cfg: GLM5Config, inv: dict) -> tuple[dict[str, list], list[str]]:
-    """{checkpoint key: [(our path, expert index or None, row slice or None)]} and the MTP keys; raises one error
-    listing every missing, unexpected and misshapen tensor."""
-    want = {p: tuple(t.shape) for p, t in flatten(abstract_params(cfg, torch.float32)).items()}
+def _plan(cfg: GLM5Config, inv: dict, copies: tuple[str, ...] = ()) -> tuple[dict[str, list], list[str]]:
+    """{checkpoint key: [(our path, expert index or None, row slice or None)]} and the keys of layers past the
+    config's (MTP layers it does not count); raises one error listing every missing, unexpected and misshapen
+    tensor."""
+    want = {p: tuple(t.shape) for p, t in flatten(abstract_params(cfg, torch.float32, copies)).items()}
     plan, missing, wrong, known = {}, [], [], set()
 
     def expect(key: str, shape: tuple, target):
@@ -97,7 +98,7 @@ def _plan(cfg: GLM5Config, inv: dict) -> tuple[dict[str, list], list[str]]:
     mtp, unexpected = [], []
     for key in inv.keys() - known:
         layer = _LAYER_KEY.match(key)
-        if layer and int(layer.group(1)) >= cfg.num_hidden_layers:
+        if layer and int(layer.group(1)) >= cfg.num_hidden_layers + cfg.num_nextn_predict_layers:
             mtp.append(key)
         else:
             unexpected.append(key)
@@ -129,18 +130,31 @@ def load_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
 
     Reads the safetensors headers first and checks every key and shape (one error lists all problems; nothing is
     loaded then), then copies tensor by tensor into the params tree. dtype: None keeps the checkpoint's dtypes;
-    the router and indexer head weights stay fp32 either way. Multi-token-prediction tensors
-    (model.layers.{num_hidden_layers}.*) are not part of the forward: a warning names them.
+    the router and indexer head weights stay fp32 either way.
+
+    The num_nextn_predict_layers multi-token-prediction layers (model.layers.{num_hidden_layers + d}.*) are read
+    when the checkpoint has them, with the layer's own embedding / head copies where present (kept as leaves
+    of their own, see params.MTP_COPIES); a checkpoint without any (Transformers' save_pretrained drops them)
+    loads without MTP (num_nextn_predict_layers 0, with a warning). Layers past those are ignored, with a warning.
     """
     path = os.fspath(path)
     cfg = GLM5Config.from_hf(path)
     inv = _inventory(checkpoint_files(path))
-    plan, mtp = _plan(cfg, inv)
+    L = cfg.num_hidden_layers
+    if cfg.num_nextn_predict_layers and not any(k.startswith(f"model.layers.{L}.") for k in inv):
+        warnings.warn(f"{path}: config.json has num_nextn_predict_layers={cfg.num_nextn_predict_layers} but the "
+                      f"weights hold no model.layers.{L}.* tensors; loading without the MTP layers",
+                      stacklevel=2)
+        cfg = cfg.replace(num_nextn_predict_layers=0)
+    copies = tuple(name for name in MTP_COPIES if cfg.num_nextn_predict_layers and
+                   all(f"model.layers.{L + d}.{name}.weight" in inv for d in range(cfg.num_nextn_predict_layers)))
+    plan, mtp = _plan(cfg, inv, copies)
     if mtp:
         warnings.warn(f"{path}: ignoring {len(mtp)} multi-token-prediction tensors (layers >= "
-                      f"num_hidden_layers={cfg.num_hidden_layers}), not used by the forward: "
-                      + ", ".join(_summarize_keys(mtp)), stacklevel=2)
-    shapes = flatten(abstract_params(cfg))
+                      f"num_hidden_layers + num_nextn_predict_layers = {L + cfg.num_nextn_predict_layers}; raise "
+                      f"num_nextn_predict_layers in config.json to load them): " + ", ".join(_summarize_keys(mtp)),
+                      stacklevel=2)
+    shapes = flatten(abstract_params(cfg, torch.float32, copies))
     first_dtype = {}
     for key, targets in plan.items():
         for target_path, _, _ in targets:
@@ -160,7 +174,7 @@ def load_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
                         if expert is not None:
                             dest = dest[expert]
                         dest.copy_(t if rows is None else t[:, rows])
-    return cfg, unflatten(flat, abstract_params(cfg))
+    return cfg, unflatten(flat, abstract_params(cfg, torch.float32, copies))
 
 
 def hf_state_dict(params: dict, *, fused_experts: bool = False) -> dict[str, torch.Tensor]:

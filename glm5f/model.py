@@ -49,7 +49,7 @@ def apply_embeds(params: dict, cfg: GLM5Config, x_BxSxD: torch.Tensor, ctx: Attn
                  experts: ExpertsFn = expert_ffn, remat: bool = False):
     """`apply` from input embeddings [B, S, D] instead of token ids."""
     topk, layers = None, []
-    for i, p_layer in enumerate(params["model"]["layers"]):
+    for i, p_layer in enumerate(params["model"]["layers"][:cfg.num_hidden_layers]):
         if remat and torch.is_grad_enabled():
             x_BxSxD, topk, aux = checkpoint(decoder_layer, p_layer, x_BxSxD, cfg, i, ctx, topk, experts,
                                             use_reentrant=False)
@@ -66,6 +66,45 @@ def lm_head(params: dict, cfg: GLM5Config, x_BxSxD: torch.Tensor) -> torch.Tenso
     x_BxSxD = rms_norm(params["model"]["norm"]["weight"], x_BxSxD, cfg.rms_norm_eps)
     head = params["model"]["embed_tokens"] if cfg.tie_word_embeddings else params["lm_head"]
     return linear(head, x_BxSxD)
+
+
+def mtp_apply(params: dict, cfg: GLM5Config, hidden_BxSxD: torch.Tensor, mtp_input_ids: list[torch.Tensor],
+              ctx: AttnContext, *, experts: ExpertsFn = expert_ffn, remat: bool = False):
+    """(logits [B, S, V] of each MTP depth, aux) from the main model's last hidden state (aux["hidden"] of
+    `apply`, before the final norm) and each depth's input ids (`mtp_inputs`: depth d holds t_{i+d} at i).
+
+    Depth d at position i: h = eh_proj(cat[enorm(embed(t_{i+d})), hnorm(h_i^{d-1})]) through its decoder layer
+    (h^0 the main model's), then shared_head.norm and the LM head; it predicts t_{i+d+1}. aux: "routes", the
+    expert indices of each MoE MTP layer; "layers", each MTP decoder layer's aux; "hidden", the last depth's output.
+    """
+    h_BxSxD, logits, routes, layers = hidden_BxSxD, [], [], []
+    for d, ids_BxS in enumerate(mtp_input_ids[:cfg.num_nextn_predict_layers]):
+        lg, h_BxSxD, aux = mtp_layer(params, cfg, d + 1, h_BxSxD, ids_BxS, ctx, experts=experts, remat=remat)
+        logits.append(lg)
+        layers.append(aux)
+        if "expert_idx" in aux:
+            routes.append(aux["expert_idx"])
+    return logits, {"routes": routes, "layers": layers, "hidden": h_BxSxD}
+
+
+def mtp_layer(params: dict, cfg: GLM5Config, depth: int, h_BxSxD: torch.Tensor, input_ids_BxS: torch.Tensor,
+              ctx: AttnContext, *, experts: ExpertsFn = expert_ffn, remat: bool = False):
+    """MTP depth `depth` (1-based): (logits [B, S, V], its output h^depth [B, S, D], the decoder layer's aux).
+    The embedding and head are the main model's unless the layer holds its own copies (params.MTP_COPIES)."""
+    layer, eps = cfg.num_hidden_layers + depth - 1, cfg.rms_norm_eps
+    p = params["model"]["layers"][layer]
+    embed = p.get("embed_tokens", params["model"]["embed_tokens"])["weight"]
+    e_BxSxD = F.embedding(input_ids_BxS, embed).to(ctx.dtype)
+    x_BxSxD = linear(p["eh_proj"], torch.cat([rms_norm(p["enorm"]["weight"], e_BxSxD, eps),
+                                              rms_norm(p["hnorm"]["weight"], h_BxSxD, eps)], dim=-1))
+    if remat and torch.is_grad_enabled():
+        h_BxSxD, _, aux = checkpoint(decoder_layer, p, x_BxSxD, cfg, layer, ctx, None, experts, use_reentrant=False)
+    else:
+        h_BxSxD, _, aux = decoder_layer(p, x_BxSxD, cfg, layer, ctx, None, experts)
+    head = p["shared_head"].get("head")
+    if head is None:
+        head = params["model"]["embed_tokens"] if cfg.tie_word_embeddings else params["lm_head"]
+    return linear(head, rms_norm(p["shared_head"]["norm"]["weight"], h_BxSxD, eps)), h_BxSxD, aux
 
 
 def forward(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
@@ -161,6 +200,33 @@ def dense_mask(mask_Bx1xSxT: torch.Tensor, q_index: torch.Tensor) -> Mask:
 def shift_labels(labels_BxS: torch.Tensor) -> torch.Tensor:
     """targets [B, S]: the label of the next token at each position; the last position gets IGNORE_INDEX."""
     return F.pad(labels_BxS[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def mtp_inputs(input_ids_BxS: torch.Tensor, depth: int) -> torch.Tensor:
+    """Input ids [B, S] of MTP depth `depth` (>= 1): t_{i+depth} at position i, 0 past the end (ignored there)."""
+    return F.pad(input_ids_BxS[:, depth:], (0, depth), value=0)
+
+
+def mtp_targets(labels_BxS: torch.Tensor, depth: int, position_ids_BxS: torch.Tensor | None = None,
+                valid_BxS: torch.Tensor | None = None) -> torch.Tensor:
+    """Targets [B, S] of MTP depth `depth` (>= 1): the label of t_{i+depth+1} at position i, IGNORE_INDEX where
+    that is past the end, in another packed document than i (documents start where position_ids do not step by
+    one), or where i, i+depth or i+depth+1 is padding (valid_BxS 0). Taken on whole sequences, as shift_labels."""
+    B, S = labels_BxS.shape
+    k = depth + 1
+    out = torch.full_like(labels_BxS, IGNORE_INDEX)
+    if k >= S:
+        return out
+    keep = torch.ones(B, S - k, dtype=torch.bool, device=labels_BxS.device)
+    if position_ids_BxS is not None:
+        pos = position_ids_BxS.expand(B, S)
+        seg = (torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+        keep &= seg[:, k:] == seg[:, :-k]
+    if valid_BxS is not None:
+        v = valid_BxS.bool()
+        keep &= v[:, :-k] & v[:, depth:S - 1] & v[:, k:]
+    out[:, :-k] = torch.where(keep, labels_BxS[:, k:], IGNORE_INDEX)
+    return out
 
 
 def cross_entropy_sum(logits_BxSxV: torch.Tensor, targets_BxS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -80,19 +80,51 @@ def _moe(c: GLM5Config) -> dict:
     return p
 
 
-def param_layout(c: GLM5Config) -> dict:
-    """The tree of `Leaf` (shape and init) that every params tree of `c` has."""
-    layers = [{
+MTP_COPIES = ("embed_tokens", "shared_head.head")  # an MTP layer's own embedding / head, where a checkpoint has them
+
+
+def _decoder_layer(c: GLM5Config, i: int) -> dict:
+    return {
         "self_attn": _attention(c, i),
         "mlp": _moe(c) if c.is_moe(i) else _mlp(c.hidden_size, c.intermediate_size),
         "input_layernorm": _norm(c.hidden_size),
         "post_attention_layernorm": _norm(c.hidden_size),
-    } for i in range(c.num_hidden_layers)]
+    }
+
+
+def _mtp_layer(c: GLM5Config, i: int, copies: tuple[str, ...]) -> dict:
+    """MTP layer `i` (>= num_hidden_layers): the norms of the token embedding and of the previous hidden state,
+    their projection eh_proj [D, 2D] (embedding first), a full decoder layer, and the norm before the LM head.
+    `copies` (names from MTP_COPIES) adds the layer's own embedding and head, as DeepSeek-V3 checkpoints hold."""
+    D, V = c.hidden_size, c.vocab_size
+    p = {**_decoder_layer(c, i), "enorm": _norm(D), "hnorm": _norm(D), "eh_proj": _linear(D, 2 * D),
+         "shared_head": {"norm": _norm(D)}}
+    if "embed_tokens" in copies:
+        p["embed_tokens"] = {"weight": Leaf((V, D), "normal")}
+    if "shared_head.head" in copies:
+        p["shared_head"]["head"] = {"weight": Leaf((V, D), "normal")}
+    return p
+
+
+def param_layout(c: GLM5Config, mtp_copies: tuple[str, ...] = ()) -> dict:
+    """The tree of `Leaf` (shape and init) that every params tree of `c` has: the main layers, then the
+    num_nextn_predict_layers MTP layers (with their own embedding / head copies named in `mtp_copies`)."""
+    L = c.num_hidden_layers
+    layers = [_decoder_layer(c, i) for i in range(L)]
+    layers += [_mtp_layer(c, L + d, mtp_copies) for d in range(c.num_nextn_predict_layers)]
     tree = {"model": {"embed_tokens": {"weight": Leaf((c.vocab_size, c.hidden_size), "normal")},
                       "layers": layers, "norm": _norm(c.hidden_size)}}
     if not c.tie_word_embeddings:
         tree["lm_head"] = _linear(c.vocab_size, c.hidden_size)
     return tree
+
+
+def mtp_copies(params: dict, cfg: GLM5Config) -> tuple[str, ...]:
+    """Which of MTP_COPIES the MTP layers of `params` hold (as loaded from a checkpoint that has them)."""
+    if not cfg.num_nextn_predict_layers:
+        return ()
+    flat = flatten(params)
+    return tuple(name for name in MTP_COPIES if f"model.layers.{cfg.num_hidden_layers}.{name}.weight" in flat)
 
 
 def _is_leaf(x) -> bool:
@@ -129,15 +161,16 @@ def init_params(cfg: GLM5Config, seed: int = 0, dtype: torch.dtype = torch.float
     return map_with_path(make, param_layout(cfg), is_leaf=_is_leaf)
 
 
-def abstract_params(cfg: GLM5Config, dtype: torch.dtype = torch.float32) -> dict:
+def abstract_params(cfg: GLM5Config, dtype: torch.dtype = torch.float32, mtp_copies: tuple[str, ...] = ()) -> dict:
     """The params tree as meta tensors: shapes and dtypes only, no memory (the full GLM-5 fits)."""
     return map_with_path(lambda path, leaf: torch.empty(leaf.shape, dtype=leaf_dtype(path, dtype), device="meta"),
-                         param_layout(cfg), is_leaf=_is_leaf)
+                         param_layout(cfg, mtp_copies), is_leaf=_is_leaf)
 
 
-def param_count(cfg: GLM5Config, *, include_buffers: bool = False) -> int:
-    """Number of trained parameters (the router's correction bias is a buffer and is not counted)."""
-    flat = flatten(param_layout(cfg), is_leaf=_is_leaf)
+def param_count(cfg: GLM5Config, *, include_buffers: bool = False, include_mtp: bool = True) -> int:
+    """Number of trained parameters (the router's correction bias is a buffer and is not counted), with the MTP
+    layers unless include_mtp=False."""
+    flat = flatten(param_layout(cfg if include_mtp else cfg.replace(num_nextn_predict_layers=0)), is_leaf=_is_leaf)
     return sum(_numel(leaf.shape) for path, leaf in flat.items() if include_buffers or not is_buffer(path))
 
 
@@ -182,7 +215,8 @@ def path_str(key_path) -> str:
 
 def check_params(params: dict, cfg: GLM5Config) -> None:
     """Raise one error listing every missing, unexpected or misshapen leaf of `params` for `cfg`."""
-    want = {p: leaf.shape for p, leaf in flatten(param_layout(cfg), is_leaf=_is_leaf).items()}
+    layout = param_layout(cfg, mtp_copies(params, cfg))
+    want = {p: leaf.shape for p, leaf in flatten(layout, is_leaf=_is_leaf).items()}
     have = {p: tuple(t.shape) for p, t in flatten(params).items()}
     missing = sorted(want.keys() - have.keys())
     unexpected = sorted(have.keys() - want.keys())

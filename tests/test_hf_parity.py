@@ -132,12 +132,14 @@ def test_indexer_types_derived_like_transformers(kw):
 
 def test_full_glm5_parameter_count_without_memory():
     cfg = glm5f.preset("glm5")
-    assert glm5f.param_count(cfg) == 743_911_199_232
+    assert glm5f.param_count(cfg, include_mtp=False) == 743_911_199_232
+    assert glm5f.param_count(cfg) == 753_864_119_552  # with the MTP layer (model.layers.78)
     abstract = glm5f.abstract_params(cfg)
     leaves = glm5f.flatten(abstract)
     assert all(t.device.type == "meta" for t in leaves.values())
-    buffers = sum(t.numel() for k, t in leaves.items() if k.endswith("e_score_correction_bias"))
-    assert sum(t.numel() for t in leaves.values()) - buffers == 743_911_199_232
+    trained = {k: t.numel() for k, t in leaves.items() if not k.endswith("e_score_correction_bias")}
+    assert sum(trained.values()) == 753_864_119_552
+    assert sum(n for k, n in trained.items() if k.startswith("model.layers.78.")) == 753_864_119_552 - 743_911_199_232
 
 
 @pytest.mark.parametrize("kind", ["bool", "float"])
