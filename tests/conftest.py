@@ -70,3 +70,13 @@ def with_grad(params: dict) -> dict:
     """A copy of params whose trainable leaves require grad."""
     return glm5f.params.map_with_path(
         lambda path, t: t.detach().clone().requires_grad_(glm5f.params.trainable(path)), params)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked slow run only when asked for (`-m slow`); CI runs the rest."""
+    if "slow" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(reason="slow: run with -m slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
