@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -60,6 +61,23 @@ def boundary_ties(params, cfg, input_ids, attention_mask=None) -> int:
     finally:
         attn.indexer_scores = orig
     return count
+
+
+@contextlib.contextmanager
+def stable_topk():
+    """torch.Tensor.topk as a stable descending sort (equal values: the lower index first, as glm5f's top-k), for
+    references whose top-k would otherwise break the indexer's frequent ties arbitrarily."""
+    orig = torch.Tensor.topk
+
+    def topk(self, k, dim=-1, largest=True, sorted=True):
+        values, indices = torch.sort(self, dim=dim, descending=largest, stable=True)
+        return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
+
+    torch.Tensor.topk = topk
+    try:
+        yield
+    finally:
+        torch.Tensor.topk = orig
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
