@@ -226,7 +226,7 @@ def plan(cfg: GLM5Config, run: RunShape, runtime_bytes: int = 0, device_bytes: i
 
     total = runtime + max(forward/backward, update): forward/backward holds params, optimizer state, the previous
     micro-batches' gradients (grad_accum > 1), the gathered weights and the activations at their peak (the start of
-    the backward); the update holds params, optimizer state, gradients and AdamW's out-of-place copies. `groups`
+    the backward); the update holds params, optimizer state, gradients and AdamW's temporary list. `groups`
     (`leaf_groups(cfg)`) and `cache` (a dict of activations by micro-batch shape) save work over many plans.
     """
     s = state_bytes(cfg, run, 0, groups)
@@ -305,7 +305,8 @@ def format_table(p: dict, model_name: str, run: RunShape, limit_note: str) -> st
         ("  largest transient", p["activation_transient_bytes"]),
         (f"  (activations {'without' if run.remat else 'with'} checkpointing)",
          p["activations_no_remat_bytes" if run.remat else "activations_remat_bytes"]),
-        (f"AdamW update transient ({ADAMW_UPDATE_COPIES} copies)", p["adamw_update_transient_bytes"]),
+        (f"AdamW update transient ({ADAMW_UPDATE_COPIES} cop{'y' if ADAMW_UPDATE_COPIES == 1 else 'ies'})",
+         p["adamw_update_transient_bytes"]),
     ]
     if p["runtime_bytes"]:
         rows.append(("runtime (python + torch, measured)", p["runtime_bytes"]))

@@ -19,15 +19,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_ten_step_alignment_of_every_layout(tmp_path):
-    """The CI version of scripts/align.py, with GLM-5's objectives on (indexer KL, MTP, balance loss): every
-    layout's loss and objectives stay within 1e-4 of one process for 10 steps."""
+    """The CI version of scripts/align.py (the 100-step figures are in the issue note). With GLM-5's objectives on
+    (indexer KL, MTP, balance loss) fp32 layouts drift past 1e-4 within 10 steps once a near-tied choice flips;
+    the fp64-sums test below holds them to the one-process numbers."""
     from scripts.align import main as align
 
-    assert align(["--steps", "10", "--objectives", "--out", str(tmp_path), "--tolerance", "1e-4"]) == 0
+    assert align(["--steps", "10", "--out", str(tmp_path), "--tolerance", "1e-4"]) == 0
 
 
 def test_ten_step_alignment_with_fp64_sums(tmp_path):
-    """fp32 with --train.reduce_dtype float64: every layout computes the one-process losses (bit for bit in
+    """fp32 with --train.reduce_dtype float64, GLM-5's objectives on (indexer sparse KL, one MTP layer, the
+    sequence-wise balance loss): every layout computes the one-process loss and objectives (bit for bit in
     practice; 1e-6 leaves room for a sum that lands on an fp32 rounding boundary on another machine)."""
     from scripts.align import main as align
 
