@@ -54,12 +54,11 @@ def inputs(kind: str):
     return None, pos, causal & (seg[:, :, None] == seg[:, None, :]), torch.ones(B, S, dtype=torch.bool)
 
 
-def naive_indexer_kl(p: dict, x: torch.Tensor, cos, sin, keyset_BxSxT, selected_BxSxT, valid_BxS):
-    """(KL sum, recall sum) of the indexer loss from its formula, fp64, every head expanded, no blocks."""
+def naive_target(p: dict, x: torch.Tensor, cos, sin, keyset_BxSxT):
+    """One layer's indexer-loss target [B, S, T], fp64: main attention's probabilities, summed over heads, normalised."""
     c = CFG
     H, N, P, V, R = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
-    I, J = c.index_n_heads, c.index_head_dim
-    with torch.no_grad():  # the target: main attention's probabilities, summed over heads, normalised
+    with torch.no_grad():
         q_lat = rms_norm(p["q_a_layernorm"]["weight"], x @ p["q_a_proj"]["weight"].T, LATENT_NORM_EPS)
         q = (q_lat @ p["q_b_proj"]["weight"].T).view(B, S, H, N + P)
         q_nope, q_rot = q[..., :N], apply_rope(q[..., N:], cos, sin)
@@ -71,7 +70,17 @@ def naive_indexer_kl(p: dict, x: torch.Tensor, cos, sin, keyset_BxSxT, selected_
                   + torch.einsum("bshp,btp->bhst", q_rot, k_rot)) * c.softmax_scale
         probs = torch.softmax(scores.masked_fill(~keyset_BxSxT[:, None], float("-inf")), dim=-1)
         target = probs.sum(1)
-        target = target / target.sum(-1, keepdim=True)
+        return target / target.sum(-1, keepdim=True)
+
+
+def naive_indexer_kl(p: dict, x: torch.Tensor, cos, sin, keyset_BxSxT, selected_BxSxT, valid_BxS, target=None):
+    """(KL sum, recall sum) of the indexer loss from its formula, fp64, every head expanded, no blocks. The target
+    is p's own layer's (naive_target) unless given."""
+    c = CFG
+    I, J, P = c.index_n_heads, c.index_head_dim, c.qk_rope_head_dim
+    if target is None:
+        target = naive_target(p, x, cos, sin, keyset_BxSxT)
+    q_lat = rms_norm(p["q_a_layernorm"]["weight"], x @ p["q_a_proj"]["weight"].T, LATENT_NORM_EPS)
     ip = p["indexer"]
     qi = (q_lat @ ip["wq_b"]["weight"].T).view(B, S, I, J)
     qi = torch.cat([apply_rope(qi[..., :P], cos, sin), qi[..., P:]], dim=-1)
