@@ -127,6 +127,9 @@ class TrainConfig:
     """Train the DSA lightning indexer on the KL from the main attention's head-summed probabilities (detached) to
     the index scores' softmax: dense over every visible key (warm-up), sparse over the selected top-k keys. The
     indexer's inputs are detached, so the rest of the model learns from the LM loss only. off: indexer frozen."""
+    indexer_target: str = "own"
+    """The indexer loss's target at a full layer: own (its own layer's attention) or mean (the mean of the target
+    distributions of the full layer and every shared layer reusing its top-k, so it picks keys for all of them)."""
     indexer_loss_coeff: float = 0.001
     """Weight of the indexer loss (per valid query, summed over indexer layers) in the step's objective."""
     seq_aux_loss_coeff: float = 0.0
@@ -284,6 +287,8 @@ def _trainable_errors(cfg: Config, model: glm5f.GLM5Config) -> list[str]:
     """What is wrong with --train.trainable and the indexer loss for this model."""
     t = cfg.train
     errs = [] if t.indexer_loss_coeff >= 0 else [f"--train.indexer_loss_coeff must be >= 0, got {t.indexer_loss_coeff}"]
+    if t.indexer_target not in ("own", "mean"):
+        errs.append(f"--train.indexer_target must be own or mean, got {t.indexer_target!r}")
     if t.trainable is None:
         return errs
     try:

@@ -63,12 +63,14 @@ def check_supported(cfg: Config) -> None:
 class Objectives:
     """What a training step optimizes beside the LM loss, and the weights (the --train flags of the same names).
 
-    indexer_loss: "off", "dense" or "sparse" (the DSA indexer's KL to the main attention); seq_aux_loss_coeff:
+    indexer_loss: "off", "dense" or "sparse" (the DSA indexer's KL to the main attention), indexer_target: "own"
+    or "mean" (its target, see AttnContext); seq_aux_loss_coeff:
     DeepSeek-V3's sequence-wise balance loss (0: off); mtp_loss_weight: the MTP layers' cross-entropy (used when
     the model has MTP layers).
     """
 
     indexer_loss: str = "off"
+    indexer_target: str = "own"
     indexer_loss_coeff: float = 0.0
     seq_aux_loss_coeff: float = 0.0
     mtp_loss_weight: float = 0.0
@@ -105,7 +107,7 @@ def micro_loss(params: dict, batch: dict, denoms: dict, model_cfg: glm5f.GLM5Con
     compute = layout.gather_params(map_with_path(lambda p, t: t.to(leaf_dtype(p, weight_dtype)), params))
     ctx = layout.context(model_cfg, batch, dtype)
     if objectives.indexer_loss != "off":
-        ctx = dataclasses.replace(ctx, indexer_loss=objectives.indexer_loss)
+        ctx = dataclasses.replace(ctx, indexer_loss=objectives.indexer_loss, indexer_target=objectives.indexer_target)
     if objectives.seq_aux_loss_coeff:
         ctx = dataclasses.replace(ctx, seq_aux=SeqAux(batch["valid"], layout.seq_sum))
     logits, aux = apply(compute, model_cfg, batch["input_ids"], ctx, experts=layout.experts, remat=remat)

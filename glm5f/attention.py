@@ -11,6 +11,7 @@ P qk_rope_head_dim, N qk_nope_head_dim, V v_head_dim, C = R + P, Q q_lora_rank, 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -104,14 +105,16 @@ class AttnContext:
     `collect(layer, name, local_keys) -> keys over all T positions` (identity; an all-gather under context
     parallelism; append-and-read for a decode cache). The objectives a training forward adds ride along:
     `indexer_loss`, "off" or the key set of the indexer's KL loss ("dense": every visible key, "sparse": the
-    selected top-k; see `indexer_kl`); `seq_aux`, set when the MoE layers are to compute their sequence-wise
-    balance loss."""
+    selected top-k; see `indexer_kl`); `indexer_target`, its target: "own" (each full layer's own attention) or
+    "mean" (the mean over the full layer and the shared layers reusing its top-k, see `IndexerGroup`); `seq_aux`,
+    set when the MoE layers are to compute their sequence-wise balance loss."""
 
     cos: torch.Tensor
     sin: torch.Tensor
     mask: Mask
     collect: Callable[[int, str, torch.Tensor], torch.Tensor] = identity_keys
     indexer_loss: str = "off"
+    indexer_target: str = "own"
     seq_aux: SeqAux | None = None
 
     @property
@@ -416,7 +419,9 @@ def attention(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, ctx: 
               prev_topk: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
     """MLA + DSA for one layer. Returns (output [B, S, D], top-k indices [B, S, K] or None when every key is
     selected, aux). A "full" layer runs its indexer; a "shared" layer reuses `prev_topk` from the last full layer.
-    aux: with ctx.indexer_loss on, a full layer's "indexer_loss" and "indexer_recall" fp64 sums (`indexer_kl`)."""
+    aux: with ctx.indexer_loss on, a full layer's "indexer_loss" and "indexer_recall" fp64 sums (`indexer_kl`).
+    With ctx.indexer_target "mean", a layer followed by a shared one returns an `IndexerGroup` (holding the top-k)
+    in place of the top-k, and the group's last layer's aux holds the group's sums (`group_kl`)."""
     B, S, _ = x_BxSxD.shape
     q_nope, q_rot, q_BxSxQ, latent_BxSxC = mla_project(p, x_BxSxD, cfg, ctx)
     # the latent rows are gathered (and their gradients summed over queries and CP ranks) in kv_b's dtype
@@ -433,6 +438,12 @@ def attention(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, ctx: 
         topk = indexer_topk(p["indexer"], x_BxSxD, q_BxSxQ, keys_BxTxJ, cfg, ctx) if T > cfg.index_topk else None
     else:
         topk = prev_topk
+    group = None
+    if isinstance(topk, IndexerGroup):  # a shared layer of a "mean" group
+        group, topk = topk, topk.topk
+    elif "indexer" in p and ctx.indexer_loss != "off" and ctx.indexer_target == "mean":
+        q_BxSxIxJ, w_BxSxI = indexer_student(p["indexer"], x_BxSxD.detach(), q_BxSxQ.detach(), cfg, ctx)
+        group = IndexerGroup(topk, x_BxSxD.shape[:2], q_BxSxIxJ, w_BxSxI, keys_BxTxJ, ())
     if topk is None and S > 1:
         out_BxSxHxV = dense_mla(p, q_nope, q_rot, latent_BxTxC, ctx.mask, cfg)
     elif (DENSE_TOPK_PATH and topk is not None and S > 1 and latent_dtype == q_nope.dtype
@@ -446,7 +457,14 @@ def attention(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, ctx: 
             topk = torch.arange(T, device=x_BxSxD.device).expand(B, S, T)
         out_BxSxHxV = sparse_mla(p, q_nope, q_rot, latent_BxTxC, topk, ctx.mask, cfg)
     aux = {}
-    if "indexer" in p and ctx.indexer_loss != "off":
+    if group is not None:
+        qa_BxSxHxC = target_queries(p, q_nope.detach(), q_rot.detach(), latent_BxTxC.detach(), cfg)
+        group = dataclasses.replace(group, targets=group.targets + ((qa_BxSxHxC, latent_BxTxC.detach()),))
+        if layer + 1 >= cfg.num_hidden_layers or cfg.has_indexer(layer + 1):  # the group's last layer
+            aux["indexer_loss"], aux["indexer_recall"] = group_kl(group, cfg, ctx)
+        else:
+            return linear(p["o_proj"], out_BxSxHxV.reshape(B, S, -1)), group, aux
+    elif "indexer" in p and ctx.indexer_loss != "off":
         aux["indexer_loss"], aux["indexer_recall"] = indexer_kl(
             p, x_BxSxD.detach(), q_BxSxQ.detach(), keys_BxTxJ, q_nope.detach(), q_rot.detach(),
             latent_BxTxC.detach(), None if topk is None or topk.shape[-1] >= T else topk, cfg, ctx)
@@ -470,26 +488,66 @@ def indexer_kl(p: dict, x_BxSxD: torch.Tensor, q_BxSxQ: torch.Tensor, keys_BxTxJ
     where every key is selected, and in sparse mode). Only the indexer's leaves p["indexer"] get gradients (the
     other inputs must come detached); keys_BxTxJ are the collected index keys, with their graph.
     """
-    ip = p["indexer"]
+    q_BxSxIxJ, w_BxSxI = indexer_student(p["indexer"], x_BxSxD, q_BxSxQ, cfg, ctx)
+    qa_BxSxHxC = target_queries(p, q_nope_BxSxHxN, q_rot_BxSxHxP, latent_BxTxC, cfg)
+    group = IndexerGroup(topk, x_BxSxD.shape[:2], q_BxSxIxJ, w_BxSxI, keys_BxTxJ, ((qa_BxSxHxC, latent_BxTxC),))
+    return group_kl(group, cfg, ctx)
+
+
+@dataclass(frozen=True)
+class IndexerGroup:
+    """What the indexer loss of a "mean" target needs from a full layer and the shared layers reusing its top-k,
+    carried from layer to layer in place of the top-k (`attention`'s prev_topk) until the group's last layer.
+
+    topk [B, S, K] (None: every key selected); shape (B, S); the student's inputs with their graph to the full
+    layer's indexer: index queries q_BxSxIxJ (wide, roped), head weights w_BxSxI, collected index keys
+    keys_BxTxJ; targets: per layer so far, its detached absorbed queries qa_BxSxHxC and collected latent rows
+    latent_BxTxC (O(S H C) each: the target distributions themselves are made per query block in `group_kl`).
+    """
+
+    topk: torch.Tensor | None
+    shape: tuple
+    q_BxSxIxJ: torch.Tensor
+    w_BxSxI: torch.Tensor
+    keys_BxTxJ: torch.Tensor
+    targets: tuple
+
+
+def indexer_student(ip: dict, x_BxSxD: torch.Tensor, q_BxSxQ: torch.Tensor, cfg: GLM5Config, ctx: AttnContext):
+    """(index queries [B, S, I, J] roped and wide, head weights [B, S, I]) of the student, with their graph."""
     B, S = x_BxSxD.shape[:2]
-    I, J, P, H = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim, cfg.num_attention_heads
+    I, J, P = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
     q_BxSxIxJ = linear(ip["wq_b"], q_BxSxQ).view(B, S, I, J)
     q_rot, q_pass = q_BxSxIxJ.split([P, J - P], dim=-1)
     q_BxSxIxJ = wide(torch.cat([apply_rope(q_rot, ctx.cos, ctx.sin), q_pass], dim=-1))
     w_BxSxI = linear(ip["weights_proj"], wide(x_BxSxD)) * I ** -0.5
-    with torch.no_grad():  # the target's queries, absorbed into latent space as the sparse path computes them
-        dt, act = latent_BxTxC.dtype, q_nope_BxSxHxN.dtype
-        w_k_HxNxR, _ = kv_b_heads(p, cfg)
-        q_abs_BxSxHxR = torch.einsum("bshn,hnr->bshr", q_nope_BxSxHxN.to(dt), w_k_HxNxR.detach().to(dt)).to(act)
-        qa_BxSxHxC = torch.cat([q_abs_BxSxHxR, q_rot_BxSxHxP], dim=-1)
+    return q_BxSxIxJ, w_BxSxI
+
+
+@torch.no_grad()
+def target_queries(p: dict, q_nope_BxSxHxN: torch.Tensor, q_rot_BxSxHxP: torch.Tensor,
+                   latent_BxTxC: torch.Tensor, cfg: GLM5Config) -> torch.Tensor:
+    """The target's queries [B, S, H, C], absorbed into latent space as the sparse path computes them."""
+    dt, act = latent_BxTxC.dtype, q_nope_BxSxHxN.dtype
+    w_k_HxNxR, _ = kv_b_heads(p, cfg)
+    q_abs_BxSxHxR = torch.einsum("bshn,hnr->bshr", q_nope_BxSxHxN.to(dt), w_k_HxNxR.detach().to(dt)).to(act)
+    return torch.cat([q_abs_BxSxHxR, q_rot_BxSxHxP], dim=-1)
+
+
+def group_kl(g: IndexerGroup, cfg: GLM5Config, ctx: AttnContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """(KL sum, recall sum) of `indexer_kl` with the target the mean of the group's layers' targets."""
+    B, S = g.shape
+    I, J, H = cfg.index_n_heads, cfg.index_head_dim, cfg.num_attention_heads
+    keys_BxTxJ, latent_BxTxC = g.keys_BxTxJ, g.targets[0][1]
+    topk = None if g.topk is None or g.topk.shape[-1] >= keys_BxTxJ.shape[1] else g.topk
     mask = ctx.mask
     valid_BxS = (mask.key_valid.expand(B, -1)[:, mask.q_index] if mask.key_valid is not None
-                 else torch.ones(B, S, dtype=torch.bool, device=x_BxSxD.device))
+                 else torch.ones(B, S, dtype=torch.bool, device=keys_BxTxJ.device))
     sparse = ctx.indexer_loss == "sparse" and topk is not None
     C = latent_BxTxC.shape[-1]
     width = topk.shape[-1] if sparse else keys_BxTxJ.shape[1]
     block = max(1, INDEXER_LOSS_BLOCK_ELEMS // max(1, B * width * (2 * H + 3 * I + 8 + (C + J if sparse else 0))))
-    return _IndexerKL.apply(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, qa_BxSxHxC, latent_BxTxC, topk, valid_BxS, mask,
+    return _IndexerKL.apply(g.q_BxSxIxJ, g.w_BxSxI, keys_BxTxJ, g.targets, topk, valid_BxS, mask,
                             cfg.softmax_scale, sparse, block)
 
 
@@ -505,8 +563,8 @@ class _IndexerKL(torch.autograd.Function):
     [B, s, I, keys] scores live for one block only); the backward scales the saved input gradients."""
 
     @staticmethod
-    def forward(ctx, q_BxSxIxJ, w_BxSxI, keys_BxTxJ, qa_BxSxHxC, latent_BxTxC, topk, valid_BxS, mask, scale,
-                sparse, block):
+    def forward(ctx, q_BxSxIxJ, w_BxSxI, keys_BxTxJ, targets, topk, valid_BxS, mask, scale, sparse, block):
+        """targets: ((qa_BxSxHxC, latent_BxTxC) per layer): the target is the mean of their distributions."""
         want = any(ctx.needs_input_grad[:3])
         B, S = valid_BxS.shape
         T, J = keys_BxTxJ.shape[1:]
@@ -521,18 +579,21 @@ class _IndexerKL(torch.autograd.Function):
             valid = valid_BxS[:, a:b].to(torch.float64)
             if sparse:
                 idx = topk[:, a:b]
-                rows = _gather_rows(latent_BxTxC, idx, qa_BxSxHxC.dtype)
                 allowed = allowed_BxSxK[:, a:b]
                 bias = None if bias_BxSxK is None else bias_BxSxK[:, a:b]
             else:
                 nk = mask.visible_keys(a, b)
-                rows = latent_BxTxC[:, None, :nk].to(qa_BxSxHxC.dtype)
                 allowed = mask.rows(a, b, nk)
                 bias = None if mask.bias is None else mask.bias[:, a:b, :nk]
-            # the target: heads' probabilities summed, zero off the key set, L1-normalised
-            probs = _block_probs(qa_BxSxHxC[:, a:b], rows, allowed, bias, scale).sum(2)
-            target = probs.masked_fill_(~allowed, 0)
-            target = target / target.sum(-1, keepdim=True).clamp(min=torch.finfo(target.dtype).tiny)
+            layer_targets = []
+            for qa_BxSxHxC, latent_BxTxC in targets:
+                rows = (_gather_rows(latent_BxTxC, idx, qa_BxSxHxC.dtype) if sparse
+                        else latent_BxTxC[:, None, :nk].to(qa_BxSxHxC.dtype))
+                # the target: heads' probabilities summed, zero off the key set, L1-normalised
+                probs = _block_probs(qa_BxSxHxC[:, a:b], rows, allowed, bias, scale).sum(2)
+                target = probs.masked_fill_(~allowed, 0)
+                layer_targets.append(target / target.sum(-1, keepdim=True).clamp(min=torch.finfo(target.dtype).tiny))
+            target = layer_targets[0] if len(layer_targets) == 1 else sum(layer_targets) / len(layer_targets)
             with torch.enable_grad():
                 q = q_BxSxIxJ[:, a:b].detach().requires_grad_(want)
                 w = w_BxSxI[:, a:b].detach().requires_grad_(want)
@@ -567,4 +628,4 @@ class _IndexerKL(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dloss, drecall):
         dq, dw, dk = ctx.saved_tensors
-        return (dq * dloss.to(dq.dtype), dw * dloss.to(dw.dtype), dk * dloss.to(dk.dtype)) + (None,) * 8
+        return (dq * dloss.to(dq.dtype), dw * dloss.to(dw.dtype), dk * dloss.to(dk.dtype)) + (None,) * 7

@@ -14,7 +14,7 @@ import tyro
 import glm5f
 from configs import Config, validate
 from glm5f import checkpoint
-from glm5f.attention import LATENT_NORM_EPS, attention, topk_as_mask
+from glm5f.attention import LATENT_NORM_EPS, IndexerGroup, attention, topk_as_mask
 from glm5f.model import make_context
 from glm5f.ops import apply_rope, layer_norm, rms_norm
 from glm5f.optim import adamw_init, trained_paths
@@ -54,12 +54,11 @@ def inputs(kind: str):
     return None, pos, causal & (seg[:, :, None] == seg[:, None, :]), torch.ones(B, S, dtype=torch.bool)
 
 
-def naive_indexer_kl(p: dict, x: torch.Tensor, cos, sin, keyset_BxSxT, selected_BxSxT, valid_BxS):
-    """(KL sum, recall sum) of the indexer loss from its formula, fp64, every head expanded, no blocks."""
+def naive_target(p: dict, x: torch.Tensor, cos, sin, keyset_BxSxT):
+    """One layer's indexer-loss target [B, S, T], fp64: main attention's probabilities, summed over heads, normalised."""
     c = CFG
     H, N, P, V, R = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
-    I, J = c.index_n_heads, c.index_head_dim
-    with torch.no_grad():  # the target: main attention's probabilities, summed over heads, normalised
+    with torch.no_grad():
         q_lat = rms_norm(p["q_a_layernorm"]["weight"], x @ p["q_a_proj"]["weight"].T, LATENT_NORM_EPS)
         q = (q_lat @ p["q_b_proj"]["weight"].T).view(B, S, H, N + P)
         q_nope, q_rot = q[..., :N], apply_rope(q[..., N:], cos, sin)
@@ -71,7 +70,17 @@ def naive_indexer_kl(p: dict, x: torch.Tensor, cos, sin, keyset_BxSxT, selected_
                   + torch.einsum("bshp,btp->bhst", q_rot, k_rot)) * c.softmax_scale
         probs = torch.softmax(scores.masked_fill(~keyset_BxSxT[:, None], float("-inf")), dim=-1)
         target = probs.sum(1)
-        target = target / target.sum(-1, keepdim=True)
+        return target / target.sum(-1, keepdim=True)
+
+
+def naive_indexer_kl(p: dict, x: torch.Tensor, cos, sin, keyset_BxSxT, selected_BxSxT, valid_BxS, target=None):
+    """(KL sum, recall sum) of the indexer loss from its formula, fp64, every head expanded, no blocks. The target
+    is p's own layer's (naive_target) unless given."""
+    c = CFG
+    I, J, P = c.index_n_heads, c.index_head_dim, c.qk_rope_head_dim
+    if target is None:
+        target = naive_target(p, x, cos, sin, keyset_BxSxT)
+    q_lat = rms_norm(p["q_a_layernorm"]["weight"], x @ p["q_a_proj"]["weight"].T, LATENT_NORM_EPS)
     ip = p["indexer"]
     qi = (q_lat @ ip["wq_b"]["weight"].T).view(B, S, I, J)
     qi = torch.cat([apply_rope(qi[..., :P], cos, sin), qi[..., P:]], dim=-1)
@@ -117,6 +126,73 @@ def test_indexer_kl_and_its_gradients_match_the_formula(mode, kind, blocks, monk
     for name, g, r in zip(leaves, grads, ref_grads):
         assert float(r.norm()) > 0, name
         assert float((g - r).norm() / r.norm()) <= 1e-6, name
+
+
+@pytest.mark.parametrize("kind", ["causal", "padding"])
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+def test_indexer_mean_target_and_its_gradients_match_the_formula(mode, kind, monkeypatch):
+    """--train.indexer_target mean on layers F S S: layer 0's indexer learns the mean of the three layers' targets
+    (each over the same key set), its loss appearing at layer 2, the group's last."""
+    monkeypatch.setattr(glm5f.attention, "INDEXER_LOSS_BLOCK_ELEMS", 20000)  # several query blocks
+    cfg = dataclasses.replace(CFG, index_topk_pattern="FSS", indexer_types=None)
+    am, pos, allowed, valid = inputs(kind)
+    g = torch.Generator().manual_seed(3)
+    layers = glm5f.init_params(cfg, seed=1, dtype=torch.float64)["model"]["layers"]
+    ps = [glm5f.params.map_with_path(lambda path, t: t + 0.1 * torch.randn(t.shape, generator=g, dtype=t.dtype)
+                                     if t.ndim == 1 else t, layer["self_attn"]) for layer in layers]
+    assert "indexer" in ps[0] and "indexer" not in ps[1] and "indexer" not in ps[2]
+    xs = [torch.randn(B, S, CFG.hidden_size, generator=g, dtype=torch.float64) for _ in ps]
+    ctx = dataclasses.replace(make_context(cfg, (B, S), am, pos, torch.float64, "cpu"), indexer_loss=mode,
+                              indexer_target="mean")
+    live = glm5f.params.map_with_path(lambda path, t: t.clone().requires_grad_(".indexer." in f".{path}"), ps[0])
+    carry, auxes = None, []
+    for i, (p, x) in enumerate(zip([live] + ps[1:], xs)):
+        _, carry, aux = attention(p, x, cfg, i, ctx, carry)
+        auxes.append(aux)
+        assert isinstance(carry, IndexerGroup) == (i < 2)
+    assert "indexer_loss" not in auxes[0] and "indexer_loss" not in auxes[1]
+    selected = topk_as_mask(carry, S)
+    keyset = allowed & selected if mode == "sparse" else allowed
+    target = sum(naive_target(p, x, ctx.cos, ctx.sin, keyset) for p, x in zip(ps, xs)) / 3
+    ref_live = glm5f.params.map_with_path(lambda path, t: t.clone().requires_grad_(".indexer." in f".{path}"), ps[0])
+    ref_loss, ref_recall = naive_indexer_kl(ref_live, xs[0], ctx.cos, ctx.sin, keyset, selected, valid, target)
+    own_loss, _ = naive_indexer_kl(ps[0], xs[0], ctx.cos, ctx.sin, keyset, selected, valid)
+    loss = float(ref_loss.detach())
+    assert loss > 0.5 and abs(loss - float(own_loss)) > 0.05 * loss  # the mean target is not layer 0's own
+    assert abs(float(auxes[2]["indexer_loss"].detach()) - loss) <= 1e-6 * loss
+    assert abs(float(auxes[2]["indexer_recall"]) - float(ref_recall)) <= 1e-6 * float(ref_recall)
+    leaves = {k: t for k, t in glm5f.flatten(live).items() if t.requires_grad}
+    ref_leaves = glm5f.flatten(ref_live)
+    grads = torch.autograd.grad(auxes[2]["indexer_loss"], list(leaves.values()))
+    ref_grads = torch.autograd.grad(ref_loss, [ref_leaves[k] for k in leaves])
+    for name, gr, r in zip(leaves, grads, ref_grads):
+        assert float(r.norm()) > 0, name
+        assert float((gr - r).norm() / r.norm()) <= 1e-6, name
+
+
+def test_indexer_mean_target_without_shared_layers_is_own_and_works_under_checkpointing():
+    params, batch = glm5f.init_params(CFG), batch_of("packed")
+    args = ["--model.preset", "glm5-tiny", "--model.index_topk", "8", "--model.initializer_range", "0.2",
+            "--train.indexer_loss", "dense"]
+    every_full = dataclasses.replace(CFG, index_topk_pattern="FFF", indexer_types=None)
+    own, g_own, _ = step_grads(params, batch, cli(*args), every_full, Layout(torch.device("cpu")))
+    mean, g_mean, _ = step_grads(params, batch, cli(*args, "--train.indexer_target", "mean"), every_full,
+                                 Layout(torch.device("cpu")))
+    assert own == mean and set(g_own) == set(g_mean)
+    for k in g_own:
+        assert torch.equal(g_own[k], g_mean[k]), k
+    # glm5-tiny's layers are F F S: layer 1's group holds layer 2; under activation checkpointing the same numbers
+    shared, g, _ = step_grads(params, batch, cli(*args, "--train.indexer_target", "mean"), CFG,
+                              Layout(torch.device("cpu")))
+    remat, g_remat, _ = step_grads(params, batch, cli(*args, "--train.indexer_target", "mean",
+                                                      "--train.activation_checkpointing"), CFG,
+                                   Layout(torch.device("cpu")))
+    own_shared, _, _ = step_grads(params, batch, cli(*args), CFG, Layout(torch.device("cpu")))
+    assert shared == remat and shared["indexer_loss"] != own_shared["indexer_loss"]
+    for k in g:
+        assert torch.equal(g[k], g_remat[k]), k
+    assert any("--train.indexer_target must be own or mean" in e
+               for e in validate(cli("--train.indexer_target", "both")))
 
 
 def batch_of(kind: str, seed: int = 0) -> dict:
