@@ -260,12 +260,13 @@ def plan(cfg: GLM5Config, run: RunShape, runtime_bytes: int = 0, device_bytes: i
                 fits=None if device_bytes is None else total <= device_bytes)
 
 
-def process_rss_bytes() -> int:
-    """This process's resident set size now (from /proc; 0 where there is none)."""
+def process_rss_bytes(field: str = "VmRSS") -> int:
+    """This process's resident set size now ("VmRSS"), or its peak since it started ("VmHWM"), from /proc; 0 where
+    there is none."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,7 +44,9 @@ def probe(argv: list[str], out: str) -> None:
     def save(run_dir, step, state, extra, meta, keep=3):
         if "runtime_bytes" not in record:  # the end of the warm-up run
             return os.path.join(run_dir, "not-written")
-        record["peak_bytes"] = peak_rss_bytes()
+        # VmHWM, not ru_maxrss: Linux carries ru_maxrss across execve, so a process started from a large one
+        # (pytest, late in a suite) would report its parent's size
+        record["peak_bytes"] = process_rss_bytes("VmHWM")
         local = [t.to_local() if hasattr(t, "to_local") else t for t in _tensors(state["params"])]
         record["param_bytes"] = sum(t.numel() * t.element_size() for t in local)
         return os.path.join(run_dir, "not-written")
@@ -59,19 +60,6 @@ def probe(argv: list[str], out: str) -> None:
     train.train(cfg, layout)
     with open(f"{out}.{record['rank']}", "w") as f:
         json.dump(record, f)
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak RSS since it started (VmHWM). Not ru_maxrss: Linux carries that across execve, so a
-    process started from a large one (pytest, late in a suite) would report its parent's size."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _tensors(tree):

@@ -127,7 +127,7 @@ def naive_mla(p, x, cfg, layer, ctx, prev_topk):
               + torch.einsum("bshp,btp->bhst", q_rot, latent[..., cfg.kv_lora_rank:])) * cfg.softmax_scale
     scores = scores.masked_fill(~torch.ones(S, S, dtype=torch.bool).tril(), float("-inf"))
     out = torch.einsum("bhst,bthv->bshv", scores.softmax(-1), v)
-    return linear(p["o_proj"], out.reshape(B, S, -1)), None
+    return linear(p["o_proj"], out.reshape(B, S, -1)), None, {}
 
 
 @SETTINGS
