@@ -104,20 +104,28 @@ def micro_loss(params: dict, batch: dict, denoms: dict, model_cfg: glm5f.GLM5Con
     depend on the layout. routes are the expert choices of every MoE layer. Activations are `dtype`; weights
     compute in `weight_dtype`.
     """
-    compute = layout.gather_params(map_with_path(lambda p, t: t.to(leaf_dtype(p, weight_dtype)), params))
+    def weights(tree: dict, prefix: str = "") -> dict:
+        """A (sub)tree's compute weights: cast to weight_dtype, FSDP shards gathered."""
+        cast = map_with_path(lambda p, t: t.to(leaf_dtype(f"{prefix}.{p}" if prefix else p, weight_dtype)), tree)
+        return layout.gather_params(cast, prefix)
+
+    # the embedding, final norm and head now; each decoder layer as it runs, freed after it (see `apply`)
+    top = weights({**params, "model": {k: v for k, v in params["model"].items() if k != "layers"}})
+    compute = {**top, "model": {**top["model"], "layers": params["model"]["layers"]}}
     ctx = layout.context(model_cfg, batch, dtype)
     if objectives.indexer_loss != "off":
         ctx = dataclasses.replace(ctx, indexer_loss=objectives.indexer_loss, indexer_target=objectives.indexer_target)
     if objectives.seq_aux_loss_coeff:
         ctx = dataclasses.replace(ctx, seq_aux=SeqAux(batch["valid"], layout.seq_sum))
-    logits, aux = apply(compute, model_cfg, batch["input_ids"], ctx, experts=layout.experts, remat=remat)
+    logits, aux = apply(compute, model_cfg, batch["input_ids"], ctx, experts=layout.experts, remat=remat,
+                        gather=weights)
     layers, routes = aux["layers"], aux["routes"]
     sums = {"loss": cross_entropy_sum(logits, batch["targets"])[0]}
     depths = sum(1 for k in batch if k.startswith("mtp_input_ids."))
     if depths:
         ids = [batch[f"mtp_input_ids.{d}"] for d in range(1, depths + 1)]
         mtp_logits, mtp_aux = mtp_apply(compute, model_cfg, aux["hidden"], ids, ctx, experts=layout.experts,
-                                        remat=remat)
+                                        remat=remat, gather=weights)
         sums["mtp_loss"] = sum(cross_entropy_sum(lg, batch[f"mtp_targets.{d + 1}"])[0] / denoms["mtp_targets"][d]
                                for d, lg in enumerate(mtp_logits))
         layers, routes = layers + mtp_aux["layers"], routes + mtp_aux["routes"]
@@ -295,10 +303,10 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
                                 f"{sorted(cfg.model.overrides())}")
         with user_errors():
             model_cfg, params = glm5f.load_hf(cfg.model.init_from, dtype=master, device=device)
-    else:
+        params = layout.shard_params(params)
+    else:  # each rank makes only its own shards
         model_cfg = cfg.model.build()
-        params = glm5f.init_params(model_cfg, seed=cfg.train.seed, dtype=master, device=device)
-    params = layout.shard_params(params)
+        params = layout.init_params(model_cfg, seed=cfg.train.seed, dtype=master)
     opt_state = adamw_init(params, trained_paths(params, cfg.train.trainable, indexer=cfg.train.indexer_loss != "off"))
 
     # ---- data
@@ -383,6 +391,7 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
                                              eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
             params = balance_router_bias(params, {k: c for k, c in counts.items() if matches(cfg.train.trainable, k)},
                                          cfg.optim.bias_update_rate)
+        del grads  # freed before the next step's forward and backward
         dt = time.perf_counter() - t0
         tokens = batch["input_ids"].numel()
         rec = {"step": step + 1, **metrics, "lr": lr, "grad_norm": float(grad_norm), "tokens": tokens,

@@ -26,13 +26,14 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from glm5f.attention import AttnContext, Mask
 from glm5f.config import GLM5Config
 from glm5f.model import dense_mask, packed_segments
 from glm5f.moe import ExpertsFn, expert_ffn
 from glm5f.ops import rope_tables
-from glm5f.params import map_with_path
+from glm5f.params import abstract_params, flatten, init_params, map_with_path
 from glm5f.parallel import Layout
 
 # Logical axes of each parameter (by path pattern; the first match wins).
@@ -101,21 +102,38 @@ class DistLayout(Layout):
         self.ep_group = self.meshes["experts"].get_group("ep")
 
     # ---- parameters
-    def param_specs(self, params: dict) -> dict:
-        """The spec tree: for each leaf of `params`, its Spec (mesh, stored / gathered / gradient placements)."""
+    def param_specs(self, params: dict, prefix: str = "") -> dict:
+        """The spec tree: for each leaf of `params` (the subtree at dotted path `prefix`), its Spec (mesh, stored /
+        gathered / gradient placements)."""
         def spec(path, _):
-            mesh, stored, gathered, grads = MESH_RULES[logical_kind(path)]
+            mesh, stored, gathered, grads = MESH_RULES[logical_kind(f"{prefix}.{path}" if prefix else path)]
             return Spec(self.meshes[mesh], stored, gathered, grads)
         return map_with_path(spec, params)
+
+    def init_params(self, cfg: GLM5Config, seed: int, dtype: torch.dtype) -> dict:
+        """`params.init_params` made rank-locally: each rank allocates and fills only its own shards (its FSDP rows,
+        its EP experts), equal to the same parts of the one-process init; no rank holds the whole model."""
+        meta = abstract_params(cfg, dtype)
+        specs = flatten(self.param_specs(meta), is_leaf=lambda x: isinstance(x, Spec))
+        meta = flatten(meta)
+
+        def region(path, shape):
+            size, offset = compute_local_shape_and_global_offset(shape, specs[path].mesh, specs[path].stored)
+            return tuple(slice(o, o + n) for o, n in zip(offset, size))
+
+        return map_with_path(lambda path, t: DTensor.from_local(t, specs[path].mesh, specs[path].stored,
+                                                                run_check=False, shape=meta[path].shape,
+                                                                stride=meta[path].stride()),
+                             init_params(cfg, seed, dtype, self.device, region))
 
     def shard_params(self, params: dict) -> dict:
         return map_with_path(lambda path, t, s: distribute_tensor(t.to(self.device), s.mesh, s.stored),
                              params, self.param_specs(params), is_leaf=lambda x: isinstance(x, Spec))
 
-    def gather_params(self, params: dict) -> dict:
+    def gather_params(self, params: dict, prefix: str = "") -> dict:
         def gather(path, t, s):
             return t.redistribute(s.mesh, s.gathered).to_local(grad_placements=s.grads)
-        return map_with_path(gather, params, self.param_specs(params), is_leaf=lambda x: isinstance(x, Spec))
+        return map_with_path(gather, params, self.param_specs(params, prefix), is_leaf=lambda x: isinstance(x, Spec))
 
     def full(self, t: torch.Tensor) -> torch.Tensor:
         return t.full_tensor() if isinstance(t, DTensor) else t

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -12,6 +14,13 @@ from glm5f.moe import ExpertsFn, expert_ffn, moe
 from glm5f.ops import linear, rms_norm, rope_tables, swiglu_mlp, wide, wide_dtype
 
 IGNORE_INDEX = -100
+# gather(subtree, its dotted path) -> the subtree's weights for compute (FSDP: gathered from the stored shards)
+GatherFn = Callable[[dict, str], dict]
+
+
+def stored(tree: dict, prefix: str) -> dict:
+    """The default GatherFn: the weights as they are."""
+    return tree
 
 
 def decoder_layer(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, ctx: AttnContext,
@@ -36,25 +45,29 @@ def decoder_layer(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, c
 
 
 def apply(params: dict, cfg: GLM5Config, input_ids_BxS: torch.Tensor, ctx: AttnContext, *,
-          experts: ExpertsFn = expert_ffn, remat: bool = False):
+          experts: ExpertsFn = expert_ffn, remat: bool = False, gather: GatherFn = stored):
     """(logits [B, S, V], aux) for inputs already checked and a prepared context. aux: "routes", the expert
     indices [N, K] of every MoE layer; "layers", each layer's aux dict (see `decoder_layer`); "hidden", the last
     layer's output [B, S, D] before the final norm. `remat` recomputes each decoder layer in the backward pass
-    (activation checkpointing)."""
+    (activation checkpointing). `gather` turns each decoder layer's stored weights into compute weights as the
+    layer starts (the other leaves are used as given): with `remat` the gathered layer is freed after its forward
+    and gathered again for its backward, so one layer's full weights are alive at a time."""
     x_BxSxD = F.embedding(input_ids_BxS, params["model"]["embed_tokens"]["weight"]).to(ctx.dtype)
-    return apply_embeds(params, cfg, x_BxSxD, ctx, experts=experts, remat=remat)
+    return apply_embeds(params, cfg, x_BxSxD, ctx, experts=experts, remat=remat, gather=gather)
 
 
 def apply_embeds(params: dict, cfg: GLM5Config, x_BxSxD: torch.Tensor, ctx: AttnContext, *,
-                 experts: ExpertsFn = expert_ffn, remat: bool = False):
+                 experts: ExpertsFn = expert_ffn, remat: bool = False, gather: GatherFn = stored):
     """`apply` from input embeddings [B, S, D] instead of token ids."""
+    def layer_fn(p_layer, x_BxSxD, i, topk):
+        return decoder_layer(gather(p_layer, f"model.layers.{i}"), x_BxSxD, cfg, i, ctx, topk, experts)
+
     topk, layers = None, []
     for i, p_layer in enumerate(params["model"]["layers"][:cfg.num_hidden_layers]):
         if remat and torch.is_grad_enabled():
-            x_BxSxD, topk, aux = checkpoint(decoder_layer, p_layer, x_BxSxD, cfg, i, ctx, topk, experts,
-                                            use_reentrant=False)
+            x_BxSxD, topk, aux = checkpoint(layer_fn, p_layer, x_BxSxD, i, topk, use_reentrant=False)
         else:
-            x_BxSxD, topk, aux = decoder_layer(p_layer, x_BxSxD, cfg, i, ctx, topk, experts)
+            x_BxSxD, topk, aux = layer_fn(p_layer, x_BxSxD, i, topk)
         layers.append(aux)
     logits = lm_head(params, cfg, x_BxSxD)
     return logits, {"routes": [a["expert_idx"] for a in layers if "expert_idx" in a], "layers": layers,
@@ -69,7 +82,8 @@ def lm_head(params: dict, cfg: GLM5Config, x_BxSxD: torch.Tensor) -> torch.Tenso
 
 
 def mtp_apply(params: dict, cfg: GLM5Config, hidden_BxSxD: torch.Tensor, mtp_input_ids: list[torch.Tensor],
-              ctx: AttnContext, *, experts: ExpertsFn = expert_ffn, remat: bool = False):
+              ctx: AttnContext, *, experts: ExpertsFn = expert_ffn, remat: bool = False,
+              gather: GatherFn = stored):
     """(logits [B, S, V] of each MTP depth, aux) from the main model's last hidden state (aux["hidden"] of
     `apply`, before the final norm) and each depth's input ids (`mtp_inputs`: depth d holds t_{i+d} at i).
 
@@ -79,7 +93,8 @@ def mtp_apply(params: dict, cfg: GLM5Config, hidden_BxSxD: torch.Tensor, mtp_inp
     """
     h_BxSxD, logits, routes, layers = hidden_BxSxD, [], [], []
     for d, ids_BxS in enumerate(mtp_input_ids[:cfg.num_nextn_predict_layers]):
-        lg, h_BxSxD, aux = mtp_layer(params, cfg, d + 1, h_BxSxD, ids_BxS, ctx, experts=experts, remat=remat)
+        lg, h_BxSxD, aux = mtp_layer(params, cfg, d + 1, h_BxSxD, ids_BxS, ctx, experts=experts, remat=remat,
+                                     gather=gather)
         logits.append(lg)
         layers.append(aux)
         if "expert_idx" in aux:
@@ -88,11 +103,13 @@ def mtp_apply(params: dict, cfg: GLM5Config, hidden_BxSxD: torch.Tensor, mtp_inp
 
 
 def mtp_layer(params: dict, cfg: GLM5Config, depth: int, h_BxSxD: torch.Tensor, input_ids_BxS: torch.Tensor,
-              ctx: AttnContext, *, experts: ExpertsFn = expert_ffn, remat: bool = False):
+              ctx: AttnContext, *, experts: ExpertsFn = expert_ffn, remat: bool = False,
+              gather: GatherFn = stored):
     """MTP depth `depth` (1-based): (logits [B, S, V], its output h^depth [B, S, D], the decoder layer's aux).
-    The embedding and head are the main model's unless the layer holds its own copies (params.MTP_COPIES)."""
+    The embedding and head are the main model's unless the layer holds its own copies (params.MTP_COPIES).
+    `gather` as in `apply` (the whole MTP layer is gathered once, outside activation checkpointing)."""
     layer, eps = cfg.num_hidden_layers + depth - 1, cfg.rms_norm_eps
-    p = params["model"]["layers"][layer]
+    p = gather(params["model"]["layers"][layer], f"model.layers.{layer}")
     embed = p.get("embed_tokens", params["model"]["embed_tokens"])["weight"]
     e_BxSxD = F.embedding(input_ids_BxS, embed).to(ctx.dtype)
     x_BxSxD = linear(p["eh_proj"], torch.cat([rms_norm(p["enorm"]["weight"], e_BxSxD, eps),

@@ -133,12 +133,14 @@ def _full(x: torch.Tensor) -> torch.Tensor:
 
 
 def clip_by_global_norm(grads: dict[str, torch.Tensor], max_norm: float):
-    """(grads scaled so their global norm is at most max_norm, the norm before clipping). max_norm <= 0: no clip."""
+    """(grads scaled so their global norm is at most max_norm, the norm before clipping). max_norm <= 0: no clip.
+    grads are donated: scaled in place (no second copy of them), the returned dict is the same."""
     norm = global_norm(grads)
     if max_norm <= 0:
         return grads, norm
     scale = min(1.0, max_norm / (float(norm) + 1e-6))
-    return dict(zip(grads, torch._foreach_mul(list(grads.values()), scale))), norm
+    torch._foreach_mul_(list(grads.values()), scale)
+    return grads, norm
 
 
 def lr_schedule(step: int, *, peak: float, warmup: int, total: int, min_ratio: float = 0.1) -> float:

@@ -12,6 +12,7 @@ from glm5f.attention import AttnContext
 from glm5f.config import GLM5Config
 from glm5f.model import make_context
 from glm5f.moe import ExpertsFn, expert_ffn
+from glm5f.params import init_params
 
 
 class Layout:
@@ -22,12 +23,17 @@ class Layout:
     def __init__(self, device: torch.device):
         self.device = device
 
+    def init_params(self, cfg: GLM5Config, seed: int, dtype: torch.dtype) -> dict:
+        """Fresh parameters as this layout stores them, each rank making only its own shards (here: all)."""
+        return init_params(cfg, seed, dtype, self.device)
+
     def shard_params(self, params: dict) -> dict:
         """Params as this layout stores them (DTensors under FSDP/EP)."""
         return params
 
-    def gather_params(self, params: dict) -> dict:
-        """Plain tensors for the forward, gradients flowing back to the stored (possibly sharded) leaves."""
+    def gather_params(self, params: dict, prefix: str = "") -> dict:
+        """Plain tensors for the forward, gradients flowing back to the stored (possibly sharded) leaves. `params`
+        is the whole tree, or the subtree at dotted path `prefix` (a decoder layer: "model.layers.3")."""
         return params
 
     def local_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

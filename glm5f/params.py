@@ -139,26 +139,56 @@ def is_buffer(path: str) -> bool:
     return path.endswith(BUFFER_LEAVES)
 
 
+# Leaves larger than this many elements draw their values in blocks of whole rows (dim 0), each block from its own
+# generator, so a rank can make only the rows it keeps (`init_params`'s region) with at most one block extra.
+INIT_BLOCK_ELEMS = 1 << 24
+Region = Callable[[str, tuple[int, ...]], tuple[slice, ...]]
+
+
 def init_params(cfg: GLM5Config, seed: int = 0, dtype: torch.dtype = torch.float32,
-                device: torch.device | str | None = None) -> dict:
+                device: torch.device | str | None = None, region: Region | None = None) -> dict:
     """Fresh parameters: N(0, initializer_range) for matrices, ones for norm scales, zeros for biases.
 
     Each leaf draws from its own generator seeded by (seed, path), so a leaf's values do not depend on which other
-    leaves exist or on the order they are made in.
+    leaves exist or on the order they are made in; a leaf of more than INIT_BLOCK_ELEMS elements draws each block
+    of rows from a generator seeded by (seed, path, block). `region(path, shape)`, if given, names the part of each
+    leaf to make (one slice per dim, e.g. a rank's shard): the result holds only those parts, equal to the same
+    parts of the whole init, and never more than one block of a leaf beyond them is allocated.
     """
     def make(path: str, leaf: Leaf) -> torch.Tensor:
         dt = leaf_dtype(path, dtype)
-        if leaf.init == "ones":
-            return torch.ones(leaf.shape, dtype=dt, device=device)
-        if leaf.init == "zeros":
-            return torch.zeros(leaf.shape, dtype=dt, device=device)
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(path.encode()))
-        x = torch.randn(leaf.shape, generator=gen, dtype=torch.float32) * cfg.initializer_range
+        where = region(path, tuple(leaf.shape)) if region else tuple(slice(0, n) for n in leaf.shape)
+        shape = tuple(len(range(*s.indices(n))) for s, n in zip(where, leaf.shape))
+        if leaf.init in ("ones", "zeros"):
+            return (torch.ones if leaf.init == "ones" else torch.zeros)(shape, dtype=dt, device=device)
+        x = _normal_rows(path, tuple(leaf.shape), where, seed) * cfg.initializer_range
         if path == "model.embed_tokens.weight" and cfg.pad_token_id is not None:
-            x[cfg.pad_token_id] = 0
+            rows = range(*where[0].indices(leaf.shape[0]))
+            if cfg.pad_token_id in rows:
+                x[rows.index(cfg.pad_token_id)] = 0
         return x.to(device=device, dtype=dt)
 
     return map_with_path(make, param_layout(cfg), is_leaf=_is_leaf)
+
+
+def _normal_rows(path: str, shape: tuple[int, ...], where: tuple[slice, ...], seed: int) -> torch.Tensor:
+    """The part `where` of a leaf's N(0, 1) values (fp32), made block of rows by block of rows."""
+    base = seed * 1_000_003 + zlib.crc32(path.encode())
+    if not shape:
+        return torch.randn((), generator=torch.Generator().manual_seed(base))
+    rows = max(1, INIT_BLOCK_ELEMS // max(1, _numel(shape[1:])))
+    lo, hi, _ = where[0].indices(shape[0])
+    parts = []
+    for b in range(lo // rows, -(-hi // rows)):
+        start = b * rows
+        block_shape = (min(rows, shape[0] - start), *shape[1:])
+        # the first block keeps the whole leaf's seed: leaves of one block draw as they always have
+        gen = torch.Generator().manual_seed(base if b == 0 else base + zlib.crc32(f"{path}#{b}".encode()))
+        block = torch.randn(block_shape, generator=gen, dtype=torch.float32)
+        parts.append(block[(slice(max(lo, start) - start, min(hi, start + rows) - start), *where[1:])])
+    if not parts:  # no rows here (an uneven shard's empty end)
+        return torch.empty((0, *shape[1:]))[(slice(None), *where[1:])]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def abstract_params(cfg: GLM5Config, dtype: torch.dtype = torch.float32, mtp_copies: tuple[str, ...] = ()) -> dict:

@@ -3,9 +3,10 @@ activations, from shapes and the run's sharding rules alone (nothing is allocate
 
     python train.py --plan table --model.preset glm5 --parallel.dp_shard 256 --parallel.ep 64 --data.seq_len 4096
 
-What it models is what the code does today: `micro_loss` gathers the whole params tree before the forward and the
-gathered weights stay alive through forward and backward; AdamW updates in place with one temporary list
-(`ADAMW_UPDATE_COPIES`).
+What it models is what the code does: `micro_loss` gathers the embedding, final norm, head and MTP layers once per
+micro-batch and each decoder layer as it runs; with activation checkpointing a layer's gathered weights are freed
+after its forward and gathered again for its backward, without it autograd keeps them all; AdamW updates in place
+with one temporary list (`ADAMW_UPDATE_COPIES`).
 Shape suffixes as in attention.py; n = B * S tokens of this rank, T keys (the whole sequence), M = n * k rows.
 """
 
@@ -89,29 +90,45 @@ def _numel(shape) -> int:
 
 
 def leaf_groups(cfg: GLM5Config) -> Counter:
-    """Counter of (shape, logical kind, path suffix kind) -> how many leaves: the plan's unit of work (a few dozen
-    groups for the full GLM-5, whose 78 layers repeat the same shapes)."""
+    """Counter of (shape, logical kind, stays fp32, trained, unit) -> how many leaves: the plan's unit of work (a
+    few dozen groups for the full GLM-5, whose 78 layers repeat the same shapes). unit is what the leaf is gathered
+    with: None for the leaves gathered once per micro-batch (embedding, final norm, head, MTP layers), else
+    (kind, n) for a decoder layer of one of the n layers sharing that kind's leaves (`apply` gathers one at a time).
+    """
+    layers: dict[int, list] = {}
     groups = Counter()
     for path, leaf in flatten(param_layout(cfg), is_leaf=lambda x: hasattr(x, "init")).items():
         fp32 = leaf_dtype(path, torch.float16) != torch.float16  # stays fp32 whatever the compute dtype
         trained = leaf_rule(path, len(leaf.shape)) in ("decay", "no_decay")
-        groups[(tuple(leaf.shape), logical_kind(path), fp32, trained)] += 1
+        key = (tuple(leaf.shape), logical_kind(path), fp32, trained)
+        parts = path.split(".")
+        if parts[:2] == ["model", "layers"] and int(parts[2]) < cfg.num_hidden_layers:
+            layers.setdefault(int(parts[2]), []).append(key)
+        else:
+            groups[key + (None,)] += 1
+    kinds = Counter(tuple(sorted(keys)) for keys in layers.values())
+    for i, (keys, n) in enumerate(kinds.items()):
+        for key in keys:
+            groups[key + ((i, n),)] += n
     return groups
 
 
 def state_bytes(cfg: GLM5Config, run: RunShape, rank: int = 0, groups: Counter | None = None) -> dict[str, int]:
     """Bytes one rank holds of: "params" (the stored fp32 masters, every leaf), "trained" (its trained leaves, in
-    the master dtype: what gradients and each AdamW moment take), "gathered" (the weights `gather_params` builds
-    for the forward, in their compute dtype: the full leaf, the ep share of routed experts; 0 in one process,
-    where the forward reads the stored leaves, unless the compute dtype differs) and "largest_gathered" (one leaf).
+    the master dtype: what gradients and each AdamW moment take), "gathered" (the weights micro_loss builds for
+    the forward, in their compute dtype: the full leaf, the ep share of routed experts; 0 in one process, where
+    the forward reads the stored leaves, unless the compute dtype differs), "gathered_once" (its part gathered
+    once per micro-batch), "largest_layer_gathered" (one decoder layer's, the largest) and "largest_gathered" (one
+    leaf's).
     """
     groups = leaf_groups(cfg) if groups is None else groups
     act = getattr(torch, run.dtype)
     master = torch.promote_types(act, torch.float32)
     weight = getattr(torch, run.reduce_dtype) if run.reduce_dtype else act
     shapes = mesh_shapes(run.dp_shard, run.cp, run.ep)
-    out = dict(params=0, trained=0, gathered=0, largest_gathered=0)
-    for (shape, kind, fp32, trained), count in groups.items():
+    out = dict(params=0, trained=0, gathered=0, gathered_once=0, largest_layer_gathered=0, largest_gathered=0)
+    per_layer = Counter()
+    for (shape, kind, fp32, trained, unit), count in groups.items():
         mesh, stored, gathered, _ = MESH_RULES[kind]
         if run.world > 1:
             coords = mesh_coords(rank, shapes[mesh])
@@ -125,7 +142,12 @@ def state_bytes(cfg: GLM5Config, run: RunShape, rank: int = 0, groups: Counter |
         entering = torch.promote_types(master, weight) if run.reduce_dtype else master  # what micro_loss gets
         copy = run.world > 1 or w_bytes != _nbytes(wide_dtype(entering) if fp32 else entering)
         out["gathered"] += count * full * w_bytes * copy
+        if unit is None:
+            out["gathered_once"] += count * full * w_bytes * copy
+        else:
+            per_layer[unit] += count * full * w_bytes * copy
         out["largest_gathered"] = max(out["largest_gathered"], full * w_bytes)
+    out["largest_layer_gathered"] = max((b // n for (_, n), b in per_layer.items()), default=0)
     return out
 
 
@@ -244,12 +266,15 @@ def plan(cfg: GLM5Config, run: RunShape, runtime_bytes: int = 0, device_bytes: i
     with_remat, without_remat = cache[key]
     acts = with_remat if run.remat else without_remat
     update = ADAMW_UPDATE_COPIES * moment
-    fwd_bwd = (s["params"] + optimizer + reduce_extra + (grads if run.grad_accum > 1 else 0) + s["gathered"]
+    # with activation checkpointing one decoder layer's gathered weights are alive at a time (recomputed with the
+    # layer in the backward); without it autograd keeps every layer's for the backward
+    gathered = s["gathered_once"] + s["largest_layer_gathered"] if run.remat else s["gathered"]
+    fwd_bwd = (s["params"] + optimizer + reduce_extra + (grads if run.grad_accum > 1 else 0) + gathered
                + acts["peak"] + s["largest_gathered"] * (run.world > 1))
     step_end = s["params"] + optimizer + grads + update
     total = runtime_bytes + max(fwd_bwd, step_end)
     return dict(world=run.world, dp_shard=run.dp_shard, cp=run.cp, ep=run.ep, params_bytes=s["params"],
-                grads_bytes=grads, optimizer_bytes=optimizer, gathered_bytes=s["gathered"],
+                grads_bytes=grads, optimizer_bytes=optimizer, gathered_bytes=gathered,
                 reduce_copy_bytes=reduce_extra, activations_bytes=acts["peak"],
                 activations_remat_bytes=with_remat["peak"], activations_no_remat_bytes=without_remat["peak"],
                 activation_layers_bytes=acts["layers"], activation_logits_bytes=acts["logits"],
@@ -295,7 +320,7 @@ def format_table(p: dict, model_name: str, run: RunShape, limit_note: str) -> st
         (f"parameters ({str(master).replace('torch.', '')} master shards)", p["params_bytes"]),
         ("gradients (trained leaves)", p["grads_bytes"]),
         ("optimizer (AdamW mu + nu)", p["optimizer_bytes"]),
-        ("gathered parameters (FSDP, fwd+bwd)", p["gathered_bytes"]),
+        (f"gathered parameters ({'one layer at a time' if run.remat else 'all layers'})", p["gathered_bytes"]),
     ]
     if p["reduce_copy_bytes"]:
         rows.append(("params + grads in --train.reduce_dtype", p["reduce_copy_bytes"]))

@@ -4,7 +4,7 @@
 
 Each rank first trains a toy model for one step (loading the kernels, thread pools and communication buffers
 every run has) and records its resident set size then (the runtime: python, torch, the process group); then it
-trains the given run and records its peak (ru_maxrss) when the last step has updated, just before the checkpoint
+trains the given run and records its peak (VmHWM) when the last step has updated, just before the checkpoint
 would be written (it is not: its serialisation buffers are not part of a training step), and the bytes of its
 parameter shards. OUT.json gets one record per rank.
 """

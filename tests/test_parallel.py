@@ -94,6 +94,11 @@ def test_reduce_float64_gradients_equal_single_process_to_the_last_bit(layout, t
     assert differing <= total * 1e-6, f"{layout}: {differing} of {total} gradient entries differ"
 
 
+@pytest.mark.parametrize("ep", [1, 2])
+def test_rank_local_init_is_the_shard_of_the_one_process_init(ep):
+    spawn(dist_checks.rank_local_init_check, 2, 2, ep)
+
+
 def test_cp_attention_equals_unsharded():
     spawn(dist_checks.cp_attention_property, 2)
 

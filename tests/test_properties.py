@@ -310,3 +310,32 @@ def test_topk_first_is_a_stable_descending_sort(T, seed, dtype):
     k = int(torch.randint(1, T + 1, (), generator=g))
     want = torch.sort(scores.float() + 0.0, dim=-1, descending=True, stable=True).indices[:, :k]
     assert torch.equal(topk_first(scores, k).sort().values, want.sort().values)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(block=st.integers(1, 3000), lo=st.integers(0, 40), n=st.integers(1, 40), lo1=st.integers(0, 8),
+       n1=st.integers(1, 64))
+def test_init_of_a_region_is_that_part_of_the_whole_init(block, lo, n, lo1, n1):
+    """init_params(region=...) makes each leaf's part alone, block of rows by block of rows, equal to the same part
+    of the whole init; the blocks (INIT_BLOCK_ELEMS elements) cut through the region anywhere."""
+    import glm5f.params as params_mod
+
+    cfg = glm5f.preset("glm5-tiny", num_hidden_layers=2, index_topk_pattern="FS", pad_token_id=7)
+    whole = glm5f.flatten(glm5f.init_params(cfg, seed=1))
+    old = params_mod.INIT_BLOCK_ELEMS
+    params_mod.INIT_BLOCK_ELEMS = block
+    try:
+        def region(path, shape):
+            if not shape:
+                return ()
+            return (slice(min(lo, shape[0]), min(lo + n, shape[0])),
+                    *((slice(min(lo1, shape[1]), min(lo1 + n1, shape[1])),) if len(shape) > 1 else ()),
+                    *(slice(0, d) for d in shape[2:]))
+        parts = glm5f.flatten(glm5f.init_params(cfg, seed=1, region=region))
+        blocked = glm5f.flatten(glm5f.init_params(cfg, seed=1))
+    finally:
+        params_mod.INIT_BLOCK_ELEMS = old
+    for k, t in whole.items():
+        assert torch.equal(parts[k], blocked[k][region(k, tuple(t.shape))]), k
+        if blocked[k].numel() <= block:  # one block: the values of the unblocked init
+            assert torch.equal(blocked[k], t), k
