@@ -301,12 +301,18 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         if cfg.model.overrides():
             raise TrainingError(f"--model.init_from takes the config from the checkpoint; drop the overrides "
                                 f"{sorted(cfg.model.overrides())}")
+        loaded = {}
+
+        def load(region):  # each rank reads only its own shards
+            loaded["cfg"], p = glm5f.load_hf(cfg.model.init_from, dtype=master, device=device, region=region)
+            return p
         with user_errors():
-            model_cfg, params = glm5f.load_hf(cfg.model.init_from, dtype=master, device=device)
-        params = layout.shard_params(params)
+            params = layout.local_params(load)
+        model_cfg = loaded["cfg"]
     else:  # each rank makes only its own shards
         model_cfg = cfg.model.build()
-        params = layout.init_params(model_cfg, seed=cfg.train.seed, dtype=master)
+        params = layout.local_params(lambda region: glm5f.init_params(model_cfg, cfg.train.seed, master, device,
+                                                                      region))
     opt_state = adamw_init(params, trained_paths(params, cfg.train.trainable, indexer=cfg.train.indexer_loss != "off"))
 
     # ---- data

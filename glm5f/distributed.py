@@ -19,7 +19,7 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,7 @@ from glm5f.config import GLM5Config
 from glm5f.model import dense_mask, packed_segments
 from glm5f.moe import ExpertsFn, expert_ffn
 from glm5f.ops import rope_tables
-from glm5f.params import abstract_params, flatten, init_params, map_with_path
+from glm5f.params import Region, map_with_path
 from glm5f.parallel import Layout
 
 # Logical axes of each parameter (by path pattern; the first match wins).
@@ -110,21 +110,28 @@ class DistLayout(Layout):
             return Spec(self.meshes[mesh], stored, gathered, grads)
         return map_with_path(spec, params)
 
-    def init_params(self, cfg: GLM5Config, seed: int, dtype: torch.dtype) -> dict:
-        """`params.init_params` made rank-locally: each rank allocates and fills only its own shards (its FSDP rows,
-        its EP experts), equal to the same parts of the one-process init; no rank holds the whole model."""
-        meta = abstract_params(cfg, dtype)
-        specs = flatten(self.param_specs(meta), is_leaf=lambda x: isinstance(x, Spec))
-        meta = flatten(meta)
+    def local_params(self, make: Callable[[Region], dict]) -> dict:
+        """Params made rank-locally: `make(region)` builds only the part `region(path, shape)` of each leaf (its
+        rank's shard: FSDP rows, its EP experts), e.g. `init_params(..., region=region)` or
+        `load_hf(..., region=region)`; they become the DTensors `shard_params` would. No rank holds the whole
+        model."""
+        shapes = {}
 
         def region(path, shape):
-            size, offset = compute_local_shape_and_global_offset(shape, specs[path].mesh, specs[path].stored)
+            mesh, stored = self._stored(path)
+            shapes[path] = torch.Size(shape)
+            size, offset = compute_local_shape_and_global_offset(shape, mesh, stored)
             return tuple(slice(o, o + n) for o, n in zip(offset, size))
 
-        return map_with_path(lambda path, t: DTensor.from_local(t, specs[path].mesh, specs[path].stored,
-                                                                run_check=False, shape=meta[path].shape,
-                                                                stride=meta[path].stride()),
-                             init_params(cfg, seed, dtype, self.device, region))
+        def wrap(path, t):
+            mesh, stored = self._stored(path)
+            return DTensor.from_local(t, mesh, stored, run_check=False, shape=shapes[path],
+                                      stride=torch.empty(shapes[path], device="meta").stride())
+        return map_with_path(wrap, make(region))
+
+    def _stored(self, path: str):
+        mesh, stored, _, _ = MESH_RULES[logical_kind(path)]
+        return self.meshes[mesh], stored
 
     def shard_params(self, params: dict) -> dict:
         return map_with_path(lambda path, t, s: distribute_tensor(t.to(self.device), s.mesh, s.stored),

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from glm5f.config import GLM5Config, read_json
-from glm5f.params import MTP_COPIES, abstract_params, describe_mismatch, flatten, leaf_dtype, unflatten
+from glm5f.params import MTP_COPIES, Region, abstract_params, describe_mismatch, flatten, leaf_dtype, unflatten
 
 _EXPERT_LEAF = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.weight$")
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
@@ -124,13 +124,15 @@ def _summarize_keys(keys: list[str]) -> list[str]:
     return out
 
 
-def load_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
-            device: torch.device | str = "cpu") -> tuple[GLM5Config, dict]:
+def load_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
+            region: Region | None = None) -> tuple[GLM5Config, dict]:
     """(cfg, params) from a Transformers GLM-5 checkpoint directory.
 
     Reads the safetensors headers first and checks every key and shape (one error lists all problems; nothing is
     loaded then), then copies tensor by tensor into the params tree. dtype: None keeps the checkpoint's dtypes;
-    the router and indexer head weights stay fp32 either way.
+    the router and indexer head weights stay fp32 either way. `region(path, shape)`, if given, names the part of
+    each leaf to load (one slice per dim: a rank's shard, see `Layout.local_params`): only those slices are read
+    from the files (and of per-expert tensors only the experts in it), and each leaf holds only its part.
 
     The num_nextn_predict_layers multi-token-prediction layers (model.layers.{num_hidden_layers + d}.*) are read
     when the checkpoint has them, with the layer's own embedding / head copies where present (kept as leaves
@@ -159,8 +161,12 @@ def load_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
     for key, targets in plan.items():
         for target_path, _, _ in targets:
             first_dtype.setdefault(target_path, _DTYPES.get(inv[key][2], torch.float32))
-    flat = {p: torch.empty(t.shape, dtype=leaf_dtype(p, dtype or first_dtype[p]), device=device)
-            for p, t in shapes.items()}
+    # each leaf's part to load: [start, stop) per dim
+    where = {p: tuple(slice(*sl.indices(n)[:2])
+                      for sl, n in zip(region(p, tuple(t.shape)) if region else (slice(None),) * t.ndim, t.shape))
+             for p, t in shapes.items()}
+    flat = {p: torch.empty([s.stop - s.start for s in where[p]], dtype=leaf_dtype(p, dtype or first_dtype[p]),
+                           device=device) for p in shapes}
     by_file = defaultdict(list)
     for key in plan:
         by_file[inv[key][0]].append(key)
@@ -168,12 +174,15 @@ def load_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
         for fn, keys in by_file.items():
             with safe_open(fn, framework="pt") as f:
                 for key in keys:
-                    t = f.get_tensor(key)
                     for target_path, expert, rows in plan[key]:
-                        dest = flat[target_path]
-                        if expert is not None:
-                            dest = dest[expert]
-                        dest.copy_(t if rows is None else t[:, rows])
+                        dest, part = flat[target_path], where[target_path]
+                        if expert is not None:  # one expert's tensor: the part past the expert dim, if ours
+                            if not part[0].start <= expert < part[0].stop:
+                                continue
+                            dest, part = dest[expert - part[0].start], part[1:]
+                        elif rows is not None:  # gate or up rows of a fused gate_up_proj [E, 2F, D]
+                            part = (part[0], slice(rows.start + part[1].start, rows.start + part[1].stop), *part[2:])
+                        dest.copy_(f.get_slice(key)[part] if part else f.get_tensor(key))
     return cfg, unflatten(flat, abstract_params(cfg, torch.float32, copies))
 
 

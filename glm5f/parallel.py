@@ -6,13 +6,15 @@ One process: every method is the identity (this file's `Layout`). Several proces
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from glm5f.attention import AttnContext
 from glm5f.config import GLM5Config
 from glm5f.model import make_context
 from glm5f.moe import ExpertsFn, expert_ffn
-from glm5f.params import init_params
+from glm5f.params import Region
 
 
 class Layout:
@@ -23,9 +25,10 @@ class Layout:
     def __init__(self, device: torch.device):
         self.device = device
 
-    def init_params(self, cfg: GLM5Config, seed: int, dtype: torch.dtype) -> dict:
-        """Fresh parameters as this layout stores them, each rank making only its own shards (here: all)."""
-        return init_params(cfg, seed, dtype, self.device)
+    def local_params(self, make: Callable[[Region | None], dict]) -> dict:
+        """Params as this layout stores them, each rank making only its own part: `make(region)` builds the part
+        `region(path, shape)` of each leaf (`init_params` and `load_hf` take it); here: region None, all of it."""
+        return make(None)
 
     def shard_params(self, params: dict) -> dict:
         """Params as this layout stores them (DTensors under FSDP/EP)."""

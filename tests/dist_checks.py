@@ -45,7 +45,7 @@ def first_step_grads(argv: list[str], out_path: str | None) -> dict:
     else:
         layout = Layout(torch.device("cpu"))
     model_cfg = cfg.model.build()
-    params = layout.init_params(model_cfg, cfg.train.seed, torch.float32)
+    params = layout.local_params(lambda region: glm5f.init_params(model_cfg, cfg.train.seed, region=region))
     data = glm5f.data.make_source(cfg.data.type, vocab_size=model_cfg.vocab_size, batch_size=cfg.data.batch_size,
                                   seq_len=cfg.data.seq_len, seed=cfg.data.seed)
     metrics, grads, counts = step_grads(params, data.next_batch(), cfg, model_cfg, layout)
@@ -57,20 +57,30 @@ def first_step_grads(argv: list[str], out_path: str | None) -> dict:
     return result
 
 
-def rank_local_init_check(dp_shard: int, ep: int) -> None:
+def rank_local_init_check(dp_shard: int, ep: int, ckpt_dir: str) -> None:
     """Each rank's rank-local init (`DistLayout.init_params`) is its shard of the one-process init, bit for bit,
-    with leaves drawn in many small blocks of rows that shard boundaries cut through; and each rank holds only
-    its shard."""
+    with leaves drawn in many small blocks of rows that shard boundaries cut through; each rank holds only its
+    shard; the same for loading a Transformers checkpoint rank-locally."""
     glm5f.params.INIT_BLOCK_ELEMS = 1000
     layout = DistLayout(dp_shard, 1, ep, init_process(torch.device("cpu")))
     cfg = glm5f.preset("glm5-tiny", num_hidden_layers=2, index_topk_pattern="FS", pad_token_id=5)
-    ours = glm5f.flatten(layout.init_params(cfg, 3, torch.float32))
+    ours = glm5f.flatten(layout.local_params(lambda region: glm5f.init_params(cfg, 3, region=region)))
     ref = glm5f.flatten(layout.shard_params(glm5f.init_params(cfg, 3)))
     bad = [k for k in ref if not (torch.equal(ours[k].to_local(), ref[k].to_local())
                                   and ours[k].placements == ref[k].placements and ours[k].shape == ref[k].shape)]
     local = sum(t.to_local().numel() for t in ours.values())
     ok = not bad and local < glm5f.param_count(cfg, include_buffers=True) // dp_shard + 4096
     assert agree(ok), f"rank {layout.rank}: {bad[:5]}, {local} local elements"
+    # and rank-local loading of a Transformers checkpoint: each rank reads only its slices
+    ckpt = os.path.join(ckpt_dir, "ckpt")
+    if layout.is_main:
+        glm5f.save_hf(ckpt, cfg, glm5f.init_params(cfg, 4))
+    dist.barrier()
+    loaded = glm5f.flatten(layout.local_params(lambda region: glm5f.load_hf(ckpt, region=region)[1]))
+    ref = glm5f.flatten(layout.shard_params(glm5f.load_hf(ckpt)[1]))
+    bad = [k for k in ref if not (torch.equal(loaded[k].to_local(), ref[k].to_local())
+                                  and loaded[k].placements == ref[k].placements and loaded[k].shape == ref[k].shape)]
+    assert agree(not bad), f"rank {layout.rank}: {bad[:5]}"
 
 
 def cp_attention_property() -> None:

@@ -95,8 +95,8 @@ def test_reduce_float64_gradients_equal_single_process_to_the_last_bit(layout, t
 
 
 @pytest.mark.parametrize("ep", [1, 2])
-def test_rank_local_init_is_the_shard_of_the_one_process_init(ep):
-    spawn(dist_checks.rank_local_init_check, 2, 2, ep)
+def test_rank_local_init_and_load_are_the_shards_of_the_one_process_ones(ep, tmp_path):
+    spawn(dist_checks.rank_local_init_check, 2, 2, ep, str(tmp_path))
 
 
 def test_cp_attention_equals_unsharded():
