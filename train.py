@@ -440,13 +440,12 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
 
 
 def export(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, layout: Layout, say) -> None:
-    """--checkpoint.export_hf: the weights as a Transformers checkpoint (collective: every rank gathers)."""
+    """--checkpoint.export_hf: the weights as a Transformers checkpoint (collective: the ranks gather one leaf at
+    a time, rank 0 writes)."""
     if cfg.checkpoint.export_hf:
-        full = map_with_path(lambda p, t: layout.full(t), params)
-        if layout.is_main:
-            with user_errors():
-                glm5f.save_hf(cfg.checkpoint.export_hf, model_cfg, full)
-            say(f"exported Transformers checkpoint: {cfg.checkpoint.export_hf}")
+        with user_errors():
+            glm5f.save_hf(cfg.checkpoint.export_hf, model_cfg, params, write=layout.is_main)
+        say(f"exported Transformers checkpoint: {cfg.checkpoint.export_hf}")
 
 
 def run_rank(argv: list[str]) -> None:

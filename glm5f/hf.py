@@ -9,6 +9,7 @@ fused one (`mlp.experts.gate_up_proj` [E, 2F, D], `mlp.experts.down_proj` [E, D,
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -196,14 +197,11 @@ def hf_state_dict(params: dict, *, fused_experts: bool = False) -> dict[str, tor
     out = {}
     for path, t in flatten(params).items():
         m = _EXPERT_LEAF.match(path)
-        if not m:
-            out[path] = t
+        if not fused_experts or not m:
+            out.update((key, t if e is None else t[e]) for key, e in _hf_keys(path, tuple(t.shape)))
             continue
         prefix, proj = m.groups()
-        if not fused_experts:
-            for e in range(t.shape[0]):
-                out[f"{prefix}.{e}.{proj}.weight"] = t[e]
-        elif proj == "down_proj":
+        if proj == "down_proj":
             out[f"{prefix}.down_proj"] = t
         elif proj == "up_proj":
             out[f"{prefix}.gate_up_proj"] = torch.cat([out.pop(f"{prefix}.gate_proj"), t], dim=1)
@@ -240,40 +238,61 @@ def check_export_dir(path: str | os.PathLike, run_dir: str | os.PathLike | None 
                          f"({', '.join(sorted(os.listdir(path))[:5])}); pass a new or empty directory, or remove them")
 
 
-def save_hf(path: str | os.PathLike, cfg: GLM5Config, params: dict, *, max_shard_bytes: int = 5 << 30) -> None:
+def save_hf(path: str | os.PathLike, cfg: GLM5Config, params: dict, *, max_shard_bytes: int = 5 << 30,
+            write: bool = True) -> None:
     """Write a Transformers checkpoint directory (config.json + safetensors, per-expert keys, sharded with an
     index above `max_shard_bytes`). Written into a temporary sibling and renamed, so `path` never holds half a
-    checkpoint. `path` must be new, empty or a previous export (check_export_dir); that one is replaced."""
+    checkpoint. `path` must be new, empty or a previous export (check_export_dir); that one is replaced.
+
+    Leaves are gathered one at a time (DTensor leaves of a sharded run: every rank calls save_hf, in the same
+    order, and only the one with write=True checks `path` and writes), so no rank holds more than one full leaf
+    and one shard file's tensors.
+    """
     path = os.fspath(path).rstrip("/")
-    check_export_dir(path)
-    tensors = hf_state_dict(params)
-    dtypes = {t.dtype for t in tensors.values()}
+    if write:
+        check_export_dir(path)
+    flat = flatten(params)
+    entries = [(key, leaf, e, math.prod(t.shape[1:] if e is not None else t.shape) * t.element_size())
+               for leaf, t in flat.items() for key, e in _hf_keys(leaf, tuple(t.shape))]
     shards, current, size = [], [], 0
-    for key, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if current and size + nbytes > max_shard_bytes:
+    for entry in entries:
+        if current and size + entry[3] > max_shard_bytes:
             shards.append(current)
             current, size = [], 0
-        current.append(key)
-        size += nbytes
+        current.append(entry)
+        size += entry[3]
     shards.append(current)
+    held = {"leaf": None, "t": None}  # the one leaf gathered now
+
+    def tensor(key, leaf, e, _):
+        if held["leaf"] != leaf:
+            held.update(leaf=leaf, t=None)
+            held["t"] = _materialize(flat[leaf])
+        return held["t"] if e is None else held["t"][e].clone()
+
+    if not write:  # take part in every gather, in the writer's order
+        for shard in shards:
+            for entry in shard:
+                tensor(*entry)
+        return
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
     try:
         hf_cfg = cfg.to_hf()
-        hf_cfg["dtype"] = str(max(dtypes, key=lambda d: torch.finfo(d).bits)).removeprefix("torch.")
+        hf_cfg["dtype"] = str(max({t.dtype for t in flat.values()},
+                                  key=lambda d: torch.finfo(d).bits)).removeprefix("torch.")
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_cfg, f, indent=2)
         names = (["model.safetensors"] if len(shards) == 1 else
                  [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-        for name, keys in zip(names, shards):
-            save_file({k: _materialize(tensors[k]) for k in keys}, os.path.join(tmp, name),
+        for name, shard in zip(names, shards):
+            save_file({entry[0]: tensor(*entry) for entry in shard}, os.path.join(tmp, name),
                       metadata={"format": "pt"})
         open(os.path.join(tmp, EXPORT_MARKER), "w").close()
         if len(shards) > 1:
-            index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-                     "weight_map": {k: n for n, keys in zip(names, shards) for k in keys}}
+            index = {"metadata": {"total_size": sum(entry[3] for entry in entries)},
+                     "weight_map": {entry[0]: n for n, shard in zip(names, shards) for entry in shard}}
             with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
                 json.dump(index, f, indent=2)
         if os.path.exists(path):
@@ -286,6 +305,15 @@ def save_hf(path: str | os.PathLike, cfg: GLM5Config, params: dict, *, max_shard
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _hf_keys(path: str, shape: tuple[int, ...]) -> list[tuple[str, int | None]]:
+    """The checkpoint keys of one of our leaves, each with its expert index (None: the whole leaf)."""
+    m = _EXPERT_LEAF.match(path)
+    if not m:
+        return [(path, None)]
+    prefix, proj = m.groups()
+    return [(f"{prefix}.{e}.{proj}.weight", e) for e in range(shape[0])]
 
 
 def _materialize(t: torch.Tensor) -> torch.Tensor:

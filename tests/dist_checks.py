@@ -81,6 +81,30 @@ def rank_local_init_check(dp_shard: int, ep: int, ckpt_dir: str) -> None:
     bad = [k for k in ref if not (torch.equal(loaded[k].to_local(), ref[k].to_local())
                                   and loaded[k].placements == ref[k].placements and loaded[k].shape == ref[k].shape)]
     assert agree(not bad), f"rank {layout.rank}: {bad[:5]}"
+    # and export from the shards: every rank gathers one leaf at a time, rank 0 writes what one process writes
+    import weakref
+    real, live = glm5f.hf._materialize, {"n": 0, "bytes": 0, "peak": 0}
+
+    def counted(t):
+        out = real(t)
+        live["n"], live["bytes"] = live["n"] + 1, live["bytes"] + out.numel() * out.element_size()
+        live["peak"] = max(live["peak"], live["bytes"])
+        weakref.finalize(out, lambda n=out.numel() * out.element_size(): live.update(bytes=live["bytes"] - n))
+        return out
+    glm5f.hf._materialize = counted
+    out = os.path.join(ckpt_dir, "export")
+    glm5f.save_hf(out, cfg, layout.local_params(lambda region: glm5f.load_hf(ckpt, region=region)[1]),
+                  max_shard_bytes=60_000, write=layout.is_main)
+    glm5f.hf._materialize = real
+    dist.barrier()
+    largest = max(t.numel() * t.element_size() for t in ref.values())
+    _, again = glm5f.load_hf(out)
+    _, whole = glm5f.load_hf(ckpt)
+    same = all(torch.equal(a, b) for a, b in zip(glm5f.flatten(again).values(), glm5f.flatten(whole).values()))
+    bound = largest if not layout.is_main else largest + 60_000
+    assert agree(same and live["n"] == len(ref) and live["peak"] <= bound), \
+        f"rank {layout.rank}: same {same}, {live['n']} gathers of {len(ref)} leaves, peak {live['peak']} > {bound}"
+    assert agree(len([f for f in os.listdir(out) if f.endswith(".safetensors")]) > 1)
 
 
 def cp_attention_property() -> None:
