@@ -1,8 +1,8 @@
 """Several processes: FSDP/DP, context parallelism (CP) and expert parallelism (EP) as explicit DTensor specs.
 
-The spec of each leaf comes from one table, `LOGICAL_AXES`: a parameter names logical axes ("experts" for the
-routed experts' leading axis, "any" for the rest) and `MESH_RULES` maps them to mesh placements. Layer code never
-names a mesh axis.
+The spec of each leaf comes from the one table of what each leaf is, `params.LEAF_KINDS`: a parameter names its
+logical axes ("experts" for the routed experts' [E, out, in], "any" for the rest) and `MESH_RULES` maps them to
+mesh placements. Layer code never names a mesh axis.
 
 Meshes: "fsdp" is every rank (world = dp_shard x cp); "dp" x "cp" splits the world for the data; "edp" x "ep"
 splits it for experts (ep consecutive ranks share one copy of all experts, each owning n_routed_experts / ep).
@@ -11,7 +11,6 @@ splits it for experts (ep consecutive ranks share one copy of all experts, each 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import sys
@@ -33,14 +32,9 @@ from glm5f.config import GLM5Config
 from glm5f.model import dense_mask, packed_segments
 from glm5f.moe import ExpertsFn, expert_ffn
 from glm5f.ops import rope_tables
-from glm5f.params import Region, map_with_path
+from glm5f.params import Region, leaf_kind, map_with_path
 from glm5f.parallel import Layout
 
-# Logical axes of each parameter (by path pattern; the first match wins).
-LOGICAL_AXES = [
-    (re.compile(r"\.mlp\.experts\.\w+\.weight$"), "experts"),
-    (re.compile(r".*"), "any"),
-]
 # How each logical kind is laid out: (mesh name, placements as stored, placements gathered for the forward,
 # gradient placements of the gathered tensor). FSDP gathers shards for the forward; the gradient comes back
 # reduce-scattered (Partial -> Shard). Experts stay sharded over "ep" inside the forward.
@@ -65,7 +59,8 @@ MTP_BATCH_PREFIXES = ("mtp_input_ids.", "mtp_targets.")  # per MTP depth d: "mtp
 
 
 def logical_kind(path: str) -> str:
-    return next(kind for pattern, kind in LOGICAL_AXES if pattern.search(path))
+    """The logical axes of the leaf at `path` (its `params.LEAF_KINDS` entry), a key of MESH_RULES."""
+    return leaf_kind(path).axes
 
 
 def cp_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:

@@ -22,9 +22,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from glm5f.config import GLM5Config, read_json
-from glm5f.params import MTP_COPIES, Region, abstract_params, describe_mismatch, flatten, leaf_dtype, unflatten
+from glm5f.params import (MTP_COPIES, Region, abstract_params, describe_mismatch, flatten, leaf_dtype, leaf_kind,
+                          unflatten)
 
-_EXPERT_LEAF = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.weight$")
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
@@ -78,11 +78,11 @@ def _plan(cfg: GLM5Config, inv: dict, copies: tuple[str, ...] = ()) -> tuple[dic
 
     fused_done = set()
     for path, shape in want.items():
-        m = _EXPERT_LEAF.match(path)
+        m = _expert_leaf(path)
         if not m:
             expect(path, shape, (path, None, None))
             continue
-        prefix, proj = m.groups()
+        prefix, proj = m
         E = shape[0]
         if f"{prefix}.0.{proj}.weight" in inv or f"{prefix}.gate_up_proj" not in inv:
             for e in range(E):
@@ -196,11 +196,11 @@ def hf_state_dict(params: dict, *, fused_experts: bool = False) -> dict[str, tor
     """
     out = {}
     for path, t in flatten(params).items():
-        m = _EXPERT_LEAF.match(path)
+        m = _expert_leaf(path)
         if not fused_experts or not m:
             out.update((key, t if e is None else t[e]) for key, e in _hf_keys(path, tuple(t.shape)))
             continue
-        prefix, proj = m.groups()
+        prefix, proj = m
         if proj == "down_proj":
             out[f"{prefix}.down_proj"] = t
         elif proj == "up_proj":
@@ -307,12 +307,20 @@ def save_hf(path: str | os.PathLike, cfg: GLM5Config, params: dict, *, max_shard
         raise
 
 
+def _expert_leaf(path: str) -> tuple[str, str] | None:
+    """(prefix "….mlp.experts", projection name) of a stacked routed-expert leaf (LEAF_KINDS axes "experts")."""
+    if leaf_kind(path).axes != "experts":
+        return None
+    prefix, proj, _ = path.rsplit(".", 2)
+    return prefix, proj
+
+
 def _hf_keys(path: str, shape: tuple[int, ...]) -> list[tuple[str, int | None]]:
     """The checkpoint keys of one of our leaves, each with its expert index (None: the whole leaf)."""
-    m = _EXPERT_LEAF.match(path)
+    m = _expert_leaf(path)
     if not m:
         return [(path, None)]
-    prefix, proj = m.groups()
+    prefix, proj = m
     return [(f"{prefix}.{e}.{proj}.weight", e) for e in range(shape[0])]
 
 

@@ -1,7 +1,8 @@
 """Optimizer as pure functions over the params tree (optax style): AdamW with foreach ops, global-norm clipping,
 warmup + cosine schedule, and the router's auxiliary-loss-free bias rule.
 
-How each leaf is treated is one small table, `leaf_rule(path)`; `--train.trainable` narrows the trained set further:
+How each leaf is treated comes from `params.LEAF_KINDS` (`leaf_rule(path)`); `--train.trainable` narrows the trained
+set further:
   decay     AdamW with weight decay       matrices and embeddings
   no_decay  AdamW without weight decay    norm scales and biases (1-D)
   frozen    untouched                     the DSA indexer, unless trained by its own loss (--train.indexer_loss)
@@ -18,14 +19,16 @@ import torch
 from torch.utils import _pytree as pytree
 
 from glm5f.ops import wide_dtype
-from glm5f.params import flatten, is_buffer, unflatten
+from glm5f.params import flatten, leaf_kind, unflatten
 
 
 def leaf_rule(path: str, ndim: int, indexer: bool = False) -> str:
-    """How the leaf at `path` is optimized; `indexer`: the DSA indexer is trained (by the indexer loss)."""
-    if is_buffer(path):
+    """How the leaf at `path` is optimized (its `params.LEAF_KINDS` entry); `indexer`: the DSA indexer is trained
+    (by the indexer loss)."""
+    kind = leaf_kind(path).optim
+    if kind == "balance":
         return "balance"
-    if ".indexer." in path and not indexer:
+    if kind == "indexer" and not indexer:
         return "frozen"
     return "decay" if ndim >= 2 else "no_decay"
 

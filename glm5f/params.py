@@ -6,6 +6,8 @@ Routed experts are stacked on a leading expert axis: `mlp.experts.gate_proj.weig
 
 from __future__ import annotations
 
+import functools
+import re
 import zlib
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -16,10 +18,31 @@ from torch.utils import _pytree as pytree
 from glm5f.config import GLM5Config
 from glm5f.ops import wide_dtype
 
-# Leaves that stay in fp32 whatever the compute dtype (as in the reference: the router and the indexer's head weights).
-FP32_LEAVES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
-# Leaves that are state, not trained by gradient: the router's load-balancing bias (updated by its own rule).
-BUFFER_LEAVES = ("mlp.gate.e_score_correction_bias",)
+
+@dataclass(frozen=True)
+class LeafKind:
+    """What a leaf is. fp32: kept in fp32 (fp64 in fp64 runs) whatever the compute dtype. optim: "adamw" (weight
+    decay on matrices, none on 1-D leaves), "indexer" (AdamW while the indexer loss trains it, else frozen) or
+    "balance" (a buffer with its own update rule, no gradient). axes: the logical axes it is laid out by,
+    "experts" for the routed experts' [E, out, in] (sharded over ep; one checkpoint key per expert), "any" for
+    the rest."""
+
+    fp32: bool = False
+    optim: str = "adamw"
+    axes: str = "any"
+
+
+# The one table of what each leaf is, by path (re.search on "." + path; the first match wins). Compute dtypes
+# (`leaf_dtype`), the optimizer (`optim.leaf_rule`), sharding (`distributed.MESH_RULES` by axes), the memory plan
+# and the checkpoint keys (`hf`) all read it. As in the reference, the router and the indexer's head stay fp32.
+LEAF_KINDS = [
+    (re.compile(r"\.mlp\.gate\.e_score_correction_bias$"), LeafKind(fp32=True, optim="balance")),
+    (re.compile(r"\.mlp\.gate\.weight$"), LeafKind(fp32=True)),
+    (re.compile(r"\.indexer\.weights_proj\.weight$"), LeafKind(fp32=True, optim="indexer")),
+    (re.compile(r"\.indexer\."), LeafKind(optim="indexer")),
+    (re.compile(r"\.mlp\.experts\.(gate_proj|up_proj|down_proj)\.weight$"), LeafKind(axes="experts")),
+    (re.compile(r""), LeafKind()),
+]
 
 
 @dataclass(frozen=True)
@@ -131,12 +154,18 @@ def _is_leaf(x) -> bool:
     return isinstance(x, Leaf)
 
 
+@functools.lru_cache(maxsize=4096)
+def leaf_kind(path: str) -> LeafKind:
+    """The LEAF_KINDS entry of the leaf at dotted `path`."""
+    return next(kind for pattern, kind in LEAF_KINDS if pattern.search("." + path))
+
+
 def leaf_dtype(path: str, dtype: torch.dtype) -> torch.dtype:
-    return wide_dtype(dtype) if path.endswith(FP32_LEAVES) else dtype
+    return wide_dtype(dtype) if leaf_kind(path).fp32 else dtype
 
 
 def is_buffer(path: str) -> bool:
-    return path.endswith(BUFFER_LEAVES)
+    return leaf_kind(path).optim == "balance"
 
 
 # Leaves larger than this many elements draw their values in blocks of whole rows (dim 0), each block from its own
@@ -265,7 +294,3 @@ def describe_mismatch(missing: list[str], unexpected: list[str], wrong: list[str
             lines.append(f"{len(items)} {title}:\n    " + "\n    ".join(shown))
     return "\n".join(lines)
 
-
-def trainable(path: str) -> bool:
-    """Leaves trained by gradient: all but the buffers."""
-    return not is_buffer(path)

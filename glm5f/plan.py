@@ -25,7 +25,7 @@ from glm5f.config import GLM5Config
 from glm5f.distributed import MESH_RULES, logical_kind, mesh_shapes
 from glm5f.ops import wide_dtype
 from glm5f.optim import leaf_rule
-from glm5f.params import flatten, leaf_dtype, param_layout
+from glm5f.params import flatten, leaf_kind, param_layout
 
 GB = 10**9  # --parallel.device_memory_gb and the table count decimal gigabytes (an H200 has 141 GB)
 # Extra full-size copies of the trained leaves alive during the AdamW step: it updates params and moments in place
@@ -98,7 +98,7 @@ def leaf_groups(cfg: GLM5Config) -> Counter:
     layers: dict[int, list] = {}
     groups = Counter()
     for path, leaf in flatten(param_layout(cfg), is_leaf=lambda x: hasattr(x, "init")).items():
-        fp32 = leaf_dtype(path, torch.float16) != torch.float16  # stays fp32 whatever the compute dtype
+        fp32 = leaf_kind(path).fp32  # stays fp32 whatever the compute dtype
         trained = leaf_rule(path, len(leaf.shape)) in ("decay", "no_decay")
         key = (tuple(leaf.shape), logical_kind(path), fp32, trained)
         parts = path.split(".")

@@ -85,9 +85,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def with_grad(params: dict) -> dict:
-    """A copy of params whose trainable leaves require grad."""
+    """A copy of params whose leaves require grad, all but the buffers (the router bias)."""
     return glm5f.params.map_with_path(
-        lambda path, t: t.detach().clone().requires_grad_(glm5f.params.trainable(path)), params)
+        lambda path, t: t.detach().clone().requires_grad_(not glm5f.params.is_buffer(path)), params)
 
 
 def pytest_collection_modifyitems(config, items):
