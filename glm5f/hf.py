@@ -8,6 +8,7 @@ fused one (`mlp.experts.gate_up_proj` [E, 2F, D], `mlp.experts.down_proj` [E, D,
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -18,15 +19,16 @@ import warnings
 from collections import defaultdict
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from glm5f.config import GLM5Config, read_json
 from glm5f.params import (MTP_COPIES, Region, abstract_params, describe_mismatch, flatten, leaf_dtype, leaf_kind,
                           unflatten)
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
-_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+           "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
 def checkpoint_files(path: str) -> list[str]:
@@ -47,17 +49,88 @@ def checkpoint_files(path: str) -> list[str]:
     return [os.path.join(path, f) for f in files]
 
 
-def _inventory(files: list[str]) -> dict[str, tuple[str, tuple[int, ...], str]]:
-    """{key: (file, shape, dtype string)} from the safetensors headers only."""
+def _inventory(files: list[str]) -> dict[str, tuple[str, tuple[int, ...], str, int]]:
+    """{key: (file, shape, dtype string, byte offset of its data in the file)} from the safetensors headers only."""
     inv = {}
     for fn in files:
-        with safe_open(fn, framework="pt") as f:
-            for k in f.keys():
-                sl = f.get_slice(k)
-                if k in inv:
-                    raise ValueError(f"tensor {k!r} appears in both {inv[k][0]} and {fn}")
-                inv[k] = (fn, tuple(sl.get_shape()), sl.get_dtype())
+        header, start = _read_header(fn)
+        for k, h in header.items():
+            if k in inv:
+                raise ValueError(f"tensor {k!r} appears in both {inv[k][0]} and {fn}")
+            inv[k] = (fn, tuple(h["shape"]), h["dtype"], start + h["data_offsets"][0])
     return inv
+
+
+# ---- safetensors files, read and written with plain file I/O ---------------------------------------------------
+# (not memory-mapped: a rank loading its shards brings only their bytes into its memory, and export writes a
+# file tensor by tensor; the format is an 8-byte header length, a JSON header, then the tensors' bytes)
+
+def _read_header(fn: str) -> tuple[dict, int]:
+    """A safetensors file's header {key: {"dtype", "shape", "data_offsets"}} and the byte its data starts at."""
+    try:
+        with open(fn, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 0 < n <= min(os.path.getsize(fn) - 8, 1 << 30):
+                raise ValueError("bad header length")
+            header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        for k, h in header.items():
+            if h["dtype"] not in _DTYPES:
+                raise ValueError(f"tensor {k!r} has dtype {h['dtype']}, which glm5f does not read")
+            h["shape"], h["data_offsets"] = [int(d) for d in h["shape"]], [int(o) for o in h["data_offsets"]]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{fn}: not a readable safetensors file ({e}); re-export or re-download it") from None
+    return header, 8 + n
+
+
+def _read_part(f, shape: tuple[int, ...], dtype: torch.dtype, begin: int, part: tuple[slice, ...],
+               dest: torch.Tensor) -> None:
+    """Copy the part (one [start, stop) slice per dim) of the row-major tensor at byte `begin` of the open file f
+    into dest: one read per contiguous run of its bytes, straight into dest where its dtype and layout allow."""
+    direct = dest.dtype == dtype and dest.is_contiguous() and dest.device.type == "cpu"
+    out = dest if direct else torch.empty([sl.stop - sl.start for sl in part], dtype=dtype)
+    _read_into(f, shape, begin, part, out)
+    if not direct:
+        dest.copy_(out)
+
+
+def _read_into(f, shape: tuple[int, ...], begin: int, part: tuple[slice, ...], out: torch.Tensor) -> None:
+    """`_read_part` into a contiguous CPU tensor of the file's dtype."""
+    if out.numel() == 0:
+        return
+    flat = out.reshape(-1).view(torch.uint8).numpy()
+    if not shape:
+        runs, size = [0], out.element_size()
+    else:
+        k = len(shape)  # dims k.. are whole: each index of dims < k - 1 is one run over dim k - 1's slice
+        while k > 1 and (part[k - 1].start, part[k - 1].stop) == (0, shape[k - 1]):
+            k -= 1
+        strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+        size = (part[k - 1].stop - part[k - 1].start) * strides[k - 1] * out.element_size()
+        runs = [sum(i * strides[d] for d, i in enumerate(idx)) + part[k - 1].start * strides[k - 1]
+                for idx in itertools.product(*(range(sl.start, sl.stop) for sl in part[:k - 1]))]
+    for n, offset in enumerate(runs):
+        f.seek(begin + offset * out.element_size())
+        if f.readinto(memoryview(flat)[n * size:(n + 1) * size]) != size:
+            raise ValueError(f"{f.name}: the file ends inside a tensor (truncated); re-export or re-download it")
+
+
+def _write_safetensors(fn: str, entries: list[tuple[str, tuple[int, ...], torch.dtype]], tensors) -> None:
+    """Write a safetensors file of `entries` (key, shape, dtype), taking each tensor from the iterator `tensors`
+    as its bytes are due (one at a time in memory)."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for key, shape, dt in entries:
+        nbytes = math.prod(shape) * torch.empty((), dtype=dt).element_size()
+        header[key] = {"dtype": _DTYPE_NAMES[dt], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(fn, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        for (key, shape, dt), t in zip(entries, tensors):
+            assert tuple(t.shape) == tuple(shape) and t.dtype == dt, (key, t.shape, t.dtype)
+            if t.numel():
+                f.write(memoryview(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()))
 
 
 def _plan(cfg: GLM5Config, inv: dict, copies: tuple[str, ...] = ()) -> tuple[dict[str, list], list[str]]:
@@ -173,8 +246,9 @@ def load_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None, device
         by_file[inv[key][0]].append(key)
     with torch.no_grad():
         for fn, keys in by_file.items():
-            with safe_open(fn, framework="pt") as f:
+            with open(fn, "rb") as f:
                 for key in keys:
+                    _, shape, dt, begin = inv[key]
                     for target_path, expert, rows in plan[key]:
                         dest, part = flat[target_path], where[target_path]
                         if expert is not None:  # one expert's tensor: the part past the expert dim, if ours
@@ -183,7 +257,8 @@ def load_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None, device
                             dest, part = dest[expert - part[0].start], part[1:]
                         elif rows is not None:  # gate or up rows of a fused gate_up_proj [E, 2F, D]
                             part = (part[0], slice(rows.start + part[1].start, rows.start + part[1].stop), *part[2:])
-                        dest.copy_(f.get_slice(key)[part] if part else f.get_tensor(key))
+                        full = tuple(slice(0, n) for n in shape)
+                        _read_part(f, shape, _DTYPES[dt], begin, part + full[len(part):], dest)
     return cfg, unflatten(flat, abstract_params(cfg, torch.float32, copies))
 
 
@@ -254,6 +329,7 @@ def save_hf(path: str | os.PathLike, cfg: GLM5Config, params: dict, *, max_shard
     flat = flatten(params)
     entries = [(key, leaf, e, math.prod(t.shape[1:] if e is not None else t.shape) * t.element_size())
                for leaf, t in flat.items() for key, e in _hf_keys(leaf, tuple(t.shape))]
+    shape_of = {leaf: tuple(t.shape) for leaf, t in flat.items()}
     shards, current, size = [], [], 0
     for entry in entries:
         if current and size + entry[3] > max_shard_bytes:
@@ -268,7 +344,7 @@ def save_hf(path: str | os.PathLike, cfg: GLM5Config, params: dict, *, max_shard
         if held["leaf"] != leaf:
             held.update(leaf=leaf, t=None)
             held["t"] = _materialize(flat[leaf])
-        return held["t"] if e is None else held["t"][e].clone()
+        return held["t"] if e is None else held["t"][e]
 
     if not write:  # take part in every gather, in the writer's order
         for shard in shards:
@@ -287,8 +363,10 @@ def save_hf(path: str | os.PathLike, cfg: GLM5Config, params: dict, *, max_shard
         names = (["model.safetensors"] if len(shards) == 1 else
                  [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
         for name, shard in zip(names, shards):
-            save_file({entry[0]: tensor(*entry) for entry in shard}, os.path.join(tmp, name),
-                      metadata={"format": "pt"})
+            _write_safetensors(os.path.join(tmp, name),
+                               [(key, shape_of[leaf][1:] if e is not None else shape_of[leaf], flat[leaf].dtype)
+                                for key, leaf, e, _ in shard],
+                               (tensor(*entry) for entry in shard))
         open(os.path.join(tmp, EXPORT_MARKER), "w").close()
         if len(shards) > 1:
             index = {"metadata": {"total_size": sum(entry[3] for entry in entries)},
@@ -325,7 +403,7 @@ def _hf_keys(path: str, shape: tuple[int, ...]) -> list[tuple[str, int | None]]:
 
 
 def _materialize(t: torch.Tensor) -> torch.Tensor:
-    """A detached CPU copy that owns its memory (safetensors refuses tensors sharing storage)."""
-    if hasattr(t, "full_tensor"):  # a DTensor leaf: gather it
+    """A leaf's whole value, detached, on the CPU, contiguous (a DTensor leaf is gathered)."""
+    if hasattr(t, "full_tensor"):
         t = t.full_tensor()
-    return t.detach().to("cpu").contiguous().clone()
+    return t.detach().to("cpu").contiguous()

@@ -229,3 +229,32 @@ def ignore_sigint_and_wait(pid_dir: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     open(os.path.join(pid_dir, str(os.getpid())), "w").close()
     time.sleep(300)
+
+
+def load_export_growth(ckpt: str, export_dir: str, out: str, dp_shard: int) -> None:
+    """Each rank's peak RSS growth (VmHWM over the resident size before) while loading the Transformers checkpoint
+    `ckpt` rank-locally, and then while exporting it back, written to out.<rank> as JSON."""
+    import json
+
+    from glm5f.plan import process_rss_bytes
+
+    layout = (DistLayout(dp_shard, 1, 1, init_process(torch.device("cpu"))) if dp_shard > 1
+              else Layout(torch.device("cpu")))
+    loaded = {}
+
+    def load(region):
+        loaded["cfg"], p = glm5f.load_hf(ckpt, region=region)
+        return p
+    layout.shard_params({"warm_up": torch.zeros(8, 8)})  # DTensor's one-time set-up (~30 MB) is runtime
+    before = process_rss_bytes()
+    params = layout.local_params(load)
+    growth = {"load": process_rss_bytes("VmHWM") - before}
+    if dp_shard > 1:
+        dist.barrier()
+    with open("/proc/self/clear_refs", "w") as f:  # restart the peak (VmHWM) from the resident size now
+        f.write("5")
+    before = process_rss_bytes()
+    glm5f.save_hf(export_dir, loaded["cfg"], params, write=layout.is_main)
+    growth["export"] = process_rss_bytes("VmHWM") - before
+    with open(f"{out}.{layout.rank}", "w") as f:
+        json.dump(growth, f)

@@ -159,25 +159,25 @@ def test_failed_save_leaves_no_directory(tmp_path, tiny, monkeypatch):
     """A save that dies midway (the disk fills on the second shard) leaves neither a half-written directory nor
     its temporary one, and a previous export in its place untouched."""
     cfg, params = tiny
-    real, written, held = glm5f.hf.save_file, [], []
+    real, written, held = glm5f.hf._write_safetensors, [], []
 
-    def disk_full_on_second_shard(tensors, filename, **kwargs):
+    def disk_full_on_second_shard(filename, entries, tensors):
         if written:
             held[:] = sorted(os.listdir(os.path.dirname(filename)))  # what the directory holds when it fails
             raise OSError(28, "No space left on device")
-        real(tensors, filename, **kwargs)
+        real(filename, entries, tensors)
         written.append(filename)
 
-    monkeypatch.setattr(glm5f.hf, "save_file", disk_full_on_second_shard)
+    monkeypatch.setattr(glm5f.hf, "_write_safetensors", disk_full_on_second_shard)
     with pytest.raises(OSError, match="No space left on device"):
         glm5f.save_hf(tmp_path / "out", cfg, params, max_shard_bytes=200_000)
     assert held == ["config.json", os.path.basename(written[0])]
     assert os.listdir(tmp_path) == []
 
-    monkeypatch.setattr(glm5f.hf, "save_file", real)
+    monkeypatch.setattr(glm5f.hf, "_write_safetensors", real)
     glm5f.save_hf(tmp_path / "out", cfg, params)
     before = {n: (tmp_path / "out" / n).read_bytes() for n in os.listdir(tmp_path / "out")}
-    monkeypatch.setattr(glm5f.hf, "save_file", disk_full_on_second_shard)
+    monkeypatch.setattr(glm5f.hf, "_write_safetensors", disk_full_on_second_shard)
     written.clear()
     held.clear()
     with pytest.raises(OSError, match="No space left on device"):

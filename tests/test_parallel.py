@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import dist_checks
+import glm5f
 from glm5f.distributed import spawn
 from glm5f.metrics import read_metrics
 from scripts.align import COMMON, LAYOUTS
@@ -253,3 +254,32 @@ def test_ranks_that_ignore_sigint_still_die_with_their_launcher(tmp_path):
     ranks = assert_ranks_die_with_their_launcher([sys.executable, "-c", code],
                                                  started=lambda: len(os.listdir(pids)) == 2)
     assert sorted(ranks) == sorted(int(p) for p in os.listdir(pids))
+
+
+def test_loading_and_export_hold_only_a_ranks_share(tmp_path):
+    """A 320 MB Transformers checkpoint (the 160M setting in bf16): loading it under --parallel.dp_shard 2 grows
+    each rank's peak RSS by less than 0.65 x its size (each rank reads only its slices, with plain reads, no
+    memory map), one process by at most 1.1 x; exporting from the DP2 shards (one leaf gathered at a time, the
+    file written tensor by tensor) the same; and the export equals the checkpoint."""
+    import json
+
+    cfg = glm5f.preset("glm5-scaled-moe", hidden_size=512, moe_intermediate_size=512, n_routed_experts=64)
+    glm5f.save_hf(tmp_path / "ckpt", cfg, glm5f.init_params(cfg, seed=1, dtype=torch.bfloat16))
+    size = sum(f.stat().st_size for f in (tmp_path / "ckpt").glob("*.safetensors"))
+    assert size > 300e6
+    code = (f"import sys; sys.path[:0] = [{ROOT!r}, {os.path.join(ROOT, 'tests')!r}]; import dist_checks; "
+            f"dist_checks.load_export_growth({str(tmp_path / 'ckpt')!r}, {str(tmp_path / 'one')!r}, "
+            f"{str(tmp_path / 'g1')!r}, 1)")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=600)
+    spawn(dist_checks.load_export_growth, 2, str(tmp_path / "ckpt"), str(tmp_path / "two"), str(tmp_path / "g2"), 2)
+    one = json.loads((tmp_path / "g1.0").read_text())
+    ranks = [json.loads((tmp_path / f"g2.{r}").read_text()) for r in range(2)]
+    print(f"checkpoint {size / 1e6:.0f} MB; peak RSS growth, one process: load {one['load'] / size:.2f}x, export "
+          f"{one['export'] / size:.2f}x; dp_shard 2: " + ", ".join(
+              f"rank {r} load {g['load'] / size:.2f}x export {g['export'] / size:.2f}x" for r, g in enumerate(ranks)))
+    assert one["load"] <= 1.1 * size and one["export"] <= 1.1 * size
+    for g in ranks:
+        assert g["load"] < 0.65 * size and g["export"] < 0.65 * size, g
+    original = (tmp_path / "ckpt" / "model.safetensors").read_bytes()
+    for name in ("one", "two"):
+        assert (tmp_path / name / "model.safetensors").read_bytes() == original, name
