@@ -251,6 +251,25 @@ def check_same_data(cfg: Config, meta: dict, ckpt: str) -> None:
                             f"--data.type {saved}, or start a new run with another --checkpoint.dir")
 
 
+def check_same_trained(cfg: Config, params: dict, meta: dict, ckpt: str) -> None:
+    """A checkpoint's optimizer state covers the leaves its run trained (--train.trainable, and the indexer only
+    with --train.indexer_loss); resuming it must train the same ones."""
+    saved = (meta.get("run") or {}).get("train")
+    if not saved:
+        return
+    t = cfg.train
+    before = trained_paths(params, saved.get("trainable"), indexer=saved.get("indexer_loss", "off") != "off")
+    now = trained_paths(params, t.trainable, indexer=t.indexer_loss != "off")
+    if before != now:
+        raise TrainingError(
+            f"{ckpt} was saved by a run that trained {len(before)} leaves (--train.trainable "
+            f"{saved.get('trainable')!r}, --train.indexer_loss {saved.get('indexer_loss', 'off')}); this run trains "
+            f"{len(now)} (--train.trainable {t.trainable!r}, --train.indexer_loss {t.indexer_loss}), and the "
+            f"checkpoint's optimizer state covers only the first set. Resume with its flags, or start the next "
+            f"stage from its weights: export them (the same run with --checkpoint.export_hf DIR) and start a new "
+            f"run with --model.init_from DIR")
+
+
 RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png")  # what a run writes into its directory
 
 
@@ -349,6 +368,7 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
                 raise TrainingError(f"{last_ckpt} was saved for another model config; resume with the same "
                                     f"--model flags (see its meta.json)")
             check_same_data(cfg, meta, last_ckpt)
+            check_same_trained(cfg, params, meta, last_ckpt)
             state = {"params": params, "optim": opt_state}
             with user_errors():
                 extra = checkpoint.load(last_ckpt, state)

@@ -529,6 +529,23 @@ def test_resume_under_another_data_type_is_refused(tmp_path, capsys):
     assert (tmp_path / "metrics.jsonl").read_text() == before
 
 
+def test_resume_training_another_set_of_leaves_is_refused(tmp_path, capsys):
+    """The indexer warm-up (--train.trainable indexer) saves optimizer state for the indexer alone: resuming it
+    with everything trained would find no moments for the rest; it says so and names the way on (export, then
+    --model.init_from). The same trained set with another indexer loss mode resumes."""
+    run = str(tmp_path)
+    warm_up = ["--train.trainable", "indexer", "--train.indexer_loss", "dense"]
+    assert main(TINY + warm_up + ["--train.steps", "2", "--checkpoint.dir", run]) == 0
+    before = (tmp_path / "metrics.jsonl").read_text()
+    assert main(TINY + ["--train.steps", "3", "--checkpoint.dir", run, "--checkpoint.resume", "latest"]) == 1
+    err = capsys.readouterr().err
+    assert (f"error: {tmp_path / 'checkpoints' / 'step_00000002'} was saved by a run that trained 10 leaves "
+            f"(--train.trainable 'indexer', --train.indexer_loss dense); this run trains ") in err
+    assert "--model.init_from DIR" in err and (tmp_path / "metrics.jsonl").read_text() == before
+    assert main(TINY + ["--train.trainable", "indexer", "--train.indexer_loss", "sparse", "--train.steps", "3",
+                        "--checkpoint.dir", run, "--checkpoint.resume", "latest"]) == 0
+
+
 def test_a_run_failing_before_its_first_step_writes_nothing(tmp_path, monkeypatch):
     import train as train_mod
     monkeypatch.setattr(train_mod, "step_grads", lambda *a: (_ for _ in ()).throw(TrainingError("boom")))
