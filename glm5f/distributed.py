@@ -100,10 +100,12 @@ class DistLayout(Layout):
     def param_specs(self, params: dict, prefix: str = "") -> dict:
         """The spec tree: for each leaf of `params` (the subtree at dotted path `prefix`), its Spec (mesh, stored /
         gathered / gradient placements)."""
-        def spec(path, _):
-            mesh, stored, gathered, grads = MESH_RULES[logical_kind(f"{prefix}.{path}" if prefix else path)]
-            return Spec(self.meshes[mesh], stored, gathered, grads)
-        return map_with_path(spec, params)
+        return map_with_path(lambda path, _: self._spec(f"{prefix}.{path}" if prefix else path), params)
+
+    def _spec(self, path: str) -> Spec:
+        """The Spec of the leaf at dotted `path`, from its logical axes."""
+        mesh, stored, gathered, grads = MESH_RULES[logical_kind(path)]
+        return Spec(self.meshes[mesh], stored, gathered, grads)
 
     def local_params(self, make: Callable[[Region], dict]) -> dict:
         """Params made rank-locally: `make(region)` builds only the part `region(path, shape)` of each leaf (its
@@ -113,20 +115,16 @@ class DistLayout(Layout):
         shapes = {}
 
         def region(path, shape):
-            mesh, stored = self._stored(path)
+            s = self._spec(path)
             shapes[path] = torch.Size(shape)
-            size, offset = compute_local_shape_and_global_offset(shape, mesh, stored)
+            size, offset = compute_local_shape_and_global_offset(shape, s.mesh, s.stored)
             return tuple(slice(o, o + n) for o, n in zip(offset, size))
 
         def wrap(path, t):
-            mesh, stored = self._stored(path)
-            return DTensor.from_local(t, mesh, stored, run_check=False, shape=shapes[path],
+            s = self._spec(path)
+            return DTensor.from_local(t, s.mesh, s.stored, run_check=False, shape=shapes[path],
                                       stride=torch.empty(shapes[path], device="meta").stride())
         return map_with_path(wrap, make(region))
-
-    def _stored(self, path: str):
-        mesh, stored, _, _ = MESH_RULES[logical_kind(path)]
-        return self.meshes[mesh], stored
 
     def shard_params(self, params: dict) -> dict:
         return map_with_path(lambda path, t, s: distribute_tensor(t.to(self.device), s.mesh, s.stored),

@@ -22,7 +22,7 @@ import torch
 
 from glm5f.config import GLM5Config, read_json
 from glm5f.params import (MTP_COPIES, Region, abstract_params, describe_mismatch, flatten, leaf_dtype, leaf_kind,
-                          unflatten)
+                          region_of, unflatten)
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -235,10 +235,7 @@ def load_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None, device
     for key, targets in plan.items():
         for target_path, _, _ in targets:
             first_dtype.setdefault(target_path, _DTYPES.get(inv[key][2], torch.float32))
-    # each leaf's part to load: [start, stop) per dim
-    where = {p: tuple(slice(*sl.indices(n)[:2])
-                      for sl, n in zip(region(p, tuple(t.shape)) if region else (slice(None),) * t.ndim, t.shape))
-             for p, t in shapes.items()}
+    where = {p: region_of(region, p, tuple(t.shape)) for p, t in shapes.items()}  # each leaf's part to load
     flat = {p: torch.empty([s.stop - s.start for s in where[p]], dtype=leaf_dtype(p, dtype or first_dtype[p]),
                            device=device) for p in shapes}
     by_file = defaultdict(list)
@@ -327,20 +324,24 @@ def save_hf(path: str | os.PathLike, cfg: GLM5Config, params: dict, *, max_shard
     if write:
         check_export_dir(path)
     flat = flatten(params)
-    entries = [(key, leaf, e, math.prod(t.shape[1:] if e is not None else t.shape) * t.element_size())
+    # (checkpoint key, our leaf, expert index or None, the key's shape), in the order they are written
+    entries = [(key, leaf, e, tuple(t.shape[1:] if e is not None else t.shape))
                for leaf, t in flat.items() for key, e in _hf_keys(leaf, tuple(t.shape))]
-    shape_of = {leaf: tuple(t.shape) for leaf, t in flat.items()}
+
+    def nbytes(entry) -> int:
+        return math.prod(entry[3]) * flat[entry[1]].element_size()
+
     shards, current, size = [], [], 0
     for entry in entries:
-        if current and size + entry[3] > max_shard_bytes:
+        if current and size + nbytes(entry) > max_shard_bytes:
             shards.append(current)
             current, size = [], 0
         current.append(entry)
-        size += entry[3]
+        size += nbytes(entry)
     shards.append(current)
     held = {"leaf": None, "t": None}  # the one leaf gathered now
 
-    def tensor(key, leaf, e, _):
+    def tensor(key, leaf, e, shape):
         if held["leaf"] != leaf:
             held.update(leaf=leaf, t=None)
             held["t"] = _materialize(flat[leaf])
@@ -364,12 +365,11 @@ def save_hf(path: str | os.PathLike, cfg: GLM5Config, params: dict, *, max_shard
                  [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
         for name, shard in zip(names, shards):
             _write_safetensors(os.path.join(tmp, name),
-                               [(key, shape_of[leaf][1:] if e is not None else shape_of[leaf], flat[leaf].dtype)
-                                for key, leaf, e, _ in shard],
+                               [(key, shape, flat[leaf].dtype) for key, leaf, _, shape in shard],
                                (tensor(*entry) for entry in shard))
         open(os.path.join(tmp, EXPORT_MARKER), "w").close()
         if len(shards) > 1:
-            index = {"metadata": {"total_size": sum(entry[3] for entry in entries)},
+            index = {"metadata": {"total_size": sum(nbytes(entry) for entry in entries)},
                      "weight_map": {entry[0]: n for n, shard in zip(names, shards) for entry in shard}}
             with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
                 json.dump(index, f, indent=2)

@@ -174,6 +174,13 @@ INIT_BLOCK_ELEMS = 1 << 24
 Region = Callable[[str, tuple[int, ...]], tuple[slice, ...]]
 
 
+def region_of(region: Region | None, path: str, shape: tuple[int, ...]) -> tuple[slice, ...]:
+    """The part `region` names of the leaf at `path` (all of it for None), as one slice(start, stop) per dim."""
+    where = region(path, shape) if region else (slice(None),) * len(shape)
+    bounds = [sl.indices(n)[:2] for sl, n in zip(where, shape)]
+    return tuple(slice(start, max(start, stop)) for start, stop in bounds)
+
+
 def init_params(cfg: GLM5Config, seed: int = 0, dtype: torch.dtype = torch.float32,
                 device: torch.device | str | None = None, region: Region | None = None) -> dict:
     """Fresh parameters: N(0, initializer_range) for matrices, ones for norm scales, zeros for biases.
@@ -186,27 +193,26 @@ def init_params(cfg: GLM5Config, seed: int = 0, dtype: torch.dtype = torch.float
     """
     def make(path: str, leaf: Leaf) -> torch.Tensor:
         dt = leaf_dtype(path, dtype)
-        where = region(path, tuple(leaf.shape)) if region else tuple(slice(0, n) for n in leaf.shape)
-        shape = tuple(len(range(*s.indices(n))) for s, n in zip(where, leaf.shape))
+        where = region_of(region, path, tuple(leaf.shape))
+        shape = tuple(sl.stop - sl.start for sl in where)
         if leaf.init in ("ones", "zeros"):
             return (torch.ones if leaf.init == "ones" else torch.zeros)(shape, dtype=dt, device=device)
         x = _normal_rows(path, tuple(leaf.shape), where, seed) * cfg.initializer_range
         if path == "model.embed_tokens.weight" and cfg.pad_token_id is not None:
-            rows = range(*where[0].indices(leaf.shape[0]))
-            if cfg.pad_token_id in rows:
-                x[rows.index(cfg.pad_token_id)] = 0
+            if where[0].start <= cfg.pad_token_id < where[0].stop:
+                x[cfg.pad_token_id - where[0].start] = 0
         return x.to(device=device, dtype=dt)
 
     return map_with_path(make, param_layout(cfg), is_leaf=_is_leaf)
 
 
 def _normal_rows(path: str, shape: tuple[int, ...], where: tuple[slice, ...], seed: int) -> torch.Tensor:
-    """The part `where` of a leaf's N(0, 1) values (fp32), made block of rows by block of rows."""
+    """The part `where` (`region_of`) of a leaf's N(0, 1) values (fp32), made block of rows by block of rows."""
     base = seed * 1_000_003 + zlib.crc32(path.encode())
     if not shape:
         return torch.randn((), generator=torch.Generator().manual_seed(base))
     rows = max(1, INIT_BLOCK_ELEMS // max(1, _numel(shape[1:])))
-    lo, hi, _ = where[0].indices(shape[0])
+    lo, hi = where[0].start, where[0].stop
     parts = []
     for b in range(lo // rows, -(-hi // rows)):
         start = b * rows
