@@ -10,47 +10,85 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Annotated, Literal, Optional
-
-import tyro
+from typing import Literal, Optional
 
 import glm5f
 from glm5f.data import load_batches
 from glm5f.optim import trained_paths
 
-# Every scalar field of GLM5Config can be overridden on the command line: --model.hidden_size 128.
-_OVERRIDABLE = [f for f in dataclasses.fields(glm5f.GLM5Config)
-                if f.type in ("int", "float", "bool", "str", "str | None")]
+@dataclass
+class ModelConfig:
+    """The network: a preset (or a Transformers checkpoint), with the fields that change a model overridden. The
+    per-layer lists follow from --model.index_topk_pattern and --model.first_k_dense_replace."""
 
+    preset: str = "glm5-tiny"
+    """glm5, glm5-scaled-dense, glm5-scaled-moe or glm5-tiny."""
+    init_from: Optional[str] = None
+    """A Transformers GLM-5 checkpoint directory to start from (its config.json replaces the preset)."""
+    tokenizer_path: Optional[str] = None
+    """tokenizer.json (or a directory with one) for text data; default: the built-in byte tokenizer."""
+    vocab_size: Optional[int] = None
+    """Token ids the model embeds (at least the tokenizer's)."""
+    hidden_size: Optional[int] = None
+    """Width of the residual stream."""
+    intermediate_size: Optional[int] = None
+    """Hidden width of the dense MLP layers."""
+    moe_intermediate_size: Optional[int] = None
+    """Hidden width of each routed (and shared) expert."""
+    num_hidden_layers: Optional[int] = None
+    """Decoder layers; the preset's index_topk_pattern is dropped unless given again for the new depth."""
+    num_attention_heads: Optional[int] = None
+    """MLA heads."""
+    q_lora_rank: Optional[int] = None
+    """Rank of the compressed query latent."""
+    kv_lora_rank: Optional[int] = None
+    """Rank of the compressed key/value latent (the sparse core's value width)."""
+    qk_nope_head_dim: Optional[int] = None
+    """Per-head query/key width without rope."""
+    qk_rope_head_dim: Optional[int] = None
+    """Per-head rotary query/key width (shared by the heads on the key side)."""
+    v_head_dim: Optional[int] = None
+    """Per-head value width."""
+    index_topk: Optional[int] = None
+    """Keys each query attends to (DSA's top-k)."""
+    index_n_heads: Optional[int] = None
+    """Heads of the DSA lightning indexer."""
+    index_head_dim: Optional[int] = None
+    """Width of each indexer head (its first qk_rope_head_dim dims are rotated)."""
+    index_topk_pattern: Optional[str] = None
+    """One letter per layer: F runs the layer's own indexer, S reuses the top-k of the last F layer."""
+    first_k_dense_replace: Optional[int] = None
+    """The first k layers have a dense MLP, the rest MoE."""
+    n_routed_experts: Optional[int] = None
+    """Routed experts per MoE layer."""
+    n_shared_experts: Optional[int] = None
+    """Shared experts per MoE layer (always on)."""
+    num_experts_per_tok: Optional[int] = None
+    """Routed experts each token is sent to."""
+    n_group: Optional[int] = None
+    """Expert groups of the group-limited router."""
+    topk_group: Optional[int] = None
+    """Groups each token's experts are chosen from."""
+    routed_scaling_factor: Optional[float] = None
+    """Scale of the routed experts' weights."""
+    max_position_embeddings: Optional[int] = None
+    """Longest position the rope tables are made for."""
+    tie_word_embeddings: Optional[bool] = None
+    """Use the embedding as the LM head."""
+    initializer_range: Optional[float] = None
+    """Standard deviation of the initial weight matrices."""
+    num_nextn_predict_layers: Optional[int] = None
+    """Multi-token-prediction (MTP) layers after the main ones, trained with --train.mtp_loss_weight (overrides the
+    preset's value: 1 in glm5, else 0)."""
 
-_HELP = {"num_nextn_predict_layers": "multi-token-prediction (MTP) layers after the main ones, trained with "
-                                    "--train.mtp_loss_weight (overrides the preset's value: 1 in glm5, else 0)"}
-
-
-class _ModelMethods:
     def overrides(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in _OVERRIDABLE if getattr(self, f.name) is not None}
+        """The model fields set on the command line."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("preset", "init_from", "tokenizer_path") and getattr(self, f.name) is not None}
 
     def build(self) -> glm5f.GLM5Config:
         """The GLM5Config of this run (without reading init_from)."""
         return glm5f.preset(self.preset, **self.overrides())
-
-
-ModelConfig = dataclasses.make_dataclass(
-    "ModelConfig",
-    [("preset", Annotated[str, tyro.conf.arg(help="glm5, glm5-scaled-dense, glm5-scaled-moe or glm5-tiny")],
-      field(default="glm5-tiny")),
-     ("init_from", Annotated[Optional[str], tyro.conf.arg(
-         help="a Transformers GLM-5 checkpoint directory to start from (its config.json replaces the preset)")],
-      field(default=None)),
-     ("tokenizer_path", Annotated[Optional[str], tyro.conf.arg(
-         help="tokenizer.json (or a directory with one) for text data; default: the built-in byte tokenizer")],
-      field(default=None))]
-    + [(f.name, Annotated[Optional[{"int": int, "float": float, "bool": bool}.get(f.type, str)],
-                          tyro.conf.arg(help=_HELP.get(f.name, "overrides the preset's value"))], field(default=None))
-       for f in _OVERRIDABLE],
-    bases=(_ModelMethods,))
-ModelConfig.__doc__ = "The network: a preset, with any GLM5Config field overridden."
 
 
 @dataclass
@@ -236,6 +274,8 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     for name in ("dp_shard", "cp", "ep", "tp"):
         if getattr(p, name) < 1:
             errs.append(f"--parallel.{name} must be >= 1, got {getattr(p, name)}")
+    if p.tp > 1:
+        errs.append(f"--parallel.tp {p.tp}: tensor parallelism is not built yet; use dp_shard, cp and ep")
     if world_size is not None and p.world != world_size:
         errs.append(f"--parallel.dp_shard x --parallel.cp = {p.world} must equal the number of processes "
                     f"({world_size}); change them or the launch")

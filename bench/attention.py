@@ -21,15 +21,14 @@ from common import BENCH_MODEL, add_run_flags, median_seconds, peak_memory_gb, r
 
 def run_side(side: str, seq: int, topk: int, steps: int, dtype: torch.dtype, device: str) -> dict:
     import glm5f
-    from glm5f.attention import attention, indexer_keys, indexer_topk, mla_project
-    from glm5f.model import make_context
+    from glm5f.attention import attention, indexer_keys, indexer_queries, indexer_topk, mla_project
 
     cfg = glm5f.preset("glm5-tiny", **{**BENCH_MODEL, "index_topk": topk, "max_position_embeddings": max(seq, 4096)})
     params = glm5f.init_params(cfg, seed=0, dtype=dtype, device=device)
     p = params["model"]["layers"][0]["self_attn"]
     x = torch.randn(1, seq, cfg.hidden_size, generator=torch.Generator().manual_seed(0)).to(device, dtype)
     if side == "glm5f":
-        ctx = make_context(cfg, (1, seq), None, None, dtype, device)
+        _, ctx = glm5f.make_env(cfg, {"input_ids": torch.zeros(1, seq, dtype=torch.long, device=device)}, dtype)
         leaves = [t.requires_grad_() for k, t in glm5f.flatten(p).items() if not k.startswith("indexer")]
 
         def step():
@@ -40,7 +39,8 @@ def run_side(side: str, seq: int, topk: int, steps: int, dtype: torch.dtype, dev
         def indexer_only():
             with torch.no_grad():
                 _, _, q_lat, _ = mla_project(p, x, cfg, ctx)
-                indexer_topk(p["indexer"], x, q_lat, indexer_keys(p["indexer"], x, cfg, ctx), cfg, ctx)
+                indexer_topk(*indexer_queries(p["indexer"], x, q_lat, cfg, ctx), indexer_keys(p["indexer"], x, cfg, ctx),
+                             ctx.mask, cfg.index_topk)
     else:
         from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as hf
         from transformers import AutoConfig

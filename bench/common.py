@@ -15,7 +15,7 @@ import torch
 
 # The bench model: hidden 512, 8 heads, q_lora 256, kv_lora 128, nope 64, rope 32, v 64, indexer 16 x 64,
 # 16 experts top-2 + 1 shared, vocab 4096. bench/attention.py uses one layer of it, bench/forward_backward.py four.
-BENCH_MODEL = dict(vocab_size=4096, hidden_size=512, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=256,
+BENCH_MODEL = dict(vocab_size=4096, hidden_size=512, num_attention_heads=8, q_lora_rank=256,
                    kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, index_n_heads=16,
                    index_head_dim=64, num_hidden_layers=1, first_k_dense_replace=1, index_topk_pattern=None,
                    index_topk_freq=1, intermediate_size=1024, moe_intermediate_size=256, n_routed_experts=16,

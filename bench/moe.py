@@ -28,11 +28,13 @@ def run_side(args) -> dict:
     x = torch.randn(1, args.tokens, cfg.hidden_size, generator=torch.Generator().manual_seed(0)).to(args.device, dtype)
     if args.child == "glm5f":
         p = params["model"]["layers"][1]["mlp"]
+        _, env = glm5f.make_env(cfg, {"input_ids": torch.zeros(1, args.tokens, dtype=torch.long, device=args.device)},
+                                dtype)
         leaves = [t.requires_grad_() for k, t in glm5f.flatten(p).items() if "correction_bias" not in k]
 
         def step():
             xg = x.detach().requires_grad_()
-            out, _, _ = moe(p, xg, cfg)
+            out, _, _ = moe(p, xg, cfg, env)
             torch.autograd.grad(out.float().square().mean(), [xg, *leaves])
     else:
         from transformers import AutoModelForCausalLM

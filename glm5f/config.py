@@ -40,11 +40,9 @@ def read_json(path: str, expected: str) -> dict:
 
 @dataclass(frozen=True)
 class GLM5Config:
-    """Hyper-parameters of a GLM-5 (`glm_moe_dsa`) network. Defaults are the full GLM-5.
-
-    `indexer_types` and `mlp_layer_types` are resolved per layer at construction (from `index_topk_pattern`, or
-    `index_topk_freq` / `index_skip_topk_offset`, and from `first_k_dense_replace`), as Transformers does.
-    """
+    """Hyper-parameters of a GLM-5 (`glm_moe_dsa`) network: plain fields with Transformers' names, defaults the full
+    GLM-5. Derived values are properties. Build one with `preset(name, ...)`, `GLM5Config.from_hf(...)` or
+    `GLM5Config(**fields)`; the per-layer lists come from `layer_types(...)` when a schedule is given instead."""
 
     vocab_size: int = 154880
     hidden_size: int = 6144
@@ -52,7 +50,6 @@ class GLM5Config:
     moe_intermediate_size: int = 2048
     num_hidden_layers: int = 78
     num_attention_heads: int = 64
-    num_key_value_heads: int = 64
     q_lora_rank: int = 2048
     kv_lora_rank: int = 512
     qk_nope_head_dim: int = 192
@@ -62,14 +59,9 @@ class GLM5Config:
     index_topk: int = 2048
     index_n_heads: int = 32
     index_head_dim: int = 128
-    indexer_types: tuple[str, ...] | None = None  # per layer: "full" runs the indexer, "shared" reuses the last one
-    # The schedule indexer_types is derived from when not given (not compared: indexer_types is what counts).
-    index_topk_freq: int = field(default=1, compare=False)
-    index_skip_topk_offset: int = field(default=2, compare=False)
-    index_topk_pattern: str | None = field(default=None, compare=False)  # "FFSFS": F full, S shared
+    indexer_types: tuple[str, ...] = ("full",) * 78  # per layer: "full" runs the indexer, "shared" reuses the last
     # Mixture of experts.
-    mlp_layer_types: tuple[str, ...] | None = None  # per layer: "dense" or "sparse" (MoE)
-    first_k_dense_replace: int = field(default=3, compare=False)  # derives mlp_layer_types when not given
+    mlp_layer_types: tuple[str, ...] = ("dense",) * 3 + ("sparse",) * 75  # per layer: "dense" or "sparse" (MoE)
     n_routed_experts: int = 256
     n_shared_experts: int = 1
     num_experts_per_tok: int = 8
@@ -78,13 +70,10 @@ class GLM5Config:
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 2.5
     # The rest.
-    hidden_act: str = "silu"
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     max_position_embeddings: int = 202752
     rms_norm_eps: float = 1e-5
     attention_bias: bool = False
-    attention_dropout: float = 0.0
-    mlp_bias: bool = False  # accepted for compatibility; GLM-5's MLPs have no bias whatever it says
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
     # Multi-token-prediction (MTP) layers after the main ones: model.layers.{num_hidden_layers + d}. Trained by
@@ -95,46 +84,28 @@ class GLM5Config:
     eos_token_id: int | tuple[int, ...] | None = 1
 
     def __post_init__(self):
-        _check_types(self)
-        n = self.num_hidden_layers
-        if self.indexer_types is None:
-            if self.index_topk_pattern is not None:
-                bad = set(self.index_topk_pattern) - {"F", "S"}
-                if bad:
-                    raise ValueError(f"index_topk_pattern may hold only 'F' and 'S', found {sorted(bad)} in "
-                                     f"{self.index_topk_pattern!r}")
-                kinds = tuple({"F": "full", "S": "shared"}[c] for c in self.index_topk_pattern)
-            else:
-                freq, offset = max(self.index_topk_freq, 1), self.index_skip_topk_offset
-                kinds = tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n))
-            object.__setattr__(self, "indexer_types", kinds)
-        else:
-            object.__setattr__(self, "indexer_types", tuple(self.indexer_types))
-        if self.mlp_layer_types is None:
-            k = min(self.first_k_dense_replace, n)
-            object.__setattr__(self, "mlp_layer_types", ("dense",) * k + ("sparse",) * (n - k))
-        else:
-            object.__setattr__(self, "mlp_layer_types", tuple(self.mlp_layer_types))
-        if isinstance(self.eos_token_id, list):
-            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
-        rope = dict(self.rope_parameters)
-        rope.setdefault("rope_type", rope.pop("type", "default"))
-        rope.setdefault("rope_theta", 10000.0)
-        if rope["rope_type"] == "yarn":
-            rope.setdefault("original_max_position_embeddings", self.max_position_embeddings)
-        object.__setattr__(self, "rope_parameters", rope)
         _validate(self)
 
-    # Derived sizes (properties, so that a config is only its fields).
+    # Derived values.
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
+    def rope(self) -> dict:
+        """rope_parameters with their defaults filled in (rope_type, rope_theta, yarn's original length)."""
+        rope = dict(self.rope_parameters)
+        rope.setdefault("rope_type", rope.pop("type", "default"))
+        rope.setdefault("rope_theta", 10000.0)
+        if rope["rope_type"] == "yarn":
+            rope.setdefault("original_max_position_embeddings", self.max_position_embeddings)
+        return rope
+
+    @property
     def softmax_scale(self) -> float:
         """MLA's softmax scale: qk_head_dim^-0.5, times the yarn mscale squared where `mscale_all_dim` is set."""
         scale = self.qk_head_dim ** -0.5
-        rope = self.rope_parameters
+        rope = self.rope
         if rope["rope_type"] != "default" and rope.get("mscale_all_dim"):
             m = yarn_mscale(rope["factor"], rope["mscale_all_dim"])
             scale = scale * m * m
@@ -148,17 +119,6 @@ class GLM5Config:
     def has_indexer(self, layer: int) -> bool:
         """Whether `layer` runs its own DSA indexer; MTP layers always do (they have no earlier layer to share)."""
         return layer >= self.num_hidden_layers or self.indexer_types[layer] == "full"
-
-    def replace(self, **changes) -> GLM5Config:
-        """A copy with `changes`; per-layer lists are re-derived unless given (they depend on the layer count)."""
-        fields = dataclasses.asdict(self)
-        for derived, sources in (("indexer_types", {"num_hidden_layers", "index_topk_freq", "index_skip_topk_offset",
-                                                     "index_topk_pattern"}),
-                                 ("mlp_layer_types", {"num_hidden_layers", "first_k_dense_replace"})):
-            if derived not in changes and sources & changes.keys():
-                fields[derived] = None
-        fields.update(changes)
-        return GLM5Config(**fields)
 
     # Transformers interop.
     @classmethod
@@ -175,12 +135,22 @@ class GLM5Config:
         model_type = d.get("model_type", MODEL_TYPE)
         if model_type != MODEL_TYPE:
             raise ValueError(f"expected a config of model_type {MODEL_TYPE!r} (GLM-5), found {model_type!r}")
-        if "num_experts" in d and d["num_experts"] is not None:
+        if d.get("num_experts") is not None:
             d["n_routed_experts"] = d.pop("num_experts")
         rope = dict(d.pop("rope_parameters", None) or d.pop("rope_scaling", None) or {})
         if "rope_theta" in d:
             rope.setdefault("rope_theta", d.pop("rope_theta"))
         d["rope_parameters"] = rope
+        for name, value in FIXED.items():  # Transformers fields GLM-5 has one value of
+            if name in d and d.pop(name) != value:
+                raise ValueError(f"config has {name}={source[name]!r}; GLM-5 (MLA, SwiGLU, no dropout) needs {value!r}")
+        if "num_key_value_heads" in d and d.pop("num_key_value_heads") != d.get("num_attention_heads"):
+            raise ValueError(f"MLA expands one latent into every head: num_key_value_heads must equal "
+                             f"num_attention_heads ({d.get('num_attention_heads')}), got {source['num_key_value_heads']}")
+        if isinstance(d.get("eos_token_id"), list):
+            d["eos_token_id"] = tuple(d["eos_token_id"])
+        d.update(layer_types(d.get("num_hidden_layers", cls.num_hidden_layers), **{
+            k: d.pop(k) for k in SCHEDULE if k in d}))
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(k for k in d if k not in names and k not in _HF_BOOKKEEPING)
         if unknown:
@@ -191,16 +161,45 @@ class GLM5Config:
     def to_hf(self) -> dict[str, Any]:
         """A dict that `transformers.GlmMoeDsaConfig(**d)` and config.json accept."""
         d = dataclasses.asdict(self)
-        for k in ("index_topk_freq", "index_skip_topk_offset", "index_topk_pattern"):
-            d.pop(k)  # their effect is in indexer_types
-        d["indexer_types"] = list(self.indexer_types)
-        d["mlp_layer_types"] = list(self.mlp_layer_types)
+        d.update(FIXED, num_key_value_heads=self.num_attention_heads, indexer_types=list(self.indexer_types),
+                 mlp_layer_types=list(self.mlp_layer_types), rope_parameters=self.rope, model_type=MODEL_TYPE,
+                 architectures=["GlmMoeDsaForCausalLM"])
         if isinstance(self.eos_token_id, tuple):
             d["eos_token_id"] = list(self.eos_token_id)
-        d["rope_parameters"] = dict(self.rope_parameters)
-        d["model_type"] = MODEL_TYPE
-        d["architectures"] = ["GlmMoeDsaForCausalLM"]
         return d
+
+
+# Transformers fields that GLM-5 holds at one value (written by to_hf, checked by from_hf).
+FIXED = {"hidden_act": "silu", "attention_dropout": 0.0, "mlp_bias": False}
+# The schedules the per-layer lists are derived from when not given (Transformers' names; see `layer_types`).
+SCHEDULE = ("indexer_types", "index_topk_pattern", "index_topk_freq", "index_skip_topk_offset", "mlp_layer_types",
+            "first_k_dense_replace")
+
+
+def layer_types(num_hidden_layers: int, *, indexer_types=None, index_topk_pattern: str | None = None,
+                index_topk_freq: int = 1, index_skip_topk_offset: int = 2, mlp_layer_types=None,
+                first_k_dense_replace: int = 3) -> dict[str, tuple[str, ...]]:
+    """{"indexer_types", "mlp_layer_types"} of a model of num_hidden_layers layers, as Transformers derives them:
+    indexer_types as given, else from index_topk_pattern ("FFSF": F full, S shared), else from the schedule
+    index_topk_freq / index_skip_topk_offset; mlp_layer_types as given, else first_k_dense_replace dense layers
+    then MoE."""
+    n = num_hidden_layers
+    if indexer_types is None and index_topk_pattern is not None:
+        bad = set(index_topk_pattern) - {"F", "S"}
+        if bad:
+            raise ValueError(f"index_topk_pattern may hold only 'F' and 'S', found {sorted(bad)} in "
+                             f"{index_topk_pattern!r}")
+        if len(index_topk_pattern) != n:
+            raise ValueError(f"index_topk_pattern {index_topk_pattern!r} has {len(index_topk_pattern)} letters for "
+                             f"{n} layers: give one letter per layer (--model.index_topk_pattern)")
+        indexer_types = [{"F": "full", "S": "shared"}[c] for c in index_topk_pattern]
+    elif indexer_types is None:
+        freq, offset = max(index_topk_freq, 1), index_skip_topk_offset
+        indexer_types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+    if mlp_layer_types is None:
+        k = min(first_k_dense_replace, n)
+        mlp_layer_types = ["dense"] * k + ["sparse"] * (n - k)
+    return {"indexer_types": tuple(indexer_types), "mlp_layer_types": tuple(mlp_layer_types)}
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -217,11 +216,14 @@ def _check_types(cfg: GLM5Config) -> None:
             wrong.append(f"{f.name}={v!r} (expected float)")
         elif f.type == "bool" and not isinstance(v, bool):
             wrong.append(f"{f.name}={v!r} (expected bool)")
+        elif f.type == "tuple[str, ...]" and (isinstance(v, str) or not all(isinstance(x, str) for x in v)):
+            wrong.append(f"{f.name}={v!r} (expected a sequence of strings)")
     if wrong:
         raise TypeError("GLM5Config fields of the wrong type: " + ", ".join(wrong))
 
 
 def _validate(c: GLM5Config) -> None:
+    _check_types(c)
     problems = []
 
     def need(ok: bool, msg: str):
@@ -235,21 +237,18 @@ def _validate(c: GLM5Config) -> None:
         need(getattr(c, name) > 0, f"{name} must be positive, got {getattr(c, name)}")
     need(c.num_nextn_predict_layers >= 0, f"num_nextn_predict_layers must be >= 0, got {c.num_nextn_predict_layers}")
     need(c.n_shared_experts >= 0, f"n_shared_experts must be >= 0, got {c.n_shared_experts}")
-    need(c.num_key_value_heads == c.num_attention_heads,
-         f"MLA expands one latent into every head: num_key_value_heads must equal num_attention_heads "
-         f"({c.num_attention_heads}), got {c.num_key_value_heads}")
     need(c.qk_rope_head_dim % 2 == 0, f"qk_rope_head_dim must be even (RoPE rotates pairs), got {c.qk_rope_head_dim}")
     need(c.index_head_dim >= c.qk_rope_head_dim,
          f"index_head_dim ({c.index_head_dim}) must hold the rope part (qk_rope_head_dim={c.qk_rope_head_dim})")
-    need(c.hidden_act == "silu", f"hidden_act must be 'silu' (GLM-5's SwiGLU), got {c.hidden_act!r}")
-    need(c.attention_dropout == 0.0, f"attention_dropout must be 0 (GLM-5 trains without it), got {c.attention_dropout}")
     need(c.rms_norm_eps > 0, f"rms_norm_eps must be positive, got {c.rms_norm_eps}")
     n = c.num_hidden_layers
-    need(len(c.indexer_types) == n, f"indexer_types has {len(c.indexer_types)} entries for {n} layers")
+    need(len(c.indexer_types) == n, f"indexer_types has {len(c.indexer_types)} entries for {n} layers (set one per "
+                                    f"layer, e.g. with --model.index_topk_pattern)")
     need(set(c.indexer_types) <= {"full", "shared"}, f"indexer_types may hold 'full'/'shared', got {c.indexer_types}")
     need(not c.indexer_types or c.indexer_types[0] == "full",
          "the first layer's indexer must be 'full': a 'shared' layer reuses the top-k of an earlier full layer")
-    need(len(c.mlp_layer_types) == n, f"mlp_layer_types has {len(c.mlp_layer_types)} entries for {n} layers")
+    need(len(c.mlp_layer_types) == n, f"mlp_layer_types has {len(c.mlp_layer_types)} entries for {n} layers (set "
+                                      f"one per layer, e.g. with --model.first_k_dense_replace)")
     need(set(c.mlp_layer_types) <= {"dense", "sparse"}, f"mlp_layer_types may hold 'dense'/'sparse', "
                                                         f"got {c.mlp_layer_types}")
     if "sparse" in c.mlp_layer_types:
@@ -262,7 +261,7 @@ def _validate(c: GLM5Config) -> None:
             need(c.num_experts_per_tok <= c.topk_group * (E // G),
                  f"num_experts_per_tok ({c.num_experts_per_tok}) exceeds the experts in the chosen groups "
                  f"(topk_group * n_routed_experts / n_group = {c.topk_group * (E // G)})")
-    rope = c.rope_parameters
+    rope = c.rope
     need(rope["rope_type"] in ("default", "yarn"), f"rope_type must be 'default' or 'yarn', got {rope['rope_type']!r}")
     if rope["rope_type"] == "yarn":
         need(isinstance(rope.get("factor"), (int, float)) and rope["factor"] >= 1,
@@ -277,14 +276,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     # MLA + DSA attention with dense SwiGLU MLPs only, a few hundred hidden units.
     "glm5-scaled-dense": dict(
         vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+        q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
         v_head_dim=32, index_topk=64, index_n_heads=16, index_head_dim=32, first_k_dense_replace=4,
         moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2, max_position_embeddings=4096,
     ),
     # Every GLM-5 part at a CPU-friendly size: a dense first layer, MoE with groups, DSA sparse below 64 keys.
     "glm5-scaled-moe": dict(
         vocab_size=4096, hidden_size=256, intermediate_size=704, moe_intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32,
+        num_attention_heads=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32,
         qk_rope_head_dim=16, v_head_dim=32, index_topk=64, index_n_heads=16, index_head_dim=32,
         first_k_dense_replace=1, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, n_group=4,
         topk_group=2, index_topk_pattern="FFSF", max_position_embeddings=4096,
@@ -292,7 +291,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Toy size, every feature on: dense layer, MoE layers, a shared-indexer layer, index_topk << sequence.
     "glm5-tiny": dict(
         vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+        num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
         qk_rope_head_dim=8, v_head_dim=16, index_topk=16, index_n_heads=4, index_head_dim=16,
         first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
         topk_group=1, index_topk_pattern="FFS", max_position_embeddings=2048,
@@ -301,7 +300,13 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def preset(name: str, **overrides) -> GLM5Config:
-    """The named preset, with `overrides` applied to its fields."""
+    """The named preset, with `overrides` applied to its fields; the per-layer lists are derived from the schedule
+    (`layer_types`: index_topk_pattern, first_k_dense_replace, ...) for the resulting number of layers."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-    return GLM5Config(**{**PRESETS[name], **overrides})
+    fields = {**PRESETS[name], **overrides}
+    schedule = {k: fields.pop(k) for k in SCHEDULE if k in fields}
+    if "num_hidden_layers" in overrides and "index_topk_pattern" in schedule and "index_topk_pattern" not in overrides:
+        del schedule["index_topk_pattern"]  # the preset's pattern is for its own depth: use the default schedule
+    n = fields.get("num_hidden_layers", GLM5Config.num_hidden_layers)
+    return GLM5Config(**fields, **layer_types(n, **schedule))

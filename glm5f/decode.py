@@ -8,10 +8,12 @@ from dataclasses import dataclass
 
 import torch
 
-from glm5f.attention import AttnContext, Mask
 from glm5f.config import GLM5Config
-from glm5f.model import apply, check_input_ids, make_context, mtp_inputs, mtp_layer
+from glm5f.env import Env, Mask, make_env
+from glm5f.loss import mtp_inputs
+from glm5f.model import apply, check_input_ids, mtp_layer
 from glm5f.ops import rope_tables
+from glm5f.parallel import Layout
 
 
 @dataclass
@@ -37,6 +39,20 @@ def init_cache(cfg: GLM5Config, batch: int, capacity: int, dtype: torch.dtype = 
     return Cache(latent, keys)
 
 
+class CacheLayout(Layout):
+    """One process decoding: a layer's keys over all positions are its new keys appended to the cache at
+    positions start:stop, read back with the ones before."""
+
+    def __init__(self, cache: Cache, start: int, stop: int):
+        super().__init__(cache.latent[0].device)
+        self.cache, self.start, self.stop = cache, start, stop
+
+    def keys(self, layer: int, name: str, local: torch.Tensor) -> torch.Tensor:
+        buf = self.cache.latent[layer] if name == "latent" else self.cache.index_keys[layer]
+        buf[:, self.start:self.stop] = local
+        return buf[:, :self.stop]
+
+
 @torch.no_grad()
 def extend(params: dict, cfg: GLM5Config, cache: Cache, input_ids_BxS: torch.Tensor, position_ids_BxS: torch.Tensor,
            key_valid_BxT: torch.Tensor | None = None, *, with_hidden: bool = False):
@@ -52,16 +68,11 @@ def extend(params: dict, cfg: GLM5Config, cache: Cache, input_ids_BxS: torch.Ten
         raise ValueError(f"cache holds {cache.capacity} positions; {start} used, {S} more asked for. "
                          f"Make the cache with a larger capacity")
 
-    def collect(layer: int, name: str, local: torch.Tensor) -> torch.Tensor:
-        buf = cache.latent[layer] if name == "latent" else cache.index_keys[layer]
-        buf[:, start:stop] = local
-        return buf[:, :stop]
-
     mask = Mask(torch.arange(start, stop, device=input_ids_BxS.device), stop,
                 key_valid=None if key_valid_BxT is None else key_valid_BxT[:, :stop],
                 q_index_host=torch.arange(start, stop))
     cos, sin = rope_tables(cfg, position_ids_BxS, cache.latent[0].dtype)
-    logits, aux = apply(params, cfg, input_ids_BxS, AttnContext(cos, sin, mask, collect))
+    logits, aux = apply(params, cfg, input_ids_BxS, Env(cos, sin, mask, CacheLayout(cache, start, stop)))
     cache.length = stop
     return (logits, aux["hidden"]) if with_hidden else logits
 
@@ -150,11 +161,13 @@ def mtp_propose(params: dict, cfg: GLM5Config, tokens_BxM: torch.Tensor, hidden_
     main hidden states hidden_BxNxD are known (recomputed in full each time: simple, not fast). Depth d at the
     last position predicts token M - 1 + d from the tokens so far and the drafts of the depths before it."""
     N = hidden_BxNxD.shape[1]
-    ctx = make_context(cfg, (tokens_BxM.shape[0], N), valid_BxN, positions_BxN, hidden_BxNxD.dtype,
-                       tokens_BxM.device)
+    batch = {"input_ids": tokens_BxM[:, :N], "position_ids": positions_BxN}
+    if valid_BxN is not None:
+        batch["attention_mask"] = valid_BxN
+    _, env = make_env(cfg, batch, hidden_BxNxD.dtype)
     seq_BxT, h_BxNxD = tokens_BxM, hidden_BxNxD
     for d in range(1, n + 1):
-        logits_BxNxV, h_BxNxD, _ = mtp_layer(params, cfg, d, h_BxNxD, mtp_inputs(seq_BxT, d)[:, :N], ctx)
+        logits_BxNxV, h_BxNxD, _ = mtp_layer(params, cfg, d, h_BxNxD, mtp_inputs(seq_BxT, d)[:, :N], env)
         seq_BxT = torch.cat([seq_BxT, logits_BxNxV[:, -1].argmax(-1, keepdim=True)], dim=1)
     return seq_BxT[:, tokens_BxM.shape[1]:]
 

@@ -27,11 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from glm5f.attention import AttnContext, Mask
-from glm5f.config import GLM5Config
-from glm5f.model import dense_mask, packed_segments
-from glm5f.moe import ExpertsFn, expert_ffn
-from glm5f.ops import rope_tables
+from glm5f.moe import expert_ffn
 from glm5f.params import Region, leaf_kind, map_with_path
 from glm5f.parallel import Layout
 
@@ -52,10 +48,6 @@ class Spec(NamedTuple):
     stored: list
     gathered: list
     grads: list
-
-
-BATCH_KEYS = ("input_ids", "labels", "targets", "position_ids", "attention_mask", "valid")
-MTP_BATCH_PREFIXES = ("mtp_input_ids.", "mtp_targets.")  # per MTP depth d: "mtp_input_ids.{d}", "mtp_targets.{d}"
 
 
 def logical_kind(path: str) -> str:
@@ -130,13 +122,10 @@ class DistLayout(Layout):
         return map_with_path(lambda path, t, s: distribute_tensor(t.to(self.device), s.mesh, s.stored),
                              params, self.param_specs(params), is_leaf=lambda x: isinstance(x, Spec))
 
-    def gather_params(self, params: dict, prefix: str = "") -> dict:
+    def gather(self, tree: dict, prefix: str = "") -> dict:
         def gather(path, t, s):
             return t.redistribute(s.mesh, s.gathered).to_local(grad_placements=s.grads)
-        return map_with_path(gather, params, self.param_specs(params, prefix), is_leaf=lambda x: isinstance(x, Spec))
-
-    def full(self, t: torch.Tensor) -> torch.Tensor:
-        return t.full_tensor() if isinstance(t, DTensor) else t
+        return map_with_path(gather, tree, self.param_specs(tree, prefix), is_leaf=lambda x: isinstance(x, Spec))
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach().clone()
@@ -151,55 +140,24 @@ class DistLayout(Layout):
         return t
 
     # ---- data
-    def local_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        B, S = batch["input_ids"].shape
+    def share(self, B: int, S: int) -> tuple[slice, torch.Tensor | None]:
         rows = slice(self.dp_rank * B // self.dp, (self.dp_rank + 1) * B // self.dp)
-        q_index = cp_positions(S, self.cp, self.cp_rank).to(batch["input_ids"].device)
-        out = {k: v[rows].index_select(1, q_index) for k, v in batch.items()
-               if (k in BATCH_KEYS or k.startswith(MTP_BATCH_PREFIXES)) and v.ndim == 2}
-        out["full_position_ids"] = batch["position_ids"][rows]
-        mask = batch.get("attention_mask")
-        if mask is not None and mask.ndim == 2:
-            out["full_attention_mask"] = mask[rows]  # padding of every key
-        elif mask is not None:
-            out["attention_mask"] = mask[rows].index_select(2, q_index)  # 4D: split on queries, keys stay global
-        out["q_index"] = q_index
-        return out
+        return rows, None if self.cp == 1 else cp_positions(S, self.cp, self.cp_rank)
 
-    def context(self, cfg: GLM5Config, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> AttnContext:
-        q_index, S = batch["q_index"], batch["full_position_ids"].shape[1]
-        host = cp_positions(S, self.cp, self.cp_rank)
-        if "full_attention_mask" in batch:
-            mask = Mask(q_index, S, key_valid=batch["full_attention_mask"].bool(), q_index_host=host)
-        elif "attention_mask" in batch:
-            mask = dense_mask(batch["attention_mask"], q_index)
-        else:
-            seg = packed_segments(batch["full_position_ids"])
-            mask = Mask(q_index, S, q_segment=None if seg is None else seg[:, q_index], k_segment=seg,
-                        q_index_host=host)
-        cos, sin = rope_tables(cfg, batch["position_ids"], dtype)
-        return AttnContext(cos, sin, mask, self._collect(S))
-
-    def _collect(self, S: int):
+    def keys(self, layer: int, name: str, local: torch.Tensor) -> torch.Tensor:
         """All-gather this rank's keys over the CP group into global sequence order (gradients flow back)."""
         if self.cp == 1:
-            return lambda layer, name, local: local
-        held = torch.cat([cp_positions(S, self.cp, r) for r in range(self.cp)])
-        to_global = torch.argsort(held).to(self.device)
-
-        def collect(layer: int, name: str, local: torch.Tensor) -> torch.Tensor:
-            parts = funcol.all_gather_single_autograd(local.contiguous(), gather_dim=1, group=self.cp_group)
-            return funcol.wait_tensor(parts).index_select(1, to_global)
-        return collect
+            return local
+        held = torch.cat([cp_positions(local.shape[1] * self.cp, self.cp, r) for r in range(self.cp)])
+        parts = funcol.all_gather_single_autograd(local.contiguous(), gather_dim=1, group=self.cp_group)
+        return funcol.wait_tensor(parts).index_select(1, torch.argsort(held).to(local.device))
 
     # ---- experts
-    @property
-    def experts(self) -> ExpertsFn:
-        return expert_ffn if self.ep == 1 else self._ep_ffn
-
-    def _ep_ffn(self, p: dict, x_MxD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    def experts(self, p: dict, x_MxD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert go to the rank owning their expert, are computed there grouped, and come back
         in the same order (all-to-all both ways, differentiable)."""
+        if self.ep == 1:
+            return expert_ffn(p, x_MxD, counts_E)
         ep, group = self.ep, self.ep_group
         E = counts_E.shape[0]
         e_local = E // ep

@@ -8,6 +8,7 @@ fused one (`mlp.experts.gate_up_proj` [E, 2F, D], `mlp.experts.down_proj` [E, D,
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -221,7 +222,7 @@ def load_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None, device
         warnings.warn(f"{path}: config.json has num_nextn_predict_layers={cfg.num_nextn_predict_layers} but the "
                       f"weights hold no model.layers.{L}.* tensors; loading without the MTP layers",
                       stacklevel=2)
-        cfg = cfg.replace(num_nextn_predict_layers=0)
+        cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0)
     copies = tuple(name for name in MTP_COPIES if cfg.num_nextn_predict_layers and
                    all(f"model.layers.{L + d}.{name}.weight" in inv for d in range(cfg.num_nextn_predict_layers)))
     plan, mtp = _plan(cfg, inv, copies)

@@ -6,14 +6,16 @@ M = N * K routed rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
 
 from glm5f.config import GLM5Config
 from glm5f.ops import linear, swiglu_mlp, wide
+
+if TYPE_CHECKING:
+    from glm5f.env import Env
 
 
 def router_scores(p: dict, x_NxD: torch.Tensor) -> torch.Tensor:
@@ -95,14 +97,10 @@ def sort_by_expert(idx_NxK: torch.Tensor, num_experts: int):
     return order_M, torch.bincount(flat_M, minlength=num_experts)
 
 
-# (expert params, rows [M, D] sorted by expert id, rows per expert [E]) -> outputs [M, D] in the same order.
-# `expert_ffn` computes every expert here; under expert parallelism the rows travel to the ranks owning them.
-ExpertsFn = Callable[[dict, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
 def routed_experts(p: dict, x_NxD: torch.Tensor, idx_NxK: torch.Tensor, w_NxK: torch.Tensor, num_experts: int,
-                   ffn: ExpertsFn = expert_ffn) -> torch.Tensor:
-    """sum_k w[n, k] * expert_{idx[n, k]}(x[n]) -> [N, D]: rows sorted by expert, computed grouped by `ffn`."""
+                   ffn: Callable = expert_ffn) -> torch.Tensor:
+    """sum_k w[n, k] * expert_{idx[n, k]}(x[n]) -> [N, D]: rows sorted by expert, computed grouped by
+    `ffn(p, rows [M, D], counts [E]) -> [M, D]` (`expert_ffn`, or the layout's, which may send rows to other ranks)."""
     N, K = idx_NxK.shape
     order_M, counts_E = sort_by_expert(idx_NxK, num_experts)
     y_MxD = ffn(p, x_NxD.index_select(0, order_M // K), counts_E)
@@ -111,51 +109,40 @@ def routed_experts(p: dict, x_NxD: torch.Tensor, idx_NxK: torch.Tensor, w_NxK: t
     return unsorted_MxD.view(N, K, x_NxD.shape[-1]).sum(1).to(x_NxD.dtype)
 
 
-@dataclass
-class SeqAux:
-    """Asks `moe` for its sequence-wise balance loss (DeepSeek-V3's), over this rank's B sequences.
-
-    valid_BxS marks the real tokens of this rank's share of each sequence (padding 0); seq_sum(t) sums a
-    per-sequence tensor [B, ...] over the ranks holding the other parts of the same sequences (the identity in
-    one process, an all-reduce over the context-parallel group), without autograd.
-    """
-
-    valid_BxS: torch.Tensor
-    seq_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
-
-
-def seq_aux_loss(scores_BxSxE: torch.Tensor, idx_BxSxK: torch.Tensor, seq: SeqAux) -> torch.Tensor:
+def seq_aux_loss(scores_BxSxE: torch.Tensor, idx_BxSxK: torch.Tensor, env: Env) -> torch.Tensor:
     """This rank's share (fp64) of sum over sequences of L_seq = sum_i f_i P_i.
 
-    Per sequence of T valid tokens: f_i = E / (K T) * (tokens that chose expert i), P_i = (1/T) sum_t s'_{t,i},
-    s' the scores normalised over all E experts. f and T count every rank's part of the sequence (seq.seq_sum);
+    Per sequence of T valid tokens (env.valid_BxS; all when None): f_i = E / (K T) * (tokens that chose expert
+    i), P_i = (1/T) sum_t s'_{t,i}, s' the scores normalised over all E experts. f and T count every rank's part
+    of the sequence (env.seq_sum);
     f is a constant, so the rank's share is sum over its valid tokens of sum_i (f_i / T) s'_{t,i}, and the
     shares add up to the loss and its gradient over the ranks. Sequences without a valid token add 0.
     """
     B, S, E = scores_BxSxE.shape
     K = idx_BxSxK.shape[-1]
     with torch.no_grad():
-        valid_BxS = seq.valid_BxS.to(torch.float64)
+        valid = env.valid_BxS if env.valid_BxS is not None else torch.ones(B, S, device=scores_BxSxE.device)
+        valid_BxS = valid.to(torch.float64)
         chosen_BxE = valid_BxS.new_zeros(B, E).scatter_add_(1, idx_BxSxK.reshape(B, S * K),
                                                             valid_BxS.repeat_interleave(K, dim=1))
-        stats_BxE1 = seq.seq_sum(torch.cat([chosen_BxE, valid_BxS.sum(1, keepdim=True)], dim=1))
+        stats_BxE1 = env.seq_sum(torch.cat([chosen_BxE, valid_BxS.sum(1, keepdim=True)], dim=1))
         counts_BxE, T_B = stats_BxE1[:, :E], stats_BxE1[:, E].clamp(min=1)
         coef_BxE = counts_BxE * (E / (K * T_B[:, None] ** 2))  # f_i / T
     share_BxSxE = scores_BxSxE / scores_BxSxE.sum(-1, keepdim=True)
     return torch.einsum("bse,bs,be->", share_BxSxE.to(torch.float64), valid_BxS, coef_BxE)
 
 
-def moe(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, ffn: ExpertsFn = expert_ffn, seq: SeqAux | None = None):
-    """Routed experts plus shared experts. Returns (output [B, S, D], expert indices [N, K] of each token, aux):
-    aux holds "seq_aux_loss" (see `seq_aux_loss`) when `seq` asks for it, else nothing."""
+def moe(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, env: Env):
+    """Routed experts (computed by env.experts) plus shared experts. Returns (output [B, S, D], expert indices
+    [N, K] of each token, aux): aux holds "seq_aux_loss" (see `seq_aux_loss`) when env.objectives asks for it."""
     x_NxD = x_BxSxD.reshape(-1, x_BxSxD.shape[-1])
     scores_NxE = router_scores(p["gate"], x_NxD)
     idx_NxK, w_NxK = select_experts(p["gate"], scores_NxE, cfg)
-    y_NxD = routed_experts(p["experts"], x_NxD, idx_NxK, w_NxK, cfg.n_routed_experts, ffn)
+    y_NxD = routed_experts(p["experts"], x_NxD, idx_NxK, w_NxK, cfg.n_routed_experts, env.experts)
     if "shared_experts" in p:
         y_NxD = y_NxD + swiglu_mlp(p["shared_experts"], x_NxD)
     aux = {}
-    if seq is not None:
+    if env.objectives.seq_aux:
         B, S = x_BxSxD.shape[:2]
-        aux["seq_aux_loss"] = seq_aux_loss(scores_NxE.view(B, S, -1), idx_NxK.view(B, S, -1), seq)
+        aux["seq_aux_loss"] = seq_aux_loss(scores_NxE.view(B, S, -1), idx_NxK.view(B, S, -1), env)
     return y_NxD.view_as(x_BxSxD), idx_NxK, aux

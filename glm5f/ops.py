@@ -53,7 +53,7 @@ def swiglu_mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
 
 def rope_inv_freq(cfg: GLM5Config) -> tuple[torch.Tensor, float]:
     """(inverse frequencies [rope_dim / 2], cos/sin scale) for the config's rope_type ("default" or "yarn")."""
-    rope, dim = cfg.rope_parameters, cfg.qk_rope_head_dim
+    rope, dim = cfg.rope, cfg.qk_rope_head_dim
     base = rope["rope_theta"]
     exponents = torch.arange(0, dim, 2, dtype=torch.float) / dim
     if rope["rope_type"] == "default":

@@ -1,7 +1,10 @@
-"""How a run is laid out over processes. `Layout` is what the train loop asks: this rank's share of a batch, the
-attention context, the experts function, parameter gathering, and sums over ranks.
+"""How a run is laid out over processes. `Layout` is one process: the whole batch, all parameters, all experts.
+Several processes: `glm5f.distributed.DistLayout`, with the same methods.
 
-One process: every method is the identity (this file's `Layout`). Several processes: see `glm5f.distributed`.
+The model's layers use four verbs, through their `Env`: `gather` (a subtree's weights for compute), `keys` (a
+layer's keys over the whole sequence), `experts` (routed experts over rows sorted by expert) and `seq_sum`. The
+train loop uses the others: which rows and positions of a batch are this rank's (`share`), the params as stored
+(`local_params`, `shard_params`) and sums over ranks (`sum`).
 """
 
 from __future__ import annotations
@@ -10,10 +13,7 @@ from typing import Callable
 
 import torch
 
-from glm5f.attention import AttnContext
-from glm5f.config import GLM5Config
-from glm5f.model import make_context
-from glm5f.moe import ExpertsFn, expert_ffn
+from glm5f.moe import expert_ffn
 from glm5f.params import Region
 
 
@@ -22,8 +22,13 @@ class Layout:
 
     rank, world, is_main = 0, 1, True
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+
+    # ---- what the train loop asks
+    def share(self, B: int, S: int) -> tuple[slice, torch.Tensor | None]:
+        """(rows, sequence positions: a CPU LongTensor, None for all) of a [B, S] batch that this rank holds."""
+        return slice(None), None
 
     def local_params(self, make: Callable[[Region | None], dict]) -> dict:
         """Params as this layout stores them, each rank making only its own part: `make(region)` builds the part
@@ -34,33 +39,35 @@ class Layout:
         """Params as this layout stores them (DTensors under FSDP/EP)."""
         return params
 
-    def gather_params(self, params: dict, prefix: str = "") -> dict:
-        """Plain tensors for the forward, gradients flowing back to the stored (possibly sharded) leaves. `params`
-        is the whole tree, or the subtree at dotted path `prefix` (a decoder layer: "model.layers.3")."""
-        return params
-
-    def local_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's rows (data parallel) and sequence chunks (context parallel) of a global (micro-)batch."""
-        return batch
-
-    def context(self, cfg: GLM5Config, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> AttnContext:
-        """The attention context of this rank's share of a batch."""
-        return make_context(cfg, batch["input_ids"].shape, batch.get("attention_mask"), batch["position_ids"],
-                            dtype, batch["input_ids"].device)
-
-    @property
-    def experts(self) -> ExpertsFn:
-        return expert_ffn
-
     def sum(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum of a tensor over all ranks (here: itself)."""
+        """Sum of a tensor over all ranks (here: itself), without autograd."""
         return t
+
+    # ---- the verbs the layers use (see glm5f.env.Env)
+    def gather(self, tree: dict, prefix: str = "") -> dict:
+        """Plain tensors for the forward, gradients flowing back to the stored (possibly sharded) leaves. `tree`
+        is the subtree at dotted path `prefix` (a decoder layer: "model.layers.3"), or the whole tree."""
+        return tree
+
+    def keys(self, layer: int, name: str, local: torch.Tensor) -> torch.Tensor:
+        """Layer `layer`'s keys `name` ("latent", "index_keys") over all T positions from this rank's [B, S, ...]."""
+        return local
+
+    def experts(self, p: dict, x_MxD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """The routed experts' outputs of rows sorted by expert (counts_E rows each), in the same order."""
+        return expert_ffn(p, x_MxD, counts_E)
 
     def seq_sum(self, t: torch.Tensor) -> torch.Tensor:
         """Sum of a per-sequence tensor [B, ...] over the ranks holding parts of this rank's sequences (here:
-        itself)."""
+        itself), without autograd."""
         return t
 
-    def full(self, t: torch.Tensor) -> torch.Tensor:
-        """A leaf's full value on every rank (here: itself)."""
-        return t
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; a plain tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's global value on every rank (collective); a plain tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t

@@ -6,6 +6,7 @@ Routed experts are stacked on a leading expert axis: `mlp.experts.gate_proj.weig
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 import zlib
@@ -235,7 +236,7 @@ def abstract_params(cfg: GLM5Config, dtype: torch.dtype = torch.float32, mtp_cop
 def param_count(cfg: GLM5Config, *, include_buffers: bool = False, include_mtp: bool = True) -> int:
     """Number of trained parameters (the router's correction bias is a buffer and is not counted), with the MTP
     layers unless include_mtp=False."""
-    flat = flatten(param_layout(cfg if include_mtp else cfg.replace(num_nextn_predict_layers=0)), is_leaf=_is_leaf)
+    flat = flatten(param_layout(cfg if include_mtp else dataclasses.replace(cfg, num_nextn_predict_layers=0)), is_leaf=_is_leaf)
     return sum(_numel(leaf.shape) for path, leaf in flat.items() if include_buffers or not is_buffer(path))
 
 

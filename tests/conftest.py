@@ -98,3 +98,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+def env_of(cfg, shape, attention_mask=None, position_ids=None, dtype=torch.float32, **objectives):
+    """The Env of a one-process forward over [B, S] tokens (mask and positions as `glm5f.forward` takes them),
+    computing the objectives named (glm5f.env.Objectives' fields)."""
+    from glm5f.env import Objectives
+
+    B, S = shape
+    batch = {"input_ids": torch.zeros(B, S, dtype=torch.long), "position_ids": position_ids}
+    if attention_mask is not None:
+        batch["attention_mask"] = attention_mask
+    return glm5f.make_env(cfg, batch, dtype, objectives=Objectives(**objectives))[1]

@@ -18,12 +18,13 @@ from hypothesis import strategies as st
 
 import glm5f
 from configs import Config
+from conftest import env_of
 from glm5f.attention import attention
 from glm5f.distributed import DistLayout, cp_positions, init_process
-from glm5f.model import make_context
-from glm5f.optim import global_norm
+from glm5f.loss import Step, step_grads
 from glm5f.moe import routed_experts
-from glm5f.parallel import Layout
+from glm5f.optim import global_norm
+from glm5f.parallel import Layout, full_tensor
 
 PROPERTY = settings(max_examples=16, deadline=None, derandomize=True, database=None)
 
@@ -36,8 +37,6 @@ def agree(ok: bool) -> bool:
 
 def first_step_grads(argv: list[str], out_path: str | None) -> dict:
     """Loss and full gradients of the first step of the run `argv` (saved by rank 0 when out_path is given)."""
-    from train import step_grads
-
     cfg = tyro.cli(Config, args=argv, use_underscores=True)
     p = cfg.parallel
     if p.world > 1:
@@ -48,9 +47,9 @@ def first_step_grads(argv: list[str], out_path: str | None) -> dict:
     params = layout.local_params(lambda region: glm5f.init_params(model_cfg, cfg.train.seed, region=region))
     data = glm5f.data.make_source(cfg.data.type, vocab_size=model_cfg.vocab_size, batch_size=cfg.data.batch_size,
                                   seq_len=cfg.data.seq_len, seed=cfg.data.seed)
-    metrics, grads, counts = step_grads(params, data.next_batch(), cfg, model_cfg, layout)
+    metrics, grads, counts = step_grads(params, data.next_batch(), model_cfg, layout, Step.of(cfg.train, model_cfg))
     result = {"loss": metrics["loss"], "metrics": metrics, "grad_norm": float(global_norm(grads)),
-              "grads": {k: layout.full(g) for k, g in grads.items()},
+              "grads": {k: full_tensor(g) for k, g in grads.items()},
               "counts": {k: c for k, c in counts.items()}}
     if out_path and layout.is_main:
         torch.save(result, out_path)
@@ -138,24 +137,24 @@ def cp_attention_property() -> None:
             mask |= torch.eye(S, dtype=torch.bool)
 
         def run(x, ctx):
-            out0, topk_idx, _ = attention(layers[0]["self_attn"], x, cfg, 0, ctx, None)
-            out2, _, _ = attention(layers[2]["self_attn"], out0, cfg, 2, ctx, topk_idx)
+            out0, carry, _ = attention(layers[0]["self_attn"], x, cfg, 0, ctx, None)
+            out2, _, _ = attention(layers[2]["self_attn"], out0, cfg, 2, ctx, carry)
             return out2
 
         leaves = [layers[0]["self_attn"]["q_b_proj"]["weight"], layers[2]["self_attn"]["kv_b_proj"]["weight"]]
         for t in leaves:
             t.requires_grad_()
         full_x = x.clone().requires_grad_()
-        full = run(full_x, make_context(cfg, (B, S), mask, pos, torch.float32, "cpu"))
+        full = run(full_x, env_of(cfg, (B, S), mask, pos))
         full_grads = torch.autograd.grad((full * cot).sum(), [full_x, *leaves])
 
         q = cp_positions(S, cp, rank)
         batch = {"input_ids": torch.zeros(B, S, dtype=torch.long), "position_ids": pos}
         if mask is not None:
             batch["attention_mask"] = mask
-        local_batch = layout.local_batch(batch)
+        _, env = glm5f.make_env(cfg, batch, torch.float32, layout)
         local_x = x[:, q].clone().requires_grad_()
-        local = run(local_x, layout.context(cfg, local_batch, torch.float32))
+        local = run(local_x, env)
         local_grads = torch.autograd.grad((local * cot[:, q]).sum(), [local_x, *leaves])
         summed = [gr.clone() for gr in local_grads[1:]]
         for gr in summed:

@@ -1,5 +1,6 @@
 """Bad input fails loudly with a message that names the problem, and never half-loads or half-writes."""
 
+import dataclasses
 import json
 import os
 
@@ -43,20 +44,20 @@ def test_wrong_input_shapes(tiny):
 def test_params_of_another_config(tiny):
     cfg, params = tiny
     with pytest.raises(ValueError, match=r"model.embed_tokens.weight: expected \[1024, 64\], found \[512, 64\]"):
-        glm5f.check_params(params, cfg.replace(vocab_size=1024))
+        glm5f.check_params(params, dataclasses.replace(cfg, vocab_size=1024))
     with pytest.raises(ValueError, match="missing"):
-        glm5f.check_params(params, cfg.replace(num_hidden_layers=4, index_topk_pattern=None))
+        glm5f.check_params(params, glm5f.preset("glm5-tiny", num_hidden_layers=4))
 
 
 @pytest.mark.parametrize("changes,message", [
     (dict(n_routed_experts=6, n_group=4), "divisible by n_group"),
     (dict(topk_group=3), "topk_group .3. must be <= n_group"),
     (dict(num_experts_per_tok=9), "exceeds the experts in the chosen groups"),
-    (dict(num_key_value_heads=2), "num_key_value_heads must equal"),
     (dict(index_topk_pattern="SFF"), "first layer's indexer must be 'full'"),
     (dict(index_topk_pattern="FFSX"), "may hold only 'F' and 'S'"),
     (dict(mlp_layer_types=["dense", "moe", "sparse"]), "mlp_layer_types may hold"),
-    (dict(hidden_act="gelu"), "hidden_act must be 'silu'"),
+    (dict(num_hidden_layers=4, index_topk_pattern="FFS"), "'FFS' has 3 letters for 4 layers"),
+    (dict(indexer_types=("full",) * 2), "indexer_types has 2 entries for 3 layers"),
     (dict(rope_parameters={"rope_type": "linear", "factor": 2.0}), "rope_type must be"),
     (dict(qk_rope_head_dim=7), "must be even"),
     (dict(hidden_size=0), "hidden_size must be positive"),
@@ -65,6 +66,17 @@ def test_params_of_another_config(tiny):
 def test_invalid_configs(changes, message):
     with pytest.raises((ValueError, TypeError), match=message):
         glm5f.preset("glm5-tiny", **changes)
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(num_key_value_heads=2), "num_key_value_heads must equal"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu'; GLM-5 .* needs 'silu'"),
+    (dict(mlp_bias=True), "mlp_bias=True; GLM-5 .* needs False"),
+])
+def test_invalid_transformers_configs(changes, message):
+    """Transformers fields GLM-5 has one value of are checked on load, not silently ignored."""
+    with pytest.raises(ValueError, match=message):
+        glm5f.GLM5Config.from_hf({**glm5f.preset("glm5-tiny").to_hf(), **changes})
 
 
 def test_unknown_preset_and_foreign_config(tmp_path):

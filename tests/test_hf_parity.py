@@ -125,9 +125,9 @@ def test_config_round_trip_with_transformers():
 def test_indexer_types_derived_like_transformers(kw):
     from transformers import GlmMoeDsaConfig
 
-    ours = glm5f.GLM5Config(num_hidden_layers=6, **kw)
-    assert list(ours.indexer_types) == list(GlmMoeDsaConfig(num_hidden_layers=6, **kw).indexer_types)
-    assert dataclasses.replace(ours).indexer_types == ours.indexer_types
+    theirs = GlmMoeDsaConfig(num_hidden_layers=6, **kw)
+    assert list(glm5f.config.layer_types(6, **kw)["indexer_types"]) == list(theirs.indexer_types)
+    assert glm5f.GLM5Config.from_hf({**theirs.to_dict(), **kw}).indexer_types == tuple(theirs.indexer_types)
 
 
 def test_full_glm5_parameter_count_without_memory():

@@ -1,5 +1,6 @@
 """The multi-token-prediction (MTP) layer: forward and loss against a reference, checkpoints, speculative decoding."""
 
+import dataclasses
 import json
 import math
 import os
@@ -13,14 +14,15 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 import glm5f
-from conftest import boundary_ties, hf_model, rel_err, stable_topk, with_grad
+from conftest import boundary_ties, env_of, hf_model, rel_err, stable_topk, with_grad
 from configs import Config
 from glm5f import decode
-from glm5f.model import mtp_targets
 from glm5f.optim import adamw_init, adamw_update, balance_router_bias
 from glm5f.parallel import Layout
 from glm5f.metrics import read_metrics
-from train import Objectives, main, micro_loss, step_denoms, step_grads, with_targets
+from glm5f.env import Objectives
+from glm5f.loss import Step, micro_loss, mtp_targets, step_denoms, step_grads, with_targets
+from train import main
 
 CFG = glm5f.preset("glm5-tiny", num_nextn_predict_layers=1)  # the MTP layer is MoE with a full indexer
 SETTINGS = settings(max_examples=8, deadline=None, derandomize=True)
@@ -72,7 +74,7 @@ def reference_mtp_logits(params, cfg, ids, hidden):
     nxt = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)  # t_{i+1}; the last position is unused
     e = params["model"]["embed_tokens"]["weight"][nxt]
     x = torch.cat([rms(e, p["enorm"]["weight"]), rms(hidden, p["hnorm"]["weight"])], dim=-1) @ p["eh_proj"]["weight"].T
-    one = cfg.replace(num_hidden_layers=1, mlp_layer_types=("sparse",), indexer_types=("full",),
+    one = dataclasses.replace(cfg, num_hidden_layers=1, mlp_layer_types=("sparse",), indexer_types=("full",),
                       num_nextn_predict_layers=0)
     hcfg = GlmMoeDsaConfig(**one.to_hf())
     hcfg._attn_implementation = "eager"
@@ -98,11 +100,11 @@ def test_forward_loss_and_gradients_match_the_formula():
     labels[0, 5:9] = glm5f.IGNORE_INDEX
     batch = {"input_ids": ids, "labels": labels, "position_ids": torch.arange(S).expand(2, S)}
     full = with_targets(batch, 1)
-    denoms = step_denoms(full)
+    step = Step(Objectives(mtp_depths=1), {"loss": 1.0, "mtp_loss": 1.0}, torch.float64)
+    denoms = step_denoms(full, cfg, step.objectives)
 
     p = with_grad(params)
-    objective, (sums, _) = micro_loss(p, full, denoms, cfg, Layout(torch.device("cpu")), torch.float64,
-                                      torch.float64, False, Objectives(mtp_loss_weight=1.0))
+    objective, (sums, _) = micro_loss(p, full, denoms, cfg, Layout(torch.device("cpu")), step)
     ours = sums["mtp_loss"] / denoms["mtp_depths"]
     leaves = {k: v for k, v in glm5f.flatten(p).items()
               if k.startswith("model.layers.3.") and v.requires_grad and ".indexer." not in k}
@@ -110,10 +112,11 @@ def test_forward_loss_and_gradients_match_the_formula():
 
     # the reference: its own hidden state input (no gradient to the main model), its own targets
     with torch.no_grad():
-        ctx = glm5f.model.make_context(cfg, ids.shape, None, None, torch.float64, ids.device)
+        ctx = env_of(cfg, ids.shape, dtype=torch.float64)
         hidden = glm5f.apply(params, cfg, ids, ctx)[1]["hidden"]
     ref_logits = reference_mtp_logits(p, cfg, ids, hidden)
-    from glm5f.model import apply, mtp_apply, mtp_inputs
+    from glm5f.loss import mtp_inputs
+    from glm5f.model import mtp_apply
     with torch.no_grad():
         our_logits = mtp_apply(params, cfg, hidden, [mtp_inputs(ids, 1)], ctx)[0][0]
     assert rel_err(our_logits[:, :-1], ref_logits[:, :-1].detach()) <= 1e-6
@@ -190,7 +193,7 @@ def test_checkpoint_with_mtp_loads_trains_saves_and_round_trips(tmp_path, copies
     ids = torch.randint(0, cfg.vocab_size, (4, 32), generator=g)
     batch = {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(32).expand(4, 32)}
     layout = Layout(torch.device("cpu"))
-    metrics, grads, counts = step_grads(params, batch, run, cfg, layout)
+    metrics, grads, counts = step_grads(params, batch, cfg, layout, Step.of(run.train, cfg))
     assert math.isfinite(metrics["mtp_loss"]) and metrics["mtp_loss"] > 0
     assert "model.layers.3.mlp.gate.e_score_correction_bias" in counts  # the MTP layer joins router balancing
     assert float(counts["model.layers.3.mlp.gate.e_score_correction_bias"].sum()) == 4 * 32 * cfg.num_experts_per_tok
@@ -229,7 +232,7 @@ def test_config_with_mtp_but_no_tensors_loads_without_them(hf_checkpoint):
 @settings(max_examples=4, deadline=None, derandomize=True)
 @given(st.integers(0, 2**16), st.integers(1, 10), st.integers(0, 8), st.integers(1, 2), st.integers(1, 2))
 def test_speculative_decoding_is_greedy_decoding(seed, prompt_len, new, batch, depths):
-    cfg = CFG.replace(num_nextn_predict_layers=depths)
+    cfg = dataclasses.replace(CFG, num_nextn_predict_layers=depths)
     params = glm5f.init_params(cfg, seed=seed % 97)
     prompt = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(seed))
     stats = {}
@@ -243,7 +246,7 @@ def test_speculative_decoding_is_greedy_decoding(seed, prompt_len, new, batch, d
 def test_accepted_drafts_are_kept_and_rejected_ones_dropped(monkeypatch, wrong_every):
     """A draft that knows the greedy answer (but for every `wrong_every`-th proposal, one token off): the output
     stays greedy, and the acceptance rate counts exactly the drafts that were right up to the first wrong one."""
-    cfg = CFG.replace(num_nextn_predict_layers=3)
+    cfg = dataclasses.replace(CFG, num_nextn_predict_layers=3)
     params = glm5f.init_params(cfg, seed=11)
     prompt = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(4))
     n = 25
@@ -312,8 +315,8 @@ def test_mtp_weight_scales_the_gradient_the_main_model_gets():
     grads = {}
     for w in (0.0, 0.5, 1.0):
         run.train.mtp_loss_weight = w
-        metrics, grads[w], _ = step_grads(params, batch, run, CFG, layout)
-    _, plain, _ = step_grads(main_params, batch, run, base, layout)
+        metrics, grads[w], _ = step_grads(params, batch, CFG, layout, Step.of(run.train, CFG))
+    _, plain, _ = step_grads(main_params, batch, base, layout, Step.of(run.train, base))
     for k, g in plain.items():
         assert torch.equal(grads[0.0][k], g), k
     k = "model.layers.2.self_attn.o_proj.weight"

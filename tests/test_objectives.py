@@ -14,12 +14,14 @@ import tyro
 import glm5f
 from configs import Config, validate
 from glm5f import checkpoint
-from glm5f.attention import LATENT_NORM_EPS, IndexerGroup, attention, topk_as_mask
-from glm5f.model import make_context
+from conftest import env_of
+from glm5f.attention import LATENT_NORM_EPS, attention
+from glm5f.loss import Step, step_grads
+from glm5f.mla import topk_as_mask
 from glm5f.ops import apply_rope, layer_norm, rms_norm
 from glm5f.optim import adamw_init, trained_paths
 from glm5f.parallel import Layout
-from train import step_grads, train
+from train import train
 
 # glm5-tiny with weights wide enough that attention and index scores are far from uniform, top-k 8 of 24 keys
 CFG = glm5f.preset("glm5-tiny", initializer_range=0.2, index_topk=8)
@@ -28,6 +30,11 @@ B, S = 2, 24
 
 def cli(*args: str) -> Config:
     return tyro.cli(Config, args=list(args), use_underscores=True)
+
+
+def run_step(params: dict, batch: dict, run: Config, model_cfg: glm5f.GLM5Config):
+    """`step_grads` of one process for the run `run` describes."""
+    return step_grads(params, batch, model_cfg, Layout(torch.device("cpu")), Step.of(run.train, model_cfg))
 
 
 def layer0_params(seed: int = 0) -> dict:
@@ -99,13 +106,14 @@ def naive_indexer_kl(p: dict, x: torch.Tensor, cos, sin, keyset_BxSxT, selected_
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
 def test_indexer_kl_and_its_gradients_match_the_formula(mode, kind, blocks, monkeypatch):
     if blocks == "many":  # query blocks of 1 to 3 queries
-        monkeypatch.setattr(glm5f.attention, "INDEXER_LOSS_BLOCK_ELEMS", 4000)
+        monkeypatch.setattr(glm5f.indexer_loss, "INDEXER_LOSS_BLOCK_ELEMS", 4000)
     am, pos, allowed, valid = inputs(kind)
     p = layer0_params()
     x = torch.randn(B, S, CFG.hidden_size, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    ctx = dataclasses.replace(make_context(CFG, (B, S), am, pos, torch.float64, "cpu"), indexer_loss=mode)
+    ctx = env_of(CFG, (B, S), am, pos, torch.float64, indexer_loss=mode)
     live = glm5f.params.map_with_path(lambda path, t: t.clone().requires_grad_(".indexer." in f".{path}"), p)
-    _, topk, aux = attention(live, x, CFG, 0, ctx, None)
+    _, carry, aux = attention(live, x, CFG, 0, ctx, None)
+    topk = carry.topk
     assert topk is not None and topk.shape[-1] == CFG.index_topk
     selected = topk_as_mask(topk, S)
     keyset = allowed & selected if mode == "sparse" else allowed
@@ -133,8 +141,8 @@ def test_indexer_kl_and_its_gradients_match_the_formula(mode, kind, blocks, monk
 def test_indexer_mean_target_and_its_gradients_match_the_formula(mode, kind, monkeypatch):
     """--train.indexer_target mean on layers F S S: layer 0's indexer learns the mean of the three layers' targets
     (each over the same key set), its loss appearing at layer 2, the group's last."""
-    monkeypatch.setattr(glm5f.attention, "INDEXER_LOSS_BLOCK_ELEMS", 20000)  # several query blocks
-    cfg = dataclasses.replace(CFG, index_topk_pattern="FSS", indexer_types=None)
+    monkeypatch.setattr(glm5f.indexer_loss, "INDEXER_LOSS_BLOCK_ELEMS", 20000)  # several query blocks
+    cfg = dataclasses.replace(CFG, indexer_types=("full", "shared", "shared"))
     am, pos, allowed, valid = inputs(kind)
     g = torch.Generator().manual_seed(3)
     layers = glm5f.init_params(cfg, seed=1, dtype=torch.float64)["model"]["layers"]
@@ -142,16 +150,15 @@ def test_indexer_mean_target_and_its_gradients_match_the_formula(mode, kind, mon
                                      if t.ndim == 1 else t, layer["self_attn"]) for layer in layers]
     assert "indexer" in ps[0] and "indexer" not in ps[1] and "indexer" not in ps[2]
     xs = [torch.randn(B, S, CFG.hidden_size, generator=g, dtype=torch.float64) for _ in ps]
-    ctx = dataclasses.replace(make_context(cfg, (B, S), am, pos, torch.float64, "cpu"), indexer_loss=mode,
-                              indexer_target="mean")
+    ctx = env_of(cfg, (B, S), am, pos, torch.float64, indexer_loss=mode, indexer_target="mean")
     live = glm5f.params.map_with_path(lambda path, t: t.clone().requires_grad_(".indexer." in f".{path}"), ps[0])
     carry, auxes = None, []
     for i, (p, x) in enumerate(zip([live] + ps[1:], xs)):
         _, carry, aux = attention(p, x, cfg, i, ctx, carry)
         auxes.append(aux)
-        assert isinstance(carry, IndexerGroup) == (i < 2)
+        assert bool(carry.targets) == (i < 2)  # the group's targets ride along until its last layer
     assert "indexer_loss" not in auxes[0] and "indexer_loss" not in auxes[1]
-    selected = topk_as_mask(carry, S)
+    selected = topk_as_mask(carry.topk, S)
     keyset = allowed & selected if mode == "sparse" else allowed
     target = sum(naive_target(p, x, ctx.cos, ctx.sin, keyset) for p, x in zip(ps, xs)) / 3
     ref_live = glm5f.params.map_with_path(lambda path, t: t.clone().requires_grad_(".indexer." in f".{path}"), ps[0])
@@ -174,20 +181,17 @@ def test_indexer_mean_target_without_shared_layers_is_own_and_works_under_checkp
     params, batch = glm5f.init_params(CFG), batch_of("packed")
     args = ["--model.preset", "glm5-tiny", "--model.index_topk", "8", "--model.initializer_range", "0.2",
             "--train.indexer_loss", "dense"]
-    every_full = dataclasses.replace(CFG, index_topk_pattern="FFF", indexer_types=None)
-    own, g_own, _ = step_grads(params, batch, cli(*args), every_full, Layout(torch.device("cpu")))
-    mean, g_mean, _ = step_grads(params, batch, cli(*args, "--train.indexer_target", "mean"), every_full,
-                                 Layout(torch.device("cpu")))
+    every_full = dataclasses.replace(CFG, indexer_types=("full",) * 3)
+    own, g_own, _ = run_step(params, batch, cli(*args), every_full)
+    mean, g_mean, _ = run_step(params, batch, cli(*args, "--train.indexer_target", "mean"), every_full)
     assert own == mean and set(g_own) == set(g_mean)
     for k in g_own:
         assert torch.equal(g_own[k], g_mean[k]), k
     # glm5-tiny's layers are F F S: layer 1's group holds layer 2; under activation checkpointing the same numbers
-    shared, g, _ = step_grads(params, batch, cli(*args, "--train.indexer_target", "mean"), CFG,
-                              Layout(torch.device("cpu")))
-    remat, g_remat, _ = step_grads(params, batch, cli(*args, "--train.indexer_target", "mean",
-                                                      "--train.activation_checkpointing"), CFG,
-                                   Layout(torch.device("cpu")))
-    own_shared, _, _ = step_grads(params, batch, cli(*args), CFG, Layout(torch.device("cpu")))
+    shared, g, _ = run_step(params, batch, cli(*args, "--train.indexer_target", "mean"), CFG)
+    remat, g_remat, _ = run_step(params, batch, cli(*args, "--train.indexer_target", "mean",
+                                                      "--train.activation_checkpointing"), CFG)
+    own_shared, _, _ = run_step(params, batch, cli(*args), CFG)
     assert shared == remat and shared["indexer_loss"] != own_shared["indexer_loss"]
     for k in g:
         assert torch.equal(g[k], g_remat[k]), k
@@ -211,8 +215,8 @@ def test_indexer_loss_leaves_every_other_gradient_unchanged(mode):
     params = glm5f.init_params(CFG)
     batch = batch_of("padding")
     args = ["--model.preset", "glm5-tiny", "--model.index_topk", "8", "--model.initializer_range", "0.2"]
-    off, g_off, _ = step_grads(params, batch, cli(*args), CFG, Layout(torch.device("cpu")))
-    on, g_on, _ = step_grads(params, batch, cli(*args, "--train.indexer_loss", mode), CFG, Layout(torch.device("cpu")))
+    off, g_off, _ = run_step(params, batch, cli(*args), CFG)
+    on, g_on, _ = run_step(params, batch, cli(*args, "--train.indexer_loss", mode), CFG)
     indexer = {k for k in glm5f.flatten(params) if ".indexer." in k}
     assert set(g_off) == set(g_on) - indexer and len(indexer) == 10 and indexer <= set(g_on)
     for k in g_off:
@@ -226,9 +230,8 @@ def test_indexer_loss_under_activation_checkpointing():
     params, batch = glm5f.init_params(CFG), batch_of("packed")
     args = ["--model.preset", "glm5-tiny", "--model.index_topk", "8", "--model.initializer_range", "0.2",
             "--train.indexer_loss", "dense"]
-    plain, g, _ = step_grads(params, batch, cli(*args), CFG, Layout(torch.device("cpu")))
-    remat, g_remat, _ = step_grads(params, batch, cli(*args, "--train.activation_checkpointing"), CFG,
-                                   Layout(torch.device("cpu")))
+    plain, g, _ = run_step(params, batch, cli(*args), CFG)
+    remat, g_remat, _ = run_step(params, batch, cli(*args, "--train.activation_checkpointing"), CFG)
     assert plain == remat
     for k in g:
         assert torch.equal(g[k], g_remat[k]), k

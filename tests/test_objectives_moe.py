@@ -1,6 +1,8 @@
 """The sequence-wise auxiliary balance loss of the MoE layers against a naive fp64 reading of its formula, in one
 layer, in the train step (with padding and micro-batches) and under context parallelism."""
 
+import dataclasses
+
 import torch
 import tyro
 from hypothesis import given, settings
@@ -11,11 +13,13 @@ import glm5f
 import glm5f.model as model_mod
 from configs import Config, validate
 from glm5f.distributed import spawn
-from glm5f.model import apply, cross_entropy_sum
-from glm5f.moe import SeqAux, moe
+from conftest import env_of
+from glm5f.env import Objectives
+from glm5f.loss import Step, cross_entropy_sum, step_grads, with_targets
+from glm5f.model import apply
+from glm5f.moe import moe
 from glm5f.optim import value_and_grad
 from glm5f.parallel import Layout
-from train import step_grads, with_targets
 
 SETTINGS = settings(max_examples=12, deadline=None, derandomize=True)
 
@@ -69,8 +73,9 @@ def test_layer_loss_and_gradients_match_the_formula(B, S, pad, seed):
     valid = (torch.rand(B, S, generator=g) >= pad).long()
     leaves = {k: t.requires_grad_() for k, t in glm5f.flatten(p).items() if "correction_bias" not in k}
     x.requires_grad_()
-    plain, plain_idx, plain_aux = moe(p, x, cfg)
-    out, idx, aux = moe(p, x, cfg, seq=SeqAux(valid))
+    env = env_of(cfg, (B, S), dtype=torch.float64)
+    plain, plain_idx, plain_aux = moe(p, x, cfg, env)
+    out, idx, aux = moe(p, x, cfg, dataclasses.replace(env, objectives=Objectives(seq_aux=True), valid_BxS=valid))
     assert plain_aux == {} and torch.equal(out, plain) and torch.equal(idx, plain_idx)
     ref = naive_seq_aux(p["gate"], x, valid, cfg)
     loss, want_loss = float(aux["seq_aux_loss"].detach()), float(ref.detach())
@@ -101,6 +106,11 @@ def cli(*args: str) -> Config:
     return tyro.cli(Config, args=["--model.preset", "glm5-tiny", *args], use_underscores=True)
 
 
+def run_step(params: dict, batch: dict, run: Config, model_cfg: glm5f.GLM5Config):
+    """`step_grads` of one process for the run `run` describes."""
+    return step_grads(params, batch, model_cfg, Layout(torch.device("cpu")), Step.of(run.train, model_cfg))
+
+
 def test_train_step_objective_matches_the_formula(monkeypatch):
     """The step's seq_aux_loss metric (mean over sequences, summed over MoE layers) and its gradients of
     loss + coeff * seq_aux_loss wrt every trained leaf equal autograd of the naive formula applied to each MoE
@@ -114,7 +124,7 @@ def test_train_step_objective_matches_the_formula(monkeypatch):
             layer["mlp"]["gate"]["weight"] = layer["mlp"]["gate"]["weight"] * 200  # scores spread beyond 0.5
             layer["mlp"]["gate"]["e_score_correction_bias"].normal_(0, 0.1)
     batch = padded_batch(model_cfg)
-    metrics, grads, _ = step_grads(params, batch, cfg, model_cfg, Layout(torch.device("cpu")))
+    metrics, grads, _ = run_step(params, batch, cfg, model_cfg)
 
     seen = []
 
@@ -129,8 +139,7 @@ def test_train_step_objective_matches_the_formula(monkeypatch):
 
     def objective(params):
         seen.clear()
-        ctx = model_mod.make_context(model_cfg, full["input_ids"].shape, full["attention_mask"],
-                                     full["position_ids"], torch.float64, "cpu")
+        ctx = env_of(model_cfg, full["input_ids"].shape, full["attention_mask"], full["position_ids"], torch.float64)
         logits, _ = apply(params, model_cfg, full["input_ids"], ctx)
         ce, n = cross_entropy_sum(logits, full["targets"])
         aux = sum(naive_seq_aux(gate, x, full["valid"], model_cfg) for gate, x in seen) / n_seq
@@ -143,8 +152,7 @@ def test_train_step_objective_matches_the_formula(monkeypatch):
     for k, g in want.items():
         assert rel(grads[k], g) <= 1e-6, f"{k}: relative gradient error {rel(grads[k], g):.2e}"
     gate = "model.layers.1.mlp.gate.weight"
-    _, no_aux, _ = step_grads(params, batch, cli("--train.dtype", "float64", "--train.grad_accum", "2"), model_cfg,
-                              Layout(torch.device("cpu")))
+    _, no_aux, _ = run_step(params, batch, cli("--train.dtype", "float64", "--train.grad_accum", "2"), model_cfg)
     assert rel(grads[gate], no_aux[gate]) > 1e-3  # the loss does move the router
 
 
@@ -156,12 +164,11 @@ def test_coeff_zero_leaves_the_step_as_before():
     model_cfg = cfg.model.build()
     params = glm5f.init_params(model_cfg, seed=2)
     batch = padded_batch(model_cfg)
-    metrics, grads, _ = step_grads(params, batch, cfg, model_cfg, Layout(torch.device("cpu")))
+    metrics, grads, _ = run_step(params, batch, cfg, model_cfg)
     full = with_targets(batch)
 
     def lm_loss(params):
-        ctx = model_mod.make_context(model_cfg, full["input_ids"].shape, full["attention_mask"],
-                                     full["position_ids"], torch.float32, "cpu")
+        ctx = env_of(model_cfg, full["input_ids"].shape, full["attention_mask"], full["position_ids"])
         ce, n = cross_entropy_sum(apply(params, model_cfg, full["input_ids"], ctx)[0], full["targets"])
         return ce / n.clamp(min=1)
 

@@ -1,6 +1,7 @@
 """The memory plan (glm5f/plan.py) against what is true: the parameter count, DTensor's chunking, the tensors
 autograd really saves, and the peak resident memory of real runs in every parallel layout."""
 
+import dataclasses
 import json
 import math
 import os
@@ -16,8 +17,11 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate
 
 import glm5f
+from configs import Config
+from conftest import env_of
 from glm5f.distributed import MESH_RULES, mesh_shapes
-from glm5f.model import apply, cross_entropy_sum, make_context, shift_labels
+from glm5f.loss import cross_entropy_sum, shift_labels
+from glm5f.model import apply
 from glm5f.params import flatten
 from glm5f.plan import (GB, RunShape, activation_bytes, leaf_groups, local_shape, mesh_coords, plan, search,
                         state_bytes)
@@ -81,7 +85,7 @@ def test_saved_activations_match_what_autograd_saves(B, S, layers, pattern, dtyp
 
     ids = torch.randint(0, cfg.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logits, _ = apply(params, cfg, ids, make_context(cfg, ids.shape, None, None, getattr(torch, dtype), "cpu"))
+        logits, _ = apply(params, cfg, ids, env_of(cfg, ids.shape, dtype=getattr(torch, dtype)))
         cross_entropy_sum(logits, shift_labels(ids))
     plan_acts = activation_bytes(cfg, RunShape(batch_size=B, seq_len=S, dtype=dtype, reduce_dtype=reduce), remat=False)
     measured = sum(saved.values())
@@ -192,7 +196,7 @@ class CountingLayout(glm5f.parallel.Layout):
         self.layers = {f"model.layers.{i}": 0 for i in range(layers)}  # live copies per decoder layer
         self.most_layers = 0  # the most decoder layers with live copies at once
 
-    def gather_params(self, params, prefix=""):
+    def gather(self, params, prefix=""):
         out = glm5f.params.map_with_path(lambda p, t: t.clone(), params)
         for t in flatten(out).values():
             self.live += t.numel() * t.element_size()
@@ -216,7 +220,7 @@ def test_gathered_weights_alive_at_once_are_what_the_plan_counts(remat):
     without it autograd keeps them all. The largest number of gathered bytes alive at once, over forward and
     backward, is at most the plan's gathered line of a 2-rank FSDP run (whose ranks gather whole leaves too), and
     without checkpointing close to it."""
-    from train import micro_loss, step_denoms, with_targets
+    from glm5f.loss import Step, micro_loss, step_denoms, with_targets
 
     cfg = glm5f.preset("glm5-tiny", num_hidden_layers=4, index_topk_pattern="FSFS", num_nextn_predict_layers=1)
     params = glm5f.init_params(cfg, seed=0)
@@ -224,7 +228,8 @@ def test_gathered_weights_alive_at_once_are_what_the_plan_counts(remat):
     full = with_targets({"input_ids": ids, "labels": ids, "position_ids": torch.arange(16).expand(2, 16)}, 1)
     layout = CountingLayout(cfg.num_hidden_layers)
     p = glm5f.params.map_with_path(lambda path, t: t.detach().requires_grad_(), params)
-    objective, _ = micro_loss(p, full, step_denoms(full), cfg, layout, torch.float32, torch.float32, remat)
+    step = Step.of(dataclasses.replace(Config().train, activation_checkpointing=remat), cfg)
+    objective, _ = micro_loss(p, full, step_denoms(full, cfg, step.objectives), cfg, layout, step)
     objective.backward()
     s = state_bytes(cfg, RunShape(dp_shard=2, remat=remat))
     assert s["largest_layer_gathered"] < s["gathered"] / 4

@@ -8,8 +8,11 @@ from torch.func import grad, jacrev, vmap
 
 import glm5f
 import glm5f.model as model_mod
-from glm5f.attention import (AttnContext, Mask, dense_mla, indexer_topk, mla_project, sparse_attention,
-                             sparse_attention_unblocked, sparse_mla, topk_as_mask, topk_first)
+from conftest import env_of
+from glm5f.attention import (dense_mla, indexer_keys, indexer_queries, indexer_topk, mla_project, sparse_mla,
+                             topk_first)
+from glm5f.env import Mask
+from glm5f.mla import sparse_attention, sparse_attention_unblocked, topk_as_mask
 from glm5f.decode import extend, init_cache
 from glm5f.moe import routed_experts
 from glm5f.ops import linear, swiglu_mlp
@@ -26,7 +29,7 @@ def small_cfg(**kw):
 def attention_case(draw):
     B, T = draw(st.integers(1, 2)), draw(st.integers(1, 12))
     heads = draw(st.integers(1, 3))
-    cfg = small_cfg(num_attention_heads=heads, num_key_value_heads=heads,
+    cfg = small_cfg(num_attention_heads=heads,
                     kv_lora_rank=draw(st.sampled_from([4, 8])), qk_rope_head_dim=draw(st.sampled_from([2, 4])),
                     qk_nope_head_dim=draw(st.sampled_from([2, 4])), v_head_dim=draw(st.sampled_from([2, 4])),
                     index_topk=draw(st.integers(1, T)))
@@ -146,7 +149,7 @@ def test_dsa_with_topk_at_least_sequence_is_plain_mla(S, seed):
     assert (ours - plain).abs().max() <= 1e-5
     # the sparse kernel over every key agrees with the dense path too
     x = torch.randn(2, S, cfg.hidden_size, generator=torch.Generator().manual_seed(seed))
-    ctx = model_mod.make_context(cfg, (2, S), None, None, torch.float32, "cpu")
+    ctx = env_of(cfg, (2, S))
     p = params["model"]["layers"][0]["self_attn"]
     q_nope, q_rot, _, latent = mla_project(p, x, cfg, ctx)
     all_keys = torch.arange(S).flip(0).expand(2, S, S)
@@ -204,7 +207,7 @@ def test_causality_through_gradients(S, seed):
     """The output at position t has zero derivative with respect to every input after t (torch.func.jacrev)."""
     cfg = glm5f.preset("glm5-tiny")  # index_topk 16 < S: sparse attention, shared indexer layer, MoE
     params = glm5f.init_params(cfg, seed=seed % 991)
-    ctx = model_mod.make_context(cfg, (1, S), None, None, torch.float32, "cpu")
+    ctx = env_of(cfg, (1, S))
     x = torch.randn(1, S, cfg.hidden_size, generator=torch.Generator().manual_seed(seed))
     probe = torch.randn(cfg.vocab_size, generator=torch.Generator().manual_seed(seed + 1))
 
@@ -255,47 +258,17 @@ def test_fewer_visible_keys_than_k_never_attends_masked_keys():
     ids = torch.randint(0, cfg.vocab_size, (1, S))
     mask = torch.ones(1, S, dtype=torch.long)
     mask[0, :S - 5] = 0  # only 5 visible keys for the last queries, fewer than k
-    ctx = model_mod.make_context(cfg, (1, S), mask, None, torch.float32, "cpu")
+    ctx = env_of(cfg, (1, S), mask)
     x = F.embedding(ids, params["model"]["embed_tokens"]["weight"])
     p = params["model"]["layers"][0]["self_attn"]["indexer"]
-    from glm5f.attention import indexer_keys
     q = mla_project(params["model"]["layers"][0]["self_attn"], x, cfg, ctx)[2]
-    idx = indexer_topk(p, x, q, indexer_keys(p, x, cfg, ctx), cfg, AttnContext(ctx.cos, ctx.sin, ctx.mask))
+    idx = indexer_topk(*indexer_queries(p, x, q, cfg, ctx), indexer_keys(p, x, cfg, ctx), ctx.mask, cfg.index_topk)
     allowed = ctx.mask.at(idx)
     assert int(allowed[0, -1].sum()) == 5  # every visible key is chosen, the other picks are flagged masked
     # and masked picks carry no weight: the output equals attention over the visible keys only
     alone = glm5f.forward(params, cfg, ids[:, S - 5:])
     padded = glm5f.forward(params, cfg, ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
     assert (padded[0, S - 5:] - alone[0]).abs().max() <= 1e-5
-
-
-def test_cost_model_picks_the_cheaper_exact_path_and_both_agree():
-    """The documented cost model: masked dense over the top-k set at short L (K a large share of T), gathered
-    sparse at long L; attention() gives the same result whichever path it takes."""
-    from glm5f import attention as attn
-    cfg = glm5f.preset("glm5-tiny", hidden_size=512, num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=128,
-                       qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, index_head_dim=64)
-    assert attn.dense_is_cheaper(4, 512, 128, cfg)       # the B4 x S512, top-128 step
-    assert not attn.dense_is_cheaper(1, 8192, 512, cfg)  # long context: gather
-    assert not attn.dense_is_cheaper(1, 2048, 64, cfg)
-    tiny = small_cfg(index_topk=6)
-    params = glm5f.init_params(tiny, seed=3, dtype=torch.float64)
-    p = params["model"]["layers"][0]["self_attn"]
-    w = p["kv_b_proj"]["weight"].requires_grad_()
-    x = torch.randn(2, 20, tiny.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    ctx = model_mod.make_context(tiny, (2, 20), None, None, torch.float64, "cpu")
-    outs = []
-    for dense in (True, False):
-        orig, orig_switch = attn.dense_is_cheaper, attn.DENSE_TOPK_PATH
-        attn.dense_is_cheaper, attn.DENSE_TOPK_PATH = (lambda *a, dense=dense: dense), True
-        try:
-            xg = x.clone().requires_grad_()
-            out, _, _ = attn.attention(p, xg, tiny, 0, ctx, None)
-            outs.append((out, *torch.autograd.grad(out.square().sum(), [xg, w])))
-        finally:
-            attn.dense_is_cheaper, attn.DENSE_TOPK_PATH = orig, orig_switch
-    for a, b in zip(*outs):
-        assert torch.allclose(a, b, atol=1e-12, rtol=1e-10)
 
 
 @SETTINGS

@@ -1,0 +1,232 @@
+"""What every layer runs in beside its params and activations: rope tables, the mask, what the step computes, and
+the parallel layout's verbs. `make_env` builds it, with this rank's share of a batch, in one place.
+
+Shape suffixes: B batch, S queries (this rank's), T keys (the whole sequence).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils import _pytree as pytree
+
+from glm5f.config import GLM5Config
+from glm5f.ops import rope_tables
+from glm5f.parallel import Layout
+from glm5f.params import leaf_dtype, map_with_path
+
+
+@dataclass
+class Mask:
+    """Which keys each query may see, kept compact: causal order, key padding and document ids, or a dense mask.
+
+    q_index [S]: each query's sequence index among the keys (causal: key index <= q_index).
+    key_valid [B, T]: False for padding keys. q_segment [B, S] / k_segment [B, T]: document ids (packed
+    sequences attend within their document). dense [B, S, T] bool: a user's 4D mask, used as given (no causal
+    part added), with `bias` [B, S, T] its additive values where it was a float mask with non-zero entries.
+    q_index_host: q_index on the CPU where q_index lives on an accelerator (the indexer reads it to size its
+    chunks without waiting for the device).
+    """
+
+    q_index: torch.Tensor
+    num_keys: int
+    key_valid: torch.Tensor | None = None
+    q_segment: torch.Tensor | None = None
+    k_segment: torch.Tensor | None = None
+    dense: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    q_index_host: torch.Tensor | None = None
+
+    @property
+    def is_plain_causal(self) -> bool:
+        """True when the mask is exactly "key index <= query index" over the same S == T positions."""
+        return (self.dense is None and self.key_valid is None and self.q_segment is None
+                and self.q_index.numel() == self.num_keys)
+
+    def rows(self, start: int, stop: int, num_keys: int | None = None) -> torch.Tensor:
+        """allowed [B or 1, stop - start, num_keys] for queries start:stop over the first num_keys (default all)."""
+        nk = self.num_keys if num_keys is None else num_keys
+        if self.dense is not None:
+            return self.dense[:, start:stop, :nk]
+        k_index = torch.arange(nk, device=self.q_index.device)
+        allowed = (k_index[None, :] <= self.q_index[start:stop, None])[None]
+        if self.key_valid is not None:
+            allowed = allowed & self.key_valid[:, None, :nk]
+        if self.q_segment is not None:
+            allowed = allowed & (self.q_segment[:, start:stop, None] == self.k_segment[:, None, :nk])
+        return allowed
+
+    def visible_keys(self, start: int, stop: int) -> int:
+        """How many leading keys queries start:stop can see at most (causal: one past the last query's index)."""
+        if self.dense is not None or stop <= start:
+            return self.num_keys
+        q_index = self.q_index if self.q_index_host is None else self.q_index_host
+        return min(self.num_keys, int(q_index[start:stop].max()) + 1)
+
+    def at(self, idx_BxSxK: torch.Tensor) -> torch.Tensor:
+        """allowed [B, S, K] at the key indices idx (without building [S, T])."""
+        if self.dense is not None:
+            return self.dense.expand(idx_BxSxK.shape[0], -1, -1).gather(-1, idx_BxSxK)
+        allowed = idx_BxSxK <= self.q_index[None, :, None]
+        B = idx_BxSxK.shape[0]
+        if self.key_valid is not None:
+            allowed = allowed & self.key_valid.expand(B, -1).gather(1, idx_BxSxK.flatten(1)).view_as(idx_BxSxK)
+        if self.q_segment is not None:
+            k_seg = self.k_segment.expand(B, -1).gather(1, idx_BxSxK.flatten(1)).view_as(idx_BxSxK)
+            allowed = allowed & (k_seg == self.q_segment[:, :, None])
+        return allowed
+
+    def bias_at(self, idx_BxSxK: torch.Tensor) -> torch.Tensor | None:
+        if self.bias is None:
+            return None
+        return self.bias.expand(idx_BxSxK.shape[0], -1, -1).gather(-1, idx_BxSxK)
+
+    def query_valid(self, B: int) -> torch.Tensor:
+        """[B, S] bool: the queries that are not padding."""
+        if self.key_valid is None:
+            return torch.ones(B, self.q_index.numel(), dtype=torch.bool, device=self.q_index.device)
+        return self.key_valid.expand(B, -1)[:, self.q_index]
+
+
+INDEXER_LOSSES = ("off", "dense", "sparse")
+
+
+@dataclass(frozen=True)
+class Objectives:
+    """What a forward computes beside the logits (the --train flags of the same names).
+
+    indexer_loss: "off", or the key set of the DSA indexer's KL to the main attention ("dense": every visible key,
+    "sparse": the selected top-k; `indexer_loss.kl`); indexer_target: its target, "own" (each full layer's own
+    attention) or "mean" (the mean over the full layer and the shared layers reusing its top-k); seq_aux: the MoE
+    layers compute DeepSeek-V3's sequence-wise balance loss; mtp_depths: MTP depths run after the main layers.
+    """
+
+    indexer_loss: str = "off"
+    indexer_target: str = "own"
+    seq_aux: bool = False
+    mtp_depths: int = 0
+
+
+@dataclass
+class Env:
+    """What every layer gets beside its params and activations: rope tables of this rank's queries, the mask, the
+    objectives, `valid_BxS` (this rank's real tokens), and the layout's four verbs: `weights` (a subtree's compute
+    weights: cast to weight_dtype, FSDP-gathered), `keys` (a layer's keys over all T positions: identity, a CP
+    all-gather, a decode cache), `experts` (the routed experts over rows sorted by expert: local or EP
+    all-to-all) and `seq_sum` (a sum over the ranks holding parts of this rank's sequences). `remat` recomputes
+    each decoder layer in the backward pass."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: Mask
+    layout: Layout = field(default_factory=Layout)
+    objectives: Objectives = Objectives()
+    valid_BxS: torch.Tensor | None = None
+    weight_dtype: torch.dtype | None = None
+    remat: bool = False
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype."""
+        return self.cos.dtype
+
+    def weights(self, tree: dict, prefix: str = "") -> dict:
+        """The compute weights of the subtree at dotted path `prefix`: cast to weight_dtype (the fp32 leaves of
+        `params.LEAF_KINDS` stay wide), gathered where the layout shards them."""
+        if self.weight_dtype is not None:
+            tree = map_with_path(lambda p, t: t.to(leaf_dtype(f"{prefix}.{p}" if prefix else p, self.weight_dtype)),
+                                 tree)
+        return self.layout.gather(tree, prefix)
+
+    def keys(self, layer: int, name: str, local: torch.Tensor) -> torch.Tensor:
+        return self.layout.keys(layer, name, local)
+
+    def experts(self, p: dict, x_MxD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        return self.layout.experts(p, x_MxD, counts_E)
+
+    def seq_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return self.layout.seq_sum(t)
+
+
+def default_positions(position_ids: torch.Tensor | None, B: int, S: int, device) -> torch.Tensor:
+    if position_ids is None:
+        return torch.arange(S, device=device).expand(B, S)
+    if position_ids.ndim != 2 or position_ids.shape[1] != S or position_ids.shape[0] not in (1, B):
+        raise ValueError(f"position_ids must be [{B}, {S}] or [1, {S}], got {tuple(position_ids.shape)}")
+    return position_ids.expand(B, S)
+
+
+def packed_segments(position_ids_BxS: torch.Tensor) -> torch.Tensor | None:
+    """Document ids [B, S] where positions do not step by one (a new packed document starts); None if every row
+    is one document."""
+    first = position_ids_BxS[:, :1] - 1
+    seg = (torch.diff(position_ids_BxS, prepend=first, dim=-1) != 1).cumsum(-1)
+    return None if bool((seg[:, -1] == 0).all()) else seg
+
+
+def make_mask(attention_mask: torch.Tensor | None, position_ids_BxT: torch.Tensor,
+              q_index: torch.Tensor | None = None) -> Mask:
+    """The mask of queries `q_index` (default: all T positions; a CP rank's share) over the T positions of a
+    sequence: attention_mask None (causal; positions that restart mark packed documents), 2D [B, T] padding
+    (1 keep, 0 pad) or 4D [B, 1, T, T] (boolean, True attends, or additive float: 0 attends, the dtype's minimum
+    masks), used as given."""
+    B, T = position_ids_BxT.shape
+    device = position_ids_BxT.device
+    host = torch.arange(T) if q_index is None else q_index.cpu()
+    q_index = torch.arange(T, device=device) if q_index is None else q_index
+    if attention_mask is None:
+        seg = packed_segments(position_ids_BxT)
+        return Mask(q_index, T, q_segment=None if seg is None else seg[:, q_index], k_segment=seg, q_index_host=host)
+    if attention_mask.ndim == 2:
+        if tuple(attention_mask.shape) != (B, T):
+            raise ValueError(f"a 2D attention_mask must be [batch, seq] = [{B}, {T}], got "
+                             f"{tuple(attention_mask.shape)}")
+        return Mask(q_index, T, key_valid=attention_mask.to(device=device, dtype=torch.bool), q_index_host=host)
+    if attention_mask.ndim != 4:
+        raise ValueError(f"attention_mask must be 2D [batch, seq] or 4D [batch, 1, seq, seq], got "
+                         f"{attention_mask.ndim}D {tuple(attention_mask.shape)}")
+    if attention_mask.shape[0] not in (1, B) or tuple(attention_mask.shape[2:]) != (T, T):
+        raise ValueError(f"a 4D attention_mask must be [{B}, 1, {T}, {T}], got {tuple(attention_mask.shape)}")
+    m = attention_mask[:, 0].to(device).index_select(1, q_index)
+    if m.dtype == torch.bool:
+        return Mask(q_index, T, dense=m, q_index_host=host)
+    if not m.dtype.is_floating_point:
+        raise ValueError(f"a 4D attention_mask must be bool or float (additive), got {m.dtype}")
+    allowed = m > torch.finfo(m.dtype).min / 2
+    bias = m.float().masked_fill(~allowed, 0.0)
+    return Mask(q_index, T, dense=allowed, bias=bias if bool(bias.ne(0).any()) else None, q_index_host=host)
+
+
+def split_tokens(batch: dict, rows: slice, positions: torch.Tensor | None) -> dict:
+    """The rows `rows` and sequence positions `positions` (None: all) of every per-token tensor of a batch (its
+    leaves of shape [B, S, ...], in lists too), whatever their names; the other leaves keep their rows only."""
+    B, S = batch["input_ids"].shape
+
+    def take(t):
+        if not isinstance(t, torch.Tensor) or t.ndim == 0:
+            return t
+        t = t[rows]
+        if positions is not None and t.ndim >= 2 and t.shape[1] == S:
+            t = t.index_select(1, positions.to(t.device))
+        return t
+    return pytree.tree_map(take, batch)
+
+
+def make_env(cfg: GLM5Config, batch: dict, dtype: torch.dtype, layout: Layout | None = None, *,
+             objectives: Objectives = Objectives(), weight_dtype: torch.dtype | None = None,
+             remat: bool = False) -> tuple[dict, Env]:
+    """(this rank's share of a global batch, the Env its layers run in). The batch holds [B, S] "input_ids" and
+    "position_ids", optionally "attention_mask" (2D or 4D, see `make_mask`), "valid" and any other per-token
+    tensors (split alike); the layout says which rows and positions are this rank's."""
+    layout = layout or Layout(batch["input_ids"].device)
+    B, S = batch["input_ids"].shape
+    rows, positions = layout.share(B, S)
+    position_ids = default_positions(batch.get("position_ids"), B, S, batch["input_ids"].device)
+    batch = {**batch, "position_ids": position_ids}
+    local = split_tokens(batch, rows, positions)
+    mask = batch.get("attention_mask")
+    mask = make_mask(None if mask is None else mask[rows], position_ids[rows],
+                     None if positions is None else positions.to(position_ids.device))
+    cos, sin = rope_tables(cfg, local["position_ids"], dtype)
+    return local, Env(cos, sin, mask, layout, objectives, local.get("valid"), weight_dtype, remat)

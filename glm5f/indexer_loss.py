@@ -1,0 +1,117 @@
+"""The DSA lightning indexer's training objective: the KL from the main attention's head-summed probabilities
+(detached) to the softmax of the index scores, over a layer group's queries, with a memory-bounded gradient.
+
+Shape suffixes as in attention.py.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from glm5f.config import GLM5Config
+from glm5f.mla import block_probs, gather_rows, topk_as_mask
+from glm5f.ops import wide
+
+if TYPE_CHECKING:
+    from glm5f.attention import Selection
+    from glm5f.env import Env
+
+INDEXER_LOSS_BLOCK_ELEMS = 1 << 23  # bound on one query block's scores of both attentions, [B, s, keys, ~2H + 3I]
+
+
+def kl(sel: Selection, cfg: GLM5Config, env: Env) -> tuple[torch.Tensor, torch.Tensor]:
+    """(KL sum, recall sum): fp64 sums over this rank's valid queries of the indexer's distillation loss.
+
+    Per query, over its key set (env.objectives.indexer_loss "dense": every key it may see; "sparse": its
+    selected top-k): the target is the main attention's probabilities (fp32 softmax of the MLA scores), summed
+    over heads and L1-normalised, of each layer in `sel.targets`, averaged over them, detached; the student is the
+    log-softmax of the index scores sum_i w_i relu(q_i . k / sqrt(J)) over the same keys (`sel.student`); the
+    loss is KL(target || student). Recall is the target's mass on the selected keys (1 where every key is
+    selected, and in sparse mode). Only the student's inputs get gradients, and through them the indexer's leaves.
+    """
+    q_BxSxIxJ, w_BxSxI, keys_BxTxJ = sel.student
+    B = q_BxSxIxJ.shape[0]
+    I, J, H = cfg.index_n_heads, cfg.index_head_dim, cfg.num_attention_heads
+    latent_BxTxC = sel.targets[0][1]
+    topk = None if sel.topk is None or sel.topk.shape[-1] >= keys_BxTxJ.shape[1] else sel.topk
+    sparse = env.objectives.indexer_loss == "sparse" and topk is not None
+    C = latent_BxTxC.shape[-1]
+    width = topk.shape[-1] if sparse else keys_BxTxJ.shape[1]
+    block = max(1, INDEXER_LOSS_BLOCK_ELEMS // max(1, B * width * (2 * H + 3 * I + 8 + (C + J if sparse else 0))))
+    return _IndexerKL.apply(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, sel.targets, topk, env.mask.query_valid(B), env.mask,
+                            cfg.softmax_scale, sparse, block)
+
+
+class _IndexerKL(torch.autograd.Function):
+    """The indexer's KL over query blocks, with its gradient taken block by block in the forward (the student's
+    [B, s, I, keys] scores live for one block only); the backward scales the saved input gradients."""
+
+    @staticmethod
+    def forward(ctx, q_BxSxIxJ, w_BxSxI, keys_BxTxJ, targets, topk, valid_BxS, mask, scale, sparse, block):
+        """targets: ((qa_BxSxHxC, latent_BxTxC) per layer): the target is the mean of their distributions."""
+        want = any(ctx.needs_input_grad[:3])
+        B, S = valid_BxS.shape
+        T, J = keys_BxTxJ.shape[1:]
+        grads = [torch.zeros_like(t) for t in (q_BxSxIxJ, w_BxSxI, keys_BxTxJ)] if want else []
+        loss = torch.zeros((), dtype=torch.float64, device=q_BxSxIxJ.device)
+        recall = torch.zeros_like(loss)
+        keys_d = keys_BxTxJ.detach().requires_grad_(want)
+        if sparse:  # as the sparse path sees them (Mask.at takes every query's indices)
+            allowed_BxSxK, bias_BxSxK = mask.at(topk), mask.bias_at(topk)
+        for a in range(0, S, block):
+            b = min(S, a + block)
+            valid = valid_BxS[:, a:b].to(torch.float64)
+            if sparse:
+                idx = topk[:, a:b]
+                allowed = allowed_BxSxK[:, a:b]
+                bias = None if bias_BxSxK is None else bias_BxSxK[:, a:b]
+            else:
+                nk = mask.visible_keys(a, b)
+                allowed = mask.rows(a, b, nk)
+                bias = None if mask.bias is None else mask.bias[:, a:b, :nk]
+            layer_targets = []
+            for qa_BxSxHxC, latent_BxTxC in targets:
+                rows = (gather_rows(latent_BxTxC, idx, qa_BxSxHxC.dtype) if sparse
+                        else latent_BxTxC[:, None, :nk].to(qa_BxSxHxC.dtype))
+                # the target: heads' probabilities summed, zero off the key set, L1-normalised
+                probs = block_probs(qa_BxSxHxC[:, a:b], rows, allowed, bias, scale).sum(2)
+                target = probs.masked_fill_(~allowed, 0)
+                layer_targets.append(target / target.sum(-1, keepdim=True).clamp(min=torch.finfo(target.dtype).tiny))
+            target = layer_targets[0] if len(layer_targets) == 1 else sum(layer_targets) / len(layer_targets)
+            with torch.enable_grad():  # in the keys' dtype: each key's gradient is summed over queries in it
+                k = wide(keys_d)
+                q = q_BxSxIxJ[:, a:b].detach().to(k.dtype).requires_grad_(want)
+                w = w_BxSxI[:, a:b].detach().to(k.dtype).requires_grad_(want)
+                if sparse:
+                    z = torch.einsum("bsij,bskj->bsik", q, gather_rows(k, idx))
+                else:
+                    z = torch.matmul(q, k[:, None, :nk].transpose(-1, -2))
+                scores = torch.einsum("bsi,bsik->bsk", w, (z * J ** -0.5).relu())
+                if bias is not None:
+                    scores = scores + bias
+                scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+                kl = (torch.xlogy(target, target) - target * torch.log_softmax(scores, dim=-1)).sum(-1)
+                block_loss = (kl.to(torch.float64) * valid).sum()
+                if want:
+                    dq, dw, dk = torch.autograd.grad(block_loss, [q, w, keys_d])
+                    grads[0][:, a:b] = dq
+                    grads[1][:, a:b] = dw
+                    grads[2] += dk
+            loss += block_loss.detach()
+            if sparse:
+                mass = target.sum(-1)
+            elif topk is None:
+                mass = target.sum(-1)
+            else:
+                mass = (target * topk_as_mask(topk[:, a:b], T)[..., :nk]).sum(-1)
+            recall += (mass.to(torch.float64) * valid).sum()
+        ctx.save_for_backward(*grads)
+        ctx.mark_non_differentiable(recall)
+        return loss, recall
+
+    @staticmethod
+    def backward(ctx, dloss, drecall):
+        dq, dw, dk = ctx.saved_tensors
+        return (dq * dloss.to(dq.dtype), dw * dloss.to(dw.dtype), dk * dloss.to(dk.dtype)) + (None,) * 7

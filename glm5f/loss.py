@@ -1,0 +1,247 @@
+"""The training objective and its gradients: the LM loss and GLM-5's own objectives (one table, `OBJECTIVES`),
+each a token-weighted mean over the global batch, so a step's value and gradients do not depend on the layout.
+
+Shape suffixes: B batch, S sequence, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.utils import _pytree as pytree
+
+from glm5f.config import GLM5Config
+from glm5f.data import IGNORE_INDEX
+from glm5f.env import INDEXER_LOSSES, Objectives, make_env, packed_segments
+from glm5f.model import apply, mtp_apply
+from glm5f.ops import wide, wide_dtype
+from glm5f.optim import trained_paths, value_and_grad
+from glm5f.parallel import Layout
+from glm5f.params import flatten
+
+
+# ---- the LM loss --------------------------------------------------------------------------------------------------
+
+def shift_labels(labels_BxS: torch.Tensor) -> torch.Tensor:
+    """targets [B, S]: the label of the next token at each position; the last position gets IGNORE_INDEX."""
+    return F.pad(labels_BxS[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def cross_entropy_sum(logits_BxSxV: torch.Tensor, targets_BxS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of fp32 token cross-entropies, number of targets != IGNORE_INDEX), for token-weighted means.
+
+    The sum is taken in fp64, so a loss summed over ranks or micro-batches does not depend on how the tokens were
+    split (the gradient is the same as of an fp32 sum).
+    """
+    loss_N = F.cross_entropy(wide(logits_BxSxV.flatten(0, 1)), targets_BxS.flatten(), ignore_index=IGNORE_INDEX,
+                             reduction="none")
+    return loss_N.sum(dtype=torch.float64), (targets_BxS != IGNORE_INDEX).sum()
+
+
+def causal_lm_loss(logits_BxSxV: torch.Tensor, labels_BxS: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy: labels shifted by one, IGNORE_INDEX (-100) skipped (0 if none is left)."""
+    if labels_BxS.shape != logits_BxSxV.shape[:2]:
+        raise ValueError(f"labels must be [batch, seq] = {list(logits_BxSxV.shape[:2])}, got {list(labels_BxS.shape)}")
+    total, count = cross_entropy_sum(logits_BxSxV, shift_labels(labels_BxS))
+    return (total / count.clamp(min=1)).to(wide_dtype(logits_BxSxV.dtype))
+
+
+def mtp_inputs(input_ids_BxS: torch.Tensor, depth: int) -> torch.Tensor:
+    """Input ids [B, S] of MTP depth `depth` (>= 1): t_{i+depth} at position i, 0 past the end (ignored there)."""
+    return F.pad(input_ids_BxS[:, depth:], (0, depth), value=0)
+
+
+def mtp_targets(labels_BxS: torch.Tensor, depth: int, position_ids_BxS: torch.Tensor | None = None,
+                valid_BxS: torch.Tensor | None = None) -> torch.Tensor:
+    """Targets [B, S] of MTP depth `depth` (>= 1): the label of t_{i+depth+1} at position i, IGNORE_INDEX where
+    that is past the end, in another packed document than i (`env.packed_segments`), or where i, i+depth or
+    i+depth+1 is padding (valid_BxS 0). Taken on whole sequences, as shift_labels."""
+    B, S = labels_BxS.shape
+    k = depth + 1
+    out = torch.full_like(labels_BxS, IGNORE_INDEX)
+    if k >= S:
+        return out
+    keep = torch.ones(B, S - k, dtype=torch.bool, device=labels_BxS.device)
+    seg = None if position_ids_BxS is None else packed_segments(position_ids_BxS.expand(B, S))
+    if seg is not None:
+        keep &= seg[:, k:] == seg[:, :-k]
+    if valid_BxS is not None:
+        v = valid_BxS.bool()
+        keep &= v[:, :-k] & v[:, depth:S - 1] & v[:, k:]
+    out[:, :-k] = torch.where(keep, labels_BxS[:, k:], IGNORE_INDEX)
+    return out
+
+
+# ---- the step's objectives ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Objective:
+    """One term of the step's value: `coeff` its weight (a number, or the name of the --train flag holding it;
+    None: a metric, logged but not optimized), `denom` the `step_denoms` count its sum is averaged over, `source`
+    where its sum comes from ("head": the main LM head, "mtp": the MTP heads, "layers": the layers' aux, summed),
+    `on`: whether a step with these Objectives computes it."""
+
+    coeff: float | str | None
+    denom: str
+    source: str
+    on: Callable[[Objectives], bool]
+
+
+OBJECTIVES = {
+    "loss": Objective(1.0, "targets", "head", lambda o: True),
+    "mtp_loss": Objective("mtp_loss_weight", "mtp_depths", "mtp", lambda o: o.mtp_depths > 0),
+    "indexer_loss": Objective("indexer_loss_coeff", "queries", "layers", lambda o: o.indexer_loss != "off"),
+    "indexer_recall": Objective(None, "indexer_queries", "layers", lambda o: o.indexer_loss != "off"),
+    "seq_aux_loss": Objective("seq_aux_loss_coeff", "sequences", "layers", lambda o: o.seq_aux),
+}
+
+
+@dataclass(frozen=True)
+class Step:
+    """What a training step computes and how: the Objectives and each one's weight, the activations' dtype, the
+    dtype of the sums that make gradients (`--train.reduce_dtype`; None: the activations'), activation
+    checkpointing, micro-batches, and the --train.trainable regex."""
+
+    objectives: Objectives = Objectives()
+    coeffs: dict = dataclasses.field(default_factory=lambda: {"loss": 1.0})
+    dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype | None = None
+    remat: bool = False
+    grad_accum: int = 1
+    trainable: str | None = None
+
+    @classmethod
+    def of(cls, train, model_cfg: GLM5Config) -> Step:
+        """The Step of a run's TrainConfig (`train`) for a model of model_cfg."""
+        if train.indexer_loss not in INDEXER_LOSSES:
+            raise ValueError(f"--train.indexer_loss must be one of {INDEXER_LOSSES}, got {train.indexer_loss!r}")
+        objectives = Objectives(train.indexer_loss, train.indexer_target, train.seq_aux_loss_coeff > 0,
+                                model_cfg.num_nextn_predict_layers)
+        coeffs = {name: o.coeff if isinstance(o.coeff, float) else getattr(train, o.coeff)
+                  for name, o in OBJECTIVES.items() if o.coeff is not None and o.on(objectives)}
+        return cls(objectives, coeffs, getattr(torch, train.dtype),
+                   getattr(torch, train.reduce_dtype) if train.reduce_dtype else None,
+                   train.activation_checkpointing, train.grad_accum, train.trainable)
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return self.reduce_dtype or self.dtype
+
+    def trained(self, params: dict) -> list[str]:
+        """Paths of the leaves this step trains (the indexer's only with its loss on)."""
+        return trained_paths(params, self.trainable, indexer=self.objectives.indexer_loss != "off")
+
+
+def with_targets(batch: dict, mtp_depths: int = 0) -> dict:
+    """The batch with its next-token "targets" (shifted on whole sequences, before any split) and "valid" tokens;
+    with mtp_depths, also the MTP depths' inputs "mtp_input_ids" and targets "mtp_targets" (lists, depth 1 first)."""
+    mask = batch.get("attention_mask")
+    valid = mask if mask is not None and mask.ndim == 2 else torch.ones_like(batch["input_ids"])
+    out = dict(batch, targets=shift_labels(batch["labels"]), valid=valid)
+    if mtp_depths:
+        depths = range(1, mtp_depths + 1)
+        out["mtp_input_ids"] = [mtp_inputs(batch["input_ids"], d) for d in depths]
+        out["mtp_targets"] = [mtp_targets(batch["labels"], d, batch.get("position_ids"), valid) for d in depths]
+    return out
+
+
+def step_denoms(batch: dict, cfg: GLM5Config, objectives: Objectives = Objectives()) -> dict:
+    """The global counts the step's objectives are averaged over (at least 1 each), of a `with_targets` batch."""
+    queries = batch["valid"].sum().clamp(min=1)
+    indexed = sum(cfg.has_indexer(i) for i in range(cfg.num_hidden_layers)) + objectives.mtp_depths
+    denoms = {"targets": (batch["targets"] != IGNORE_INDEX).sum().clamp(min=1), "queries": queries,
+              "indexer_queries": queries * indexed, "sequences": (batch["valid"].sum(1) > 0).sum().clamp(min=1)}
+    if batch.get("mtp_targets"):  # per depth: its target count; and the number of depths the MTP loss averages
+        mtp = batch["mtp_targets"]
+        denoms["mtp_targets"] = torch.stack([(t != IGNORE_INDEX).sum() for t in mtp]).clamp(min=1)
+        denoms["mtp_depths"] = torch.tensor(float(len(mtp)), dtype=torch.float64, device=mtp[0].device)
+    return denoms
+
+
+def micro_batches(batch: dict, n: int) -> Iterator[dict]:
+    """The n micro-batches of a global batch: consecutive rows, every tensor of the batch cut alike."""
+    B = len(batch["input_ids"])
+    for m in range(n):
+        rows = slice(m * B // n, (m + 1) * B // n)
+        yield pytree.tree_map(lambda t: t[rows] if isinstance(t, torch.Tensor) and t.ndim else t, batch)
+
+
+def micro_loss(params: dict, batch: dict, denoms: dict, cfg: GLM5Config, layout: Layout, step: Step):
+    """This rank's share of the step's value over one global micro-batch, with (sums, expert counts) as aux.
+
+    sums maps each objective the step computes (OBJECTIVES) to this rank's fp64 sum of it; the value is the sum
+    over them of coeff * sum / denoms[denom], denoms being the step's global counts (`step_denoms`), so it does not
+    depend on the layout. The MTP layers count as layers for the indexer and balance losses. expert counts: per
+    MoE layer's router bias path, the valid tokens of this rank routed to each expert (for the bias rule).
+    """
+    local, env = make_env(cfg, batch, step.dtype, layout, objectives=step.objectives, weight_dtype=step.weight_dtype,
+                          remat=step.remat)
+    # the embedding, final norm and head now; each decoder layer as it runs (model.run_layer)
+    top = env.weights({**params, "model": {k: v for k, v in params["model"].items() if k != "layers"}})
+    compute = {**top, "model": {**top["model"], "layers": params["model"]["layers"]}}
+    logits, aux = apply(compute, cfg, local["input_ids"], env)
+    layers = aux["layers"]
+    sums = {"loss": cross_entropy_sum(logits, local["targets"])[0]}
+    if step.objectives.mtp_depths:
+        mtp_logits, mtp_aux = mtp_apply(compute, cfg, aux["hidden"], local["mtp_input_ids"], env)
+        sums["mtp_loss"] = sum(cross_entropy_sum(lg, t)[0] / n
+                               for lg, t, n in zip(mtp_logits, local["mtp_targets"], denoms["mtp_targets"]))
+        layers = layers + mtp_aux["layers"]
+    zero = torch.zeros((), dtype=torch.float64, device=logits.device)
+    for name, o in OBJECTIVES.items():
+        if o.source == "layers" and o.on(step.objectives):
+            sums[name] = sum((a[name] for a in layers if name in a), zero)
+    value = sum(step.coeffs[name] * v / denoms[OBJECTIVES[name].denom] for name, v in sums.items()
+                if name in step.coeffs)
+    with torch.no_grad():
+        valid = local["valid"].flatten().to(torch.float32)
+        counts = {f"model.layers.{i}.mlp.gate.e_score_correction_bias":
+                  torch.bincount(a["expert_idx"].flatten(), weights=valid.repeat_interleave(a["expert_idx"].shape[1]),
+                                 minlength=cfg.n_routed_experts)
+                  for i, a in enumerate(layers) if "expert_idx" in a}
+    return value, (sums, counts)
+
+
+def step_grads(params: dict, batch: dict, cfg: GLM5Config, layout: Layout, step: Step):
+    """(metrics, gradients of the trained leaves, per-MoE-layer expert token counts) of one step.
+
+    metrics maps each objective the step computes to its mean over the global batch. Only the leaves the step
+    trains get gradients. The batch is the step's global batch; it is cut into micro-batches, each rank computes
+    its share, and the token-weighted means over all of them are the same whatever the layout. With a reduce
+    dtype the gradients are taken, and summed over micro-batches and ranks, in that dtype and rounded to the
+    parameters' at the end.
+    """
+    master = {p: t.dtype for p, t in flatten(params).items()}
+    if step.reduce_dtype is not None:
+        params = pytree.tree_map(lambda t: t.to(torch.promote_types(t.dtype, step.reduce_dtype)), params)
+    batch = with_targets(batch, step.objectives.mtp_depths)
+    denoms = step_denoms(batch, cfg, step.objectives)
+    grad_fn = value_and_grad(micro_loss, has_aux=True, paths=step.trained(params))
+    grads, sums, counts = None, {}, {}
+    for mb in micro_batches(batch, step.grad_accum):
+        (_, (mb_sums, mb_counts)), g = grad_fn(params, mb, denoms, cfg, layout, step)
+        grads = g if grads is None else dict(zip(grads, torch._foreach_add(list(grads.values()), list(g.values()))))
+        sums = {k: sums.get(k, 0) + v for k, v in mb_sums.items()}
+        counts = {k: counts.get(k, 0) + c for k, c in mb_counts.items()}
+    grads = {p: g.to(master[p]) for p, g in grads.items()}
+    metrics = {k: float(layout.sum(v) / denoms[OBJECTIVES[k].denom]) for k, v in sums.items()}
+    return metrics, grads, {k: layout.sum(c) for k, c in counts.items()}
+
+
+@torch.no_grad()
+def eval_loss(params: dict, batches: list[dict], cfg: GLM5Config, layout: Layout, step: Step) -> float:
+    """Token-weighted mean LM loss of `params` over the held-out batches: every batch cut into micro-batches and
+    rank shares as a training step's, the loss sums added over all of them and divided by all their targets."""
+    lm = dataclasses.replace(step, objectives=Objectives(), coeffs={"loss": 1.0}, remat=False)
+    one = {"targets": torch.ones((), device=layout.device)}
+    loss_sum, n_targets = torch.zeros((), dtype=torch.float64, device=layout.device), 0
+    for batch in batches:
+        batch = with_targets(batch)
+        n_targets += int((batch["targets"] != IGNORE_INDEX).sum())
+        for mb in micro_batches(batch, step.grad_accum):
+            loss_sum = loss_sum + micro_loss(params, mb, one, cfg, layout, lm)[1][0]["loss"]
+    return float(layout.sum(loss_sum) / max(n_targets, 1))
