@@ -150,7 +150,7 @@ def sparse_mla(q_BxSxHxC: torch.Tensor, latent_BxTxC: torch.Tensor, idx_BxSxK: t
 
 
 @sparse_mla.register_kernel("cuda")
-def _(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale, value_dim):
+def sparse_mla_cuda(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale, value_dim):
     _check_sparse_mla(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, value_dim)
     if _use_triton(q_BxSxHxC, latent_BxTxC):
         return triton_kernels().sparse_mla_forward(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK,
@@ -177,7 +177,7 @@ def sparse_mla_backward(dout_BxSxHxR: torch.Tensor, q_BxSxHxC: torch.Tensor, lat
 
 
 @sparse_mla_backward.register_kernel("cuda")
-def _(dout_BxSxHxR, q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, out_BxSxHxR, lse_BxSxH, scale,
+def sparse_mla_backward_cuda(dout_BxSxHxR, q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, out_BxSxHxR, lse_BxSxH, scale,
       value_dim):
     if _use_triton(q_BxSxHxC, latent_BxTxC):
         return triton_kernels().sparse_mla_backward(dout_BxSxHxR, q_BxSxHxC, latent_BxTxC, idx_BxSxK,
@@ -316,7 +316,7 @@ def indexer_topk(q_BxSxIxJ: torch.Tensor, w_BxSxI: torch.Tensor, keys_BxTxJ: tor
 
 
 @indexer_topk.register_kernel("cuda")
-def _(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, key_valid_BxT, q_segment_BxS, k_segment_BxT, dense_BxSxT,
+def indexer_topk_cuda(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, key_valid_BxT, q_segment_BxS, k_segment_BxT, dense_BxSxT,
       bias_BxSxT, k):
     _check_indexer(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, k)
     if not _use_triton(q_BxSxIxJ, w_BxSxI, keys_BxTxJ):

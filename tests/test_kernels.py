@@ -2,6 +2,8 @@
 glm5f.triton_dsa under the Triton interpreter against an fp64 oracle (fp32 only: the interpreter's bf16 is wrong)."""
 
 import os
+import sys
+import warnings
 
 os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit decorates, so before glm5f.triton_dsa is imported
 
@@ -137,6 +139,23 @@ def test_errors_say_what_to_fix():
     with pytest.raises(ValueError, match="pass min"):
         kernels.indexer_topk(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3), torch.randn(1, 5, 4), torch.arange(2),
                              None, None, None, None, None, 6)
+
+
+def test_missing_triton_warns_once_and_cuda_runs_the_torch_code(monkeypatch):
+    monkeypatch.delattr(glm5f, "triton_dsa", raising=False)
+    monkeypatch.setitem(sys.modules, "glm5f.triton_dsa", None)  # importing it raises ImportError
+    kernels.triton_kernels.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="triton is not importable.*blocked torch code"):
+            assert kernels.triton_kernels() is None
+        q, latent, idx, allowed, b = selection_case(mask="padding", bias=True, q_dtype=torch.float32)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no second warning
+            ours = kernels.sparse_mla_cuda(q, latent, idx, allowed, b, SCALE, 24)
+        theirs = kernels.sparse_mla(q, latent, idx, allowed, b, SCALE, 24)
+        assert all(torch.equal(a, t) for a, t in zip(ours, theirs))
+    finally:
+        kernels.triton_kernels.cache_clear()
 
 
 INDEXER_MASKS = ["documents", "padding", "float4d"]
@@ -279,3 +298,25 @@ def test_triton_indexer_scores_match_fp64(interpreted, mask_kind):
                                    parts["dense_BxSxT"], first, stop, T).expand(B, -1, -1)
     assert torch.equal(torch.isfinite(scores), allowed)
     assert_close_rel(scores[allowed], expected[allowed].float())
+
+
+def test_cuda_entry_points_run_the_kernels(interpreted, monkeypatch):
+    """The ops' CUDA implementations, called on CPU tensors with the kernels interpreted: sparse MLA and its
+    backward agree with the CPU op, the indexer picks what the CPU op picks (over several query chunks)."""
+    q, latent, idx, allowed, b, _ = triton_case("padding-bias")
+    out, lse = kernels.sparse_mla_cuda(q, latent, idx, allowed, b, SCALE, 24)
+    ref_out, _ = kernels.sparse_mla(q, latent, idx, allowed, b, SCALE, 24)
+    assert_close_rel(out, ref_out)
+    dout = torch.randn_like(out)
+    grads = kernels.sparse_mla_backward_cuda(dout, q, latent, idx, allowed, b, out, lse, SCALE, 24)
+    ref_grads = kernels.sparse_mla_backward(dout, q, latent, idx, allowed, b, out, lse, SCALE, 24)
+    for a, t in zip(grads, ref_grads):
+        assert_close_rel(a, t)
+
+    B, S, T, I, J = 2, 11, 30, 3, 16
+    g = torch.Generator().manual_seed(4)
+    seg = (torch.rand(B, T, generator=g) < 0.1).cumsum(-1)
+    args = (torch.randn(B, S, I, J, generator=g), torch.randn(B, S, I, generator=g), torch.randn(B, T, J, generator=g),
+            torch.arange(T - S, T), torch.rand(B, T, generator=g) > 0.2, seg[:, T - S:], seg, None, None, 8)
+    monkeypatch.setattr(kernels, "INDEXER_QUERY_CHUNK_ELEMS", 4 * B * I * T)  # chunks of 4 queries
+    assert torch.equal(kernels.indexer_topk_cuda(*args), kernels.indexer_topk(*args))
