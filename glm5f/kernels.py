@@ -12,7 +12,7 @@ from glm5f.ops import wide, wide_dtype
 
 SPARSE_BLOCK_ELEMS = 1 << 23  # bound on one query block's gathered rows plus scores, [B, s, K, C + 2H] elements
 INDEXER_QUERY_CHUNK_ELEMS = 1 << 24  # bound on the indexer's per-chunk [B, S, I, T] fp32 scores
-TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # fp64 runs keep the torch code (fp32 accumulators)
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # fp64 compute keeps the torch code (fp32 accumulators)
 
 
 @functools.cache
@@ -152,7 +152,7 @@ def sparse_mla(q_BxSxHxC: torch.Tensor, latent_BxTxC: torch.Tensor, idx_BxSxK: t
 @sparse_mla.register_kernel("cuda")
 def sparse_mla_cuda(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale, value_dim):
     _check_sparse_mla(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, value_dim)
-    if _use_triton(q_BxSxHxC, latent_BxTxC):
+    if _use_triton(q_BxSxHxC):  # any latent dtype: rows are cast to q's
         return triton_kernels().sparse_mla_forward(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK,
                                                    scale, value_dim)
     return _sparse_mla_torch(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale, value_dim)
@@ -177,9 +177,9 @@ def sparse_mla_backward(dout_BxSxHxR: torch.Tensor, q_BxSxHxC: torch.Tensor, lat
 
 
 @sparse_mla_backward.register_kernel("cuda")
-def sparse_mla_backward_cuda(dout_BxSxHxR, q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, out_BxSxHxR, lse_BxSxH, scale,
-      value_dim):
-    if _use_triton(q_BxSxHxC, latent_BxTxC):
+def sparse_mla_backward_cuda(dout_BxSxHxR, q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK,
+                             out_BxSxHxR, lse_BxSxH, scale, value_dim):
+    if _use_triton(q_BxSxHxC):  # any latent dtype: rows are cast to q's
         return triton_kernels().sparse_mla_backward(dout_BxSxHxR, q_BxSxHxC, latent_BxTxC, idx_BxSxK,
                                                     allowed_BxSxK, bias_BxSxK, out_BxSxHxR, lse_BxSxH, scale)
     return _sparse_mla_backward_torch(dout_BxSxHxR, q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK,
@@ -316,8 +316,8 @@ def indexer_topk(q_BxSxIxJ: torch.Tensor, w_BxSxI: torch.Tensor, keys_BxTxJ: tor
 
 
 @indexer_topk.register_kernel("cuda")
-def indexer_topk_cuda(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, key_valid_BxT, q_segment_BxS, k_segment_BxT, dense_BxSxT,
-      bias_BxSxT, k):
+def indexer_topk_cuda(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, key_valid_BxT, q_segment_BxS, k_segment_BxT,
+                      dense_BxSxT, bias_BxSxT, k):
     _check_indexer(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, k)
     if not _use_triton(q_BxSxIxJ, w_BxSxI, keys_BxTxJ):
         return _indexer_topk_torch(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, key_valid_BxT, q_segment_BxS,

@@ -279,7 +279,8 @@ def test_triton_backward_chunks_sum_like_one_pass(interpreted, monkeypatch):
 def test_triton_indexer_scores_match_fp64(interpreted, mask_kind):
     B, S, T, I, J = 2, 13, 37, 3, 20  # ragged against blocks of 16 queries and 16 keys
     g = torch.Generator().manual_seed(3)
-    q, w, keys = torch.randn(B, S, I, J, generator=g), torch.randn(B, S, I, generator=g), torch.randn(B, T, J, generator=g)
+    q, w = torch.randn(B, S, I, J, generator=g), torch.randn(B, S, I, generator=g)
+    keys = torch.randn(B, T, J, generator=g)
     q_index = torch.arange(T - S, T)
     parts = dict(key_valid_BxT=None, q_segment_BxS=None, k_segment_BxT=None, dense_BxSxT=None, bias_BxSxT=None)
     if mask_kind == "padding":
