@@ -271,6 +271,9 @@ def _check_indexer(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, k):
     if keys_BxTxJ.shape[0] != B or keys_BxTxJ.shape[2] != J or q_index_S.shape != (S,):
         raise ValueError(f"indexer_topk: q is [B={B}, S={S}, I, J={J}], so keys must be [{B}, T, {J}] and q_index "
                          f"[{S}]; got {tuple(keys_BxTxJ.shape)} and {tuple(q_index_S.shape)}")
+    if wide_dtype(q_BxSxIxJ.dtype) != wide_dtype(keys_BxTxJ.dtype):
+        raise ValueError(f"indexer_topk scores in fp32 (fp64 for fp64 inputs): q is {q_BxSxIxJ.dtype} and keys "
+                         f"{keys_BxTxJ.dtype}; cast both to one precision")
     if not 0 < k <= keys_BxTxJ.shape[1]:
         raise ValueError(f"indexer_topk: k must be in 1..T={keys_BxTxJ.shape[1]}, got {k} (pass min(topk, T))")
 
@@ -322,9 +325,9 @@ def indexer_topk_cuda(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, key_valid_BxT, 
     if not _use_triton(q_BxSxIxJ, w_BxSxI, keys_BxTxJ):
         return _indexer_topk_torch(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, key_valid_BxT, q_segment_BxS,
                                    k_segment_BxT, dense_BxSxT, bias_BxSxT, k)
-    B, S, I, _ = q_BxSxIxJ.shape
+    B, S = q_BxSxIxJ.shape[:2]
     T = keys_BxTxJ.shape[1]
-    chunk = max(1, INDEXER_QUERY_CHUNK_ELEMS // max(1, B * I * T))
+    chunk = max(1, INDEXER_QUERY_CHUNK_ELEMS // max(1, B * T))  # the fused kernel keeps no per-head scores
     idx_BxSxK = torch.empty(B, S, k, dtype=torch.long, device=q_BxSxIxJ.device)
     for start in range(0, S, chunk):  # all T keys scored (no host sync on q_index); masked ones are -inf
         stop = min(S, start + chunk)

@@ -281,8 +281,8 @@ def _indexer_scores_kernel(q_ptr, w_ptr, keys_ptr, q_index_ptr, key_valid_ptr, q
     """scores [b, queries, keys] = sum_i w_i relu(q_i . key * scale) (+ bias) in fp32, -inf where not allowed.
     Tiles no query may see (most above a causal diagonal) skip the head loop."""
     b = tl.program_id(0).to(tl.int64)
-    s = first + tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
-    t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
+    s = first + tl.program_id(1).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)  # int64: S * T may pass 2^31
+    t = tl.program_id(2).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     j = tl.arange(0, BLOCK_J)
     s_ok, t_ok, j_ok = s < first + n, t < T, j < J
     if HAS_DENSE:

@@ -115,6 +115,25 @@ def test_lse_is_the_softmax_normaliser():
     assert lse.dtype == torch.float32 and not lse.requires_grad
 
 
+def test_compiles_without_graph_breaks():
+    """The ops are opaque to torch.compile: one graph, forward and backward as in eager."""
+    q, latent, idx, allowed, b = selection_case(mask="documents", bias=True, q_dtype=torch.float32,
+                                                latent_dtype=torch.float32)
+
+    def loss(qq, ll):
+        picks = kernels.indexer_topk(qq[..., :8], qq[..., 0], ll[..., :8], torch.arange(12, 19), None, None, None,
+                                     None, None, 4)
+        return kernels.sparse_attention(qq, ll, idx, allowed, SCALE, 24, b).square().sum() + picks.sum()
+
+    grads = []
+    for fn in (loss, torch.compile(loss, backend="aot_eager", fullgraph=True)):
+        qq, ll = q.clone().requires_grad_(), latent.clone().requires_grad_()
+        fn(qq, ll).backward()
+        grads.append((qq.grad, ll.grad))
+    for a, t in zip(*grads):
+        assert torch.equal(a, t)
+
+
 def test_functorch_runs_the_oracle():
     q, latent, idx, allowed, b = selection_case(mask="padding", bias=True)
 
@@ -319,5 +338,5 @@ def test_cuda_entry_points_run_the_kernels(interpreted, monkeypatch):
     seg = (torch.rand(B, T, generator=g) < 0.1).cumsum(-1)
     args = (torch.randn(B, S, I, J, generator=g), torch.randn(B, S, I, generator=g), torch.randn(B, T, J, generator=g),
             torch.arange(T - S, T), torch.rand(B, T, generator=g) > 0.2, seg[:, T - S:], seg, None, None, 8)
-    monkeypatch.setattr(kernels, "INDEXER_QUERY_CHUNK_ELEMS", 4 * B * I * T)  # chunks of 4 queries
+    monkeypatch.setattr(kernels, "INDEXER_QUERY_CHUNK_ELEMS", 4 * B * T)  # chunks of 4 queries
     assert torch.equal(kernels.indexer_topk_cuda(*args), kernels.indexer_topk(*args))
