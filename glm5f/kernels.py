@@ -142,8 +142,9 @@ def sparse_mla(q_BxSxHxC: torch.Tensor, latent_BxTxC: torch.Tensor, idx_BxSxK: t
     """Attention of each query over its K selected latent rows -> (out [B, S, H, value_dim], lse [B, S, H] fp32).
 
     Scores are q . row * scale (+ bias), finfo.min where not allowed, with an fp32 (or wider) softmax over the K
-    selections: a query with no allowed selection averages its K rows. Values are the first value_dim channels of
-    the rows, gathered in q's dtype (the compute dtype); the latent may be wider.
+    selections: a query with no allowed selection averages its K rows (its lse is finfo.min). Values are the first
+    value_dim channels of the rows, gathered in q's dtype (the compute dtype); the latent may be wider. lse is not
+    differentiable (the backward ignores its gradient).
     """
     _check_sparse_mla(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, value_dim)
     return _sparse_mla_torch(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale, value_dim)
