@@ -1,11 +1,14 @@
 """glm5f.kernels' custom ops against attention.py's blocked code (bitwise), and the Triton kernels of
-glm5f.triton_dsa under the Triton interpreter against an fp64 oracle (fp32 only: the interpreter's bf16 is wrong)."""
+glm5f.triton_dsa (interpreted, or on a GPU) against an fp64 oracle in fp32 (the interpreter's bf16 is wrong)."""
 
 import os
 import sys
 import warnings
 
-os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit decorates, so before glm5f.triton_dsa is imported
+# The Triton tests run interpreted on the CPU; GLM5F_KERNEL_DEVICE=cuda runs them compiled on a GPU instead.
+DEVICE = os.environ.get("GLM5F_KERNEL_DEVICE", "cpu")
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit decorates, so before glm5f.triton_dsa is imported
 
 import pytest
 import torch
@@ -17,11 +20,9 @@ from glm5f.model import dense_mask, make_mask
 
 try:
     from glm5f import triton_dsa
-    NO_TRITON = ""
 except ImportError as e:
     triton_dsa, NO_TRITON = None, f"triton is not importable ({e}); it installs on Linux x86_64 with the test extra"
 
-needs_triton = pytest.mark.skipif(triton_dsa is None, reason=NO_TRITON or "-")
 SCALE = 0.3
 
 
@@ -213,10 +214,16 @@ def test_indexer_op_is_attention_indexer_topk(monkeypatch, mask_kind, chunk_elem
     assert ours.dtype == torch.int64 and torch.equal(ours, theirs)
 
 
-# ---- the Triton kernels, interpreted --------------------------------------------------------------------------------
+# ---- the Triton kernels (interpreted on the CPU, or on DEVICE) ---------------------------------------------------
+
+def on_device(*tensors):
+    """The tensors on DEVICE (None stays None)."""
+    return tuple(None if t is None else t.to(DEVICE) for t in tensors)
+
 
 def assert_close_rel(actual, expected, rel=1e-5):
     """Within rel of the expected values' scale (elementwise relative error is meaningless near zero)."""
+    actual = actual.cpu()
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
     err = (actual.double() - expected.double()).abs().max().item()
     scale = expected.double().abs().max().item()
@@ -224,11 +231,17 @@ def assert_close_rel(actual, expected, rel=1e-5):
 
 
 @pytest.fixture
-def interpreted():
+def tk():
+    """glm5f.triton_dsa, its kernels interpreted on the CPU or compiled for DEVICE "cuda"."""
     if triton_dsa is None:
         pytest.skip(NO_TRITON)
-    if type(triton_dsa._sparse_mla_fwd_kernel).__name__ != "InterpretedFunction":
-        pytest.fail("glm5f.triton_dsa was imported before TRITON_INTERPRET=1 was set: run this file on its own")
+    if DEVICE != "cpu" and not torch.cuda.is_available():
+        pytest.skip(f"GLM5F_KERNEL_DEVICE={DEVICE} but torch sees no GPU")
+    interpreted = type(triton_dsa._sparse_mla_fwd_kernel).__name__ == "InterpretedFunction"
+    if interpreted != (DEVICE == "cpu"):
+        pytest.fail(f"glm5f.triton_dsa's kernels are {'' if interpreted else 'not '}interpreted on {DEVICE}: it was "
+                    "imported before this module set TRITON_INTERPRET (run this file on its own, with "
+                    "TRITON_INTERPRET unset)")
     return triton_dsa
 
 
@@ -258,12 +271,14 @@ def oracle(q, latent, idx, allowed, b, dout):
 
 
 @pytest.mark.parametrize("name", list(TRITON_CASES))
-def test_triton_sparse_mla_matches_fp64_oracle(interpreted, name):
+def test_triton_sparse_mla_matches_fp64_oracle(tk, name):
     q, latent, idx, allowed, b, blocks = triton_case(name)
     R = latent.shape[-1] - TRITON_CASES[name][0].get("P", 5)
     dout = torch.randn(*q.shape[:3], R, dtype=q.dtype)
-    out, lse = interpreted.sparse_mla_forward(q, latent, idx, allowed, b, SCALE, R, **blocks)
-    dq, dlatent = interpreted.sparse_mla_backward(dout, q, latent, idx, allowed, b, out, lse, SCALE, **blocks)
+    args = on_device(q, latent, idx, allowed, b)
+    out, lse = tk.sparse_mla_forward(*args, SCALE, R, **blocks)
+    dq, dlatent = tk.sparse_mla_backward(dout.to(DEVICE), *args, out, lse, SCALE, **blocks)
+    lse = lse.cpu()
     out64, dq64, dlatent64 = oracle(q, latent, idx, allowed, b, dout)
     assert_close_rel(out, out64.to(q.dtype))
     assert_close_rel(dq, dq64.to(q.dtype))
@@ -274,28 +289,28 @@ def test_triton_sparse_mla_matches_fp64_oracle(interpreted, name):
     assert torch.equal(lse[~has_key], ref_lse[~has_key])  # finfo.min: no allowed key
 
 
-def test_triton_backward_is_deterministic(interpreted):
+def test_triton_backward_is_deterministic(tk):
     q, latent, idx, allowed, b, blocks = triton_case("documents")
-    dout = torch.randn(*q.shape[:3], 24)
-    out, lse = interpreted.sparse_mla_forward(q, latent, idx, allowed, b, SCALE, 24, **blocks)
-    first = interpreted.sparse_mla_backward(dout, q, latent, idx, allowed, b, out, lse, SCALE, **blocks)
-    second = interpreted.sparse_mla_backward(dout, q, latent, idx, allowed, b, out, lse, SCALE, **blocks)
+    dout, *args = on_device(torch.randn(*q.shape[:3], 24), q, latent, idx, allowed, b)
+    out, lse = tk.sparse_mla_forward(*args, SCALE, 24, **blocks)
+    first = tk.sparse_mla_backward(dout, *args, out, lse, SCALE, **blocks)
+    second = tk.sparse_mla_backward(dout, *args, out, lse, SCALE, **blocks)
     assert all(torch.equal(a, c) for a, c in zip(first, second))
 
 
-def test_triton_backward_chunks_sum_like_one_pass(interpreted, monkeypatch):
+def test_triton_backward_chunks_sum_like_one_pass(tk, monkeypatch):
     """The per-chunk segmented sums add up to the one-pass sum (up to fp32 rounding of the order)."""
     q, latent, idx, allowed, b, blocks = triton_case("causal")
-    dout = torch.randn(*q.shape[:3], 24)
-    out, lse = interpreted.sparse_mla_forward(q, latent, idx, allowed, b, SCALE, 24, **blocks)
-    _, whole = interpreted.sparse_mla_backward(dout, q, latent, idx, allowed, b, out, lse, SCALE, **blocks)
-    monkeypatch.setattr(interpreted, "DSEL_CHUNK_ELEMS", 3 * idx.shape[-1] * q.shape[-1])  # 3 queries a chunk
-    _, chunked = interpreted.sparse_mla_backward(dout, q, latent, idx, allowed, b, out, lse, SCALE, **blocks)
-    assert_close_rel(chunked, whole)
+    dout, *args = on_device(torch.randn(*q.shape[:3], 24), q, latent, idx, allowed, b)
+    out, lse = tk.sparse_mla_forward(*args, SCALE, 24, **blocks)
+    _, whole = tk.sparse_mla_backward(dout, *args, out, lse, SCALE, **blocks)
+    monkeypatch.setattr(tk, "DSEL_CHUNK_ELEMS", 3 * idx.shape[-1] * q.shape[-1])  # 3 queries a chunk
+    _, chunked = tk.sparse_mla_backward(dout, *args, out, lse, SCALE, **blocks)
+    assert_close_rel(chunked, whole.cpu())
 
 
 @pytest.mark.parametrize("mask_kind", ["causal", "padding", "documents", "dense-bias"])
-def test_triton_indexer_scores_match_fp64(interpreted, mask_kind):
+def test_triton_indexer_scores_match_fp64(tk, mask_kind):
     B, S, T, I, J = 2, 13, 37, 3, 20  # ragged against blocks of 16 queries and 16 keys
     g = torch.Generator().manual_seed(3)
     q, w = torch.randn(B, S, I, J, generator=g), torch.randn(B, S, I, generator=g)
@@ -310,7 +325,8 @@ def test_triton_indexer_scores_match_fp64(interpreted, mask_kind):
     elif mask_kind == "dense-bias":
         parts.update(dense_BxSxT=torch.rand(B, S, T, generator=g) > 0.5, bias_BxSxT=torch.randn(1, S, T, generator=g))
     first, stop = 2, S  # a chunk that starts past query 0
-    scores = interpreted.indexer_scores(q, w, keys, q_index, *parts.values(), first, stop, block_s=16, block_t=16)
+    scores = tk.indexer_scores(*on_device(q, w, keys, q_index, *parts.values()), first, stop, block_s=16,
+                               block_t=16).cpu()
     expected = kernels._indexer_scores_torch(q.double(), w.double(), keys.double(), first, stop, T)
     if parts["bias_BxSxT"] is not None:
         expected = expected + parts["bias_BxSxT"][:, first:stop]
@@ -320,16 +336,17 @@ def test_triton_indexer_scores_match_fp64(interpreted, mask_kind):
     assert_close_rel(scores[allowed], expected[allowed].float())
 
 
-def test_cuda_entry_points_run_the_kernels(interpreted, monkeypatch):
-    """The ops' CUDA implementations, called on CPU tensors with the kernels interpreted: sparse MLA and its
-    backward agree with the CPU op, the indexer picks what the CPU op picks (over several query chunks)."""
+def test_cuda_entry_points_run_the_kernels(tk, monkeypatch):
+    """The ops' CUDA implementations (on CPU tensors with the kernels interpreted, or on the GPU): sparse MLA and
+    its backward agree with the CPU op, the indexer picks what the CPU op picks (over several query chunks)."""
     q, latent, idx, allowed, b, _ = triton_case("padding-bias")
-    out, lse = kernels.sparse_mla_cuda(q, latent, idx, allowed, b, SCALE, 24)
-    ref_out, _ = kernels.sparse_mla(q, latent, idx, allowed, b, SCALE, 24)
+    dout = torch.randn(*q.shape[:3], 24)
+    ref_out, ref_lse = kernels.sparse_mla(q, latent, idx, allowed, b, SCALE, 24)
+    ref_grads = kernels.sparse_mla_backward(dout, q, latent, idx, allowed, b, ref_out, ref_lse, SCALE, 24)
+    args = on_device(q, latent, idx, allowed, b)
+    out, lse = kernels.sparse_mla_cuda(*args, SCALE, 24)
     assert_close_rel(out, ref_out)
-    dout = torch.randn_like(out)
-    grads = kernels.sparse_mla_backward_cuda(dout, q, latent, idx, allowed, b, out, lse, SCALE, 24)
-    ref_grads = kernels.sparse_mla_backward(dout, q, latent, idx, allowed, b, out, lse, SCALE, 24)
+    grads = kernels.sparse_mla_backward_cuda(dout.to(DEVICE), *args, out, lse, SCALE, 24)
     for a, t in zip(grads, ref_grads):
         assert_close_rel(a, t)
 
@@ -339,4 +356,4 @@ def test_cuda_entry_points_run_the_kernels(interpreted, monkeypatch):
     args = (torch.randn(B, S, I, J, generator=g), torch.randn(B, S, I, generator=g), torch.randn(B, T, J, generator=g),
             torch.arange(T - S, T), torch.rand(B, T, generator=g) > 0.2, seg[:, T - S:], seg, None, None, 8)
     monkeypatch.setattr(kernels, "INDEXER_QUERY_CHUNK_ELEMS", 4 * B * T)  # chunks of 4 queries
-    assert torch.equal(kernels.indexer_topk_cuda(*args), kernels.indexer_topk(*args))
+    assert torch.equal(kernels.indexer_topk_cuda(*on_device(*args[:-1]), args[-1]).cpu(), kernels.indexer_topk(*args))
