@@ -1,0 +1,346 @@
+"""DSA's two hot paths as torch custom ops: sparse MLA over each query's top-k latent rows, and the indexer top-k.
+
+The CPU runs the blocked torch code (bitwise what attention.py computes); CUDA runs glm5f/triton_dsa.py's kernels.
+"""
+
+import functools
+import warnings
+
+import torch
+
+from glm5f.ops import wide, wide_dtype
+
+SPARSE_BLOCK_ELEMS = 1 << 23  # bound on one query block's gathered rows plus scores, [B, s, K, C + 2H] elements
+INDEXER_QUERY_CHUNK_ELEMS = 1 << 24  # bound on the indexer's per-chunk [B, S, I, T] fp32 scores
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # fp64 compute keeps the torch code (fp32 accumulators)
+
+
+@functools.cache
+def triton_kernels():
+    """glm5f.triton_dsa, or None (with one warning) where triton is not importable: CUDA then runs the torch code."""
+    try:
+        from glm5f import triton_dsa
+    except ImportError as e:
+        warnings.warn(f"glm5f.kernels: triton is not importable ({e}); sparse MLA and the indexer top-k run the "
+                      "blocked torch code on CUDA (install triton for the fused kernels)", stacklevel=2)
+        return None
+    return triton_dsa
+
+
+def _use_triton(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype in TRITON_DTYPES for t in tensors) and triton_kernels() is not None
+
+
+# ---- the blocked torch code (the CPU implementation) -------------------------------------------------------------
+
+def sparse_block_size(B: int, K: int, C: int, H: int) -> int:
+    """Queries per block of the blocked sparse core: its gathered latent rows [B, s, K, C] and its scores and
+    probabilities [B, s, H, K] stay within SPARSE_BLOCK_ELEMS."""
+    return max(1, SPARSE_BLOCK_ELEMS // max(1, B * K * (C + 2 * H)))
+
+
+def _gather_rows(latent_BxTxC: torch.Tensor, idx_BxSxK: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The selected latent rows [B, S, K, C] in `dtype`, one index_select over the flattened batch."""
+    B, T, C = latent_BxTxC.shape
+    rows = (idx_BxSxK + T * torch.arange(B, device=idx_BxSxK.device)[:, None, None]).flatten()
+    return latent_BxTxC.reshape(B * T, C).index_select(0, rows).view(*idx_BxSxK.shape, C).to(dtype)
+
+
+def _block_scores(q_BxSxHxC, sel_BxSxKxC, allowed_BxSxK, bias_BxSxK, scale):
+    """Scores [B, S, H, K] (fp32 or wider) of one block of queries over its selected rows, finfo.min where masked."""
+    scores_BxSxHxK = torch.matmul(q_BxSxHxC, sel_BxSxKxC.transpose(-1, -2)).mul_(scale)
+    if bias_BxSxK is not None:
+        scores_BxSxHxK = scores_BxSxHxK + bias_BxSxK[:, :, None, :]
+    return wide(scores_BxSxHxK).masked_fill_(~allowed_BxSxK[:, :, None, :],
+                                             torch.finfo(wide_dtype(q_BxSxHxC.dtype)).min)
+
+
+def _sparse_mla_torch(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale, value_dim):
+    """(out [B, S, H, value_dim], lse [B, S, H] fp32) over query blocks; the forward keeps no gathered rows."""
+    B, S, H, C = q_BxSxHxC.shape
+    dt = q_BxSxHxC.dtype
+    block = sparse_block_size(B, idx_BxSxK.shape[-1], C, H)
+    out_BxSxHxR = q_BxSxHxC.new_empty(B, S, H, value_dim)
+    lse_BxSxH = q_BxSxHxC.new_empty(B, S, H, dtype=torch.float32)
+    for a in range(0, S, block):
+        b = min(S, a + block)
+        sel = _gather_rows(latent_BxTxC, idx_BxSxK[:, a:b], dt)
+        scores = _block_scores(q_BxSxHxC[:, a:b], sel, allowed_BxSxK[:, a:b],
+                               None if bias_BxSxK is None else bias_BxSxK[:, a:b], scale)
+        probs = torch.softmax(scores, dim=-1).to(dt)
+        out_BxSxHxR[:, a:b] = torch.matmul(probs, sel[..., :value_dim])
+        lse_BxSxH[:, a:b] = torch.logsumexp(scores, dim=-1)
+    return out_BxSxHxR, lse_BxSxH
+
+
+def _sparse_mla_backward_torch(dout_BxSxHxR, q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK,
+                               scale, value_dim):
+    """(dq, dlatent): each block's rows gathered again and its softmax recomputed (identical to the forward's)."""
+    B, S, H, C = q_BxSxHxC.shape
+    T, dt, R = latent_BxTxC.shape[1], q_BxSxHxC.dtype, value_dim
+    block = sparse_block_size(B, idx_BxSxK.shape[-1], C, H)
+    dq_BxSxHxC = torch.empty_like(q_BxSxHxC)
+    # each selected row's gradient is summed over the queries that chose it in the latent's dtype (as the
+    # unblocked path's index_select backward does): exact, so independent of blocks and of rank layouts
+    dlatent = torch.zeros(B * T, C, dtype=latent_BxTxC.dtype, device=latent_BxTxC.device)
+    offsets = T * torch.arange(B, device=idx_BxSxK.device)[:, None, None]
+    for a in range(0, S, block):
+        b = min(S, a + block)
+        q, dout, allowed = q_BxSxHxC[:, a:b], dout_BxSxHxR[:, a:b].to(dt), allowed_BxSxK[:, a:b]
+        sel = _gather_rows(latent_BxTxC, idx_BxSxK[:, a:b], dt)
+        probs_w = torch.softmax(_block_scores(q, sel, allowed, None if bias_BxSxK is None else bias_BxSxK[:, a:b],
+                                              scale), dim=-1)
+        probs = probs_w.to(dt)
+        dprobs_w = wide(torch.matmul(dout, sel[..., :R].transpose(-1, -2)))
+        dscores_w = probs_w * (dprobs_w - (probs_w * dprobs_w).sum(-1, keepdim=True))
+        dscores = dscores_w.masked_fill_(~allowed[:, :, None, :], 0).to(dt).mul_(scale)
+        dq_BxSxHxC[:, a:b] = torch.matmul(dscores, sel)
+        dsel = torch.matmul(dscores.transpose(-1, -2), q)
+        dsel[..., :R] += torch.matmul(probs.transpose(-1, -2), dout)
+        dlatent.index_add_(0, (idx_BxSxK[:, a:b] + offsets).flatten(), dsel.reshape(-1, C).to(latent_BxTxC.dtype))
+    return dq_BxSxHxC, dlatent.view(B, T, C)
+
+
+def sparse_attention_unblocked(q_BxSxHxC: torch.Tensor, latent_BxTxC: torch.Tensor, idx_BxSxK: torch.Tensor,
+                               allowed_BxSxK: torch.Tensor, scale: float, value_dim: int,
+                               bias_BxSxK: torch.Tensor | None = None) -> torch.Tensor:
+    """The oracle of `sparse_mla`: every query's rows gathered at once ([B, S, K, C]), plain autograd."""
+    sel_BxSxKxC = _gather_rows(latent_BxTxC, idx_BxSxK, q_BxSxHxC.dtype)
+    scores_BxSxHxK = _block_scores(q_BxSxHxC, sel_BxSxKxC, allowed_BxSxK, bias_BxSxK, scale)
+    probs_BxSxHxK = torch.softmax(scores_BxSxHxK, dim=-1).to(q_BxSxHxC.dtype)
+    return torch.einsum("bshk,bskr->bshr", probs_BxSxHxK, sel_BxSxKxC[..., :value_dim])
+
+
+# ---- glm5f::sparse_mla --------------------------------------------------------------------------------------------
+
+def _check_sparse_mla(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, value_dim):
+    if q_BxSxHxC.ndim != 4 or latent_BxTxC.ndim != 3 or idx_BxSxK.ndim != 3:
+        raise ValueError(f"sparse_mla expects q [B, S, H, C], latent [B, T, C], idx [B, S, K]; got "
+                         f"{tuple(q_BxSxHxC.shape)}, {tuple(latent_BxTxC.shape)}, {tuple(idx_BxSxK.shape)}")
+    B, S, H, C = q_BxSxHxC.shape
+    if latent_BxTxC.shape[0] != B or latent_BxTxC.shape[2] != C or tuple(idx_BxSxK.shape[:2]) != (B, S):
+        raise ValueError(f"sparse_mla: q is [B={B}, S={S}, H={H}, C={C}], so latent must be [{B}, T, {C}] and idx "
+                         f"[{B}, {S}, K]; got latent {tuple(latent_BxTxC.shape)}, idx {tuple(idx_BxSxK.shape)}")
+    if idx_BxSxK.dtype != torch.int64 or allowed_BxSxK.dtype != torch.bool:
+        raise ValueError(f"sparse_mla expects int64 idx and bool allowed, got {idx_BxSxK.dtype} and "
+                         f"{allowed_BxSxK.dtype} (cast them with .long() and .bool())")
+    if allowed_BxSxK.shape != idx_BxSxK.shape or (bias_BxSxK is not None and bias_BxSxK.shape != idx_BxSxK.shape):
+        raise ValueError(f"sparse_mla: allowed and bias must have idx's shape {tuple(idx_BxSxK.shape)}, got "
+                         f"{tuple(allowed_BxSxK.shape)} and {None if bias_BxSxK is None else tuple(bias_BxSxK.shape)}")
+    if not 0 < value_dim <= C:
+        raise ValueError(f"sparse_mla: value_dim (the value channels leading each latent row) must be in 1..{C}, "
+                         f"got {value_dim}")
+    if torch.promote_types(latent_BxTxC.dtype, q_BxSxHxC.dtype) != latent_BxTxC.dtype:
+        raise ValueError(f"sparse_mla computes in q's dtype {q_BxSxHxC.dtype} and sums row gradients in the "
+                         f"latent's, which must be as wide; got latent {latent_BxTxC.dtype} (cast it up)")
+
+
+@torch.library.custom_op("glm5f::sparse_mla", mutates_args=())
+def sparse_mla(q_BxSxHxC: torch.Tensor, latent_BxTxC: torch.Tensor, idx_BxSxK: torch.Tensor,
+               allowed_BxSxK: torch.Tensor, bias_BxSxK: torch.Tensor | None, scale: float,
+               value_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of each query over its K selected latent rows -> (out [B, S, H, value_dim], lse [B, S, H] fp32).
+
+    Scores are q . row * scale (+ bias), finfo.min where not allowed, with an fp32 (or wider) softmax over the K
+    selections: a query with no allowed selection averages its K rows (its lse is finfo.min). Values are the first
+    value_dim channels of the rows, gathered in q's dtype (the compute dtype); the latent may be wider. lse is not
+    differentiable (the backward ignores its gradient).
+    """
+    _check_sparse_mla(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, value_dim)
+    return _sparse_mla_torch(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale, value_dim)
+
+
+@sparse_mla.register_kernel("cuda")
+def sparse_mla_cuda(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale, value_dim):
+    _check_sparse_mla(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, value_dim)
+    if _use_triton(q_BxSxHxC):  # any latent dtype: rows are cast to q's
+        return triton_kernels().sparse_mla_forward(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK,
+                                                   scale, value_dim)
+    return _sparse_mla_torch(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale, value_dim)
+
+
+@sparse_mla.register_fake
+def _(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale, value_dim):
+    _check_sparse_mla(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, value_dim)
+    B, S, H, _ = q_BxSxHxC.shape
+    return q_BxSxHxC.new_empty(B, S, H, value_dim), q_BxSxHxC.new_empty(B, S, H, dtype=torch.float32)
+
+
+@torch.library.custom_op("glm5f::sparse_mla_backward", mutates_args=())
+def sparse_mla_backward(dout_BxSxHxR: torch.Tensor, q_BxSxHxC: torch.Tensor, latent_BxTxC: torch.Tensor,
+                        idx_BxSxK: torch.Tensor, allowed_BxSxK: torch.Tensor, bias_BxSxK: torch.Tensor | None,
+                        out_BxSxHxR: torch.Tensor, lse_BxSxH: torch.Tensor, scale: float,
+                        value_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dq [B, S, H, C], dlatent [B, T, C]) of `sparse_mla`; dlatent sums each row's gradient over the queries
+    that chose it, in the latent's dtype. The CPU recomputes the softmax (out and lse serve the CUDA kernels)."""
+    return _sparse_mla_backward_torch(dout_BxSxHxR, q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK,
+                                      scale, value_dim)
+
+
+@sparse_mla_backward.register_kernel("cuda")
+def sparse_mla_backward_cuda(dout_BxSxHxR, q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK,
+                             out_BxSxHxR, lse_BxSxH, scale, value_dim):
+    if _use_triton(q_BxSxHxC):  # any latent dtype: rows are cast to q's
+        return triton_kernels().sparse_mla_backward(dout_BxSxHxR, q_BxSxHxC, latent_BxTxC, idx_BxSxK,
+                                                    allowed_BxSxK, bias_BxSxK, out_BxSxHxR, lse_BxSxH, scale)
+    return _sparse_mla_backward_torch(dout_BxSxHxR, q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK,
+                                      scale, value_dim)
+
+
+@sparse_mla_backward.register_fake
+def _(dout_BxSxHxR, q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, out_BxSxHxR, lse_BxSxH, scale,
+      value_dim):
+    return torch.empty_like(q_BxSxHxC), torch.empty_like(latent_BxTxC)
+
+
+def _sparse_mla_setup_context(ctx, inputs, output):
+    q, latent, idx, allowed, bias, scale, value_dim = inputs
+    out, lse = output
+    ctx.save_for_backward(q, latent, idx, allowed, bias, out, lse)
+    ctx.scale, ctx.value_dim = scale, value_dim
+    ctx.mark_non_differentiable(lse)
+
+
+def _sparse_mla_autograd(ctx, dout_BxSxHxR, _dlse):
+    q, latent, idx, allowed, bias, out, lse = ctx.saved_tensors
+    dq, dlatent = sparse_mla_backward(dout_BxSxHxR, q, latent, idx, allowed, bias, out, lse, ctx.scale,
+                                      ctx.value_dim)
+    return dq, dlatent, None, None, None, None, None
+
+
+sparse_mla.register_autograd(_sparse_mla_autograd, setup_context=_sparse_mla_setup_context)
+
+
+def sparse_attention(q_BxSxHxC: torch.Tensor, latent_BxTxC: torch.Tensor, idx_BxSxK: torch.Tensor,
+                     allowed_BxSxK: torch.Tensor, scale: float, value_dim: int,
+                     bias_BxSxK: torch.Tensor | None = None) -> torch.Tensor:
+    """`sparse_mla`'s output [B, S, H, value_dim]. Under torch.func transforms (grad, vmap, jacrev) the same math
+    runs unblocked through plain autograd ops (`sparse_attention_unblocked`), which functorch handles itself."""
+    if torch._C._are_functorch_transforms_active():
+        return sparse_attention_unblocked(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, scale, value_dim,
+                                          bias_BxSxK)
+    return sparse_mla(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale, value_dim)[0]
+
+
+# ---- glm5f::indexer_topk ------------------------------------------------------------------------------------------
+
+def topk_first(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores (compared in fp32) along the last dim; equal scores go to the lower index.
+
+    Ties are common (ReLU zeros) and torch.topk breaks them arbitrarily, so a query could see different keys in
+    a full forward, a decode step or a context-parallel shard. Each score's 32-bit pattern is made
+    order-preserving (negative floats: flip all but the sign bit), goes in the high half of an int64 key and the
+    reversed index in the low half: the keys are unique. Two temporaries the size of `scores` (int32, int64).
+    """
+    bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into +0.0; a fresh tensor, changed in place
+    bits ^= (bits >> 31) & 0x7FFFFFFF
+    rev_index = torch.arange(scores.shape[-1] - 1, -1, -1, device=scores.device)
+    return bits.to(torch.int64).mul_(1 << 32).add_(rev_index).topk(k, dim=-1).indices
+
+
+def allowed_rows(q_index_S, key_valid_BxT, q_segment_BxS, k_segment_BxT, dense_BxSxT, start, stop, num_keys):
+    """allowed [B or 1, stop - start, num_keys] for queries start:stop (what `Mask.rows` builds from its parts):
+    the dense mask as given, else causal order, key padding and same document."""
+    if dense_BxSxT is not None:
+        return dense_BxSxT[:, start:stop, :num_keys]
+    k_index = torch.arange(num_keys, device=q_index_S.device)
+    allowed = (k_index[None, :] <= q_index_S[start:stop, None])[None]
+    if key_valid_BxT is not None:
+        allowed = allowed & key_valid_BxT[:, None, :num_keys]
+    if q_segment_BxS is not None:
+        allowed = allowed & (q_segment_BxS[:, start:stop, None] == k_segment_BxT[:, None, :num_keys])
+    return allowed
+
+
+def _indexer_scores_torch(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, start, stop, num_keys):
+    """Index scores [B, stop - start, num_keys], unmasked: one GEMM for all heads, then ReLU, scale and the
+    head-weighted sum in place (the order of attention.indexer_scores)."""
+    B, _, I, J = q_BxSxIxJ.shape
+    n = stop - start
+    scores_BxSIxT = torch.bmm(wide(q_BxSxIxJ[:, start:stop]).reshape(B, n * I, J),
+                              wide(keys_BxTxJ[:, :num_keys]).transpose(1, 2))
+    scores_BSxIxT = scores_BxSIxT.mul_(J ** -0.5).relu_().view(B * n, I, -1)
+    w_BSx1xI = w_BxSxI[:, start:stop].reshape(B * n, 1, I).to(scores_BSxIxT.dtype)
+    return torch.bmm(w_BSx1xI, scores_BSxIxT).view(B, n, -1)
+
+
+def _check_indexer(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, k):
+    if q_BxSxIxJ.ndim != 4 or w_BxSxI.shape != q_BxSxIxJ.shape[:3] or keys_BxTxJ.ndim != 3:
+        raise ValueError(f"indexer_topk expects q [B, S, I, J], w [B, S, I], keys [B, T, J]; got "
+                         f"{tuple(q_BxSxIxJ.shape)}, {tuple(w_BxSxI.shape)}, {tuple(keys_BxTxJ.shape)}")
+    B, S, _, J = q_BxSxIxJ.shape
+    if keys_BxTxJ.shape[0] != B or keys_BxTxJ.shape[2] != J or q_index_S.shape != (S,):
+        raise ValueError(f"indexer_topk: q is [B={B}, S={S}, I, J={J}], so keys must be [{B}, T, {J}] and q_index "
+                         f"[{S}]; got {tuple(keys_BxTxJ.shape)} and {tuple(q_index_S.shape)}")
+    if wide_dtype(q_BxSxIxJ.dtype) != wide_dtype(keys_BxTxJ.dtype):
+        raise ValueError(f"indexer_topk scores in fp32 (fp64 for fp64 inputs): q is {q_BxSxIxJ.dtype} and keys "
+                         f"{keys_BxTxJ.dtype}; cast both to one precision")
+    if not 0 < k <= keys_BxTxJ.shape[1]:
+        raise ValueError(f"indexer_topk: k must be in 1..T={keys_BxTxJ.shape[1]}, got {k} (pass min(topk, T))")
+
+
+def _indexer_topk_torch(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, key_valid_BxT, q_segment_BxS, k_segment_BxT,
+                        dense_BxSxT, bias_BxSxT, k):
+    B, S, I, _ = q_BxSxIxJ.shape
+    T = keys_BxTxJ.shape[1]
+    chunk = max(1, INDEXER_QUERY_CHUNK_ELEMS // max(1, B * I * T))
+    idx_BxSxK = torch.empty(B, S, k, dtype=torch.long, device=q_BxSxIxJ.device)
+    # the last chunk first: causal chunks see more keys the later they are, so each chunk's buffers fit in the
+    # memory the one before freed (in ascending order every chunk needs more, and the host heap only grows)
+    for start in reversed(range(0, S, chunk)):
+        stop = min(S, start + chunk)
+        # keys past the chunk's last query are masked for all of it: they are not scored (half the causal work);
+        # at least k keys are kept, so the picks past a query's visible keys are the same masked ones as over all T
+        visible = T if dense_BxSxT is not None else min(T, int(q_index_S[start:stop].max()) + 1)
+        num_keys = max(k, visible)
+        scores = _indexer_scores_torch(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, start, stop, num_keys)
+        if bias_BxSxT is not None:
+            scores = scores + bias_BxSxT[:, start:stop, :num_keys]
+        allowed = allowed_rows(q_index_S, key_valid_BxT, q_segment_BxS, k_segment_BxT, dense_BxSxT, start, stop,
+                               num_keys)
+        idx_BxSxK[:, start:stop] = topk_first(scores.masked_fill_(~allowed, float("-inf")), k)
+    return idx_BxSxK
+
+
+@torch.library.custom_op("glm5f::indexer_topk", mutates_args=())
+def indexer_topk(q_BxSxIxJ: torch.Tensor, w_BxSxI: torch.Tensor, keys_BxTxJ: torch.Tensor, q_index_S: torch.Tensor,
+                 key_valid_BxT: torch.Tensor | None, q_segment_BxS: torch.Tensor | None,
+                 k_segment_BxT: torch.Tensor | None, dense_BxSxT: torch.Tensor | None,
+                 bias_BxSxT: torch.Tensor | None, k: int) -> torch.Tensor:
+    """Top-k key indices [B, S, k] (int64) of the index scores sum_i w_i relu(q_i . key / sqrt(J)) (fp32, fp64 for
+    fp64 inputs), plus bias, -inf where the mask forbids; equal scores go to the lower index (`topk_first`).
+
+    q (roped) and w (scaled by I^-0.5) come projected. The mask: dense [B or 1, S, T] bool used as given, else
+    key index <= q_index, key_valid [B or 1, T] and q_segment == k_segment (same document). A query with fewer
+    than k allowed keys gets masked picks for the rest (its allowed mask at those indices is False).
+    """
+    _check_indexer(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, k)
+    return _indexer_topk_torch(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, key_valid_BxT, q_segment_BxS,
+                               k_segment_BxT, dense_BxSxT, bias_BxSxT, k)
+
+
+@indexer_topk.register_kernel("cuda")
+def indexer_topk_cuda(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, key_valid_BxT, q_segment_BxS, k_segment_BxT,
+                      dense_BxSxT, bias_BxSxT, k):
+    _check_indexer(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, k)
+    if not _use_triton(q_BxSxIxJ, w_BxSxI, keys_BxTxJ):
+        return _indexer_topk_torch(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, key_valid_BxT, q_segment_BxS,
+                                   k_segment_BxT, dense_BxSxT, bias_BxSxT, k)
+    B, S = q_BxSxIxJ.shape[:2]
+    T = keys_BxTxJ.shape[1]
+    chunk = max(1, INDEXER_QUERY_CHUNK_ELEMS // max(1, B * T))  # the fused kernel keeps no per-head scores
+    idx_BxSxK = torch.empty(B, S, k, dtype=torch.long, device=q_BxSxIxJ.device)
+    for start in range(0, S, chunk):  # all T keys scored (no host sync on q_index); masked ones are -inf
+        stop = min(S, start + chunk)
+        scores = triton_kernels().indexer_scores(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, key_valid_BxT,
+                                                 q_segment_BxS, k_segment_BxT, dense_BxSxT, bias_BxSxT, start, stop)
+        idx_BxSxK[:, start:stop] = topk_first(scores, k)
+    return idx_BxSxK
+
+
+@indexer_topk.register_fake
+def _(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, key_valid_BxT, q_segment_BxS, k_segment_BxT, dense_BxSxT,
+      bias_BxSxT, k):
+    _check_indexer(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, k)
+    B, S = q_BxSxIxJ.shape[:2]
+    return q_BxSxIxJ.new_empty(B, S, k, dtype=torch.long)

@@ -1,0 +1,364 @@
+"""Triton kernels of DSA: sparse MLA forward and backward over gathered latent rows, and the indexer's scores.
+
+Read each beside its torch oracle in glm5f/kernels.py; the launch wrappers check shapes and pass contiguous memory.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+FP32_MIN = tl.constexpr(-3.4028234663852886e38)  # torch.finfo(torch.float32).min: the torch path's masked score
+DSEL_CHUNK_ELEMS = 1 << 28  # bound on the backward's per-selection row gradients [queries, K, C] per chunk
+# (GLM-5, K = 2048 and C = 576: 227 queries a chunk, 0.5 GiB in bf16)
+
+
+def _pow2(n: int) -> int:
+    """A block covering n: a power of two, at least 16 (tl.dot's smallest tile side)."""
+    return max(16, triton.next_power_of_2(n))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs multiply in full fp32 as the torch path does (not TF32); half types in their own precision."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# ---- sparse MLA ---------------------------------------------------------------------------------------------------
+# q is [B*S, H, C]; a latent row splits into its value channels [0, R) and the rest [R, C) (the rope key), so both
+# halves are power-of-two tiles (GLM-5: R = 512, C - R = 64). `query` numbers b * S + s.
+
+@triton.jit
+def _load_selections(latent_ptr, idx_ptr, allowed_ptr, bias_ptr, query, S, T, K, C, k, r, r_ok, c, c_ok,
+                     HAS_BIAS: tl.constexpr):
+    """Selections k (a tile) of one query: (in range, allowed, bias fp32, value half [k, R], rope half [k, C - R])
+    with the rows in the latent's dtype."""
+    k_ok = k < K
+    rows = tl.load(idx_ptr + query * K + k, mask=k_ok, other=0)
+    allowed = tl.load(allowed_ptr + query * K + k, mask=k_ok, other=0) != 0
+    bias = tl.zeros(k.shape, tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + query * K + k, mask=k_ok, other=0.0).to(tl.float32)
+    row_ptrs = latent_ptr + ((query // S) * T + rows[:, None]) * C
+    v = tl.load(row_ptrs + r[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+    kp = tl.load(row_ptrs + c[None, :], mask=k_ok[:, None] & c_ok[None, :], other=0.0)
+    return k_ok, allowed, bias, v, kp
+
+
+@triton.jit
+def _masked_scores(q_r, q_p, v, kp, allowed, k_ok, bias, scale, DOT_PRECISION: tl.constexpr):
+    """Scores [heads, k] in fp32: (q . row) * scale + bias, finfo.min where not allowed, -inf past K."""
+    s = tl.dot(q_r, tl.trans(v), input_precision=DOT_PRECISION)
+    s += tl.dot(q_p, tl.trans(kp), input_precision=DOT_PRECISION)
+    s = s * scale + bias[None, :]
+    s = tl.where(allowed[None, :], s, FP32_MIN)
+    return tl.where(k_ok[None, :], s, float("-inf"))
+
+
+@triton.jit
+def _sparse_mla_fwd_kernel(q_ptr, latent_ptr, idx_ptr, allowed_ptr, bias_ptr, out_ptr, lse_ptr,
+                           S, T, H, K, R, C, scale,
+                           HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                           BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """out [query, heads, R] = softmax(scores) @ values, online over tiles of BLOCK_K selections; lse beside."""
+    query = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    r = tl.arange(0, BLOCK_R)
+    c = R + tl.arange(0, BLOCK_P)
+    h_ok, r_ok, c_ok = h < H, r < R, c < C
+    q_ptrs = q_ptr + (query * H + h[:, None]) * C
+    q_r = tl.load(q_ptrs + r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+    q_p = tl.load(q_ptrs + c[None, :], mask=h_ok[:, None] & c_ok[None, :], other=0.0)
+    dtype = q_r.dtype
+
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)  # each head's running max score
+    l = tl.zeros([BLOCK_H], tl.float32)  # sum of exp(score - m)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)  # sum of exp(score - m) * value
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok, allowed, bias, v, kp = _load_selections(latent_ptr, idx_ptr, allowed_ptr, bias_ptr, query, S, T, K, C,
+                                                      k, r, r_ok, c, c_ok, HAS_BIAS)
+        v, kp = v.to(dtype), kp.to(dtype)
+        s = _masked_scores(q_r, q_p, v, kp, allowed, k_ok, bias, scale, DOT_PRECISION)
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        prob = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(prob, 1)
+        acc = acc * alpha[:, None] + tl.dot(prob.to(dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+    out_ptrs = out_ptr + (query * H + h[:, None]) * R + r[None, :]
+    tl.store(out_ptrs, (acc / l[:, None]).to(dtype), mask=h_ok[:, None] & r_ok[None, :])
+    tl.store(lse_ptr + query * H + h, m + tl.log(l), mask=h_ok)
+
+
+@triton.jit
+def _sparse_mla_bwd_dq_kernel(q_ptr, latent_ptr, idx_ptr, allowed_ptr, bias_ptr, dout_ptr, lse_ptr, delta_ptr,
+                              dq_ptr, S, T, H, K, R, C, scale,
+                              HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                              BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """dq [query, heads, C] = dscores @ rows, dscores = prob * (dout . value - delta) * scale where allowed."""
+    query = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    r = tl.arange(0, BLOCK_R)
+    c = R + tl.arange(0, BLOCK_P)
+    h_ok, r_ok, c_ok = h < H, r < R, c < C
+    q_ptrs = q_ptr + (query * H + h[:, None]) * C
+    q_r = tl.load(q_ptrs + r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+    q_p = tl.load(q_ptrs + c[None, :], mask=h_ok[:, None] & c_ok[None, :], other=0.0)
+    dtype = q_r.dtype
+    dout = tl.load(dout_ptr + (query * H + h[:, None]) * R + r[None, :], mask=h_ok[:, None] & r_ok[None, :],
+                   other=0.0)
+    lse = tl.load(lse_ptr + query * H + h, mask=h_ok, other=0.0)
+    delta = tl.load(delta_ptr + query * H + h, mask=h_ok, other=0.0)
+
+    dq_r = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    dq_p = tl.zeros([BLOCK_H, BLOCK_P], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok, allowed, bias, v, kp = _load_selections(latent_ptr, idx_ptr, allowed_ptr, bias_ptr, query, S, T, K, C,
+                                                      k, r, r_ok, c, c_ok, HAS_BIAS)
+        v, kp = v.to(dtype), kp.to(dtype)
+        prob = tl.exp(_masked_scores(q_r, q_p, v, kp, allowed, k_ok, bias, scale, DOT_PRECISION) - lse[:, None])
+        dprob = tl.dot(dout, tl.trans(v), input_precision=DOT_PRECISION)
+        dscore = tl.where(allowed[None, :] & k_ok[None, :], prob * (dprob - delta[:, None]), 0.0) * scale
+        dq_r += tl.dot(dscore.to(dtype), v, input_precision=DOT_PRECISION)
+        dq_p += tl.dot(dscore.to(dtype), kp, input_precision=DOT_PRECISION)
+    dq_ptrs = dq_ptr + (query * H + h[:, None]) * C
+    tl.store(dq_ptrs + r[None, :], dq_r.to(dtype), mask=h_ok[:, None] & r_ok[None, :])
+    tl.store(dq_ptrs + c[None, :], dq_p.to(dtype), mask=h_ok[:, None] & c_ok[None, :])
+
+
+@triton.jit
+def _sparse_mla_bwd_rows_kernel(q_ptr, latent_ptr, idx_ptr, allowed_ptr, bias_ptr, dout_ptr, lse_ptr, delta_ptr,
+                                has_key_ptr, drow_ptr, first_query, S, T, H, K, R, C, scale,
+                                HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                                BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Each selection's row gradient [k, C] (not yet summed over queries), over all heads in blocks of BLOCK_H:
+    dscores^T @ q, plus prob^T @ dout on the value channels. A query with no allowed key averaged its K rows."""
+    query = first_query + tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    r = tl.arange(0, BLOCK_R)
+    c = R + tl.arange(0, BLOCK_P)
+    r_ok, c_ok = r < R, c < C
+    k_ok, allowed, bias, v, kp = _load_selections(latent_ptr, idx_ptr, allowed_ptr, bias_ptr, query, S, T, K, C,
+                                                  k, r, r_ok, c, c_ok, HAS_BIAS)
+    dtype = q_ptr.dtype.element_ty
+    v, kp = v.to(dtype), kp.to(dtype)
+    has_key = tl.load(has_key_ptr + query) != 0
+    uniform = tl.where(k_ok, 1.0 / K, 0.0)
+
+    drow_r = tl.zeros([BLOCK_K, BLOCK_R], tl.float32)
+    drow_p = tl.zeros([BLOCK_K, BLOCK_P], tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        h_ok = h < H
+        q_ptrs = q_ptr + (query * H + h[:, None]) * C
+        q_r = tl.load(q_ptrs + r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+        q_p = tl.load(q_ptrs + c[None, :], mask=h_ok[:, None] & c_ok[None, :], other=0.0)
+        dout = tl.load(dout_ptr + (query * H + h[:, None]) * R + r[None, :], mask=h_ok[:, None] & r_ok[None, :],
+                       other=0.0)
+        lse = tl.load(lse_ptr + query * H + h, mask=h_ok, other=0.0)
+        delta = tl.load(delta_ptr + query * H + h, mask=h_ok, other=0.0)
+        prob = tl.exp(_masked_scores(q_r, q_p, v, kp, allowed, k_ok, bias, scale, DOT_PRECISION) - lse[:, None])
+        prob = tl.where(h_ok[:, None], tl.where(has_key, prob, uniform[None, :]), 0.0)
+        dprob = tl.dot(dout, tl.trans(v), input_precision=DOT_PRECISION)
+        dscore = tl.where(allowed[None, :] & k_ok[None, :], prob * (dprob - delta[:, None]), 0.0) * scale
+        dscore_t = tl.trans(dscore.to(dtype))
+        drow_r += tl.dot(dscore_t, q_r, input_precision=DOT_PRECISION)
+        drow_r += tl.dot(tl.trans(prob.to(dtype)), dout, input_precision=DOT_PRECISION)
+        drow_p += tl.dot(dscore_t, q_p, input_precision=DOT_PRECISION)
+    drow_ptrs = drow_ptr + ((query - first_query) * K + k[:, None]) * C
+    tl.store(drow_ptrs + r[None, :], drow_r.to(dtype), mask=k_ok[:, None] & r_ok[None, :])
+    tl.store(drow_ptrs + c[None, :], drow_p.to(dtype), mask=k_ok[:, None] & c_ok[None, :])
+
+
+@triton.jit
+def _segment_sum_kernel(drow_ptr, order_ptr, starts_ptr, dlatent_ptr, C,
+                        BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    """dlatent[row] += the row gradients order[starts[row]:starts[row + 1]] (the selections of that latent row,
+    sorted), in dlatent's dtype and a fixed order: deterministic, no atomics."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cols_ok = cols < C
+    out_ptrs = dlatent_ptr + row * C + cols
+    acc = tl.load(out_ptrs, mask=cols_ok, other=0.0)
+    first, stop = tl.load(starts_ptr + row), tl.load(starts_ptr + row + 1)
+    for n0 in range(first, stop, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < stop
+        src = tl.load(order_ptr + n, mask=n_ok, other=0)
+        g = tl.load(drow_ptr + src[:, None] * C + cols[None, :], mask=n_ok[:, None] & cols_ok[None, :], other=0.0)
+        acc += tl.sum(g.to(acc.dtype), 0)
+    tl.store(out_ptrs, acc, mask=cols_ok)
+
+
+def _check_selections(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, value_dim):
+    B, S, H, C = q_BxSxHxC.shape
+    if latent_BxTxC.shape[::2] != (B, C) or idx_BxSxK.shape[:2] != (B, S) or allowed_BxSxK.shape != idx_BxSxK.shape:
+        raise ValueError(f"sparse MLA kernels: q [B={B}, S={S}, H={H}, C={C}] needs latent [{B}, T, {C}], idx and "
+                         f"allowed [{B}, {S}, K]; got {tuple(latent_BxTxC.shape)}, {tuple(idx_BxSxK.shape)}, "
+                         f"{tuple(allowed_BxSxK.shape)}")
+    if bias_BxSxK is not None and bias_BxSxK.shape != idx_BxSxK.shape:
+        raise ValueError(f"sparse MLA kernels: bias must be [B, S, K] = {tuple(idx_BxSxK.shape)}, got "
+                         f"{tuple(bias_BxSxK.shape)}")
+    if not 0 < value_dim <= C:
+        raise ValueError(f"sparse MLA kernels: value_dim must be in 1..C={C}, got {value_dim}")
+
+
+def _mla_launch(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, value_dim, block_h, block_k):
+    """Contiguous operands, the sizes every sparse MLA kernel takes, and its block constants."""
+    B, S, H, C = q_BxSxHxC.shape
+    T, K = latent_BxTxC.shape[1], idx_BxSxK.shape[-1]
+    operands = (q_BxSxHxC.contiguous(), latent_BxTxC.contiguous(), idx_BxSxK.contiguous(), allowed_BxSxK.contiguous(),
+                (allowed_BxSxK if bias_BxSxK is None else bias_BxSxK).contiguous())
+    sizes = (S, T, H, K, value_dim, C)
+    blocks = dict(HAS_BIAS=bias_BxSxK is not None, BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_R=_pow2(value_dim),
+                  BLOCK_P=_pow2(C - value_dim), DOT_PRECISION=_dot_precision(q_BxSxHxC.dtype))
+    return operands, sizes, blocks
+
+
+def sparse_mla_forward(q_BxSxHxC: torch.Tensor, latent_BxTxC: torch.Tensor, idx_BxSxK: torch.Tensor,
+                       allowed_BxSxK: torch.Tensor, bias_BxSxK: torch.Tensor | None, scale: float, value_dim: int,
+                       block_h: int = 16, block_k: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, S, H, value_dim] in q's dtype, lse [B, S, H] fp32): `glm5f::sparse_mla` on the device."""
+    _check_selections(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, value_dim)
+    B, S, H, _ = q_BxSxHxC.shape
+    operands, sizes, blocks = _mla_launch(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, value_dim,
+                                          block_h, block_k)
+    out_BxSxHxR = q_BxSxHxC.new_empty(B, S, H, value_dim)
+    lse_BxSxH = q_BxSxHxC.new_empty(B, S, H, dtype=torch.float32)
+    _sparse_mla_fwd_kernel[(B * S, triton.cdiv(H, block_h))](*operands, out_BxSxHxR, lse_BxSxH, *sizes, scale,
+                                                             **blocks)
+    return out_BxSxHxR, lse_BxSxH
+
+
+def sparse_mla_backward(dout_BxSxHxR: torch.Tensor, q_BxSxHxC: torch.Tensor, latent_BxTxC: torch.Tensor,
+                        idx_BxSxK: torch.Tensor, allowed_BxSxK: torch.Tensor, bias_BxSxK: torch.Tensor | None,
+                        out_BxSxHxR: torch.Tensor, lse_BxSxH: torch.Tensor, scale: float, block_h: int = 16,
+                        block_k: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dq [B, S, H, C], dlatent [B, T, C] in the latent's dtype): `glm5f::sparse_mla_backward` on the device.
+
+    dlatent is deterministic: per query chunk, every selection's row gradient is written out, the selections are
+    sorted by latent row (stable) and each row's segment summed in order into dlatent.
+    """
+    R = out_BxSxHxR.shape[-1]
+    _check_selections(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, R)
+    B, S, H, C = q_BxSxHxC.shape
+    T, K = latent_BxTxC.shape[1], idx_BxSxK.shape[-1]
+    operands, sizes, blocks = _mla_launch(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, R,
+                                          block_h, block_k)
+    dout = dout_BxSxHxR.to(q_BxSxHxC.dtype).contiguous()
+    delta_BxSxH = (dout.float() * out_BxSxHxR.float()).sum(-1)  # sum_k prob * dprob: the softmax's backward term
+    lse_BxSxH = lse_BxSxH.contiguous()
+    dq_BxSxHxC = torch.empty_like(operands[0])
+    _sparse_mla_bwd_dq_kernel[(B * S, triton.cdiv(H, block_h))](*operands, dout, lse_BxSxH, delta_BxSxH,
+                                                                dq_BxSxHxC, *sizes, scale, **blocks)
+
+    has_key_BxS = allowed_BxSxK.any(-1)
+    rows = (idx_BxSxK + T * torch.arange(B, device=idx_BxSxK.device)[:, None, None]).flatten()
+    dlatent = torch.zeros(B * T, C, dtype=latent_BxTxC.dtype, device=latent_BxTxC.device)
+    all_rows = torch.arange(B * T + 1, device=idx_BxSxK.device)
+    chunk = max(1, DSEL_CHUNK_ELEMS // (K * C))
+    block_c = min(128, _pow2(C))
+    for first in range(0, B * S, chunk):
+        n = min(B * S - first, chunk)
+        drow = q_BxSxHxC.new_empty(n * K, C)
+        _sparse_mla_bwd_rows_kernel[(n, triton.cdiv(K, block_k))](*operands, dout, lse_BxSxH, delta_BxSxH,
+                                                                  has_key_BxS, drow, first, *sizes, scale, **blocks)
+        sorted_rows, order = torch.sort(rows[first * K:(first + n) * K], stable=True)
+        starts = torch.searchsorted(sorted_rows, all_rows)
+        _segment_sum_kernel[(B * T, triton.cdiv(C, block_c))](drow, order, starts, dlatent, C, BLOCK_N=16,
+                                                              BLOCK_C=block_c)
+    return dq_BxSxHxC, dlatent.view(B, T, C)
+
+
+# ---- the indexer --------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _indexer_scores_kernel(q_ptr, w_ptr, keys_ptr, q_index_ptr, key_valid_ptr, q_segment_ptr, k_segment_ptr,
+                           dense_ptr, bias_ptr, out_ptr, S, T, I, J, first, n, key_valid_sb, q_segment_sb,
+                           k_segment_sb, dense_sb, bias_sb, scale,
+                           HAS_KEY_VALID: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_DENSE: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
+                           BLOCK_J: tl.constexpr):
+    """scores [b, queries, keys] = sum_i w_i relu(q_i . key * scale) (+ bias) in fp32, -inf where not allowed.
+    Tiles no query may see (most above a causal diagonal) skip the head loop."""
+    b = tl.program_id(0).to(tl.int64)
+    s = first + tl.program_id(1).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)  # int64: S * T may pass 2^31
+    t = tl.program_id(2).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    j = tl.arange(0, BLOCK_J)
+    s_ok, t_ok, j_ok = s < first + n, t < T, j < J
+    if HAS_DENSE:
+        allowed = tl.load(dense_ptr + b * dense_sb + s[:, None] * T + t[None, :],
+                          mask=s_ok[:, None] & t_ok[None, :], other=0) != 0
+    else:
+        q_index = tl.load(q_index_ptr + s, mask=s_ok, other=-1)
+        allowed = t[None, :] <= q_index[:, None]
+        if HAS_KEY_VALID:
+            allowed &= (tl.load(key_valid_ptr + b * key_valid_sb + t, mask=t_ok, other=0) != 0)[None, :]
+        if HAS_SEGMENTS:
+            q_seg = tl.load(q_segment_ptr + b * q_segment_sb + s, mask=s_ok, other=0)
+            k_seg = tl.load(k_segment_ptr + b * k_segment_sb + t, mask=t_ok, other=0)
+            allowed &= q_seg[:, None] == k_seg[None, :]
+    allowed &= s_ok[:, None] & t_ok[None, :]
+
+    acc = tl.zeros([BLOCK_S, BLOCK_T], tl.float32)
+    if tl.max(allowed.to(tl.int32)) > 0:
+        keys = tl.load(keys_ptr + (b * T + t[:, None]) * J + j[None, :], mask=t_ok[:, None] & j_ok[None, :],
+                       other=0.0).to(tl.float32)
+        for i in range(0, I):
+            q_i = tl.load(q_ptr + ((b * S + s[:, None]) * I + i) * J + j[None, :], mask=s_ok[:, None] & j_ok[None, :],
+                          other=0.0).to(tl.float32)
+            w_i = tl.load(w_ptr + (b * S + s) * I + i, mask=s_ok, other=0.0).to(tl.float32)
+            z = tl.dot(q_i, tl.trans(keys), input_precision="ieee") * scale
+            acc += w_i[:, None] * tl.maximum(z, 0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + b * bias_sb + s[:, None] * T + t[None, :], mask=s_ok[:, None] & t_ok[None, :],
+                       other=0.0).to(tl.float32)
+    out_ptrs = out_ptr + (b * n + s[:, None] - first) * T + t[None, :]
+    tl.store(out_ptrs, tl.where(allowed, acc, float("-inf")), mask=s_ok[:, None] & t_ok[None, :])
+
+
+def _batched(x: torch.Tensor | None, B: int, inner: tuple, what: str) -> tuple[torch.Tensor | None, int]:
+    """(x contiguous, its batch stride: 0 where x is shared by the batch) for a mask part [B or 1, *inner]."""
+    if x is None:
+        return None, 0
+    if x.shape[0] not in (1, B) or tuple(x.shape[1:]) != inner:
+        raise ValueError(f"indexer scores: {what} must be [{B} or 1, {', '.join(map(str, inner))}], got "
+                         f"{tuple(x.shape)}")
+    x = x.contiguous()
+    return x, (x.stride(0) if x.shape[0] == B else 0)
+
+
+def indexer_scores(q_BxSxIxJ: torch.Tensor, w_BxSxI: torch.Tensor, keys_BxTxJ: torch.Tensor, q_index_S: torch.Tensor,
+                   key_valid_BxT: torch.Tensor | None, q_segment_BxS: torch.Tensor | None,
+                   k_segment_BxT: torch.Tensor | None, dense_BxSxT: torch.Tensor | None,
+                   bias_BxSxT: torch.Tensor | None, first: int, stop: int, block_s: int = 32,
+                   block_t: int = 64) -> torch.Tensor:
+    """Index scores [B, stop - first, T] fp32 of queries first:stop over all T keys, -inf where masked (the mask
+    parts as `glm5f::indexer_topk` takes them; dense replaces the causal, padding and document parts)."""
+    B, S, I, J = q_BxSxIxJ.shape
+    T = keys_BxTxJ.shape[1]
+    if w_BxSxI.shape != (B, S, I) or keys_BxTxJ.shape != (B, T, J) or q_index_S.shape != (S,):
+        raise ValueError(f"indexer scores: q [B={B}, S={S}, I={I}, J={J}] needs w [{B}, {S}, {I}], keys "
+                         f"[{B}, T, {J}], q_index [{S}]; got {tuple(w_BxSxI.shape)}, {tuple(keys_BxTxJ.shape)}, "
+                         f"{tuple(q_index_S.shape)}")
+    if (q_segment_BxS is None) != (k_segment_BxT is None):
+        raise ValueError("indexer scores: q_segment and k_segment come together (document ids of queries and keys)")
+    key_valid, key_valid_sb = _batched(key_valid_BxT, B, (T,), "key_valid")
+    q_segment, q_segment_sb = _batched(q_segment_BxS, B, (S,), "q_segment")
+    k_segment, k_segment_sb = _batched(k_segment_BxT, B, (T,), "k_segment")
+    dense, dense_sb = _batched(dense_BxSxT, B, (S, T), "dense")
+    bias, bias_sb = _batched(bias_BxSxT, B, (S, T), "bias")
+    q_index = q_index_S.contiguous()
+    unused = q_index  # a valid pointer for the parts a launch leaves out
+    n = stop - first
+    scores_BxSxT = torch.empty(B, n, T, dtype=torch.float32, device=q_BxSxIxJ.device)
+    grid = (B, triton.cdiv(n, block_s), triton.cdiv(T, block_t))
+    _indexer_scores_kernel[grid](
+        q_BxSxIxJ.contiguous(), w_BxSxI.contiguous(), keys_BxTxJ.contiguous(), q_index,
+        unused if key_valid is None else key_valid, unused if q_segment is None else q_segment,
+        unused if k_segment is None else k_segment, unused if dense is None else dense,
+        unused if bias is None else bias, scores_BxSxT, S, T, I, J, first, n, key_valid_sb, q_segment_sb,
+        k_segment_sb, dense_sb, bias_sb, J ** -0.5,
+        HAS_KEY_VALID=key_valid is not None, HAS_SEGMENTS=q_segment is not None, HAS_DENSE=dense is not None,
+        HAS_BIAS=bias is not None, BLOCK_S=block_s, BLOCK_T=block_t, BLOCK_J=_pow2(J))
+    return scores_BxSxT

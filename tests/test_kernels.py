@@ -1,0 +1,359 @@
+"""glm5f.kernels' custom ops against attention.py's blocked code (bitwise), and the Triton kernels of
+glm5f.triton_dsa (interpreted, or on a GPU) against an fp64 oracle in fp32 (the interpreter's bf16 is wrong)."""
+
+import os
+import sys
+import warnings
+
+# The Triton tests run interpreted on the CPU; GLM5F_KERNEL_DEVICE=cuda runs them compiled on a GPU instead.
+DEVICE = os.environ.get("GLM5F_KERNEL_DEVICE", "cpu")
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit decorates, so before glm5f.triton_dsa is imported
+
+import pytest
+import torch
+
+import glm5f
+from glm5f import attention as attn
+from glm5f import kernels
+from glm5f.model import dense_mask, make_mask
+
+try:
+    from glm5f import triton_dsa
+except ImportError as e:
+    triton_dsa, NO_TRITON = None, f"triton is not importable ({e}); it installs on Linux x86_64 with the test extra"
+
+SCALE = 0.3
+
+
+def selection_case(B=2, S=7, T=19, H=5, K=11, R=24, P=5, mask="causal", bias=False, seed=0, q_dtype=torch.float64,
+                   latent_dtype=torch.float64):
+    """(q, latent, idx, allowed, bias) of a DSA layer: idx are the top-k of random index scores under the mask (so
+    queries seeing fewer than K keys get masked picks), allowed = the mask at idx. The S queries are the last S of
+    the T keys. mask: "causal", "padding" (some keys invalid; query 0 sees none), "documents" (packed segments)."""
+    g = torch.Generator().manual_seed(seed)
+    q_index = torch.arange(T - S, T)
+    key_valid = q_segment = k_segment = None
+    if mask == "padding":
+        key_valid = torch.rand(B, T, generator=g) > 0.3
+        key_valid[:, : T - S + 1] = False
+    elif mask == "documents":
+        k_segment = (torch.rand(B, T, generator=g) < 0.25).cumsum(-1)
+        q_segment = k_segment[:, T - S:]
+    m = attn.Mask(q_index, T, key_valid=key_valid, q_segment=q_segment, k_segment=k_segment)
+    scores = torch.rand(B, S, T, generator=g).masked_fill_(~m.rows(0, S), float("-inf"))
+    idx = kernels.topk_first(scores, K)
+    q = torch.randn(B, S, H, R + P, generator=g, dtype=torch.float64).to(q_dtype)
+    latent = torch.randn(B, T, R + P, generator=g, dtype=torch.float64).to(latent_dtype)
+    b = torch.randn(B, S, K, generator=g) if bias else None
+    return q, latent, idx, m.at(idx), b
+
+
+# ---- the CPU ops ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_opcheck_sparse_mla(bias):
+    q, latent, idx, allowed, b = selection_case(mask="padding", bias=bias, q_dtype=torch.float32)
+    torch.library.opcheck(kernels.sparse_mla, (q.requires_grad_(), latent.requires_grad_(), idx, allowed, b,
+                                               SCALE, 24))
+
+
+def test_opcheck_sparse_mla_backward():
+    q, latent, idx, allowed, b = selection_case(mask="documents", bias=True)
+    out, lse = kernels.sparse_mla(q, latent, idx, allowed, b, SCALE, 24)
+    torch.library.opcheck(kernels.sparse_mla_backward, (torch.randn_like(out), q, latent, idx, allowed, b, out, lse,
+                                                        SCALE, 24))
+
+
+def test_opcheck_indexer_topk():
+    B, S, T, I, J = 2, 6, 9, 3, 8
+    q_index = torch.arange(T - S, T)
+    seg = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2], [0] * 9])
+    args = (torch.randn(B, S, I, J), torch.randn(B, S, I), torch.randn(B, T, J), q_index,
+            torch.rand(1, T) > 0.2, seg[:, T - S:], seg, None, None, 4)
+    torch.library.opcheck(kernels.indexer_topk, args)
+    dense = torch.rand(B, S, T) > 0.5
+    torch.library.opcheck(kernels.indexer_topk, args[:7] + (dense, torch.randn(1, S, T), 4))
+
+
+@pytest.mark.parametrize("mask, bias, block, latent_dtype", [
+    ("causal", False, None, torch.float32),  # one block
+    ("padding", True, 4, torch.float32),  # query 0 has no allowed key
+    ("documents", False, 2, torch.float64),  # a wider latent (--train.reduce_dtype float64)
+])
+def test_cpu_op_is_the_blocked_attention_bitwise(monkeypatch, mask, bias, block, latent_dtype):
+    q, latent, idx, allowed, b = selection_case(S=9, mask=mask, bias=bias, q_dtype=torch.float32,
+                                                latent_dtype=latent_dtype)
+    B, S, H, C = q.shape
+    K = idx.shape[-1]
+    if block is not None:  # blocks of `block` queries
+        monkeypatch.setattr(kernels, "SPARSE_BLOCK_ELEMS", block * B * K * (C + 2 * H))
+    else:
+        block = kernels.sparse_block_size(B, K, C, H)
+        assert block >= S
+    assert kernels.sparse_block_size(B, K, C, H) == block
+    dout = torch.randn(B, S, H, 24)
+
+    def run(fn):
+        qq, ll = q.clone().requires_grad_(), latent.clone().requires_grad_()
+        out = fn(qq, ll)
+        out.backward(dout)
+        return out.detach(), qq.grad, ll.grad
+
+    ours = run(lambda qq, ll: kernels.sparse_attention(qq, ll, idx, allowed, SCALE, 24, b))
+    theirs = run(lambda qq, ll: attn.sparse_attention(qq, ll, idx, allowed, SCALE, 24, b, block=block))
+    for a, t in zip(ours, theirs):
+        assert a.dtype == t.dtype and torch.equal(a, t)
+
+
+def test_lse_is_the_softmax_normaliser():
+    q, latent, idx, allowed, b = selection_case(mask="documents", bias=True)
+    out, lse = kernels.sparse_mla(q, latent, idx, allowed, b, SCALE, 24)
+    sel = kernels._gather_rows(latent, idx, q.dtype)
+    scores = torch.einsum("bshc,bskc->bshk", q, sel) * SCALE + b[:, :, None]
+    scores = scores.masked_fill(~allowed[:, :, None], float("-inf"))
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1).float())
+    assert lse.dtype == torch.float32 and not lse.requires_grad
+
+
+def test_compiles_without_graph_breaks():
+    """The ops are opaque to torch.compile: one graph, forward and backward as in eager."""
+    q, latent, idx, allowed, b = selection_case(mask="documents", bias=True, q_dtype=torch.float32,
+                                                latent_dtype=torch.float32)
+
+    def loss(qq, ll):
+        picks = kernels.indexer_topk(qq[..., :8], qq[..., 0], ll[..., :8], torch.arange(12, 19), None, None, None,
+                                     None, None, 4)
+        return kernels.sparse_attention(qq, ll, idx, allowed, SCALE, 24, b).square().sum() + picks.sum()
+
+    grads = []
+    for fn in (loss, torch.compile(loss, backend="aot_eager", fullgraph=True)):
+        qq, ll = q.clone().requires_grad_(), latent.clone().requires_grad_()
+        fn(qq, ll).backward()
+        grads.append((qq.grad, ll.grad))
+    for a, t in zip(*grads):
+        assert torch.equal(a, t)
+
+
+def test_functorch_runs_the_oracle():
+    q, latent, idx, allowed, b = selection_case(mask="padding", bias=True)
+
+    def loss(qq, ll):
+        return kernels.sparse_attention(qq, ll, idx, allowed, SCALE, 24, b).square().sum()
+
+    dq, dlatent = torch.func.grad(loss, argnums=(0, 1))(q, latent)
+    qq, ll = q.clone().requires_grad_(), latent.clone().requires_grad_()
+    loss(qq, ll).backward()
+    torch.testing.assert_close(dq, qq.grad)
+    torch.testing.assert_close(dlatent, ll.grad)
+
+
+def test_errors_say_what_to_fix():
+    q, latent, idx, allowed, b = selection_case()
+    with pytest.raises(ValueError, match="int64 idx"):
+        kernels.sparse_mla(q, latent, idx.int(), allowed, b, SCALE, 24)
+    with pytest.raises(ValueError, match="as wide"):
+        kernels.sparse_mla(q, latent.float(), idx, allowed, b, SCALE, 24)
+    with pytest.raises(ValueError, match=r"latent must be \[2, T, 29\]"):
+        kernels.sparse_mla(q, latent[..., :-1], idx, allowed, b, SCALE, 24)
+    with pytest.raises(ValueError, match="pass min"):
+        kernels.indexer_topk(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3), torch.randn(1, 5, 4), torch.arange(2),
+                             None, None, None, None, None, 6)
+
+
+def test_missing_triton_warns_once_and_cuda_runs_the_torch_code(monkeypatch):
+    monkeypatch.delattr(glm5f, "triton_dsa", raising=False)
+    monkeypatch.setitem(sys.modules, "glm5f.triton_dsa", None)  # importing it raises ImportError
+    kernels.triton_kernels.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="triton is not importable.*blocked torch code"):
+            assert kernels.triton_kernels() is None
+        q, latent, idx, allowed, b = selection_case(mask="padding", bias=True, q_dtype=torch.float32)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no second warning
+            ours = kernels.sparse_mla_cuda(q, latent, idx, allowed, b, SCALE, 24)
+        theirs = kernels.sparse_mla(q, latent, idx, allowed, b, SCALE, 24)
+        assert all(torch.equal(a, t) for a, t in zip(ours, theirs))
+    finally:
+        kernels.triton_kernels.cache_clear()
+
+
+INDEXER_MASKS = ["documents", "padding", "float4d"]
+
+
+@pytest.mark.parametrize("mask_kind", INDEXER_MASKS)
+@pytest.mark.parametrize("chunk_elems", [None, 1 << 8])
+def test_indexer_op_is_attention_indexer_topk(monkeypatch, mask_kind, chunk_elems):
+    """Same index queries and weights in: the op's picks are those of attention.indexer_topk, chunked or not."""
+    cfg = glm5f.preset("glm5-tiny", index_topk=6)
+    B, S = 2, 12
+    p = glm5f.init_params(cfg, seed=1)["model"]["layers"][0]["self_attn"]["indexer"]
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(B, S, cfg.hidden_size, generator=g)
+    q_BxSxQ = torch.randn(B, S, cfg.q_lora_rank, generator=g)
+    keys = torch.randn(B, S, cfg.index_head_dim, generator=g)
+    positions = torch.arange(S).expand(B, S)
+    if mask_kind == "documents":
+        positions = torch.tensor([list(range(5)) + list(range(7)), list(range(12))])
+        mask = make_mask(None, positions, B, S, "cpu")
+    elif mask_kind == "padding":
+        mask = make_mask(torch.tensor([[0] * 3 + [1] * 9, [1] * 12]), positions, B, S, "cpu")
+    else:
+        additive = torch.randn(1, 1, S, S, generator=g).masked_fill(torch.rand(1, 1, S, S, generator=g) < 0.4,
+                                                                     torch.finfo(torch.float32).min)
+        mask = dense_mask(additive, torch.arange(S))
+        assert mask.bias is not None
+    if chunk_elems is not None:
+        monkeypatch.setattr(kernels, "INDEXER_QUERY_CHUNK_ELEMS", chunk_elems)
+        monkeypatch.setattr(attn, "INDEXER_QUERY_CHUNK_ELEMS", chunk_elems)  # 2 queries a chunk
+    ctx = attn.AttnContext(*glm5f.ops.rope_tables(cfg, positions, torch.float32), mask)
+    theirs = attn.indexer_topk(p, x, q_BxSxQ, keys, cfg, ctx)
+    q_BxSxIxJ, w_BxSxI = attn.indexer_student(p, x, q_BxSxQ, cfg, ctx)
+    ours = kernels.indexer_topk(q_BxSxIxJ, w_BxSxI, keys, mask.q_index, mask.key_valid, mask.q_segment,
+                                mask.k_segment, mask.dense, mask.bias, 6)
+    assert ours.dtype == torch.int64 and torch.equal(ours, theirs)
+
+
+# ---- the Triton kernels (interpreted on the CPU, or on DEVICE) ---------------------------------------------------
+
+def on_device(*tensors):
+    """The tensors on DEVICE (None stays None)."""
+    return tuple(None if t is None else t.to(DEVICE) for t in tensors)
+
+
+def assert_close_rel(actual, expected, rel=1e-5):
+    """Within rel of the expected values' scale (elementwise relative error is meaningless near zero)."""
+    actual = actual.cpu()
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    err = (actual.double() - expected.double()).abs().max().item()
+    scale = expected.double().abs().max().item()
+    assert err <= rel * scale, f"max |error| {err:.3g} > {rel} x max |expected| {scale:.3g}"
+
+
+@pytest.fixture
+def tk():
+    """glm5f.triton_dsa, its kernels interpreted on the CPU or compiled for DEVICE "cuda"."""
+    if triton_dsa is None:
+        pytest.skip(NO_TRITON)
+    if DEVICE != "cpu" and not torch.cuda.is_available():
+        pytest.skip(f"GLM5F_KERNEL_DEVICE={DEVICE} but torch sees no GPU")
+    interpreted = type(triton_dsa._sparse_mla_fwd_kernel).__name__ == "InterpretedFunction"
+    if interpreted != (DEVICE == "cpu"):
+        pytest.fail(f"glm5f.triton_dsa's kernels are {'' if interpreted else 'not '}interpreted on {DEVICE}: it was "
+                    "imported before this module set TRITON_INTERPRET (run this file on its own, with "
+                    "TRITON_INTERPRET unset)")
+    return triton_dsa
+
+
+TRITON_CASES = {  # name: selection_case arguments and kernel blocks; every case has ragged S, H, K and C, and
+    # K over BLOCK_K (several tiles of the online softmax)
+    "causal": (dict(T=27, K=21, mask="causal"), dict(block_k=16)),
+    "padding-bias": (dict(T=27, K=21, mask="padding", bias=True), dict(block_k=16)),  # query 0: no allowed key
+    "documents": (dict(T=27, K=21, mask="documents"), dict(block_k=16)),
+    "k-beyond-visible": (dict(T=40, S=5, K=37, mask="causal"), dict(block_k=16)),  # fully masked tiles
+    "many-heads": (dict(H=20, R=40, P=9, K=19, mask="documents", bias=True), dict(block_h=16, block_k=16)),
+    "wide-latent": (dict(T=45, K=40, mask="padding", latent_dtype=torch.float64), dict(block_k=32)),
+}
+
+
+def triton_case(name):
+    case, blocks = TRITON_CASES[name]
+    q, latent, idx, allowed, b = selection_case(**{"latent_dtype": torch.float32, **case}, q_dtype=torch.float32)
+    return q, latent, idx, allowed, b, blocks
+
+
+def oracle(q, latent, idx, allowed, b, dout):
+    """fp64 (out, dq, dlatent) of the unblocked torch math."""
+    q64, l64 = q.double().requires_grad_(), latent.double().requires_grad_()
+    out = kernels.sparse_attention_unblocked(q64, l64, idx, allowed, SCALE, dout.shape[-1], b)
+    out.backward(dout.double())
+    return out.detach(), q64.grad, l64.grad
+
+
+@pytest.mark.parametrize("name", list(TRITON_CASES))
+def test_triton_sparse_mla_matches_fp64_oracle(tk, name):
+    q, latent, idx, allowed, b, blocks = triton_case(name)
+    R = latent.shape[-1] - TRITON_CASES[name][0].get("P", 5)
+    dout = torch.randn(*q.shape[:3], R, dtype=q.dtype)
+    args = on_device(q, latent, idx, allowed, b)
+    out, lse = tk.sparse_mla_forward(*args, SCALE, R, **blocks)
+    dq, dlatent = tk.sparse_mla_backward(dout.to(DEVICE), *args, out, lse, SCALE, **blocks)
+    lse = lse.cpu()
+    out64, dq64, dlatent64 = oracle(q, latent, idx, allowed, b, dout)
+    assert_close_rel(out, out64.to(q.dtype))
+    assert_close_rel(dq, dq64.to(q.dtype))
+    assert_close_rel(dlatent, dlatent64.to(latent.dtype))
+    _, ref_lse = kernels.sparse_mla(q, latent, idx, allowed, b, SCALE, R)  # the CPU op in fp32
+    has_key = allowed.any(-1)
+    assert_close_rel(lse[has_key], ref_lse[has_key])
+    assert torch.equal(lse[~has_key], ref_lse[~has_key])  # finfo.min: no allowed key
+
+
+def test_triton_backward_is_deterministic(tk):
+    q, latent, idx, allowed, b, blocks = triton_case("documents")
+    dout, *args = on_device(torch.randn(*q.shape[:3], 24), q, latent, idx, allowed, b)
+    out, lse = tk.sparse_mla_forward(*args, SCALE, 24, **blocks)
+    first = tk.sparse_mla_backward(dout, *args, out, lse, SCALE, **blocks)
+    second = tk.sparse_mla_backward(dout, *args, out, lse, SCALE, **blocks)
+    assert all(torch.equal(a, c) for a, c in zip(first, second))
+
+
+def test_triton_backward_chunks_sum_like_one_pass(tk, monkeypatch):
+    """The per-chunk segmented sums add up to the one-pass sum (up to fp32 rounding of the order)."""
+    q, latent, idx, allowed, b, blocks = triton_case("causal")
+    dout, *args = on_device(torch.randn(*q.shape[:3], 24), q, latent, idx, allowed, b)
+    out, lse = tk.sparse_mla_forward(*args, SCALE, 24, **blocks)
+    _, whole = tk.sparse_mla_backward(dout, *args, out, lse, SCALE, **blocks)
+    monkeypatch.setattr(tk, "DSEL_CHUNK_ELEMS", 3 * idx.shape[-1] * q.shape[-1])  # 3 queries a chunk
+    _, chunked = tk.sparse_mla_backward(dout, *args, out, lse, SCALE, **blocks)
+    assert_close_rel(chunked, whole.cpu())
+
+
+@pytest.mark.parametrize("mask_kind", ["causal", "padding", "documents", "dense-bias"])
+def test_triton_indexer_scores_match_fp64(tk, mask_kind):
+    B, S, T, I, J = 2, 13, 37, 3, 20  # ragged against blocks of 16 queries and 16 keys
+    g = torch.Generator().manual_seed(3)
+    q, w = torch.randn(B, S, I, J, generator=g), torch.randn(B, S, I, generator=g)
+    keys = torch.randn(B, T, J, generator=g)
+    q_index = torch.arange(T - S, T)
+    parts = dict(key_valid_BxT=None, q_segment_BxS=None, k_segment_BxT=None, dense_BxSxT=None, bias_BxSxT=None)
+    if mask_kind == "padding":
+        parts["key_valid_BxT"] = torch.rand(1, T, generator=g) > 0.3  # shared by the batch
+    elif mask_kind == "documents":
+        seg = (torch.rand(B, T, generator=g) < 0.2).cumsum(-1)
+        parts.update(q_segment_BxS=seg[:, T - S:], k_segment_BxT=seg)
+    elif mask_kind == "dense-bias":
+        parts.update(dense_BxSxT=torch.rand(B, S, T, generator=g) > 0.5, bias_BxSxT=torch.randn(1, S, T, generator=g))
+    first, stop = 2, S  # a chunk that starts past query 0
+    scores = tk.indexer_scores(*on_device(q, w, keys, q_index, *parts.values()), first, stop, block_s=16,
+                               block_t=16).cpu()
+    expected = kernels._indexer_scores_torch(q.double(), w.double(), keys.double(), first, stop, T)
+    if parts["bias_BxSxT"] is not None:
+        expected = expected + parts["bias_BxSxT"][:, first:stop]
+    allowed = kernels.allowed_rows(q_index, parts["key_valid_BxT"], parts["q_segment_BxS"], parts["k_segment_BxT"],
+                                   parts["dense_BxSxT"], first, stop, T).expand(B, -1, -1)
+    assert torch.equal(torch.isfinite(scores), allowed)
+    assert_close_rel(scores[allowed], expected[allowed].float())
+
+
+def test_cuda_entry_points_run_the_kernels(tk, monkeypatch):
+    """The ops' CUDA implementations (on CPU tensors with the kernels interpreted, or on the GPU): sparse MLA and
+    its backward agree with the CPU op, the indexer picks what the CPU op picks (over several query chunks)."""
+    q, latent, idx, allowed, b, _ = triton_case("padding-bias")
+    dout = torch.randn(*q.shape[:3], 24)
+    ref_out, ref_lse = kernels.sparse_mla(q, latent, idx, allowed, b, SCALE, 24)
+    ref_grads = kernels.sparse_mla_backward(dout, q, latent, idx, allowed, b, ref_out, ref_lse, SCALE, 24)
+    args = on_device(q, latent, idx, allowed, b)
+    out, lse = kernels.sparse_mla_cuda(*args, SCALE, 24)
+    assert_close_rel(out, ref_out)
+    grads = kernels.sparse_mla_backward_cuda(dout.to(DEVICE), *args, out, lse, SCALE, 24)
+    for a, t in zip(grads, ref_grads):
+        assert_close_rel(a, t)
+
+    B, S, T, I, J = 2, 11, 30, 3, 16
+    g = torch.Generator().manual_seed(4)
+    seg = (torch.rand(B, T, generator=g) < 0.1).cumsum(-1)
+    args = (torch.randn(B, S, I, J, generator=g), torch.randn(B, S, I, generator=g), torch.randn(B, T, J, generator=g),
+            torch.arange(T - S, T), torch.rand(B, T, generator=g) > 0.2, seg[:, T - S:], seg, None, None, 8)
+    monkeypatch.setattr(kernels, "INDEXER_QUERY_CHUNK_ELEMS", 4 * B * T)  # chunks of 4 queries
+    assert torch.equal(kernels.indexer_topk_cuda(*on_device(*args[:-1]), args[-1]).cpu(), kernels.indexer_topk(*args))
