@@ -1,6 +1,6 @@
 """MLA attention with DeepSeek Sparse Attention (DSA), in three parts: `select` picks the keys each query attends
 (a full layer's lightning indexer and its top-k; a shared layer reuses the last full layer's), `mla_core` attends
-over them (glm5f.mla: sparse or dense), and the indexer's training objective (glm5f.indexer_loss) runs once per
+over them (dense, or sparse through the glm5f.kernels op), and the indexer's training objective (glm5f.indexer_loss) runs once per
 group of layers sharing a top-k.
 
 Keys and values are never stored per head: a token's key/value source is its *latent* row, the normalised
@@ -22,13 +22,12 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from glm5f import indexer_loss, mla
+from glm5f import indexer_loss, kernels
 from glm5f.config import GLM5Config
 from glm5f.env import Env, Mask
 from glm5f.ops import apply_rope, layer_norm, linear, rms_norm, wide
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm use 1e-6, not rms_norm_eps
-INDEXER_QUERY_CHUNK_ELEMS = 1 << 24  # bound on the indexer's per-chunk [B, S, I, T] fp32 scores
 
 
 # ---- MLA projections ----------------------------------------------------------------------------------------------
@@ -71,60 +70,14 @@ def indexer_queries(ip: dict, x_BxSxD: torch.Tensor, q_BxSxQ: torch.Tensor, cfg:
     return q_BxSxIxJ, linear(ip["weights_proj"], wide(x_BxSxD)) * I ** -0.5
 
 
-@torch.no_grad()
-def indexer_scores(q_BxSxIxJ: torch.Tensor, w_BxSxI: torch.Tensor, keys_BxTxJ: torch.Tensor, mask: Mask,
-                   start: int, stop: int, num_keys: int | None = None) -> torch.Tensor:
-    """Index scores [B, stop - start, num_keys] of queries start:stop over the first num_keys keys (default all):
-    sum_i w_i relu(q_i . k / sqrt(J)), masked to -inf. Computed in the queries' (wide) dtype: one GEMM for all
-    heads of the block, then ReLU, scale and the head-weighted sum in place."""
-    B, _, I, J = q_BxSxIxJ.shape
-    n = stop - start
-    keys_BxTxJ = keys_BxTxJ[:, :num_keys]
-    scores_BxSIxT = torch.bmm(q_BxSxIxJ[:, start:stop].reshape(B, n * I, J),
-                              keys_BxTxJ.to(q_BxSxIxJ.dtype).transpose(1, 2))
-    scores_BSxIxT = scores_BxSIxT.mul_(J ** -0.5).relu_().view(B * n, I, -1)
-    scores_BxSxT = torch.bmm(w_BxSxI[:, start:stop].reshape(B * n, 1, I), scores_BSxIxT).view(B, n, -1)
-    if mask.bias is not None:
-        scores_BxSxT = scores_BxSxT + mask.bias[:, start:stop, :num_keys]
-    return scores_BxSxT.masked_fill_(~mask.rows(start, stop, num_keys), float("-inf"))
-
-
-@torch.no_grad()
 def indexer_topk(q_BxSxIxJ: torch.Tensor, w_BxSxI: torch.Tensor, keys_BxTxJ: torch.Tensor, mask: Mask,
                  k: int) -> torch.Tensor:
-    """Top-k key indices [B, S, k] per query (`indexer_scores`, `topk_first`), chosen in query chunks.
-
-    Masked keys score -inf; when a query has fewer than k visible keys the remaining picks are masked keys, which
-    `Mask.at` reports as not allowed, so attention never uses them.
-    """
-    B, S, I, _ = q_BxSxIxJ.shape
-    T = keys_BxTxJ.shape[1]
-    chunk = max(1, INDEXER_QUERY_CHUNK_ELEMS // max(1, B * I * T))
-    idx_BxSxK = torch.empty(B, S, k, dtype=torch.long, device=q_BxSxIxJ.device)
-    # the last chunk first: causal chunks see more keys the later they are, so each chunk's buffers fit in the
-    # memory the one before freed (in ascending order every chunk needs more, and the host heap only grows)
-    for start in reversed(range(0, S, chunk)):
-        stop = min(S, start + chunk)
-        # keys past the chunk's last query are masked for all of it: they are not scored (half the causal work);
-        # at least k keys are kept, so the picks past a query's visible keys are the same masked ones as over all T
-        num_keys = max(k, mask.visible_keys(start, stop))
-        idx_BxSxK[:, start:stop] = topk_first(indexer_scores(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, mask, start, stop,
-                                                             num_keys), k)
-    return idx_BxSxK
-
-
-def topk_first(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest scores (compared in fp32) along the last dim; equal scores go to the lower index.
-
-    Ties are common (ReLU zeros) and torch.topk breaks them arbitrarily, so a query could see different keys in
-    a full forward, a decode step or a context-parallel shard. Each score's 32-bit pattern is made
-    order-preserving (negative floats: flip all but the sign bit), goes in the high half of an int64 key and the
-    reversed index in the low half: the keys are unique. Two temporaries the size of `scores` (int32, int64).
-    """
-    bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into +0.0; a fresh tensor, changed in place
-    bits ^= (bits >> 31) & 0x7FFFFFFF
-    rev_index = torch.arange(scores.shape[-1] - 1, -1, -1, device=scores.device)
-    return bits.to(torch.int64).mul_(1 << 32).add_(rev_index).topk(k, dim=-1).indices
+    """Top-k key indices [B, S, k] per query of the index scores sum_i w_i relu(q_i . key / sqrt(J)) under the
+    mask, equal scores to the lower index (the `glm5f::indexer_topk` op). Masked keys score -inf; when a query
+    has fewer than k visible keys the remaining picks are masked keys, which `Mask.at` reports as not allowed,
+    so attention never uses them."""
+    return kernels.indexer_topk(q_BxSxIxJ, w_BxSxI, keys_BxTxJ.to(q_BxSxIxJ.dtype), mask.q_index, mask.key_valid,
+                                mask.q_segment, mask.k_segment, mask.dense, mask.bias, k)
 
 
 # ---- which keys each query attends -------------------------------------------------------------------------------
@@ -186,8 +139,8 @@ def sparse_mla(p: dict, q_nope_BxSxHxN: torch.Tensor, q_rot_BxSxHxP: torch.Tenso
     w_k_HxNxR, w_v_HxVxR = kv_b_heads(p, cfg)
     q_abs_BxSxHxR = torch.einsum("bshn,hnr->bshr", q_nope_BxSxHxN.to(dt), w_k_HxNxR.to(dt)).to(act)
     q_BxSxHxC = torch.cat([q_abs_BxSxHxR, q_rot_BxSxHxP], dim=-1)
-    out_BxSxHxR = mla.sparse_attention(q_BxSxHxC, latent_BxTxC, idx_BxSxK, mask.at(idx_BxSxK), cfg.softmax_scale,
-                                   cfg.kv_lora_rank, mask.bias_at(idx_BxSxK))
+    out_BxSxHxR = kernels.sparse_attention(q_BxSxHxC, latent_BxTxC, idx_BxSxK, mask.at(idx_BxSxK), cfg.softmax_scale,
+                                           cfg.kv_lora_rank, mask.bias_at(idx_BxSxK))
     return torch.einsum("bshr,hvr->bshv", out_BxSxHxR.to(dt), w_v_HxVxR.to(dt)).to(act)
 
 

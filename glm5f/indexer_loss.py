@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from glm5f.config import GLM5Config
-from glm5f.mla import block_probs, gather_rows, topk_as_mask
+from glm5f.kernels import block_scores, gather_rows, topk_as_mask
 from glm5f.ops import wide
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ class _IndexerKL(torch.autograd.Function):
                 rows = (gather_rows(latent_BxTxC, idx, qa_BxSxHxC.dtype) if sparse
                         else latent_BxTxC[:, None, :nk].to(qa_BxSxHxC.dtype))
                 # the target: heads' probabilities summed, zero off the key set, L1-normalised
-                probs = block_probs(qa_BxSxHxC[:, a:b], rows, allowed, bias, scale).sum(2)
+                probs = torch.softmax(block_scores(qa_BxSxHxC[:, a:b], rows, allowed, bias, scale), dim=-1).sum(2)
                 target = probs.masked_fill_(~allowed, 0)
                 layer_targets.append(target / target.sum(-1, keepdim=True).clamp(min=torch.finfo(target.dtype).tiny))
             target = layer_targets[0] if len(layer_targets) == 1 else sum(layer_targets) / len(layer_targets)

@@ -1,7 +1,11 @@
-"""DSA's two hot paths as torch custom ops: sparse MLA over each query's top-k latent rows, and the indexer top-k.
+"""DSA's two hot paths as torch custom ops: sparse MLA over each query's top-k latent rows (the MLA core, one call a
+kernel replaces), and the indexer's top-k. The CPU runs blocked torch code; CUDA runs glm5f/triton_dsa.py's kernels.
 
-The CPU runs the blocked torch code (bitwise what attention.py computes); CUDA runs glm5f/triton_dsa.py's kernels.
+Shape suffixes as in attention.py: B batch, S queries, T keys, H heads, K selected keys, C = R + P latent width,
+I indexer heads, J index_head_dim.
 """
+
+from __future__ import annotations
 
 import functools
 import warnings
@@ -39,14 +43,22 @@ def sparse_block_size(B: int, K: int, C: int, H: int) -> int:
     return max(1, SPARSE_BLOCK_ELEMS // max(1, B * K * (C + 2 * H)))
 
 
-def _gather_rows(latent_BxTxC: torch.Tensor, idx_BxSxK: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The selected latent rows [B, S, K, C] in `dtype`, one index_select over the flattened batch."""
-    B, T, C = latent_BxTxC.shape
+def gather_rows(x_BxTxC: torch.Tensor, idx_BxSxK: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The rows [B, S, K, C] of x at each query's indices (in `dtype`, default x's), one index_select over the
+    flattened batch; differentiable."""
+    B, T, C = x_BxTxC.shape
     rows = (idx_BxSxK + T * torch.arange(B, device=idx_BxSxK.device)[:, None, None]).flatten()
-    return latent_BxTxC.reshape(B * T, C).index_select(0, rows).view(*idx_BxSxK.shape, C).to(dtype)
+    out = x_BxTxC.reshape(B * T, C).index_select(0, rows).view(*idx_BxSxK.shape, C)
+    return out if dtype is None else out.to(dtype)
 
 
-def _block_scores(q_BxSxHxC, sel_BxSxKxC, allowed_BxSxK, bias_BxSxK, scale):
+def topk_as_mask(idx_BxSxK: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """bool [B, S, T], True at the selected keys."""
+    sel = torch.zeros(*idx_BxSxK.shape[:2], num_keys, dtype=torch.bool, device=idx_BxSxK.device)
+    return sel.scatter(-1, idx_BxSxK, True)
+
+
+def block_scores(q_BxSxHxC, sel_BxSxKxC, allowed_BxSxK, bias_BxSxK, scale):
     """Scores [B, S, H, K] (fp32 or wider) of one block of queries over its selected rows, finfo.min where masked."""
     scores_BxSxHxK = torch.matmul(q_BxSxHxC, sel_BxSxKxC.transpose(-1, -2)).mul_(scale)
     if bias_BxSxK is not None:
@@ -55,17 +67,18 @@ def _block_scores(q_BxSxHxC, sel_BxSxKxC, allowed_BxSxK, bias_BxSxK, scale):
                                              torch.finfo(wide_dtype(q_BxSxHxC.dtype)).min)
 
 
-def _sparse_mla_torch(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale, value_dim):
-    """(out [B, S, H, value_dim], lse [B, S, H] fp32) over query blocks; the forward keeps no gathered rows."""
+def _sparse_mla_torch(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale, value_dim, block):
+    """(out [B, S, H, value_dim], lse [B, S, H] fp32) over blocks of `block` queries (0: `sparse_block_size`);
+    the forward keeps no gathered rows."""
     B, S, H, C = q_BxSxHxC.shape
     dt = q_BxSxHxC.dtype
-    block = sparse_block_size(B, idx_BxSxK.shape[-1], C, H)
+    block = block or sparse_block_size(B, idx_BxSxK.shape[-1], C, H)
     out_BxSxHxR = q_BxSxHxC.new_empty(B, S, H, value_dim)
     lse_BxSxH = q_BxSxHxC.new_empty(B, S, H, dtype=torch.float32)
     for a in range(0, S, block):
         b = min(S, a + block)
-        sel = _gather_rows(latent_BxTxC, idx_BxSxK[:, a:b], dt)
-        scores = _block_scores(q_BxSxHxC[:, a:b], sel, allowed_BxSxK[:, a:b],
+        sel = gather_rows(latent_BxTxC, idx_BxSxK[:, a:b], dt)
+        scores = block_scores(q_BxSxHxC[:, a:b], sel, allowed_BxSxK[:, a:b],
                                None if bias_BxSxK is None else bias_BxSxK[:, a:b], scale)
         probs = torch.softmax(scores, dim=-1).to(dt)
         out_BxSxHxR[:, a:b] = torch.matmul(probs, sel[..., :value_dim])
@@ -74,11 +87,11 @@ def _sparse_mla_torch(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_Bx
 
 
 def _sparse_mla_backward_torch(dout_BxSxHxR, q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK,
-                               scale, value_dim):
+                               scale, value_dim, block):
     """(dq, dlatent): each block's rows gathered again and its softmax recomputed (identical to the forward's)."""
     B, S, H, C = q_BxSxHxC.shape
     T, dt, R = latent_BxTxC.shape[1], q_BxSxHxC.dtype, value_dim
-    block = sparse_block_size(B, idx_BxSxK.shape[-1], C, H)
+    block = block or sparse_block_size(B, idx_BxSxK.shape[-1], C, H)
     dq_BxSxHxC = torch.empty_like(q_BxSxHxC)
     # each selected row's gradient is summed over the queries that chose it in the latent's dtype (as the
     # unblocked path's index_select backward does): exact, so independent of blocks and of rank layouts
@@ -87,8 +100,8 @@ def _sparse_mla_backward_torch(dout_BxSxHxR, q_BxSxHxC, latent_BxTxC, idx_BxSxK,
     for a in range(0, S, block):
         b = min(S, a + block)
         q, dout, allowed = q_BxSxHxC[:, a:b], dout_BxSxHxR[:, a:b].to(dt), allowed_BxSxK[:, a:b]
-        sel = _gather_rows(latent_BxTxC, idx_BxSxK[:, a:b], dt)
-        probs_w = torch.softmax(_block_scores(q, sel, allowed, None if bias_BxSxK is None else bias_BxSxK[:, a:b],
+        sel = gather_rows(latent_BxTxC, idx_BxSxK[:, a:b], dt)
+        probs_w = torch.softmax(block_scores(q, sel, allowed, None if bias_BxSxK is None else bias_BxSxK[:, a:b],
                                               scale), dim=-1)
         probs = probs_w.to(dt)
         dprobs_w = wide(torch.matmul(dout, sel[..., :R].transpose(-1, -2)))
@@ -105,8 +118,8 @@ def sparse_attention_unblocked(q_BxSxHxC: torch.Tensor, latent_BxTxC: torch.Tens
                                allowed_BxSxK: torch.Tensor, scale: float, value_dim: int,
                                bias_BxSxK: torch.Tensor | None = None) -> torch.Tensor:
     """The oracle of `sparse_mla`: every query's rows gathered at once ([B, S, K, C]), plain autograd."""
-    sel_BxSxKxC = _gather_rows(latent_BxTxC, idx_BxSxK, q_BxSxHxC.dtype)
-    scores_BxSxHxK = _block_scores(q_BxSxHxC, sel_BxSxKxC, allowed_BxSxK, bias_BxSxK, scale)
+    sel_BxSxKxC = gather_rows(latent_BxTxC, idx_BxSxK, q_BxSxHxC.dtype)
+    scores_BxSxHxK = block_scores(q_BxSxHxC, sel_BxSxKxC, allowed_BxSxK, bias_BxSxK, scale)
     probs_BxSxHxK = torch.softmax(scores_BxSxHxK, dim=-1).to(q_BxSxHxC.dtype)
     return torch.einsum("bshk,bskr->bshr", probs_BxSxHxK, sel_BxSxKxC[..., :value_dim])
 
@@ -138,29 +151,30 @@ def _check_sparse_mla(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_Bx
 @torch.library.custom_op("glm5f::sparse_mla", mutates_args=())
 def sparse_mla(q_BxSxHxC: torch.Tensor, latent_BxTxC: torch.Tensor, idx_BxSxK: torch.Tensor,
                allowed_BxSxK: torch.Tensor, bias_BxSxK: torch.Tensor | None, scale: float,
-               value_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+               value_dim: int, block: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each query over its K selected latent rows -> (out [B, S, H, value_dim], lse [B, S, H] fp32).
 
     Scores are q . row * scale (+ bias), finfo.min where not allowed, with an fp32 (or wider) softmax over the K
     selections: a query with no allowed selection averages its K rows (its lse is finfo.min). Values are the first
     value_dim channels of the rows, gathered in q's dtype (the compute dtype); the latent may be wider. lse is not
-    differentiable (the backward ignores its gradient).
+    differentiable (the backward ignores its gradient). The CPU runs blocks of `block` queries (0: as many as
+    SPARSE_BLOCK_ELEMS allows), so memory is linear in S.
     """
     _check_sparse_mla(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, value_dim)
-    return _sparse_mla_torch(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale, value_dim)
+    return _sparse_mla_torch(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale, value_dim, block)
 
 
 @sparse_mla.register_kernel("cuda")
-def sparse_mla_cuda(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale, value_dim):
+def sparse_mla_cuda(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale, value_dim, block=0):
     _check_sparse_mla(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, value_dim)
     if _use_triton(q_BxSxHxC):  # any latent dtype: rows are cast to q's
         return triton_kernels().sparse_mla_forward(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK,
                                                    scale, value_dim)
-    return _sparse_mla_torch(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale, value_dim)
+    return _sparse_mla_torch(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale, value_dim, block)
 
 
 @sparse_mla.register_fake
-def _(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale, value_dim):
+def _(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale, value_dim, block=0):
     _check_sparse_mla(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, value_dim)
     B, S, H, _ = q_BxSxHxC.shape
     return q_BxSxHxC.new_empty(B, S, H, value_dim), q_BxSxHxC.new_empty(B, S, H, dtype=torch.float32)
@@ -170,42 +184,42 @@ def _(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale, valu
 def sparse_mla_backward(dout_BxSxHxR: torch.Tensor, q_BxSxHxC: torch.Tensor, latent_BxTxC: torch.Tensor,
                         idx_BxSxK: torch.Tensor, allowed_BxSxK: torch.Tensor, bias_BxSxK: torch.Tensor | None,
                         out_BxSxHxR: torch.Tensor, lse_BxSxH: torch.Tensor, scale: float,
-                        value_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+                        value_dim: int, block: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(dq [B, S, H, C], dlatent [B, T, C]) of `sparse_mla`; dlatent sums each row's gradient over the queries
     that chose it, in the latent's dtype. The CPU recomputes the softmax (out and lse serve the CUDA kernels)."""
     return _sparse_mla_backward_torch(dout_BxSxHxR, q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK,
-                                      scale, value_dim)
+                                      scale, value_dim, block)
 
 
 @sparse_mla_backward.register_kernel("cuda")
 def sparse_mla_backward_cuda(dout_BxSxHxR, q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK,
-                             out_BxSxHxR, lse_BxSxH, scale, value_dim):
+                             out_BxSxHxR, lse_BxSxH, scale, value_dim, block=0):
     if _use_triton(q_BxSxHxC):  # any latent dtype: rows are cast to q's
         return triton_kernels().sparse_mla_backward(dout_BxSxHxR, q_BxSxHxC, latent_BxTxC, idx_BxSxK,
                                                     allowed_BxSxK, bias_BxSxK, out_BxSxHxR, lse_BxSxH, scale)
     return _sparse_mla_backward_torch(dout_BxSxHxR, q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK,
-                                      scale, value_dim)
+                                      scale, value_dim, block)
 
 
 @sparse_mla_backward.register_fake
 def _(dout_BxSxHxR, q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, out_BxSxHxR, lse_BxSxH, scale,
-      value_dim):
+      value_dim, block=0):
     return torch.empty_like(q_BxSxHxC), torch.empty_like(latent_BxTxC)
 
 
 def _sparse_mla_setup_context(ctx, inputs, output):
-    q, latent, idx, allowed, bias, scale, value_dim = inputs
+    q, latent, idx, allowed, bias, scale, value_dim, block = inputs
     out, lse = output
     ctx.save_for_backward(q, latent, idx, allowed, bias, out, lse)
-    ctx.scale, ctx.value_dim = scale, value_dim
+    ctx.scale, ctx.value_dim, ctx.block = scale, value_dim, block
     ctx.mark_non_differentiable(lse)
 
 
 def _sparse_mla_autograd(ctx, dout_BxSxHxR, _dlse):
     q, latent, idx, allowed, bias, out, lse = ctx.saved_tensors
     dq, dlatent = sparse_mla_backward(dout_BxSxHxR, q, latent, idx, allowed, bias, out, lse, ctx.scale,
-                                      ctx.value_dim)
-    return dq, dlatent, None, None, None, None, None
+                                      ctx.value_dim, ctx.block)
+    return dq, dlatent, None, None, None, None, None, None
 
 
 sparse_mla.register_autograd(_sparse_mla_autograd, setup_context=_sparse_mla_setup_context)
@@ -213,13 +227,13 @@ sparse_mla.register_autograd(_sparse_mla_autograd, setup_context=_sparse_mla_set
 
 def sparse_attention(q_BxSxHxC: torch.Tensor, latent_BxTxC: torch.Tensor, idx_BxSxK: torch.Tensor,
                      allowed_BxSxK: torch.Tensor, scale: float, value_dim: int,
-                     bias_BxSxK: torch.Tensor | None = None) -> torch.Tensor:
+                     bias_BxSxK: torch.Tensor | None = None, block: int = 0) -> torch.Tensor:
     """`sparse_mla`'s output [B, S, H, value_dim]. Under torch.func transforms (grad, vmap, jacrev) the same math
     runs unblocked through plain autograd ops (`sparse_attention_unblocked`), which functorch handles itself."""
     if torch._C._are_functorch_transforms_active():
         return sparse_attention_unblocked(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, scale, value_dim,
                                           bias_BxSxK)
-    return sparse_mla(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale, value_dim)[0]
+    return sparse_mla(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale, value_dim, block)[0]
 
 
 # ---- glm5f::indexer_topk ------------------------------------------------------------------------------------------

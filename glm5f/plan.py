@@ -20,8 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import Shard
 
-from glm5f.attention import INDEXER_QUERY_CHUNK_ELEMS
-from glm5f.mla import sparse_block_size
+from glm5f.kernels import INDEXER_QUERY_CHUNK_ELEMS, sparse_block_size
 from glm5f.config import GLM5Config
 from glm5f.distributed import MESH_RULES, logical_kind, mesh_shapes
 from glm5f.ops import wide_dtype

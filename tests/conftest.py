@@ -10,6 +10,7 @@ import torch
 
 import glm5f
 from glm5f import attention as attn
+from glm5f import kernels
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
@@ -45,21 +46,25 @@ def boundary_ties(params, cfg, input_ids, attention_mask=None) -> int:
     """How many (layer, query) rows have equal k-th and (k+1)-th index scores: there the top-k set is a matter
     of tie-breaking, which Transformers (torch.topk) leaves arbitrary."""
     count = 0
-    orig = attn.indexer_scores
+    orig = attn.indexer_topk
 
-    def spy(*args, **kwargs):
+    def spy(q, w, keys, mask, k):
         nonlocal count
-        s = orig(*args, **kwargs)
-        k = min(cfg.index_topk, s.shape[-1] - 1)
-        top = s.topk(k + 1, dim=-1).values
-        count += int(((top[..., k - 1] == top[..., k]) & torch.isfinite(top[..., k - 1])).sum())
-        return s
+        S, T = q.shape[1], keys.shape[1]
+        s = kernels._indexer_scores_torch(q, w, keys.to(q.dtype), 0, S, T)
+        if mask.bias is not None:
+            s = s + mask.bias
+        s = s.masked_fill(~mask.rows(0, S), float("-inf"))
+        kk = min(k, T - 1)
+        top = s.topk(kk + 1, dim=-1).values
+        count += int(((top[..., kk - 1] == top[..., kk]) & torch.isfinite(top[..., kk - 1])).sum())
+        return orig(q, w, keys, mask, k)
 
-    attn.indexer_scores = spy
+    attn.indexer_topk = spy
     try:
         glm5f.forward(params, cfg, input_ids, attention_mask=attention_mask)
     finally:
-        attn.indexer_scores = orig
+        attn.indexer_topk = orig
     return count
 
 

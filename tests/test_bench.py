@@ -13,7 +13,6 @@ BENCHES = {
     "forward_backward": (["--batch", "1", "--seq", "64", "--steps", "1"], "x faster"),
     "attention": (["--seq", "256", "--topk", "64"], "faster"),
     "moe": (["--experts", "8", "--top", "2", "--tokens", "128", "--steps", "1"], "faster"),
-    "sparse_ops": (["--seq", "256", "--topk", "64", "--steps", "1"], "bitwise equal: True"),
     "fsdp_memory": (["--model", "--model.preset glm5-tiny --model.num_hidden_layers 2 --model.index_topk_pattern FS",
                      "--run", "--data.type synthetic --data.batch_size 2 --data.seq_len 32", "--steps", "1"],
                     "dp_shard 2 / 1 process, checkpointing"),

@@ -1,5 +1,5 @@
-"""glm5f.kernels' custom ops against attention.py's blocked code (bitwise), and the Triton kernels of
-glm5f.triton_dsa (interpreted, or on a GPU) against an fp64 oracle in fp32 (the interpreter's bf16 is wrong)."""
+"""glm5f.kernels' custom ops (opcheck; CPU: blocked against unblocked, the indexer against its formula), and the
+Triton kernels of glm5f.triton_dsa (interpreted, or on a GPU) against an fp64 oracle in fp32 (the interpreter's bf16 is wrong)."""
 
 import os
 import sys
@@ -14,9 +14,8 @@ import pytest
 import torch
 
 import glm5f
-from glm5f import attention as attn
 from glm5f import kernels
-from glm5f.model import dense_mask, make_mask
+from glm5f.env import Mask, make_mask
 
 try:
     from glm5f import triton_dsa
@@ -40,7 +39,7 @@ def selection_case(B=2, S=7, T=19, H=5, K=11, R=24, P=5, mask="causal", bias=Fal
     elif mask == "documents":
         k_segment = (torch.rand(B, T, generator=g) < 0.25).cumsum(-1)
         q_segment = k_segment[:, T - S:]
-    m = attn.Mask(q_index, T, key_valid=key_valid, q_segment=q_segment, k_segment=k_segment)
+    m = Mask(q_index, T, key_valid=key_valid, q_segment=q_segment, k_segment=k_segment)
     scores = torch.rand(B, S, T, generator=g).masked_fill_(~m.rows(0, S), float("-inf"))
     idx = kernels.topk_first(scores, K)
     q = torch.randn(B, S, H, R + P, generator=g, dtype=torch.float64).to(q_dtype)
@@ -76,40 +75,10 @@ def test_opcheck_indexer_topk():
     torch.library.opcheck(kernels.indexer_topk, args[:7] + (dense, torch.randn(1, S, T), 4))
 
 
-@pytest.mark.parametrize("mask, bias, block, latent_dtype", [
-    ("causal", False, None, torch.float32),  # one block
-    ("padding", True, 4, torch.float32),  # query 0 has no allowed key
-    ("documents", False, 2, torch.float64),  # a wider latent (--train.reduce_dtype float64)
-])
-def test_cpu_op_is_the_blocked_attention_bitwise(monkeypatch, mask, bias, block, latent_dtype):
-    q, latent, idx, allowed, b = selection_case(S=9, mask=mask, bias=bias, q_dtype=torch.float32,
-                                                latent_dtype=latent_dtype)
-    B, S, H, C = q.shape
-    K = idx.shape[-1]
-    if block is not None:  # blocks of `block` queries
-        monkeypatch.setattr(kernels, "SPARSE_BLOCK_ELEMS", block * B * K * (C + 2 * H))
-    else:
-        block = kernels.sparse_block_size(B, K, C, H)
-        assert block >= S
-    assert kernels.sparse_block_size(B, K, C, H) == block
-    dout = torch.randn(B, S, H, 24)
-
-    def run(fn):
-        qq, ll = q.clone().requires_grad_(), latent.clone().requires_grad_()
-        out = fn(qq, ll)
-        out.backward(dout)
-        return out.detach(), qq.grad, ll.grad
-
-    ours = run(lambda qq, ll: kernels.sparse_attention(qq, ll, idx, allowed, SCALE, 24, b))
-    theirs = run(lambda qq, ll: attn.sparse_attention(qq, ll, idx, allowed, SCALE, 24, b, block=block))
-    for a, t in zip(ours, theirs):
-        assert a.dtype == t.dtype and torch.equal(a, t)
-
-
 def test_lse_is_the_softmax_normaliser():
     q, latent, idx, allowed, b = selection_case(mask="documents", bias=True)
     out, lse = kernels.sparse_mla(q, latent, idx, allowed, b, SCALE, 24)
-    sel = kernels._gather_rows(latent, idx, q.dtype)
+    sel = kernels.gather_rows(latent, idx, q.dtype)
     scores = torch.einsum("bshc,bskc->bshk", q, sel) * SCALE + b[:, :, None]
     scores = scores.masked_fill(~allowed[:, :, None], float("-inf"))
     torch.testing.assert_close(lse, torch.logsumexp(scores, -1).float())
@@ -183,35 +152,41 @@ INDEXER_MASKS = ["documents", "padding", "float4d"]
 
 @pytest.mark.parametrize("mask_kind", INDEXER_MASKS)
 @pytest.mark.parametrize("chunk_elems", [None, 1 << 8])
-def test_indexer_op_is_attention_indexer_topk(monkeypatch, mask_kind, chunk_elems):
-    """Same index queries and weights in: the op's picks are those of attention.indexer_topk, chunked or not."""
-    cfg = glm5f.preset("glm5-tiny", index_topk=6)
-    B, S = 2, 12
-    p = glm5f.init_params(cfg, seed=1)["model"]["layers"][0]["self_attn"]["indexer"]
+def test_indexer_op_is_the_formula(monkeypatch, mask_kind, chunk_elems):
+    """The op's picks are the top-k of sum_i w_i relu(q_i . k / sqrt(J)) (+ bias) over the allowed keys, computed
+    here in fp64 from the formula (random inputs: no ties but among masked keys, which go to the lower index), in
+    one chunk or in chunks of 2 queries; without the ReLU, the head weights or the scale the picks differ."""
+    B, S, I, J, K = 2, 12, 4, 16, 6
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(B, S, cfg.hidden_size, generator=g)
-    q_BxSxQ = torch.randn(B, S, cfg.q_lora_rank, generator=g)
-    keys = torch.randn(B, S, cfg.index_head_dim, generator=g)
+    q, w = torch.randn(B, S, I, J, generator=g), torch.randn(B, S, I, generator=g)
+    keys = torch.randn(B, S, J, generator=g)
     positions = torch.arange(S).expand(B, S)
     if mask_kind == "documents":
-        positions = torch.tensor([list(range(5)) + list(range(7)), list(range(12))])
-        mask = make_mask(None, positions, B, S, "cpu")
+        mask = make_mask(None, torch.tensor([list(range(5)) + list(range(7)), list(range(12))]))
     elif mask_kind == "padding":
-        mask = make_mask(torch.tensor([[0] * 3 + [1] * 9, [1] * 12]), positions, B, S, "cpu")
+        mask = make_mask(torch.tensor([[0] * 3 + [1] * 9, [1] * 12]), positions)
     else:
         additive = torch.randn(1, 1, S, S, generator=g).masked_fill(torch.rand(1, 1, S, S, generator=g) < 0.4,
                                                                      torch.finfo(torch.float32).min)
-        mask = dense_mask(additive, torch.arange(S))
+        mask = make_mask(additive, positions[:1])
         assert mask.bias is not None
     if chunk_elems is not None:
-        monkeypatch.setattr(kernels, "INDEXER_QUERY_CHUNK_ELEMS", chunk_elems)
-        monkeypatch.setattr(attn, "INDEXER_QUERY_CHUNK_ELEMS", chunk_elems)  # 2 queries a chunk
-    ctx = attn.AttnContext(*glm5f.ops.rope_tables(cfg, positions, torch.float32), mask)
-    theirs = attn.indexer_topk(p, x, q_BxSxQ, keys, cfg, ctx)
-    q_BxSxIxJ, w_BxSxI = attn.indexer_student(p, x, q_BxSxQ, cfg, ctx)
-    ours = kernels.indexer_topk(q_BxSxIxJ, w_BxSxI, keys, mask.q_index, mask.key_valid, mask.q_segment,
-                                mask.k_segment, mask.dense, mask.bias, 6)
-    assert ours.dtype == torch.int64 and torch.equal(ours, theirs)
+        monkeypatch.setattr(kernels, "INDEXER_QUERY_CHUNK_ELEMS", chunk_elems)  # 2 queries a chunk
+    ours = kernels.indexer_topk(q, w, keys, mask.q_index, mask.key_valid, mask.q_segment, mask.k_segment,
+                                mask.dense, mask.bias, K)
+
+    def formula(relu=True, heads=True, scale=J ** -0.5):
+        z = torch.einsum("bsij,btj->bsit", q.double(), keys.double()) * scale
+        z = z.relu() if relu else z
+        scores = torch.einsum("bsi,bsit->bst", w.double() if heads else torch.ones_like(w.double()), z)
+        if mask.bias is not None:
+            scores = scores + mask.bias
+        scores = scores.masked_fill(~mask.rows(0, S), float("-inf"))
+        return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :K]
+
+    assert ours.dtype == torch.int64 and torch.equal(ours.sort(-1).values, formula().sort(-1).values)
+    for wrong in (formula(relu=False), formula(heads=False), formula(scale=-1.0)):
+        assert not torch.equal(ours.sort(-1).values, wrong.sort(-1).values)
 
 
 # ---- the Triton kernels (interpreted on the CPU, or on DEVICE) ---------------------------------------------------

@@ -17,7 +17,7 @@ from glm5f import checkpoint
 from conftest import env_of
 from glm5f.attention import LATENT_NORM_EPS, attention
 from glm5f.loss import Step, step_grads
-from glm5f.mla import topk_as_mask
+from glm5f.kernels import topk_as_mask
 from glm5f.ops import apply_rope, layer_norm, rms_norm
 from glm5f.optim import adamw_init, trained_paths
 from glm5f.parallel import Layout

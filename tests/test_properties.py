@@ -9,10 +9,9 @@ from torch.func import grad, jacrev, vmap
 import glm5f
 import glm5f.model as model_mod
 from conftest import env_of
-from glm5f.attention import (dense_mla, indexer_keys, indexer_queries, indexer_topk, mla_project, sparse_mla,
-                             topk_first)
+from glm5f.attention import dense_mla, indexer_keys, indexer_queries, indexer_topk, mla_project, sparse_mla
 from glm5f.env import Mask
-from glm5f.mla import sparse_attention, sparse_attention_unblocked, topk_as_mask
+from glm5f.kernels import sparse_attention, sparse_attention_unblocked, topk_as_mask, topk_first
 from glm5f.decode import extend, init_cache
 from glm5f.moe import routed_experts
 from glm5f.ops import linear, swiglu_mlp
