@@ -339,12 +339,14 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         data = make_source(cfg.data.type, vocab_size=model_cfg.vocab_size, batch_size=cfg.data.batch_size,
                            seq_len=cfg.data.seq_len, seed=cfg.data.seed, path=cfg.data.path,
                            tokenizer_path=cfg.model.tokenizer_path, pack=cfg.data.pack, split=cfg.data.split,
-                           warn=warn, shuffle_buffer=cfg.data.shuffle_buffer)
+                           warn=warn, shuffle_buffer=cfg.data.shuffle_buffer,
+                           chat_template=cfg.data.chat_template, train_on=cfg.data.train_on)
         held_out = make_eval_source(cfg.data.type, vocab_size=model_cfg.vocab_size, batch_size=cfg.data.batch_size,
                                     seq_len=cfg.data.seq_len, seed=cfg.data.seed, path=cfg.eval.path,
                                     split=cfg.eval.split, train_path=cfg.data.path,
                                     tokenizer_path=cfg.model.tokenizer_path, pack=cfg.data.pack,
-                                    shuffle_buffer=cfg.data.shuffle_buffer)
+                                    shuffle_buffer=cfg.data.shuffle_buffer,
+                                    chat_template=cfg.data.chat_template, train_on=cfg.data.train_on)
         eval_batches = [] if held_out is None or not cfg.eval.every else \
             [{k: v.to(device) for k, v in held_out.next_batch().items()} for _ in range(cfg.eval.batches)]
         for b in eval_batches:
