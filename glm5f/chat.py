@@ -371,8 +371,6 @@ class ChatFormat:
         token that ends it (the next turn's role token) is trained too, and eos is appended (and trained) when the
         conversation ends with a turn that ends in no stop token, so the model learns where to stop."""
         ids, mask = self.tokenize(messages, tools)
-        if train_on == "all":
-            return Example(ids, list(ids))
         if train_on == "last":
             last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
             before = self.ids(messages[:last], tools, add_generation_prompt=True)
@@ -383,7 +381,7 @@ class ChatFormat:
                 mask[j] = 1
         if mask and mask[-1] and ids[-1] not in self.stop_ids and self.tok.eos_id is not None:
             ids, mask = ids + [self.tok.eos_id], mask + [1]
-        return Example(ids, [t if m else IGNORE_INDEX for t, m in zip(ids, mask)])
+        return Example(ids, [t if m or train_on == "all" else IGNORE_INDEX for t, m in zip(ids, mask)])
 
 
 class ChatData:
