@@ -250,6 +250,8 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
                     f"--parallel.dp_shard ({cfg.train.grad_accum} x {p.dp_shard})")
     if cfg.data.type in ("json_file", "preset_pt", "hf_datasets") and not cfg.data.path:
         errs.append(f"--data.type {cfg.data.type} needs --data.path")
+    if cfg.data.chat_template is not None and not os.path.isfile(cfg.data.chat_template):
+        errs.append(f"--data.chat_template {cfg.data.chat_template}: no such file (expected a jinja chat template)")
     if cfg.eval.split is not None and cfg.data.type != "hf_datasets":
         errs.append(f"--eval.split needs --data.type hf_datasets (got {cfg.data.type}); pass --eval.path instead")
     elif cfg.eval.split is not None and cfg.eval.path is None and cfg.eval.split == cfg.data.split:

@@ -258,8 +258,11 @@ def _tool_calls(calls, what: str) -> list[dict]:
 
 def chat_messages(rec: dict) -> tuple[list[dict], list | None]:
     """(messages, tools) of a chat record, either form: {"messages": [{"role", "content", ...}], "tools"} or
-    ShareGPT {"conversations": [{"from", "value"}], "system", "tools"}. Keys whose value is null are dropped and
-    reasoning is also passed as reasoning_content (as apply_chat_template does). ValueError: what is wrong."""
+    ShareGPT {"conversations": [{"from", "value"}], "system", "tools"} (a function_call turn's value is the JSON
+    of {"name", "arguments"}, or a list of them). Keys whose value is null are dropped and reasoning is also
+    passed as reasoning_content and thinking (as apply_chat_template does); tool calls take the form
+    {"type": "function", "function": {"name", "arguments"}}, with arguments given as a JSON string parsed.
+    ValueError: what is wrong."""
     tools = _json_value(rec.get("tools"), "'tools'")
     if tools is not None and not isinstance(tools, list):
         raise ValueError(f"'tools' must be a list of tool schemas, found {type(tools).__name__}")
@@ -302,10 +305,10 @@ def chat_messages(rec: dict) -> tuple[list[dict], list | None]:
                                  "tool_calls": _tool_calls(m["value"], f"turn {i} (function_call)")})
             else:
                 messages.append({"role": role, "content": m["value"]})
-    for m in messages:
+    for i, m in enumerate(messages):
         reasoning = next((m[k] for k in _REASONING if m.get(k) is not None), None)
         if reasoning is not None:
-            m.update(thinking=reasoning, reasoning_content=reasoning)
+            messages[i] = {"thinking": reasoning, **m, "reasoning_content": reasoning}
     return messages, tools
 
 

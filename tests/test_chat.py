@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from hypothesis import given, settings, strategies as st
 
 from glm5f.chat import ChatByteTokenizer, ChatData, ChatFormat, ChatTemplate, chat_messages, default_template
@@ -301,3 +302,19 @@ def test_generate_chat_prompt_and_stops(tmp_path, capsys):
     assert out.getvalue() == "<think></think>Hello.\n" and len(got) == answer.index(fmt.tok.special["<|user|>"])
     with pytest.raises(ValueError, match="raise|only 260"):
         generate.chat_prompt(None, None, "Hi?", vocab_size=260)
+
+
+def test_hf_datasets_rows_are_chat_records(tmp_path):
+    """Rows of a saved dataset, whose missing fields read as None, give the same examples as the JSONL records."""
+    datasets = pytest.importorskip("datasets")
+    records = [{"messages": [{"role": "user", "content": "Is 9 prime?"},
+                             {"role": "assistant", "content": "No.", "reasoning_content": "3 x 3"}]},
+               {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "ds"))
+    path = write_jsonl(tmp_path / "chat.jsonl", records)
+    common = dict(vocab_size=512, batch_size=1, seq_len=128, shuffle_buffer=1)
+    rows = make_source("hf_datasets", path=str(tmp_path / "ds"), **common)
+    lines = make_source("json_file", path=path, **common)
+    for _ in range(2):
+        a, b = rows.next_batch(), lines.next_batch()
+        assert all(torch.equal(a[k], b[k]) for k in a)
