@@ -2,9 +2,10 @@
 
 Sources: `synthetic` (seeded random bigram language), `text` (the embedded corpus), `json_file` (JSONL of text,
 prompt/response or pre-tokenized ids; streamed), `preset_pt` (fixed batches from torch.save), `hf_datasets` (a
-dataset saved to disk; streamed). Documents are packed into rows of seq_len: positions restart at each document
-and attention stays inside it. Every source has state_dict() / load_state_dict(); a step's global batch depends
-only on the source and its state, never on how it is later split over micro-batches or ranks.
+dataset saved to disk; streamed), `chat` (conversations rendered by a chat template, see glm5f/chat.py; chat records
+are read by json_file and hf_datasets too). Documents are packed into rows of seq_len: positions restart at each
+document and attention stays inside it. Every source has state_dict() / load_state_dict(); a step's global batch
+depends only on the source and its state, never on how it is later split over micro-batches or ranks.
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ def record_example(tok, rec, where: str, chat=None) -> Example:
         raise ValueError(f"{where}: expected a JSON object, found {type(rec).__name__}")
     if "messages" in rec or "conversations" in rec:
         if chat is None:
-            raise ValueError(f"{where}: a chat record ('messages' or 'conversations') where no chat data is read")
+            raise ValueError(f"{where}: a chat record ('messages' or 'conversations'), but no chat template was "
+                             f"given to read it; pass chat=glm5f.chat.run_chat_data(...)")
         return chat().example(rec, where)
     if "input_ids" in rec:
         ids = rec["input_ids"]

@@ -17,8 +17,10 @@ from glm5f.data import IGNORE_INDEX, make_source
 
 CHATML = """{% for message in messages %}{{ '<|im_start|>' + message.role + '\\n' }}
 {%- if message.reasoning_content %}<think>{{ message.reasoning_content }}</think>{% endif %}
-{{- message.content }}{% for call in message.tool_calls | default([]) %}<tool_call>{{ call.function | tojson }}</tool_call>
-{%- endfor %}{{ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"""
+{{- message.content }}{% for call in message.tool_calls | default([]) %}\
+<tool_call>{{ call.function | tojson }}</tool_call>
+{%- endfor %}{{ '<|im_end|>\\n' }}{% endfor %}\
+{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"""
 
 CHATML_GENERATION = """{{ bos_token }}{% if tools %}<|im_start|>system
 {% for tool in tools %}{{ tool | tojson }}
@@ -26,7 +28,9 @@ CHATML_GENERATION = """{{ bos_token }}{% if tools %}<|im_start|>system
 {% endif %}{% for message in messages %}
 {% if message.role == 'assistant' %}
 <|im_start|>assistant
-{% generation %}{{ message.content }}{% for call in message.tool_calls | default([]) %}<tool_call>{{ call.function.name }} {{ call.function.arguments | tojson }}</tool_call>{% endfor %}<|im_end|>{% endgeneration %}
+{% generation %}{{ message.content }}{% for call in message.tool_calls | default([]) %}\
+<tool_call>{{ call.function.name }} {{ call.function.arguments | tojson }}</tool_call>\
+{% endfor %}<|im_end|>{% endgeneration %}
 
 {% else %}
 <|im_start|>{{ message.role }}
