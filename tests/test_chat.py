@@ -322,3 +322,23 @@ def test_hf_datasets_rows_are_chat_records(tmp_path):
     for _ in range(2):
         a, b = rows.next_batch(), lines.next_batch()
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_default_template_lays_out_the_glm_format():
+    fmt = ChatFormat.load(None)
+    messages, tools = chat_messages({"messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Oslo?"},
+        {"role": "assistant", "content": "", "reasoning_content": "look it up",
+         "tool_calls": [call("get_weather", city="Oslo", days=2)]},
+        {"role": "tool", "content": "4 C"}, {"role": "tool", "content": "rain"},
+        {"role": "assistant", "content": "4 °C, rain."}, {"role": "user", "content": "Thanks"}]})
+    text, _ = fmt.render(messages, add_generation_prompt=True)
+    assert text == ("[gMASK]<sop><|system|>Be brief.<|user|>Oslo?<|assistant|><think>look it up</think>"
+                    "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Oslo</arg_value><arg_key>days</arg_key>"
+                    "<arg_value>2</arg_value></tool_call><|observation|><tool_response>4 C</tool_response>"
+                    "<tool_response>rain</tool_response><|assistant|><think></think>4 °C, rain.<|user|>Thanks"
+                    "<|assistant|>")
+    with_tools, _ = fmt.render(messages[:2], tools=[WEATHER])
+    assert with_tools.startswith("[gMASK]<sop><|system|>\n# Tools\n") and '"name": "get_weather"' in with_tools
+    ids = fmt.ids(messages)
+    assert all(fmt.tok.special[s] in ids for s in ("[gMASK]", "<|observation|>", "<arg_key>", "</think>"))
