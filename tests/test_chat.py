@@ -4,6 +4,7 @@ file:line, and a chat run learns (its assistant-token loss falls)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -39,6 +40,9 @@ CHATML_GENERATION = """{{ bos_token }}{% if tools %}<|im_start|>system
 {% endfor %}
 {% if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "description": "Ville, e.g. Zürich"}}}}}
@@ -272,7 +276,8 @@ def test_mixed_chat_and_text_records(tmp_path):
 def test_train_cli_errors_are_lines(tmp_path):
     bad = write_jsonl(tmp_path / "bad.jsonl", [GOOD, {"messages": [{"role": "robot", "content": "x"}]}])
     out = subprocess.run([sys.executable, "train.py", "--data.type", "chat", "--data.path", bad, "--train.steps",
-                          "2", "--checkpoint.dir", str(tmp_path / "run")], capture_output=True, text=True)
+                          "2", "--checkpoint.dir", str(tmp_path / "run")], capture_output=True, text=True, cwd=ROOT,
+                         env=ENV)
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith(f"error: {bad}:2: message 0 has role 'robot'")
 
@@ -283,7 +288,8 @@ def test_chat_run_learns_assistant_tokens(tmp_path):
     run = tmp_path / "run"
     out = subprocess.run([sys.executable, "train.py", "--data.type", "chat", "--train.steps", "40",
                           "--data.batch_size", "8", "--optim.warmup_steps", "5", "--eval.every", "40",
-                          "--checkpoint.dir", str(run)], capture_output=True, text=True, timeout=300)
+                          "--checkpoint.dir", str(run)], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env=ENV)
     assert out.returncode == 0, out.stderr
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     first, last = records[0]["loss"], records[-1]["loss"]
