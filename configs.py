@@ -93,11 +93,12 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    type: Literal["text", "synthetic", "json_file", "preset_pt", "hf_datasets"] = "text"
+    type: Literal["text", "synthetic", "json_file", "preset_pt", "hf_datasets", "chat"] = "text"
     """text: the embedded corpus; synthetic: seeded bigram sequences; json_file: JSONL; preset_pt: torch.save'd
-    batches; hf_datasets: a datasets.save_to_disk directory."""
+    batches; hf_datasets: a datasets.save_to_disk directory; chat: the embedded chat sample, or a JSONL of chat
+    records with --data.path."""
     path: Optional[str] = None
-    """File or directory for json_file, preset_pt and hf_datasets."""
+    """File or directory for json_file, preset_pt and hf_datasets (for chat: a JSONL of chat records)."""
     split: Optional[str] = None
     """Split of an hf_datasets DatasetDict."""
     batch_size: int = 16
@@ -111,6 +112,11 @@ class DataConfig:
     shuffle_buffer: int = 10000
     """json_file, hf_datasets: records are streamed and drawn at random from a buffer of this many (memory holds
     only these); each epoch is a permutation of the records. 1: the file's order."""
+    chat_template: Optional[str] = None
+    """A jinja chat template file for chat records ({"messages"} or ShareGPT {"conversations"}); default: the
+    tokenizer directory's chat_template.jinja or tokenizer_config.json's, else glm5f's GLM-5-style one."""
+    train_on: Literal["assistant", "last", "all"] = "assistant"
+    """Chat records: the loss on every assistant turn's tokens, on the last assistant turn's only, or on all."""
 
 
 @dataclass
@@ -284,6 +290,8 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
                     f"--parallel.dp_shard ({cfg.train.grad_accum} x {p.dp_shard})")
     if cfg.data.type in ("json_file", "preset_pt", "hf_datasets") and not cfg.data.path:
         errs.append(f"--data.type {cfg.data.type} needs --data.path")
+    if cfg.data.chat_template is not None and not os.path.isfile(cfg.data.chat_template):
+        errs.append(f"--data.chat_template {cfg.data.chat_template}: no such file (expected a jinja chat template)")
     if cfg.eval.split is not None and cfg.data.type != "hf_datasets":
         errs.append(f"--eval.split needs --data.type hf_datasets (got {cfg.data.type}); pass --eval.path instead")
     elif cfg.eval.split is not None and cfg.eval.path is None and cfg.eval.split == cfg.data.split:

@@ -168,7 +168,8 @@ def make_data(cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout, say):
     warn = print_warning if layout.is_main else (lambda message: None)
     d = cfg.data
     common = dict(vocab_size=model_cfg.vocab_size, batch_size=d.batch_size, seq_len=d.seq_len, seed=d.seed,
-                  tokenizer_path=cfg.model.tokenizer_path, pack=d.pack, shuffle_buffer=d.shuffle_buffer)
+                  tokenizer_path=cfg.model.tokenizer_path, pack=d.pack, shuffle_buffer=d.shuffle_buffer,
+                  chat_template=d.chat_template, train_on=d.train_on)
     steps, warmup = cfg.train.steps, cfg.optim.warmup_steps
     if steps < warmup:
         warn(f"--train.steps {steps} ends inside the {warmup}-step warm-up (--optim.warmup_steps): the learning "

@@ -2,9 +2,10 @@
 
 Sources: `synthetic` (seeded random bigram language), `text` (the embedded corpus), `json_file` (JSONL of text,
 prompt/response or pre-tokenized ids; streamed), `preset_pt` (fixed batches from torch.save), `hf_datasets` (a
-dataset saved to disk; streamed). Documents are packed into rows of seq_len: positions restart at each document
-and attention stays inside it. Every source has state_dict() / load_state_dict(); a step's global batch depends
-only on the source and its state, never on how it is later split over micro-batches or ranks.
+dataset saved to disk; streamed), `chat` (conversations rendered by a chat template, see glm5f/chat.py; chat records
+are read by json_file and hf_datasets too). Documents are packed into rows of seq_len: positions restart at each
+document and attention stays inside it. Every source has state_dict() / load_state_dict(); a step's global batch
+depends only on the source and its state, never on how it is later split over micro-batches or ranks.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class Example:
 
     ids: list[int]
     labels: list[int]
+    note: str | None = None  # what was done to the record to make it (skipped, truncated), for one warning
 
 
 def text_example(tok, text: str) -> Example:
@@ -95,10 +97,16 @@ def prompt_example(tok, prompt: str, response: str) -> Example:
     return Example(head + tail, [IGNORE_INDEX] * len(head) + tail)
 
 
-def record_example(tok, rec, where: str) -> Example:
-    """An Example from one JSON record: {"text"}, {"prompt", "response"} or {"input_ids"[, "labels"]}."""
+def record_example(tok, rec, where: str, chat=None) -> Example:
+    """An Example from one JSON record: {"text"}, {"prompt", "response"}, {"input_ids"[, "labels"]}, or a chat
+    record ({"messages"} or {"conversations"}: `chat()` is the run's glm5f.chat.ChatData)."""
     if not isinstance(rec, dict):
         raise ValueError(f"{where}: expected a JSON object, found {type(rec).__name__}")
+    if "messages" in rec or "conversations" in rec:
+        if chat is None:
+            raise ValueError(f"{where}: a chat record ('messages' or 'conversations'), but no chat template was "
+                             f"given to read it; pass chat=glm5f.chat.run_chat_data(...)")
+        return chat().example(rec, where)
     if "input_ids" in rec:
         ids = rec["input_ids"]
         labels = rec.get("labels", ids)
@@ -111,7 +119,8 @@ def record_example(tok, rec, where: str) -> Example:
         return prompt_example(tok, str(rec["prompt"]), str(rec["response"]))
     if "text" in rec:
         return text_example(tok, str(rec["text"]))
-    raise ValueError(f"{where}: a record needs 'text', 'prompt' and 'response', or 'input_ids'; "
+    raise ValueError(f"{where}: a record needs 'text', 'prompt' and 'response', 'input_ids', or 'messages' or "
+                     f"'conversations' (a chat); "
                      f"found keys {sorted(rec)}")
 
 
@@ -237,9 +246,12 @@ class RecordNotes:
 
     def __init__(self):
         self.records, self.tokenized, self.empty, self.first_empty = 0, 0, 0, None
+        self.notes: dict[str, list] = {}  # an Example's note -> [count, where the first one is]
 
-    def add(self, rec: dict, where: str) -> None:
+    def add(self, rec: dict, where: str, ex: Example | None = None) -> None:
         self.records += 1
+        if ex is not None and ex.note:
+            self.notes.setdefault(ex.note, [0, where])[0] += 1
         self.tokenized += "input_ids" in rec
         if "input_ids" not in rec and "prompt" in rec and "response" in rec and not str(rec["response"]).strip():
             self.empty += 1
@@ -254,6 +266,8 @@ class RecordNotes:
                  f"each trains only on its end-of-sequence token")
         if tokenizer_path and self.records and self.tokenized == self.records:
             warn(f"--model.tokenizer_path {tokenizer_path} is not used: every record holds input_ids already")
+        for note, (count, first) in self.notes.items():
+            warn(f"{count} of {counted} records {note} (the first at {first})")
 
 
 def check_vocab(examples: list[Example], vocab_size: int, source: str, first: int = 0) -> None:
@@ -368,10 +382,10 @@ class StreamSource(RowPacker):
 
     def __init__(self, reader, tok, vocab_size: int, batch_size: int, seq_len: int, seed: int, pack: bool = True,
                  shuffle_buffer: int = 10_000, name: str = "data", tokenizer_path: str | None = None,
-                 warn=lambda message: None):
+                 warn=lambda message: None, chat=None):
         if shuffle_buffer < 1:
             raise ValueError(f"--data.shuffle_buffer must be >= 1 (1: no shuffling), got {shuffle_buffer}")
-        self.reader, self.tok, self.V, self.name = reader, tok, vocab_size, name
+        self.reader, self.tok, self.V, self.name, self.chat = reader, tok, vocab_size, name, chat
         self.B, self.S, self.seed, self.pad_id, self.pack, self.size = \
             batch_size, seq_len, seed, tok.pad_id, pack, shuffle_buffer
         self.epoch, self.draws, self.at_end, self.epoch_tokens = 0, 0, False, False
@@ -385,10 +399,10 @@ class StreamSource(RowPacker):
 
     def _example(self, loc, payload, notes=None) -> Example:
         rec = self.reader.parse(loc, payload)
-        ex = record_example(self.tok, rec, self.reader.where(loc))
+        ex = record_example(self.tok, rec, self.reader.where(loc), self.chat)
         check_vocab([ex], self.V, self.name, first=loc[2])
         if notes is not None:
-            notes.add(rec, self.reader.where(loc))
+            notes.add(rec, self.reader.where(loc), ex)
         return ex
 
     def _fill(self, notes=None) -> None:
@@ -530,13 +544,15 @@ class PresetSource:
 
 def make_eval_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, seed: int = 0,
                      path: str | None = None, split: str | None = None, train_path: str | None = None,
-                     tokenizer_path: str | None = None, pack: bool = True, shuffle_buffer: int = 10_000):
+                     tokenizer_path: str | None = None, pack: bool = True, shuffle_buffer: int = 10_000,
+                     chat_template: str | None = None, train_on: str = "assistant"):
     """The held-out data of a run of `--data.type kind`: `path` (default the training data's `train_path`) and
     `split` when given, in that data type's format (JSONL for text and synthetic runs); else the held-out part of
-    the embedded text or of the synthetic stream. None when there is none (json_file, hf_datasets, preset_pt
-    without a path or split)."""
+    the embedded text, of the chat sample or of the synthetic stream. None when there is none (json_file,
+    hf_datasets, preset_pt without a path or split; chat with a --data.path)."""
     common = dict(vocab_size=vocab_size, batch_size=batch_size, seq_len=seq_len, seed=seed,
-                  tokenizer_path=tokenizer_path, pack=pack, shuffle_buffer=shuffle_buffer)
+                  tokenizer_path=tokenizer_path, pack=pack, shuffle_buffer=shuffle_buffer,
+                  chat_template=chat_template, train_on=train_on)
     if path is not None or split is not None:
         eval_kind = "json_file" if kind in ("text", "synthetic") else kind
         return make_source(eval_kind, path=path or train_path, split=split, warn=lambda message: None, **common)
@@ -546,6 +562,11 @@ def make_eval_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: in
         tok = make_tokenizer(tokenizer_path)
         examples = [text_example(tok, d) for d in embedded_documents("eval")]
         return PackedSource(examples, batch_size, seq_len, seed, tok.pad_id, pack, "embedded corpus (held out)")
+    if kind == "chat" and train_path is None:
+        from glm5f.chat import sample_source
+        return sample_source("eval", vocab_size=vocab_size, batch_size=batch_size, seq_len=seq_len, seed=seed,
+                             tokenizer_path=tokenizer_path, pack=pack, chat_template=chat_template,
+                             train_on=train_on, warn=lambda message: None)
     return None
 
 
@@ -555,10 +576,12 @@ def print_warning(message: str) -> None:
 
 def make_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, seed: int = 0, path: str | None = None,
                 tokenizer_path: str | None = None, pack: bool = True, split: str | None = None, warn=print_warning,
-                shuffle_buffer: int = 10_000):
+                shuffle_buffer: int = 10_000, chat_template: str | None = None, train_on: str = "assistant"):
     """The data source of `--data.type kind` for a model of vocab_size. What looks like a mistake in the data
     (an empty response, an unused tokenizer) is passed to `warn`, one line each. json_file and hf_datasets are
-    streamed, shuffled by a buffer of `shuffle_buffer` records (see StreamSource)."""
+    streamed, shuffled by a buffer of `shuffle_buffer` records (see StreamSource); so is chat with a path. Chat
+    records (any of these but preset_pt) are rendered with `chat_template` (see glm5f.chat) and trained on the
+    tokens `train_on` names."""
     if tokenizer_path and kind in ("synthetic", "preset_pt"):
         warn(f"--model.tokenizer_path {tokenizer_path} is not used: --data.type {kind} does not tokenize text")
     if kind == "synthetic":
@@ -571,15 +594,20 @@ def make_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, se
     if tok.vocab_size > vocab_size:
         raise ValueError(f"the tokenizer has {tok.vocab_size} ids but the model's vocab_size is {vocab_size}: "
                          f"raise --model.vocab_size to at least {tok.vocab_size}")
+    from glm5f import chat as chat_data
+    chat = chat_data.run_chat_data(tokenizer_path, chat_template, train_on, seq_len, vocab_size)
+    if kind == "chat" and path is None:
+        return chat_data.sample_source("train", vocab_size=vocab_size, batch_size=batch_size, seq_len=seq_len,
+                                       seed=seed, tokenizer_path=tokenizer_path, pack=pack, chat=chat(), warn=warn)
     if kind == "text":
         examples = [text_example(tok, d) for d in embedded_documents("train")]
         name = "embedded corpus"
-    elif kind in ("json_file", "hf_datasets"):
+    elif kind in ("json_file", "hf_datasets", "chat"):
         if path is None:
             raise ValueError(f"--data.type {kind} needs --data.path")
-        reader = JsonlReader(path) if kind == "json_file" else DatasetReader(path, split)
+        reader = DatasetReader(path, split) if kind == "hf_datasets" else JsonlReader(path)
         return StreamSource(reader, tok, vocab_size, batch_size, seq_len, seed, pack, shuffle_buffer, path,
-                            tokenizer_path, warn)
+                            tokenizer_path, warn, chat)
     else:
         raise ValueError(f"unknown --data.type {kind!r}")
     check_vocab(examples, vocab_size, name)

@@ -3,11 +3,13 @@
 The only place that maps our parameter paths to checkpoint keys: they are equal, except that our stacked routed
 experts `mlp.experts.{gate,up,down}_proj.weight` [E, ...] are written per expert
 (`mlp.experts.{e}.{gate,up,down}_proj.weight`, the GLM-5 release layout) and read from that layout or from the
-fused one (`mlp.experts.gate_up_proj` [E, 2F, D], `mlp.experts.down_proj` [E, D, F]).
+fused one (`mlp.experts.gate_up_proj` [E, 2F, D], `mlp.experts.down_proj` [E, D, F]). Block-quantized FP8
+checkpoints (e4m3 `weight` + fp32 `weight_scale_inv` per block) are dequantized as they are read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -184,6 +186,73 @@ def _plan(cfg: GLM5Config, inv: dict, copies: tuple[str, ...] = ()) -> tuple[dic
     return plan, sorted(mtp)
 
 
+SCALE_SUFFIX = "_scale_inv"  # `….weight_scale_inv`: the per-block scales of the FP8 tensor `….weight`
+_FP8 = ("F8_E4M3", "F8_E5M2")
+
+
+def _fp8_scales(path: str, inv: dict) -> tuple[dict[str, tuple], tuple[int, int] | None]:
+    """The scales of a block-quantized FP8 checkpoint, taken out of `inv`: ({weight key: the inventory entry of
+    its weight_scale_inv}, config.json's quantization_config weight_block_size), or ({}, None) without FP8. A
+    scale must be [..., ceil(rows / block rows), ceil(cols / block cols)] of its weight; an FP8 weight without a
+    scale, a scale without its weight, or one the config says is not converted is a ValueError naming the key."""
+    scale_keys = [k for k in inv if k.endswith(SCALE_SUFFIX)]
+    fp8_keys = [k for k, entry in inv.items() if entry[2] in _FP8]
+    if not scale_keys and not fp8_keys:
+        return {}, None
+    q = read_json(os.path.join(path, "config.json"), "a Transformers config.json").get("quantization_config") or {}
+    q = q if isinstance(q, dict) else {}
+    block = q.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"{path}: the checkpoint holds FP8 tensors ({(fp8_keys or scale_keys)[0]}, ...) but "
+                         f"config.json has no quantization_config.weight_block_size [rows, cols] (found {block!r}); "
+                         f"add the block size it was quantized with, e.g. [128, 128]")
+    skip = [m for m in q.get("modules_to_not_convert") or [] if isinstance(m, str)]
+    scales = {}
+    for key in scale_keys:
+        weight = key[:-len(SCALE_SUFFIX)]
+        entry = inv.pop(key)
+        if weight not in inv:
+            raise ValueError(f"{path}: {key} has no FP8 weight {weight} beside it; the checkpoint is incomplete")
+        shape = inv[weight][1]
+        want = tuple(shape[:-2]) + tuple(-(-n // b) for n, b in zip(shape[-2:], block)) if len(shape) >= 2 else None
+        if inv[weight][2] not in _FP8:
+            raise ValueError(f"{path}: {key} scales {weight}, which is {inv[weight][2]}, not FP8; remove the scale "
+                             f"or re-export the checkpoint")
+        if want is None or entry[1] != want or entry[2] not in ("F32", "BF16", "F16"):
+            raise ValueError(f"{path}: {key} is {entry[2]} {list(entry[1])}; expected a float tensor of shape "
+                             f"{list(want) if want else '[..., rows/block, cols/block]'} (one scale per "
+                             f"{block[0]}x{block[1]} block of {weight} {list(shape)}); re-export the checkpoint")
+        if any(weight == m or weight.startswith(m + ".") or f".{m}." in f".{weight}" for m in skip):
+            raise ValueError(f"{path}: {weight} is FP8 but quantization_config.modules_to_not_convert lists it; "
+                             f"the config does not belong to these weights")
+        scales[weight] = entry
+    unscaled = [k for k in fp8_keys if k not in scales]
+    if unscaled:
+        raise ValueError(f"{path}: FP8 tensor {unscaled[0]} has no {unscaled[0]}{SCALE_SUFFIX} "
+                         f"({len(unscaled)} such); glm5f reads block-quantized FP8 checkpoints only")
+    return scales, tuple(block)
+
+
+def _read_dequantized(f, shape: tuple[int, ...], dtype: torch.dtype, begin: int, part: tuple[slice, ...],
+                      scale, block: tuple[int, int], dest: torch.Tensor, files: dict) -> None:
+    """`_read_part` of an FP8 tensor, as fp8.float() * its block's scale: reads only the part's FP8 bytes and the
+    scales of the blocks it touches (`scale`: the scale's inventory entry; `files`: open files by name)."""
+    if dest.numel() == 0:
+        return
+    q = torch.empty([sl.stop - sl.start for sl in part], dtype=dtype)
+    _read_into(f, shape, begin, part, q)
+    (rows, cols), (br, bc) = part[-2:], block
+    blocks = (slice(rows.start // br, -(-rows.stop // br)), slice(cols.start // bc, -(-cols.stop // bc)))
+    fn, scale_shape, scale_dt, scale_begin = scale
+    s = torch.empty([sl.stop - sl.start for sl in part[:-2] + blocks], dtype=_DTYPES[scale_dt])
+    if fn not in files:
+        files[fn] = open(fn, "rb")
+    _read_into(files[fn], scale_shape, scale_begin, part[:-2] + blocks, s)
+    s = s.float().repeat_interleave(br, dim=-2).repeat_interleave(bc, dim=-1)
+    r0, c0 = rows.start - blocks[0].start * br, cols.start - blocks[1].start * bc
+    dest.copy_(q.float() * s[..., r0:r0 + rows.stop - rows.start, c0:c0 + cols.stop - cols.start])
+
+
 def _summarize_keys(keys: list[str]) -> list[str]:
     """Collapse expert indices: model.layers.78.mlp.experts.{0..255}.up_proj.weight."""
     groups = defaultdict(list)
@@ -213,10 +282,16 @@ def load_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None, device
     when the checkpoint has them, with the layer's own embedding / head copies where present (kept as leaves
     of their own, see params.MTP_COPIES); a checkpoint without any (Transformers' save_pretrained drops them)
     loads without MTP (num_nextn_predict_layers 0, with a warning). Layers past those are ignored, with a warning.
+
+    A block-quantized FP8 checkpoint (float8_e4m3fn `….weight` with `….weight_scale_inv` [ceil(rows / 128),
+    ceil(cols / 128)] and config.json's quantization_config.weight_block_size) is dequantized as it is read,
+    weight = fp8.float() * the scale of its block, only the blocks of the region (fp32 unless `dtype` says
+    otherwise), with one warning saying so; save_hf then writes plain weights.
     """
     path = os.fspath(path)
     cfg = GLM5Config.from_hf(path)
     inv = _inventory(checkpoint_files(path))
+    scales, block = _fp8_scales(path, inv)
     L = cfg.num_hidden_layers
     if cfg.num_nextn_predict_layers and not any(k.startswith(f"model.layers.{L}.") for k in inv):
         warnings.warn(f"{path}: config.json has num_nextn_predict_layers={cfg.num_nextn_predict_layers} but the "
@@ -235,14 +310,17 @@ def load_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None, device
     first_dtype = {}
     for key, targets in plan.items():
         for target_path, _, _ in targets:
-            first_dtype.setdefault(target_path, _DTYPES.get(inv[key][2], torch.float32))
+            first_dtype.setdefault(target_path, torch.float32 if key in scales else
+                                   _DTYPES.get(inv[key][2], torch.float32))
     where = {p: region_of(region, p, tuple(t.shape)) for p, t in shapes.items()}  # each leaf's part to load
     flat = {p: torch.empty([s.stop - s.start for s in where[p]], dtype=leaf_dtype(p, dtype or first_dtype[p]),
                            device=device) for p in shapes}
     by_file = defaultdict(list)
     for key in plan:
         by_file[inv[key][0]].append(key)
-    with torch.no_grad():
+    files = {}  # the files scales are read from, kept open
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        stack.callback(lambda: [g.close() for g in files.values()])
         for fn, keys in by_file.items():
             with open(fn, "rb") as f:
                 for key in keys:
@@ -256,7 +334,14 @@ def load_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None, device
                         elif rows is not None:  # gate or up rows of a fused gate_up_proj [E, 2F, D]
                             part = (part[0], slice(rows.start + part[1].start, rows.start + part[1].stop), *part[2:])
                         full = tuple(slice(0, n) for n in shape)
-                        _read_part(f, shape, _DTYPES[dt], begin, part + full[len(part):], dest)
+                        if key in scales:
+                            _read_dequantized(f, shape, _DTYPES[dt], begin, part + full[len(part):], scales[key],
+                                              block, dest, files)
+                        else:
+                            _read_part(f, shape, _DTYPES[dt], begin, part + full[len(part):], dest)
+    if scales:
+        warnings.warn(f"{path}: an FP8 checkpoint ({len(scales)} weights quantized in {block[0]}x{block[1]} "
+                      f"blocks): dequantized on load (weight = fp8 x its block's scale)", stacklevel=2)
     return cfg, unflatten(flat, abstract_params(cfg, torch.float32, copies))
 
 

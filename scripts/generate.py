@@ -2,10 +2,13 @@
 
     python scripts/generate.py runs/default --prompt "The module"          # a run's latest checkpoint, greedy
     python scripts/generate.py runs/default-hf --prompt "The module" --temperature 0.8 --top-p 0.9 --seed 1
+    python scripts/generate.py runs/chat --chat --prompt "What is the capital of Peru?"   # a chat turn
 
 The model is a train.py run directory (its latest checkpoint), one of its checkpoints, or a Transformers
 checkpoint directory. The tokenizer is the run's (--model.tokenizer_path, else the byte tokenizer); for a
 Transformers directory its tokenizer.json if it has one, else the byte tokenizer; --tokenizer overrides both.
+With --chat the prompt is a user turn rendered by the chat template (--chat-template, else the tokenizer's, else
+glm5f's GLM-5-style one) with the generation prompt, and the answer stops at the template's stop tokens.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch  # noqa: E402
 
 import glm5f  # noqa: E402
 from glm5f import checkpoint  # noqa: E402
+from glm5f.chat import ChatFormat  # noqa: E402
 from glm5f.data import make_tokenizer  # noqa: E402
 from glm5f.decode import stream  # noqa: E402
 
@@ -40,7 +44,16 @@ def load(path: str, tokenizer: str | None = None, device: str = "cpu"):
     if tok.vocab_size > cfg.vocab_size:
         raise ValueError(f"the tokenizer has {tok.vocab_size} ids but the model only {cfg.vocab_size}: "
                          f"pass the tokenizer the model was trained with (--tokenizer)")
-    return cfg, params, tok
+    return cfg, params, tok, tok_path
+
+
+def chat_prompt(tok_path: str | None, template: str | None, prompt: str, vocab_size: int):
+    """(ChatFormat, ids of `prompt` as a user turn followed by the assistant's generation prompt)."""
+    fmt = ChatFormat.load(tok_path, template)
+    if fmt.tok.vocab_size > vocab_size:
+        raise ValueError(f"the chat tokenizer has {fmt.tok.vocab_size} ids (with its special tokens) but the model "
+                         f"only {vocab_size}: pass the tokenizer the model was trained with (--tokenizer)")
+    return fmt, fmt.ids([{"role": "user", "content": prompt}], add_generation_prompt=True)
 
 
 def prompt_ids(tok, prompt: str) -> list[int]:
@@ -50,13 +63,14 @@ def prompt_ids(tok, prompt: str) -> list[int]:
     return ids
 
 
-def print_stream(tok, tokens, out=None) -> list[int]:
+def print_stream(tok, tokens, out=None, stops=None) -> list[int]:
     """Print the decoded text of the token ids from `tokens` as they come (holding back a piece that ends in an
-    incomplete character); returns the ids, up to the first eos."""
+    incomplete character); returns the ids, up to the first eos (or the first of `stops`)."""
     out = out or sys.stdout
+    stops = {tok.eos_id} if stops is None else set(stops)
     ids, shown = [], ""
     for t in tokens:
-        if t == tok.eos_id:
+        if t in stops:
             break
         ids.append(t)
         text = tok.decode(ids)
@@ -80,21 +94,33 @@ def main(argv=None) -> int:
     ap.add_argument("--top-p", type=float, default=1.0, help="sample from the most likely tokens holding this mass")
     ap.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     ap.add_argument("--tokenizer", help="tokenizer.json (or a directory with one) instead of the model's")
+    ap.add_argument("--chat", action="store_true", help="the prompt is a user turn of a chat (see above)")
+    ap.add_argument("--chat-template", help="a jinja chat template file for --chat instead of the tokenizer's")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda, ...")
     args = ap.parse_args(argv)
     try:
         if args.max_tokens < 0 or not 0 < args.top_p <= 1 or args.temperature < 0:
             raise ValueError("--max-tokens must be >= 0, --temperature >= 0 and --top-p in (0, 1]")
-        cfg, params, tok = load(args.model, args.tokenizer, args.device)
-        ids_1xS = torch.tensor([prompt_ids(tok, args.prompt)], device=args.device)
+        if args.chat_template and not args.chat:
+            raise ValueError("--chat-template is used only with --chat")
+        cfg, params, tok, tok_path = load(args.model, args.tokenizer, args.device)
+        stops = None
+        if args.chat:
+            fmt, ids = chat_prompt(tok_path, args.chat_template, args.prompt, cfg.vocab_size)
+            tok, stops = fmt.tok, fmt.stop_ids
+        else:
+            ids = prompt_ids(tok, args.prompt)
+        ids_1xS = torch.tensor([ids], device=args.device)
     except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     generator = torch.Generator(args.device).manual_seed(args.seed)
-    sys.stdout.write(args.prompt)
-    new = stream(params, cfg, ids_1xS, args.max_tokens, eos_token_id=tok.eos_id, temperature=args.temperature,
-                 top_p=args.top_p, generator=generator)
-    print_stream(tok, (int(t[0]) for t in new))
+    if not args.chat:
+        sys.stdout.write(args.prompt)
+    new = stream(params, cfg, ids_1xS, args.max_tokens, eos_token_id=None if args.chat else tok.eos_id,
+                 temperature=args.temperature, top_p=args.top_p, generator=generator)
+    tokens = (int(t[0]) for t in new)
+    print_stream(tok, tokens) if stops is None else print_stream(tok, tokens, stops=stops)
     return 0
 
 

@@ -1,0 +1,466 @@
+"""Chat data: conversations (messages or ShareGPT records) rendered by a jinja chat template into token ids, with
+the loss on the assistant's tokens only; rendered and tokenized the way Transformers' apply_chat_template does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from datetime import datetime
+from importlib import resources
+
+from glm5f.data import IGNORE_INDEX, ByteTokenizer, Example, FileTokenizer
+
+ROLES = ("system", "user", "assistant", "tool")
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "model": "assistant", "function_call": "assistant", "observation": "tool", "tool": "tool",
+                  "function": "tool", "function_response": "tool", "tool_response": "tool"}
+TRAIN_ON = ("assistant", "last", "all")
+# Tokens that end an assistant turn: generation stops at them, and the one right after a trained turn is trained too.
+STOP_TOKENS = ("<|user|>", "<|observation|>", "<|im_end|>", "<|eot_id|>", "<|end|>")
+_REASONING = ("reasoning_content", "thinking", "reasoning")  # the names a message's reasoning goes by
+
+
+# ---- the byte tokenizer's special tokens ------------------------------------------------------------------------
+
+class ChatByteTokenizer(ByteTokenizer):
+    """The byte tokenizer with chat special tokens, each one id: bos 256, eos 257, pad 258 as ever, then
+    CHAT_SPECIALS from 259 in their listed order (so the tiny presets, vocab 512, hold them all)."""
+
+    CHAT_SPECIALS = ("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<think>",
+                     "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+                     "</arg_value>", "<tool_response>", "</tool_response>", "<|im_start|>", "<|im_end|>")
+    BOS, EOS, PAD = "<|begin_of_text|>", "<|endoftext|>", "<|pad|>"
+
+    def __init__(self):
+        self.special = {self.BOS: 256, self.EOS: 257, self.PAD: 258}
+        self.special.update((s, 259 + i) for i, s in enumerate(self.CHAT_SPECIALS))
+        self.names = {i: s for s, i in self.special.items()}
+        self.vocab_size = 259 + len(self.CHAT_SPECIALS)
+        self._split = re.compile("(" + "|".join(re.escape(s) for s in sorted(self.special, key=len, reverse=True))
+                                 + ")")
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of `text` (a special token's text is its one id) and each one's [start, end) in characters."""
+        ids, offsets, at = [], [], 0
+        for piece in self._split.split(text):
+            if piece in self.special:
+                ids.append(self.special[piece])
+                offsets.append((at, at + len(piece)))
+            else:
+                for j, ch in enumerate(piece):
+                    b = ch.encode("utf-8")
+                    ids += b
+                    offsets += [(at + j, at + j + 1)] * len(b)
+            at += len(piece)
+        return ids, offsets
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_offsets(text)[0]
+
+    def decode(self, ids) -> str:
+        out, run = [], bytearray()
+        for i in ids:
+            if i < 256:
+                run.append(i)
+                continue
+            out.append(run.decode("utf-8", errors="replace"))
+            run = bytearray()
+            if i in self.names and i not in (self.bos_id, self.eos_id, self.pad_id):
+                out.append(self.names[i])
+        return "".join(out) + run.decode("utf-8", errors="replace")
+
+    def token_id(self, text: str) -> int | None:
+        return self.special.get(text)
+
+    def template_tokens(self) -> dict[str, str]:
+        return {"bos_token": self.BOS, "eos_token": self.EOS, "pad_token": self.PAD}
+
+
+def chat_tokenizer(path: str | None):
+    """The tokenizer of chat data: the byte tokenizer with its chat special tokens, or a tokenizer.json's."""
+    return ChatByteTokenizer() if path is None else FileTokenizer(path)
+
+
+def encode_offsets(tok, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    if isinstance(tok, ChatByteTokenizer):
+        return tok.encode_offsets(text)
+    enc = tok._tok.encode(text, add_special_tokens=False)
+    return list(enc.ids), [tuple(o) for o in enc.offsets]
+
+
+def token_id(tok, text: str) -> int | None:
+    return tok.token_id(text) if isinstance(tok, ChatByteTokenizer) else tok._tok.token_to_id(text)
+
+
+def template_tokens(tok, tokenizer_path: str | None) -> dict[str, str]:
+    """bos_token, eos_token, ... as a template sees them: tokenizer_config.json's, else the tokenizer's own."""
+    if isinstance(tok, ChatByteTokenizer):
+        return tok.template_tokens()
+    out = {}
+    config = _tokenizer_config(tokenizer_path)
+    for name in ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"):
+        value = config.get(name)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            out[name] = value
+    for name, i in (("bos_token", tok.bos_id), ("eos_token", tok.eos_id)):
+        if name not in out and i is not None:
+            out[name] = tok._tok.id_to_token(i)
+    return out
+
+
+def _tokenizer_dir(tokenizer_path: str | None) -> str | None:
+    if tokenizer_path is None:
+        return None
+    return tokenizer_path if os.path.isdir(tokenizer_path) else os.path.dirname(os.path.abspath(tokenizer_path))
+
+
+def _tokenizer_config(tokenizer_path: str | None) -> dict:
+    d = _tokenizer_dir(tokenizer_path)
+    file = os.path.join(d, "tokenizer_config.json") if d else None
+    if not file or not os.path.isfile(file):
+        return {}
+    try:
+        with open(file, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{file}: not a readable JSON file ({e}); fix it or remove it") from None
+    return config if isinstance(config, dict) else {}
+
+
+# ---- templates --------------------------------------------------------------------------------------------------
+
+def default_template() -> str:
+    """The GLM-5-style template shipped with glm5f (glm5f/data/glm5_chat_template.jinja)."""
+    return resources.files("glm5f").joinpath("data/glm5_chat_template.jinja").read_text(encoding="utf-8")
+
+
+def template_source(tokenizer_path: str | None, chat_template: str | None) -> tuple[str, str]:
+    """(template text, where it came from): --data.chat_template FILE; else the tokenizer directory's
+    chat_template.jinja, else its tokenizer_config.json's chat_template; else (byte tokenizer) the shipped one."""
+    if chat_template is not None:
+        if not os.path.isfile(chat_template):
+            raise FileNotFoundError(f"--data.chat_template {chat_template!r}: no such file (expected a jinja chat "
+                                    f"template, e.g. a chat_template.jinja)")
+        with open(chat_template, encoding="utf-8") as f:
+            return f.read(), chat_template
+    if tokenizer_path is None:
+        return default_template(), "glm5f's GLM-5 chat template"
+    d = _tokenizer_dir(tokenizer_path)
+    jinja = os.path.join(d, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        with open(jinja, encoding="utf-8") as f:
+            return f.read(), jinja
+    found = _tokenizer_config(tokenizer_path).get("chat_template")
+    if isinstance(found, list):  # named templates: [{"name", "template"}]
+        found = next((t.get("template") for t in found if isinstance(t, dict) and t.get("name") == "default"), None)
+    if isinstance(found, str):
+        return found, os.path.join(d, "tokenizer_config.json")
+    raise ValueError(f"--model.tokenizer_path {tokenizer_path}: no chat template (expected {jinja}, or a "
+                     f"'chat_template' in {os.path.join(d, 'tokenizer_config.json')}); pass --data.chat_template FILE")
+
+
+class ChatTemplate:
+    """A chat template compiled as apply_chat_template compiles it: an immutable sandboxed jinja2 environment with
+    trim_blocks and lstrip_blocks, loop controls, the {% generation %} tag, raise_exception, strftime_now and a
+    tojson that leaves non-ASCII text as it is."""
+
+    def __init__(self, source: str, name: str = "chat template"):
+        import jinja2
+        from jinja2.ext import Extension, loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        spans_of = self._spans = []  # [(start, end)] of the {% generation %} blocks of the render in progress
+        done = self._done = []  # the text rendered so far, in pieces
+
+        class Generation(Extension):
+            tags = {"generation"}
+
+            def parse(self, parser):
+                lineno = next(parser.stream).lineno
+                body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+                return jinja2.nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+
+            def _mark(self, caller):
+                text = caller()
+                start = sum(map(len, done))
+                spans_of.append((start, start + len(text)))
+                return text
+
+        def raise_exception(message):
+            raise jinja2.exceptions.TemplateError(message)
+
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[Generation, loopcontrols])
+        env.filters["tojson"] = tojson
+        env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+        self.name, self.source = name, source
+        self.has_generation = re.search(r"\{%-?\s*generation\s*-?%\}", source) is not None
+        try:
+            self._template = env.from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"{name}: not a valid jinja template (line {e.lineno}: {e.message})") from None
+
+    def render(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = False,
+               **tokens) -> tuple[str, list[tuple[int, int]]]:
+        """(text, [start, end) of each {% generation %} block's text)."""
+        import jinja2
+
+        self._spans.clear()
+        self._done.clear()
+        try:
+            for piece in self._template.generate(messages=messages, tools=tools, documents=None,
+                                                 add_generation_prompt=add_generation_prompt, **tokens):
+                self._done.append(piece)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"{self.name} failed: {e}") from None
+        except Exception as e:  # a template is code: it can fail like any (a key lookup, a type error)
+            raise ValueError(f"{self.name} failed: {type(e).__name__}: {e}") from None
+        return "".join(self._done), list(self._spans)
+
+
+# ---- records ----------------------------------------------------------------------------------------------------
+
+def is_chat_record(rec) -> bool:
+    return isinstance(rec, dict) and ("messages" in rec or "conversations" in rec)
+
+
+def _json_value(value, what: str):
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{what} is a string but not JSON ({e.msg} at column {e.colno})") from None
+    return value
+
+
+def _tool_calls(calls, what: str) -> list[dict]:
+    calls = _json_value(calls, what)
+    if isinstance(calls, dict):
+        calls = [calls]
+    if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+        raise ValueError(f"{what} must be a list of {{'function': {{'name', 'arguments'}}}} objects")
+    out = []
+    for c in calls:
+        f = c.get("function", c)
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise ValueError(f"{what}: a tool call needs a function name, found {json.dumps(c)[:80]}")
+        f = {**f, "arguments": _json_value(f.get("arguments", {}), f"{what}: the arguments of {f['name']}")}
+        out.append({**{k: v for k, v in c.items() if k != "function"}, "type": c.get("type", "function"),
+                    "function": f})
+    return out
+
+
+def chat_messages(rec: dict) -> tuple[list[dict], list | None]:
+    """(messages, tools) of a chat record, either form: {"messages": [{"role", "content", ...}], "tools"} or
+    ShareGPT {"conversations": [{"from", "value"}], "system", "tools"} (a function_call turn's value is the JSON
+    of {"name", "arguments"}, or a list of them). Keys whose value is null are dropped and reasoning is also
+    passed as reasoning_content and thinking (as apply_chat_template does); tool calls take the form
+    {"type": "function", "function": {"name", "arguments"}}, with arguments given as a JSON string parsed.
+    ValueError: what is wrong."""
+    tools = _json_value(rec.get("tools"), "'tools'")
+    if tools is not None and not isinstance(tools, list):
+        raise ValueError(f"'tools' must be a list of tool schemas, found {type(tools).__name__}")
+    if "messages" in rec:
+        raw = rec["messages"]
+        if not isinstance(raw, list):
+            raise ValueError(f"'messages' must be a list of {{'role', 'content'}} objects, found {type(raw).__name__}")
+        messages = []
+        for i, m in enumerate(raw):
+            if not isinstance(m, dict):
+                raise ValueError(f"message {i} must be an object with 'role' and 'content', found {m!r:.60}")
+            m = {k: v for k, v in m.items() if v is not None}
+            if m.get("role") not in ROLES:
+                raise ValueError(f"message {i} has role {m.get('role')!r}; expected one of {', '.join(ROLES)}")
+            if "tool_calls" in m:
+                m["tool_calls"] = _tool_calls(m["tool_calls"], f"message {i}: 'tool_calls'")
+            if not isinstance(m.get("content", "" if m.get("tool_calls") else None), str):
+                found = "none" if "content" not in m else type(m["content"]).__name__
+                raise ValueError(f"message {i} ({m['role']}) needs a string 'content', found {found}")
+            messages.append(m)
+    else:
+        raw = rec["conversations"]
+        if not isinstance(raw, list):
+            raise ValueError(f"'conversations' must be a list of {{'from', 'value'}} objects, found "
+                             f"{type(raw).__name__}")
+        messages = []
+        if isinstance(rec.get("system"), str) and rec["system"]:
+            messages.append({"role": "system", "content": rec["system"]})
+        for i, m in enumerate(raw):
+            if not isinstance(m, dict):
+                raise ValueError(f"turn {i} must be an object with 'from' and 'value', found {m!r:.60}")
+            role = SHAREGPT_ROLES.get(m.get("from"))
+            if role is None:
+                raise ValueError(f"turn {i} is from {m.get('from')!r}; expected one of {', '.join(SHAREGPT_ROLES)}")
+            if not isinstance(m.get("value"), str):
+                found = "none" if m.get("value") is None else type(m["value"]).__name__
+                raise ValueError(f"turn {i} ({m['from']}) needs a string 'value', found {found}")
+            if m["from"] == "function_call":
+                messages.append({"role": "assistant", "content": "",
+                                 "tool_calls": _tool_calls(m["value"], f"turn {i} (function_call)")})
+            else:
+                messages.append({"role": role, "content": m["value"]})
+    for i, m in enumerate(messages):
+        reasoning = next((m[k] for k in _REASONING if m.get(k) is not None), None)
+        if reasoning is not None:
+            messages[i] = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+    return messages, tools
+
+
+# ---- tokens and loss mask ---------------------------------------------------------------------------------------
+
+def span_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
+    """1 for each token (its [start, end) characters) that overlaps one of the ordered spans, else 0."""
+    mask, s = [0] * len(offsets), 0
+    for i, (start, end) in enumerate(offsets):
+        while s < len(spans) and start >= spans[s][1]:
+            s += 1
+        if s == len(spans):
+            break
+        mask[i] = int(end > spans[s][0])
+    return mask
+
+
+class ChatFormat:
+    """A tokenizer with a chat template: a conversation's token ids and which of them are the assistant's."""
+
+    def __init__(self, tok, template: ChatTemplate, tokens: dict[str, str]):
+        self.tok, self.template, self.tokens = tok, template, tokens
+        stops = [token_id(tok, s) for s in STOP_TOKENS] + [tok.eos_id]
+        self.stop_ids = sorted({i for i in stops if i is not None})
+
+    @classmethod
+    def load(cls, tokenizer_path: str | None, chat_template: str | None = None) -> "ChatFormat":
+        tok = chat_tokenizer(tokenizer_path)
+        source, name = template_source(tokenizer_path, chat_template)
+        return cls(tok, ChatTemplate(source, name), template_tokens(tok, tokenizer_path))
+
+    def render(self, messages, tools=None, add_generation_prompt=False):
+        return self.template.render(messages, tools, add_generation_prompt, **self.tokens)
+
+    def ids(self, messages, tools=None, add_generation_prompt=False) -> list[int]:
+        return encode_offsets(self.tok, self.render(messages, tools, add_generation_prompt)[0])[0]
+
+    def tokenize(self, messages: list[dict], tools=None) -> tuple[list[int], list[int]]:
+        """(ids, assistant mask) of a whole conversation, as apply_chat_template(..., tokenize=True,
+        return_dict=True, return_assistant_tokens_mask=True) gives them; without {% generation %} blocks the
+        mask comes from rendering each assistant turn's prefix: the tokens a turn adds are the turn's."""
+        text, spans = self.render(messages, tools)
+        ids, offsets = encode_offsets(self.tok, text)
+        if self.template.has_generation:
+            return ids, span_mask(offsets, spans)
+        mask = [0] * len(ids)
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before = self.ids(messages[:i], tools, add_generation_prompt=True)
+            turn = self.ids(messages[:i + 1], tools)
+            if turn[:len(before)] != before or ids[:len(turn)] != turn:
+                raise ValueError(f"{self.template.name}: the tokens of the conversation up to assistant message {i} "
+                                 f"are not a prefix of the whole one's (the template renders earlier turns "
+                                 f"differently once later ones follow); mark the assistant text with "
+                                 f"{{% generation %}} blocks in the template, or use --data.train_on all")
+            mask[len(before):len(turn)] = [1] * (len(turn) - len(before))
+        return ids, mask
+
+    def example(self, messages: list[dict], tools=None, train_on: str = "assistant") -> Example:
+        """The conversation as an Example: labels on the assistant tokens (train_on "assistant"), on those of the
+        last assistant message ("last") or on every token ("all"). After each trained assistant turn the stop
+        token that ends it (the next turn's role token) is trained too, and eos is appended (and trained) when the
+        conversation ends with a turn that ends in no stop token, so the model learns where to stop."""
+        ids, mask = self.tokenize(messages, tools)
+        if train_on == "last":
+            last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+            before = self.ids(messages[:last], tools, add_generation_prompt=True)
+            common = next((j for j, (a, b) in enumerate(zip(before, ids)) if a != b), min(len(before), len(ids)))
+            mask = [0] * common + mask[common:]
+        for j in range(1, len(ids)):
+            if mask[j - 1] and not mask[j] and ids[j] in self.stop_ids:
+                mask[j] = 1
+        if mask and mask[-1] and ids[-1] not in self.stop_ids and self.tok.eos_id is not None:
+            ids, mask = ids + [self.tok.eos_id], mask + [1]
+        return Example(ids, [t if m or train_on == "all" else IGNORE_INDEX for t, m in zip(ids, mask)])
+
+
+class ChatData:
+    """Chat records to Examples for a run: the format, --data.train_on and --data.seq_len (a longer record is
+    truncated to its first seq_len tokens; dropped when that leaves no trained token)."""
+
+    def __init__(self, fmt: ChatFormat, train_on: str = "assistant", seq_len: int | None = None):
+        if train_on not in TRAIN_ON:
+            raise ValueError(f"--data.train_on must be one of {', '.join(TRAIN_ON)}, got {train_on!r}")
+        self.fmt, self.train_on, self.seq_len = fmt, train_on, seq_len
+
+    def example(self, rec: dict, where: str) -> Example:
+        """The Example of one chat record; an empty one, with a note saying why, when it has nothing to learn."""
+        try:
+            messages, tools = chat_messages(rec)
+            if not any(m["role"] == "assistant" for m in messages):
+                return Example([], [], note="have no assistant turn (nothing to learn): skipped")
+            ex = self.fmt.example(messages, tools, self.train_on)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        if all(t == IGNORE_INDEX for t in ex.labels[1:]):
+            return Example([], [], note="have no token the template marks as the assistant's: skipped")
+        if self.seq_len is not None and len(ex.ids) > self.seq_len:
+            ids, labels = ex.ids[:self.seq_len], ex.labels[:self.seq_len]
+            if all(t == IGNORE_INDEX for t in labels[1:]):
+                return Example([], [], note=f"are longer than --data.seq_len {self.seq_len} with no assistant token "
+                                            f"in their first {self.seq_len}: dropped")
+            return Example(ids, labels, note=f"are longer than --data.seq_len {self.seq_len}: truncated to their "
+                                             f"first {self.seq_len} tokens")
+        return ex
+
+
+def sample_records(part: str | None = None) -> list[tuple[str, dict]]:
+    """(where, record) of the chat sample shipped with glm5f (glm5f/data/chat_sample.jsonl): all of it, or its
+    "train" or "eval" part (every 10th conversation, counting from the 10th, is "eval")."""
+    name = "data/chat_sample.jsonl"
+    lines = resources.files("glm5f").joinpath(name).read_text(encoding="utf-8").splitlines()
+    out = [(f"glm5f/{name}:{n}", json.loads(line)) for n, line in enumerate(lines, 1) if line.strip()]
+    if part is None:
+        return out
+    return [r for i, r in enumerate(out) if (i % 10 == 9) == (part == "eval")]
+
+
+def run_chat_data(tokenizer_path: str | None, chat_template: str | None, train_on: str, seq_len: int,
+                  vocab_size: int):
+    """A function giving the run's ChatData, made (template read, tokenizer checked) when first called, so
+    data without chat records never needs a chat template."""
+    if train_on not in TRAIN_ON:
+        raise ValueError(f"--data.train_on must be one of {', '.join(TRAIN_ON)}, got {train_on!r}")
+    made = []
+
+    def chat() -> ChatData:
+        if not made:
+            fmt = ChatFormat.load(tokenizer_path, chat_template)
+            if fmt.tok.vocab_size > vocab_size:
+                raise ValueError(f"the chat tokenizer has {fmt.tok.vocab_size} ids (with its special tokens) but the "
+                                 f"model's vocab_size is {vocab_size}: raise --model.vocab_size to at least "
+                                 f"{fmt.tok.vocab_size}")
+            made.append(ChatData(fmt, train_on, seq_len))
+        return made[0]
+    return chat
+
+
+def sample_source(part: str, *, vocab_size: int, batch_size: int, seq_len: int, seed: int = 0,
+                  tokenizer_path: str | None = None, pack: bool = True, chat: ChatData | None = None,
+                  chat_template: str | None = None, train_on: str = "assistant", warn=lambda message: None):
+    """The shipped chat sample's "train" or "eval" part as a PackedSource."""
+    from glm5f.data import PackedSource, RecordNotes, check_vocab
+
+    chat = chat or run_chat_data(tokenizer_path, chat_template, train_on, seq_len, vocab_size)()
+    notes, examples = RecordNotes(), []
+    for where, rec in sample_records(part):
+        ex = chat.example(rec, where)
+        notes.add(rec, where, ex)
+        examples.append(ex)
+    notes.warn(True, None, warn)
+    name = f"chat sample ({part})"
+    check_vocab(examples, vocab_size, name)
+    return PackedSource([ex for ex in examples if ex.ids], batch_size, seq_len, seed, chat.fmt.tok.pad_id, pack, name)
