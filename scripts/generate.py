@@ -22,6 +22,7 @@ import glm5f  # noqa: E402
 from glm5f import checkpoint  # noqa: E402
 from glm5f.data import make_tokenizer  # noqa: E402
 from glm5f.decode import stream  # noqa: E402
+from glm5f.distributed import check_device  # noqa: E402
 
 
 def load(path: str, tokenizer: str | None = None, device: str = "cpu"):
@@ -85,16 +86,21 @@ def main(argv=None) -> int:
     try:
         if args.max_tokens < 0 or not 0 < args.top_p <= 1 or args.temperature < 0:
             raise ValueError("--max-tokens must be >= 0, --temperature >= 0 and --top-p in (0, 1]")
+        check_device(torch.device(args.device), "--device")
         cfg, params, tok = load(args.model, args.tokenizer, args.device)
         ids_1xS = torch.tensor([prompt_ids(tok, args.prompt)], device=args.device)
     except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     generator = torch.Generator(args.device).manual_seed(args.seed)
-    sys.stdout.write(args.prompt)
-    new = stream(params, cfg, ids_1xS, args.max_tokens, eos_token_id=tok.eos_id, temperature=args.temperature,
-                 top_p=args.top_p, generator=generator)
-    print_stream(tok, (int(t[0]) for t in new))
+    try:
+        sys.stdout.write(args.prompt)
+        new = stream(params, cfg, ids_1xS, args.max_tokens, eos_token_id=tok.eos_id, temperature=args.temperature,
+                     top_p=args.top_p, generator=generator)
+        print_stream(tok, (int(t[0]) for t in new))
+    except BrokenPipeError:  # the reader went away (`generate.py ... | head`): stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not fail again
     return 0
 
 
