@@ -12,6 +12,7 @@ import dataclasses
 import math
 import os
 import shutil
+import signal
 import sys
 import time
 
@@ -19,16 +20,16 @@ import torch
 import tyro
 
 import glm5f
-from configs import Config, validate
-from glm5f import checkpoint
-from glm5f.data import make_eval_source, make_source, print_warning
-from glm5f.hf import check_export_dir
+from configs import Config, validate, with_data_type
+from glm5f import checkpoint, preempt
+from glm5f.data import check_first_batch, make_eval_source, make_source, print_warning
+from glm5f.hf import check_export_dir, check_loaded_finite
 from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
 from glm5f.model import apply, check_input_ids, cross_entropy_sum, mtp_apply, mtp_inputs, mtp_targets, shift_labels
 from glm5f.moe import SeqAux
 from glm5f.optim import (adamw_init, adamw_update, balance_router_bias, clip_by_global_norm, lr_schedule, matches,
-                         trained_paths, value_and_grad)
-from glm5f.distributed import DistLayout, WorkerFailure, init_process, spawn, under_torchrun
+                         schedule_change, schedule_total, trained_paths, value_and_grad)
+from glm5f.distributed import DistLayout, WorkerFailure, check_device, init_process, spawn, under_torchrun
 from glm5f.parallel import Layout
 from glm5f.params import flatten, leaf_dtype, map_with_path
 
@@ -42,7 +43,7 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("npu"):
         import torch_npu  # noqa: F401  (registers the "npu" device)
-    return torch.device(name)
+    return check_device(torch.device(name), "--train.device")
 
 
 @contextlib.contextmanager
@@ -299,6 +300,7 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     errors = validate(cfg, world_size=layout.world if layout else 1)
     if errors:
         raise TrainingError("invalid configuration:\n  - " + "\n  - ".join(errors))
+    cfg = with_data_type(cfg)
     check_supported(cfg)
     if cfg.checkpoint.export_hf:
         with user_errors():
@@ -327,6 +329,7 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
             return p
         with user_errors():
             params = layout.local_params(load)
+            check_loaded_finite(params, cfg.model.init_from, layout.sum)
         model_cfg = loaded["cfg"]
     else:  # each rank makes only its own shards
         model_cfg = cfg.model.build()
@@ -339,7 +342,7 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         data = make_source(cfg.data.type, vocab_size=model_cfg.vocab_size, batch_size=cfg.data.batch_size,
                            seq_len=cfg.data.seq_len, seed=cfg.data.seed, path=cfg.data.path,
                            tokenizer_path=cfg.model.tokenizer_path, pack=cfg.data.pack, split=cfg.data.split,
-                           warn=warn, shuffle_buffer=cfg.data.shuffle_buffer)
+                           warn=warn, shuffle_buffer=cfg.data.shuffle_buffer, allow_changed=cfg.data.allow_changed)
         held_out = make_eval_source(cfg.data.type, vocab_size=model_cfg.vocab_size, batch_size=cfg.data.batch_size,
                                     seq_len=cfg.data.seq_len, seed=cfg.data.seed, path=cfg.eval.path,
                                     split=cfg.eval.split, train_path=cfg.data.path,
@@ -374,19 +377,23 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
                 extra = checkpoint.load(last_ckpt, state)
             params, opt_state = state["params"], state["optim"]
             try:
-                data.load_state_dict(extra["data"])
+                with user_errors():
+                    data.load_state_dict(extra["data"])
             except (KeyError, TypeError) as e:
                 raise TrainingError(f"{last_ckpt}: its data position does not fit --data.type {cfg.data.type} "
                                     f"(no {e}); resume with the --data flags it was saved with") from None
             checkpoint.set_rng_state(extra["rng"])
             start = extra["step"]
             say(f"resumed from {last_ckpt} at step {start}")
+            note = schedule_change(meta.get("run"), cfg.optim, cfg.train, start)
+            if note:
+                say(note)
     if start >= cfg.train.steps:
         say(f"nothing to do: step {start} >= --train.steps {cfg.train.steps}")
         export(cfg, model_cfg, params, layout, say)
         return read_metrics(run_dir)
 
-    log = MetricsLog(run_dir, start) if layout.is_main else None
+    log = MetricsLog(run_dir, start, warn) if layout.is_main else None
     progress = Progress(cfg.train.steps, start, cfg.train.log_every) if layout.is_main else None
     say(f"glm5f: {cfg.model.preset if not cfg.model.init_from else cfg.model.init_from} "
         f"({glm5f.param_count(model_cfg):,} parameters), {cfg.data.type} data, {cfg.data.batch_size}x"
@@ -399,10 +406,14 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         with user_errors():  # a streamed record is read, and checked, when a batch needs it
             batch = {k: v.to(device) for k, v in data.next_batch().items()}
         check_input_ids(batch["input_ids"], model_cfg)
+        if step == start:
+            with user_errors():
+                check_first_batch(batch, step, cfg.data.path or cfg.data.type)
         metrics, grads, counts = step_grads(params, batch, cfg, model_cfg, layout)
         loss = metrics["loss"]
         grads, grad_norm = clip_by_global_norm(grads, cfg.optim.clip_norm)
-        lr = lr_schedule(step, peak=cfg.optim.lr, warmup=cfg.optim.warmup_steps, total=cfg.train.steps,
+        lr = lr_schedule(step, peak=cfg.optim.lr, warmup=cfg.optim.warmup_steps,
+                         total=schedule_total(cfg.optim, cfg.train),
                          min_ratio=cfg.optim.min_lr_ratio)
         bad = [f"the {name} is {v}" for name, v in (("loss", loss), ("grad norm", float(grad_norm)))
                if not math.isfinite(v)]
@@ -431,13 +442,16 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         if layout.is_main:
             log.write(rec)
             progress.update(step + 1, rec)
-        if (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0) or step + 1 == cfg.train.steps:
+        stop = preempt.should_stop(layout)  # SIGTERM on any rank: all save this step, then stop
+        if stop or (cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0) or step + 1 == cfg.train.steps:
             check_finite(params, layout, step + 1, last_ckpt)
             last_ckpt = checkpoint.save(
                 run_dir, step + 1, {"params": params, "optim": opt_state},
                 extra={"step": step + 1, "data": data.state_dict(), "rng": checkpoint.rng_state()},
                 meta={"model": model_cfg.to_hf(), "run": dataclasses.asdict(cfg)},
                 keep=cfg.checkpoint.keep)
+        if stop:
+            raise preempt.Preempted(step + 1, last_ckpt)
 
     if layout.is_main:
         history = read_metrics(run_dir)
@@ -471,11 +485,19 @@ def export(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, layout: Layou
 def run_rank(argv: list[str]) -> None:
     """One process of a multi-process run (spawned by main, or started by torchrun)."""
     cfg = tyro.cli(Config, args=argv, use_underscores=True)
-    device = init_process(resolve_device(cfg.train.device))
+    device = init_process(resolve_device(cfg.train.device), cfg.parallel.timeout_s)
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     p = cfg.parallel
-    train(cfg, DistLayout(p.dp_shard, p.cp, p.ep, device))
+    with preempt.handling(cfg.checkpoint.preempt_grace_s):
+        try:
+            train(cfg, DistLayout(p.dp_shard, p.cp, p.ep, device))
+        except (preempt.Preempted, preempt.StopNow) as e:  # every rank stops here; rank 0 says where
+            if os.environ.get("RANK") == "0":
+                print(e.message(argv) if isinstance(e, preempt.Preempted) else
+                      preempt.interrupted_line(f"{e} (without saving)", cfg.checkpoint.dir, argv),
+                      file=sys.stderr, flush=True)
+            raise SystemExit(preempt.SIGNAL_EXIT[signal.SIGTERM]) from None
 
 
 def plan_run(cfg: Config) -> None:
@@ -501,13 +523,27 @@ def main(argv: list[str] | None = None) -> int:
         if errors:  # before any process starts
             raise TrainingError("invalid configuration:\n  - " + "\n  - ".join(errors))
         check_supported(cfg)
-        if under_torchrun():
-            run_rank(argv)
-        elif world > 1:
-            spawn(run_rank, world, argv)
-        else:
-            train(cfg)
-    except (TrainingError, NotImplementedError, WorkerFailure) as e:
+        cfg = with_data_type(cfg)
+        checkpoint.check_run_paths(cfg)
+        with checkpoint.run_lock(cfg.checkpoint.dir):
+            if under_torchrun():
+                run_rank(argv)
+            elif world > 1:
+                spawn(run_rank, world, argv)
+            else:
+                with preempt.handling(cfg.checkpoint.preempt_grace_s):
+                    train(cfg)
+    except preempt.Preempted as e:
+        print(e.message(argv), file=sys.stderr)
+        return preempt.SIGNAL_EXIT[e.signum]
+    except (preempt.StopNow, KeyboardInterrupt) as e:
+        why = f"{e} (without saving)" if isinstance(e, preempt.StopNow) else "on Ctrl-C (SIGINT)"
+        print(preempt.interrupted_line(why, cfg.checkpoint.dir, argv), file=sys.stderr)
+        return 130 if isinstance(e, KeyboardInterrupt) else 143
+    except WorkerFailure as e:
+        print(f"error: {e}; {checkpoint.last_line(cfg.checkpoint.dir)}", file=sys.stderr)
+        return 1
+    except (TrainingError, NotImplementedError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

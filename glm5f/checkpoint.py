@@ -215,6 +215,13 @@ def latest(run_dir: str) -> str | None:
     return os.path.join(root, done[-1]) if done else None
 
 
+def last_line(run_dir: str) -> str:
+    """Where a stopped run can go on from: its newest complete checkpoint and the flag, or that it has none."""
+    found = latest(run_dir)
+    return (f"the last checkpoint is {found}: resume from it with --checkpoint.resume latest" if found else
+            f"no checkpoint was written in {run_dir}")
+
+
 def _crc32(path: str) -> str:
     crc = 0
     with open(path, "rb") as f:

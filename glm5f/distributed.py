@@ -293,12 +293,15 @@ def _worker(local_rank: int, world: int, port: int, fn, args, parent_pid: int | 
         timeout = collective_timeout(e)
         if timeout:
             print(f"error: [rank {local_rank}] {timeout}", file=sys.stderr, flush=True)
-            raise SystemExit(1) from None
+            raise SystemExit(TIMEOUT_EXIT) from None
         print(f"[rank {local_rank}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+TIMEOUT_EXIT = 124  # a worker's exit code after a collective timed out (collective_timeout)
 
 
 def collective_timeout(e: BaseException) -> str | None:
@@ -312,9 +315,8 @@ def collective_timeout(e: BaseException) -> str | None:
         return None
     found = re.search(r"(?:from|to|peer|rank)[ :]+(\d+)", text)
     who = f"rank {found.group(1)} stopped answering" if found else "another rank stopped answering"
-    return (f"a collective timed out after --parallel.timeout_s: {who} (hung, stopped or dead: "
-            f"{text.strip().splitlines()[0][:160] if text.strip() else type(e).__name__}); the run stops, resume it "
-            f"from its last checkpoint with --checkpoint.resume latest")
+    return (f"a collective timed out after --parallel.timeout_s: {who} (hung, stopped or dead; "
+            f"{text.strip().splitlines()[0][:160] if text.strip() else type(e).__name__})")
 
 
 def _wait_stopping(processes) -> int | None:
@@ -330,6 +332,21 @@ def _wait_stopping(processes) -> int | None:
         if all(c is not None for c in codes):
             return max(codes) if any(codes) else None
         wait([p.sentinel for p, c in zip(processes, codes) if c is None], timeout=1.0)
+
+
+def _silent_after_timeout(processes, grace_s: float = 5.0) -> list[int]:
+    """When a worker ended on a collective timeout (TIMEOUT_EXIT): the workers still running `grace_s` later, the
+    ones that stopped answering (killed now); [] otherwise."""
+    if not any(p.exitcode == TIMEOUT_EXIT for p in processes):
+        return []
+    deadline = time.monotonic() + grace_s
+    for p in processes:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    silent = [i for i, p in enumerate(processes) if p.exitcode is None]
+    for i in silent:
+        os.kill(processes[i].pid, signal.SIGKILL)
+        processes[i].join()
+    return silent
 
 
 class WorkerFailure(RuntimeError):
@@ -353,6 +370,11 @@ def spawn(fn, world: int, *args) -> None:
         stopped = _wait_stopping(ctx.processes)
         if stopped:  # every worker stopped on a signal, after one checkpoint (rank 0 said where): exit as they did
             raise SystemExit(stopped)
+        silent = _silent_after_timeout(ctx.processes)
+        if silent:
+            raise WorkerFailure(f"worker(s) {', '.join(map(str, silent))} stopped answering: the others' collective "
+                                f"timed out after --parallel.timeout_s waiting for them, and they were still running "
+                                f"(hung or stopped), so all {world} workers were stopped")
         while not ctx.join():
             pass
     except mp.ProcessExitedException as e:

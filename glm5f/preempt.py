@@ -56,7 +56,7 @@ def resume_command(argv: list[str]) -> str:
 
 def _on_sigterm(signum, frame) -> None:
     if _state["signum"] is not None:
-        raise StopNow("a second SIGTERM")
+        raise StopNow("by a second SIGTERM")
     _state["signum"] = signum
     grace = _state["grace_s"]
     if grace:
@@ -65,7 +65,7 @@ def _on_sigterm(signum, frame) -> None:
 
 
 def _on_alarm(signum, frame) -> None:
-    raise StopNow(f"the grace period after SIGTERM (--checkpoint.preempt_grace_s {_state['grace_s']}) ran out")
+    raise StopNow(f"as the grace period after SIGTERM (--checkpoint.preempt_grace_s {_state['grace_s']}) ran out")
 
 
 @contextlib.contextmanager
