@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 import glm5f
-from glm5f.data import load_batches
+from glm5f.data import check_path_fits, infer_data_type, load_batches
 from glm5f.optim import trained_paths
 
 @dataclass
@@ -93,10 +93,11 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    type: Literal["text", "synthetic", "json_file", "preset_pt", "hf_datasets", "chat"] = "text"
+    type: Optional[Literal["text", "synthetic", "json_file", "preset_pt", "hf_datasets", "chat"]] = None
     """text: the embedded corpus; synthetic: seeded bigram sequences; json_file: JSONL; preset_pt: torch.save'd
     batches; hf_datasets: a datasets.save_to_disk directory; chat: the embedded chat sample, or a JSONL of chat
-    records with --data.path."""
+    records with --data.path. None: from --data.path (.jsonl[.gz]: json_file, .pt: preset_pt, a saved dataset:
+    hf_datasets); text without a path."""
     path: Optional[str] = None
     """File or directory for json_file, preset_pt and hf_datasets (for chat: a JSONL of chat records)."""
     split: Optional[str] = None
@@ -117,6 +118,9 @@ class DataConfig:
     tokenizer directory's chat_template.jinja or tokenizer_config.json's, else glm5f's GLM-5-style one."""
     train_on: Literal["assistant", "last", "all"] = "assistant"
     """Chat records: the loss on every assistant turn's tokens, on the last assistant turn's only, or on all."""
+    allow_changed: bool = False
+    """Resume even though the data files differ from those the checkpoint was saved on (size or content), taking
+    the saved position as it is; default: such a resume is an error."""
 
 
 @dataclass
@@ -127,6 +131,9 @@ class OptimConfig:
     """Steps of linear warm-up from lr / warmup_steps to lr; 0: start at lr."""
     min_lr_ratio: float = 0.1
     """Cosine decay ends at lr * min_lr_ratio."""
+    schedule_steps: Optional[int] = None
+    """Steps the warm-up + cosine schedule spans (it ends at lr * min_lr_ratio there). Default: --train.steps; set
+    it when resuming with a larger --train.steps to keep the original schedule's total."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay (matrices and embeddings only; not norms, biases or the router bias)."""
     b1: float = 0.9
@@ -194,6 +201,8 @@ class ParallelConfig:
     """Expert-parallel ranks, carved out of dp_shard x cp."""
     tp: int = 1
     """Tensor parallelism (not built yet: must be 1)."""
+    timeout_s: int = 300
+    """Seconds a collective waits for every rank before the run stops with an error naming the silent rank."""
     device_memory_gb: Optional[float] = None
     """Memory of one accelerator in GB (10^9 bytes) for --plan; default: the visible accelerator's (none on CPU)."""
 
@@ -217,6 +226,9 @@ class CheckpointConfig:
     export, which is replaced)."""
     overwrite: bool = False
     """Start over in a run directory that holds a previous run: delete its checkpoints/, metrics.jsonl, loss.png."""
+    preempt_grace_s: Optional[float] = None
+    """After SIGTERM the ranks finish their step and save one checkpoint together; if that takes longer than this
+    many seconds, stop without saving (as a second SIGTERM does). None: no limit."""
 
 
 @dataclass
@@ -247,9 +259,22 @@ class Config:
     meshes that fit --parallel.device_memory_gb); allocates nothing, starts no process, writes nothing."""
 
 
+def with_data_type(cfg: Config) -> Config:
+    """`cfg` with --data.type filled in from --data.path when not given (see data.infer_data_type), and checked
+    to read that path (a ValueError naming both otherwise). Idempotent; the run records the filled-in type."""
+    kind = cfg.data.type or infer_data_type(cfg.data.path)
+    check_path_fits(kind, cfg.data.path)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, type=kind))
+
+
 def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     """Everything wrong with a run config, each with what to change ([] when it is fine)."""
     errs = []
+    try:
+        cfg = with_data_type(cfg)
+    except ValueError as e:
+        errs.append(str(e))
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, type=cfg.data.type or "text"))
     if cfg.model.preset not in glm5f.PRESETS:
         errs.append(f"--model.preset {cfg.model.preset!r} is unknown; choose one of {sorted(glm5f.PRESETS)}")
     for name, value, low in [("--train.steps", cfg.train.steps, 1), ("--train.grad_accum", cfg.train.grad_accum, 1),
@@ -257,7 +282,9 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
                              ("--checkpoint.every", cfg.checkpoint.every, 0), ("--checkpoint.keep", cfg.checkpoint.keep, 0),
                              ("--optim.warmup_steps", cfg.optim.warmup_steps, 0),
                              ("--train.log_every", cfg.train.log_every, 1),
-                             ("--eval.every", cfg.eval.every, 0), ("--eval.batches", cfg.eval.batches, 1)]:
+                             ("--eval.every", cfg.eval.every, 0), ("--eval.batches", cfg.eval.batches, 1),
+                             ("--optim.schedule_steps", cfg.optim.schedule_steps or 0, 0),
+                             ("--parallel.timeout_s", cfg.parallel.timeout_s, 1)]:
         if value < low:
             errs.append(f"{name} must be >= {low}, got {value}")
     if cfg.data.shuffle_buffer < 1:

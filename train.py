@@ -12,6 +12,7 @@ import dataclasses
 import math
 import os
 import shutil
+import signal
 import sys
 import time
 
@@ -19,15 +20,16 @@ import torch
 import tyro
 
 import glm5f
-from configs import Config, validate
-from glm5f import checkpoint
-from glm5f.data import make_eval_source, make_source, print_warning
-from glm5f.distributed import DistLayout, WorkerFailure, init_process, spawn, under_torchrun
-from glm5f.hf import check_export_dir
+from configs import Config, validate, with_data_type
+from glm5f import checkpoint, preempt
+from glm5f.data import check_first_batch, make_eval_source, make_source, print_warning
+from glm5f.distributed import DistLayout, WorkerFailure, check_device, init_process, spawn, under_torchrun
+from glm5f.hf import check_export_dir, check_loaded_finite
 from glm5f.loss import Step, eval_loss, step_grads
 from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
 from glm5f.model import check_input_ids
-from glm5f.optim import adamw_init, adamw_update, balance_router_bias, clip_by_global_norm, lr_schedule, matches
+from glm5f.optim import (adamw_init, adamw_update, balance_router_bias, clip_by_global_norm, lr_schedule, matches,
+                         schedule_change, schedule_total)
 from glm5f.parallel import Layout, local_tensor
 from glm5f.params import flatten
 
@@ -41,7 +43,7 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("npu"):
         import torch_npu  # noqa: F401  (registers the "npu" device)
-    return torch.device(name)
+    return check_device(torch.device(name), "--train.device")
 
 
 @contextlib.contextmanager
@@ -56,6 +58,7 @@ def user_errors():
 def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     """Run the training `cfg` describes (already validated) on `layout` (default: one process); returns the
     metrics records of the steps it ran."""
+    cfg = with_data_type(cfg)
     layout = layout or Layout(resolve_device(cfg.train.device))
     say = print if layout.is_main else (lambda *a, **k: None)
     prepare_run_dir(cfg, layout, say)
@@ -69,7 +72,7 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         say(f"nothing to do: step {start} >= --train.steps {cfg.train.steps}")
         export(cfg, model_cfg, params, layout, say)
         return read_metrics(cfg.checkpoint.dir)
-    log = MetricsLog(cfg.checkpoint.dir, start) if layout.is_main else None
+    log = MetricsLog(cfg.checkpoint.dir, start, print_warning) if layout.is_main else None
     progress = Progress(cfg.train.steps, start, cfg.train.log_every) if layout.is_main else None
     say(f"glm5f: {cfg.model.init_from or cfg.model.preset} ({glm5f.param_count(model_cfg):,} parameters), "
         f"{cfg.data.type} data, {cfg.data.batch_size}x{cfg.data.seq_len} tokens/step, {cfg.train.dtype} on "
@@ -80,10 +83,13 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         with user_errors():  # a streamed record is read, and checked, when a batch needs it
             batch = {k: v.to(layout.device) for k, v in data.next_batch().items()}
         check_input_ids(batch["input_ids"], model_cfg)
+        if i == start:
+            with user_errors():
+                check_first_batch(batch, i, cfg.data.path or cfg.data.type)
         metrics, grads, counts = step_grads(params, batch, model_cfg, layout, step)
         grads, grad_norm = clip_by_global_norm(grads, cfg.optim.clip_norm)
-        lr = lr_schedule(i, peak=cfg.optim.lr, warmup=cfg.optim.warmup_steps, total=cfg.train.steps,
-                         min_ratio=cfg.optim.min_lr_ratio)
+        lr = lr_schedule(i, peak=cfg.optim.lr, warmup=cfg.optim.warmup_steps,
+                         total=schedule_total(cfg.optim, cfg.train), min_ratio=cfg.optim.min_lr_ratio)
         skipped = check_step(cfg, i + 1, metrics["loss"], float(grad_norm), last_ckpt, say)
         if not skipped:
             params, opt_state = adamw_update(params, grads, opt_state, lr, b1=cfg.optim.b1, b2=cfg.optim.b2,
@@ -102,12 +108,15 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         if layout.is_main:
             log.write(rec)
             progress.update(i + 1, rec)
-        if (cfg.checkpoint.every and (i + 1) % cfg.checkpoint.every == 0) or i + 1 == cfg.train.steps:
+        stop = preempt.should_stop(layout)  # SIGTERM on any rank: all save this step, then stop
+        if stop or (cfg.checkpoint.every and (i + 1) % cfg.checkpoint.every == 0) or i + 1 == cfg.train.steps:
             check_finite(params, layout, i + 1, last_ckpt)
             last_ckpt = checkpoint.save(
                 cfg.checkpoint.dir, i + 1, {"params": params, "optim": opt_state},
                 extra={"step": i + 1, "data": data.state_dict(), "rng": checkpoint.rng_state()},
                 meta={"model": model_cfg.to_hf(), "run": dataclasses.asdict(cfg)}, keep=cfg.checkpoint.keep)
+        if stop:
+            raise preempt.Preempted(i + 1, last_ckpt)
     report(cfg, layout, say)
     export(cfg, model_cfg, params, layout, say)
     return records
@@ -160,6 +169,7 @@ def init_params(cfg: Config, layout: Layout) -> tuple[glm5f.GLM5Config, dict]:
         return p
     with user_errors():
         params = layout.local_params(load)
+        check_loaded_finite(params, cfg.model.init_from, layout.sum)
     return loaded["cfg"], params
 
 
@@ -175,7 +185,7 @@ def make_data(cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout, say):
         warn(f"--train.steps {steps} ends inside the {warmup}-step warm-up (--optim.warmup_steps): the learning "
              f"rate peaks at {cfg.optim.lr * steps / warmup:.2e}, not --optim.lr {cfg.optim.lr:.2e}")
     with user_errors():
-        data = make_source(d.type, path=d.path, split=d.split, warn=warn, **common)
+        data = make_source(d.type, path=d.path, split=d.split, warn=warn, allow_changed=d.allow_changed, **common)
         held_out = make_eval_source(d.type, path=cfg.eval.path, split=cfg.eval.split, train_path=d.path, **common)
         eval_batches = [] if held_out is None or not cfg.eval.every else \
             [{k: v.to(layout.device) for k, v in held_out.next_batch().items()} for _ in range(cfg.eval.batches)]
@@ -211,12 +221,16 @@ def resume(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, opt_state: di
     with user_errors():
         extra = checkpoint.load(ckpt, state)
     try:
-        data.load_state_dict(extra["data"])
+        with user_errors():
+            data.load_state_dict(extra["data"])
     except (KeyError, TypeError) as e:
         raise TrainingError(f"{ckpt}: its data position does not fit --data.type {cfg.data.type} (no {e}); resume "
                             f"with the --data flags it was saved with") from None
     checkpoint.set_rng_state(extra["rng"])
     say(f"resumed from {ckpt} at step {extra['step']}")
+    note = schedule_change(saved, cfg.optim, cfg.train, extra["step"])
+    if note:
+        say(note)
     return extra["step"], ckpt, state["params"], state["optim"]
 
 
@@ -307,11 +321,19 @@ def export(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, layout: Layou
 def run_rank(argv: list[str]) -> None:
     """One process of a multi-process run (spawned by main, or started by torchrun)."""
     cfg = tyro.cli(Config, args=argv, use_underscores=True)
-    device = init_process(resolve_device(cfg.train.device))
+    device = init_process(resolve_device(cfg.train.device), cfg.parallel.timeout_s)
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     p = cfg.parallel
-    train(cfg, DistLayout(p.dp_shard, p.cp, p.ep, device))
+    with preempt.handling(cfg.checkpoint.preempt_grace_s):
+        try:
+            train(cfg, DistLayout(p.dp_shard, p.cp, p.ep, device))
+        except (preempt.Preempted, preempt.StopNow) as e:  # every rank stops here; rank 0 says where
+            if os.environ.get("RANK") == "0":
+                print(e.message(argv) if isinstance(e, preempt.Preempted) else
+                      preempt.interrupted_line(f"{e} (without saving)", cfg.checkpoint.dir, argv),
+                      file=sys.stderr, flush=True)
+            raise SystemExit(preempt.SIGNAL_EXIT[signal.SIGTERM]) from None
 
 
 def plan_run(cfg: Config) -> None:
@@ -336,13 +358,27 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if errors:  # before any process starts
             raise TrainingError("invalid configuration:\n  - " + "\n  - ".join(errors))
-        if under_torchrun():
-            run_rank(argv)
-        elif world > 1:
-            spawn(run_rank, world, argv)
-        else:
-            train(cfg)
-    except (TrainingError, WorkerFailure) as e:
+        cfg = with_data_type(cfg)
+        checkpoint.check_run_paths(cfg)
+        with checkpoint.run_lock(cfg.checkpoint.dir):
+            if under_torchrun():
+                run_rank(argv)
+            elif world > 1:
+                spawn(run_rank, world, argv)
+            else:
+                with preempt.handling(cfg.checkpoint.preempt_grace_s):
+                    train(cfg)
+    except preempt.Preempted as e:
+        print(e.message(argv), file=sys.stderr)
+        return preempt.SIGNAL_EXIT[e.signum]
+    except (preempt.StopNow, KeyboardInterrupt) as e:
+        why = f"{e} (without saving)" if isinstance(e, preempt.StopNow) else "on Ctrl-C (SIGINT)"
+        print(preempt.interrupted_line(why, cfg.checkpoint.dir, argv), file=sys.stderr)
+        return 130 if isinstance(e, KeyboardInterrupt) else 143
+    except WorkerFailure as e:
+        print(f"error: {e}; {checkpoint.last_line(cfg.checkpoint.dir)}", file=sys.stderr)
+        return 1
+    except (TrainingError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -9,10 +9,14 @@ checkpoint as latest. manifest.json, written last, holds each file's size and CR
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import os
 import random
 import shutil
+import socket
 import warnings
 import zlib
 
@@ -64,7 +68,69 @@ def save(run_dir: str, step: int, state: dict, extra: dict, meta: dict, keep: in
     """Write checkpoint `step` of `state` (a tree of tensors or DTensors; collective under torch.distributed),
     with `extra` (small tensors/ints, loaded with weights_only) and `meta` (JSON). Keeps the `keep` newest
     (keep <= 0 keeps all), so never the newest one. Refuses (ValueError, before writing anything) a state with
-    NaN or inf in it: every kept checkpoint, the newest above all, is one to resume from. Returns its path."""
+    NaN or inf in it: every kept checkpoint, the newest above all, is one to resume from. Returns its path.
+
+    A save that fails (a full disk, an I/O error) or is interrupted (Ctrl-C, a signal's exception) removes its
+    partial folder and leaves the previous checkpoint `latest`; an OSError becomes a SaveError (a ValueError)
+    naming the cause (for a full disk: about how much was needed and how much is free); an interruption is
+    re-raised as it came."""
+    root = os.path.join(run_dir, "checkpoints")
+    tmp = os.path.join(root, f".tmp-{PREFIX}{step:08d}")
+    try:
+        return _save(run_dir, step, state, extra, meta, keep)
+    except BaseException as e:
+        if _rank() == 0 and os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        interrupted = _behind(e, lambda x: not isinstance(x, Exception))  # Ctrl-C, a signal's stop
+        if interrupted is not None and interrupted is not e:
+            raise interrupted from None  # DCP wraps what a rank raised in a CheckpointException
+        cause = _behind(e, lambda x: isinstance(x, OSError))
+        if cause is None:
+            raise
+        before = latest(run_dir)
+        kept = f"{before} is still the latest checkpoint" if before else "no checkpoint was written before it"
+        if cause.errno == errno.ENOSPC:
+            need = sum(_local(t).numel() * _local(t).element_size() for _, t in _leaves(state))
+            free = shutil.disk_usage(root if os.path.isdir(root) else run_dir).free
+            why = (f"no space left on device: it needs about {_size(need)} (this rank's share), {_size(free)} "
+                   f"are free there now")
+            fix = "free some space (or lower --checkpoint.keep) and resume with --checkpoint.resume latest"
+        else:
+            why = f"{cause.strerror or cause} ({errno.errorcode.get(cause.errno, cause.errno)})"
+            fix = "fix the cause and resume with --checkpoint.resume latest"
+        raise SaveError(f"could not write checkpoint step {step} to {root}: {why}. The partial checkpoint was "
+                        f"removed and {kept}; {fix}") from None
+
+
+class SaveError(ValueError):
+    """A checkpoint could not be written (the message names the cause); the previous one is kept."""
+
+
+def _behind(e: BaseException, match) -> BaseException | None:
+    """The exception behind `e` that `match`es: itself, one in its cause/context chain, or one a rank reported in
+    a DCP CheckpointException; None when there is none."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, dcp.CheckpointException):  # a BaseException: look at what the ranks raised
+            for failure in e.failures.values():
+                found = _behind(failure[0] if isinstance(failure, tuple) else failure, match)
+                if found is not None:
+                    return found
+        elif match(e):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _size(n: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def _save(run_dir: str, step: int, state: dict, extra: dict, meta: dict, keep: int) -> str:
     bad = [p for p, t in _leaves(state) if t.is_floating_point() and not bool(torch.isfinite(_local(t)).all())]
     if bad:
         raise ValueError(f"refusing to save checkpoint {step}: non-finite values in {', '.join(bad[:3])}"
@@ -147,6 +213,13 @@ def latest(run_dir: str) -> str | None:
             return os.path.join(root, name)
     done = _complete(root)
     return os.path.join(root, done[-1]) if done else None
+
+
+def last_line(run_dir: str) -> str:
+    """Where a stopped run can go on from: its newest complete checkpoint and the flag, or that it has none."""
+    found = latest(run_dir)
+    return (f"the last checkpoint is {found}: resume from it with --checkpoint.resume latest" if found else
+            f"no checkpoint was written in {run_dir}")
 
 
 def _crc32(path: str) -> str:
@@ -269,3 +342,145 @@ def load(path: str, state: dict) -> dict:
         why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}".rstrip(": ")
         raise ValueError(f"cannot read checkpoint {path} ({why}); it may be damaged: resume from an older one in "
                          f"{os.path.dirname(os.path.normpath(path))}") from None
+
+
+# ---- the run directory --------------------------------------------------------------------------------------------
+
+LOCK = ".lock"
+
+
+class RunDirBusy(ValueError):
+    """Another live run holds the run directory's lock."""
+
+
+class RunLock:
+    """An exclusive lock on a run directory for the life of a run: RUN/.lock, locked with flock and holding the
+    holder's "host pid". A second run into the same directory stops in __enter__, before writing anything, with a
+    RunDirBusy naming the holder. The kernel drops the lock of a process that dies, so the lock file of a killed
+    run is taken over (saying so through `say`). On entering, partial checkpoint folders left by a killed save
+    are removed (remove_partial_saves); on leaving, the lock file is removed, and the run directory too when this
+    lock created it and it is still empty."""
+
+    def __init__(self, run_dir: str, say=print):
+        self.run_dir, self.say, self.fd, self.created = run_dir, say, None, False
+        self.path = os.path.join(run_dir, LOCK)
+
+    def __enter__(self) -> "RunLock":
+        self.created = not os.path.isdir(self.run_dir)
+        os.makedirs(self.run_dir, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_fd(fd) or "an unknown process"
+                os.close(fd)
+                self._remove_dir_if_created()
+                raise RunDirBusy(f"the run directory {self.run_dir} is in use by another run ({_holder(holder)}, "
+                                 f"lock {self.path}); wait for it to finish or stop it, or pass another "
+                                 f"--checkpoint.dir") from None
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:  # else its holder removed it as we locked it: lock the new file
+                break
+            os.close(fd)
+        previous = _read_fd(fd)
+        if previous:
+            self.say(f"took over the lock {self.path} of a run that is no longer running ({_holder(previous)}: it "
+                     f"stopped without releasing it)")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{socket.gethostname()} {os.getpid()}\n".encode(), 0)
+        os.fsync(fd)
+        self.fd = fd
+        for line in remove_partial_saves(self.run_dir):
+            self.say(line)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path)
+            os.close(self.fd)  # releases the flock
+            self.fd = None
+            self._remove_dir_if_created()
+
+    def _remove_dir_if_created(self) -> None:
+        if self.created:
+            with contextlib.suppress(OSError):
+                os.rmdir(self.run_dir)  # only when empty: a run that wrote nothing leaves nothing
+
+
+def _read_fd(fd: int) -> str:
+    return os.pread(fd, 256, 0).decode(errors="replace").strip()
+
+
+def _holder(text: str) -> str:
+    host, _, pid = text.partition(" ")
+    return f"pid {pid} on host {host}" if pid else text
+
+
+def run_lock(run_dir: str, say=print):
+    """The run directory's RunLock in the process that owns the run (rank 0, or the one process / launcher: RANK
+    unset or 0); a no-op context elsewhere."""
+    return RunLock(run_dir, say) if os.environ.get("RANK", "0") == "0" else contextlib.nullcontext()
+
+
+def remove_partial_saves(run_dir: str) -> list[str]:
+    """Remove the .tmp-step_* folders a killed save left in RUN/checkpoints (call it holding the run's lock, so no
+    save is running); returns a line for each one removed."""
+    root = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(root):
+        return []
+    lines = []
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if name.startswith(f".tmp-{PREFIX}") and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+            lines.append(f"removed {path}: a checkpoint a previous run did not finish writing (it was stopped "
+                         f"during the save)")
+    return lines
+
+
+def _nearest_existing(path: str) -> str:
+    """`path` or its closest ancestor that exists."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def _path_problem(path: str, what: str) -> str | None:
+    """What stops a run from creating and writing directory `path` (named as `what`), or None."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"{what} {path} is a file, not a directory; pass a directory (new or existing)"
+    base = _nearest_existing(path)
+    if not os.path.isdir(base):
+        return f"{what} {path} is under {base}, which is a file, not a directory; pass another path"
+    if not os.access(base, os.W_OK | os.X_OK):
+        verb = "is" if base == os.path.abspath(path) else f"would be created in {base}, which is"
+        return f"{what} {path} {verb} not writable (read-only or not yours); pass a writable directory"
+    return None
+
+
+def check_run_paths(cfg) -> None:
+    """Before any training: a ValueError naming the path and what is wrong when the run directory
+    (--checkpoint.dir) or its checkpoints/ cannot be written, or the --checkpoint.export_hf directory cannot be
+    created beside its parent (a file in the way, read-only, under a file)."""
+    run_dir, export = cfg.checkpoint.dir, cfg.checkpoint.export_hf
+    problem = _path_problem(run_dir, "the run directory (--checkpoint.dir)")
+    ckpts = os.path.join(run_dir, "checkpoints")
+    if problem is None and os.path.exists(ckpts):
+        if not os.path.isdir(ckpts):
+            problem = (f"{ckpts} is a file, but a run keeps its checkpoints in a directory there; move the file "
+                       f"away or pass another --checkpoint.dir")
+        elif not os.access(ckpts, os.W_OK | os.X_OK):
+            problem = f"{ckpts} is not writable (read-only or not yours); pass a writable --checkpoint.dir"
+    if problem is None and export:
+        export = export.rstrip("/") or export
+        problem = _path_problem(os.path.dirname(os.path.abspath(export)), "the directory of --checkpoint.export_hf")
+        if problem is None and os.path.isdir(export) and not os.access(export, os.W_OK | os.X_OK):
+            problem = f"--checkpoint.export_hf {export} is not writable (read-only or not yours); pass another"
+    if problem:
+        raise ValueError(problem)

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import sys
+import zlib
 from dataclasses import dataclass
 from importlib import resources
 
@@ -85,6 +86,12 @@ class Example:
     note: str | None = None  # what was done to the record to make it (skipped, truncated), for one warning
 
 
+def has_target(ex: Example) -> bool:
+    """Whether a document has a token to learn: a label other than IGNORE_INDEX past its first token (the first
+    token of a document is never predicted). A record of 0-1 tokens, or with every label ignored, has none."""
+    return any(t != IGNORE_INDEX for t in ex.labels[1:])
+
+
 def text_example(tok, text: str) -> Example:
     ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(text) + \
           ([tok.eos_id] if tok.eos_id is not None else [])
@@ -95,6 +102,18 @@ def prompt_example(tok, prompt: str, response: str) -> Example:
     head = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(prompt)
     tail = tok.encode(response) + ([tok.eos_id] if tok.eos_id is not None else [])
     return Example(head + tail, [IGNORE_INDEX] * len(head) + tail)
+
+
+def check_string_fields(rec: dict, fields: tuple[str, ...], where: str) -> None:
+    """A ValueError naming `where` (file:line), the field and the JSON type found unless each field is a string
+    (a null response would otherwise train on the text "None", a number on its digits)."""
+    json_type = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", list: "a list",
+                 dict: "an object"}
+    for name in fields:
+        if not isinstance(rec[name], str):
+            found = json_type.get(type(rec[name]), type(rec[name]).__name__)
+            raise ValueError(f"{where}: field {name!r} must be a string, found {found} ({json.dumps(rec[name])[:40]}); "
+                             f"fix the record (\"\" for an empty {name}) or remove it")
 
 
 def record_example(tok, rec, where: str, chat=None) -> Example:
@@ -116,9 +135,11 @@ def record_example(tok, rec, where: str, chat=None) -> Example:
             raise ValueError(f"{where}: labels must be a list as long as input_ids ({len(ids)})")
         return Example(list(ids), list(labels))
     if "prompt" in rec and "response" in rec:
-        return prompt_example(tok, str(rec["prompt"]), str(rec["response"]))
+        check_string_fields(rec, ("prompt", "response"), where)
+        return prompt_example(tok, rec["prompt"], rec["response"])
     if "text" in rec:
-        return text_example(tok, str(rec["text"]))
+        check_string_fields(rec, ("text",), where)
+        return text_example(tok, rec["text"])
     raise ValueError(f"{where}: a record needs 'text', 'prompt' and 'response', 'input_ids', or 'messages' or "
                      f"'conversations' (a chat); "
                      f"found keys {sorted(rec)}")
@@ -166,13 +187,25 @@ class JsonlReader:
     def read(self):
         """(location, payload) of the next record, skipping blank lines; None at the end of the file."""
         pos, line, index = self.next_loc
-        while raw := self._file.readline():
+        while raw := self._readline(line):
             if raw.strip():
                 self.next_loc = (pos + len(raw), line + 1, index + 1)
                 return (pos, line, index), raw
             pos, line = pos + len(raw), line + 1
         self.next_loc = (pos, line, index)
         return None
+
+    def _readline(self, line: int) -> bytes:
+        """The next line of the file; a ValueError naming the file and line when a .gz file is cut short or is
+        not gzip data (gzip raises a bare EOFError / BadGzipFile)."""
+        try:
+            return self._file.readline()
+        except EOFError:
+            raise ValueError(f"{self.path}:{line}: the gzip file ends in the middle of its data (truncated, e.g. "
+                             f"an interrupted download or copy); re-create or re-download it") from None
+        except (gzip.BadGzipFile, zlib.error) as e:
+            raise ValueError(f"{self.path}:{line}: not readable gzip data ({e}); a file named .gz must be gzip "
+                             f"compressed, or rename it without .gz") from None
 
     def where(self, loc) -> str:
         return f"{self.path}:{loc[1]}"
@@ -240,18 +273,77 @@ class DatasetReader:
         return [None] * len(locs)
 
 
+MIB = 1 << 20
+
+
+def fingerprint(path: str) -> list[dict]:
+    """What a data path held: for each of its files (the file, or every file under a directory), its path, size
+    and a SHA-256 of its first and last MiB and size. Cheap on any size; a data state records it so a resume can
+    tell that the data changed under it."""
+    import hashlib
+
+    files = [path] if not os.path.isdir(path) else sorted(
+        os.path.join(d, n) for d, _, names in os.walk(path) for n in names)
+    out = []
+    for file in files:
+        size = os.path.getsize(file)
+        h = hashlib.sha256(str(size).encode())
+        with open(file, "rb") as f:
+            h.update(f.read(MIB))
+            if size > MIB:
+                f.seek(max(MIB, size - MIB))
+                h.update(f.read(MIB))
+        out.append({"path": os.path.relpath(file, path) if file != path else os.path.basename(path),
+                    "bytes": size, "sha256": h.hexdigest()})
+    return out
+
+
+class DataChanged(ValueError):
+    """The data a checkpoint's position refers to is not the data there now."""
+
+
+def check_same_files(saved: list[dict] | None, path: str, allow_changed: bool, warn=lambda message: None) -> None:
+    """Compare a data state's fingerprint (`saved`; None: a checkpoint from before fingerprints, not checked)
+    with `path` now: a DataChanged naming what changed unless allow_changed (then a warning)."""
+    if saved is None:
+        return
+    now = {f["path"]: f for f in fingerprint(path)}
+    before = {f["path"]: f for f in saved}
+    changes = [f"{n} is new" for n in sorted(set(now) - set(before))] + \
+              [f"{n} is gone" for n in sorted(set(before) - set(now))]
+    for n in sorted(set(now) & set(before)):
+        a, b = before[n], now[n]
+        if a["bytes"] != b["bytes"]:
+            changes.append(f"{n} had {a['bytes']} bytes, now {b['bytes']}")
+        elif a["sha256"] != b["sha256"]:
+            changes.append(f"{n} has the same size ({a['bytes']} bytes) but other content at its start or end")
+    if not changes:
+        return
+    what = f"the data at {path} changed since the checkpoint was saved ({'; '.join(changes[:3])})"
+    if allow_changed:
+        warn(f"{what}; resuming at the saved position as it is (--data.allow_changed)")
+        return
+    raise DataChanged(f"{what}: the saved data position may no longer point at the records it did. Resume with "
+                      f"--data.allow_changed to take the position as it is, or start a new run (another "
+                      f"--checkpoint.dir; --model.init_from an export of this one keeps its weights)")
+
+
 class RecordNotes:
     """What the first records of a dataset say about it: how many were read, how many hold input_ids, and where
-    the ones with an empty response are (the first, and a count)."""
+    the ones with an empty response and the ones with nothing to learn (skipped) are (the first, and a count)."""
 
     def __init__(self):
         self.records, self.tokenized, self.empty, self.first_empty = 0, 0, 0, None
         self.notes: dict[str, list] = {}  # an Example's note -> [count, where the first one is]
+        self.untrained, self.first_untrained = 0, None
 
-    def add(self, rec: dict, where: str, ex: Example | None = None) -> None:
+    def add(self, rec: dict, where: str, ex: Example) -> None:
         self.records += 1
-        if ex is not None and ex.note:
+        if ex.note:
             self.notes.setdefault(ex.note, [0, where])[0] += 1
+        if not has_target(ex):
+            self.untrained += 1
+            self.first_untrained = self.first_untrained or where
         self.tokenized += "input_ids" in rec
         if "input_ids" not in rec and "prompt" in rec and "response" in rec and not str(rec["response"]).strip():
             self.empty += 1
@@ -261,6 +353,9 @@ class RecordNotes:
         """Warn once about records with an empty response, and about a --model.tokenizer_path that no record
         uses (all hold input_ids); `complete`: the notes cover the whole dataset."""
         counted = f"{self.records}" if complete else f"the first {self.records}"
+        if self.untrained and self.untrained < self.records:
+            warn(f"{self.untrained} of {counted} records have no token to learn (at most one token, or every "
+                 f"label {IGNORE_INDEX}; the first at {self.first_untrained}): they are skipped")
         if self.empty:
             warn(f"{self.empty} of {counted} records have an empty response (the first at {self.first_empty}); "
                  f"each trains only on its end-of-sequence token")
@@ -285,6 +380,24 @@ def check_vocab(examples: list[Example], vocab_size: int, source: str, first: in
 
 
 # ---- sources ------------------------------------------------------------------------------------------------------
+
+def nothing_to_learn(name: str, records: int) -> str:
+    if not records:
+        return f"{name}: the dataset is empty (no records)"
+    return (f"{name}: nothing to learn: none of its {records} records has a token to predict (each has at most one "
+            f"token, or every label {IGNORE_INDEX}); training on it would report loss 0. Check the data's fields "
+            f"(a response to learn, labels not all {IGNORE_INDEX})")
+
+
+def check_first_batch(batch: dict[str, torch.Tensor], step: int, source: str) -> None:
+    """Before the first step: a ValueError when the batch holds no target token (every label IGNORE_INDEX past
+    each document's first token), which would "train" to loss 0.0000 on nothing."""
+    labels = batch["labels"][:, 1:]
+    if not bool((labels != IGNORE_INDEX).any()):
+        raise ValueError(f"{source}: the batch of step {step + 1} holds no token to learn (every label is "
+                         f"{IGNORE_INDEX} or the first of its document), so the loss would be 0 and nothing "
+                         f"trained; check the labels of the data")
+
 
 class RowPacker:
     """Rows of seq_len cut from a sequence of examples, packed back to back (or one example per row, truncated and
@@ -382,10 +495,11 @@ class StreamSource(RowPacker):
 
     def __init__(self, reader, tok, vocab_size: int, batch_size: int, seq_len: int, seed: int, pack: bool = True,
                  shuffle_buffer: int = 10_000, name: str = "data", tokenizer_path: str | None = None,
-                 warn=lambda message: None, chat=None):
+                 warn=lambda message: None, chat=None, allow_changed: bool = False):
         if shuffle_buffer < 1:
             raise ValueError(f"--data.shuffle_buffer must be >= 1 (1: no shuffling), got {shuffle_buffer}")
         self.reader, self.tok, self.V, self.name, self.chat = reader, tok, vocab_size, name, chat
+        self.files, self.allow_changed, self.warn = fingerprint(reader.path), allow_changed, warn
         self.B, self.S, self.seed, self.pad_id, self.pack, self.size = \
             batch_size, seq_len, seed, tok.pad_id, pack, shuffle_buffer
         self.epoch, self.draws, self.at_end, self.epoch_tokens = 0, 0, False, False
@@ -394,8 +508,8 @@ class StreamSource(RowPacker):
         notes = RecordNotes()
         self._fill(notes)
         notes.warn(self.at_end, tokenizer_path, warn)
-        if self.at_end and not any(self._example(loc, payload).ids for loc, payload in self.buffer):
-            raise ValueError(f"{name}: the dataset is empty (no examples with tokens)")
+        if self.at_end and not any(has_target(self._example(loc, payload)) for loc, payload in self.buffer):
+            raise ValueError(nothing_to_learn(name, notes.records))
 
     def _example(self, loc, payload, notes=None) -> Example:
         rec = self.reader.parse(loc, payload)
@@ -419,7 +533,7 @@ class StreamSource(RowPacker):
             self._fill()
             if not self.buffer:  # the epoch is over
                 if not self.epoch_tokens:
-                    raise ValueError(f"{self.name}: the dataset is empty (no examples with tokens)")
+                    raise ValueError(nothing_to_learn(self.name, self.draws))
                 self.epoch, self.at_end, self.epoch_tokens = self.epoch + 1, False, False
                 self.reader.seek(self.reader.START)
                 continue
@@ -428,7 +542,7 @@ class StreamSource(RowPacker):
             self.buffer[j], self.buffer[-1] = self.buffer[-1], self.buffer[j]
             loc, payload = self.buffer.pop()
             ex = self._example(loc, payload)
-            if ex.ids:
+            if has_target(ex):  # a record with nothing to learn is skipped (RecordNotes counts them)
                 self.current, self.epoch_tokens = (loc, ex), True
         return self.current[1]
 
@@ -439,9 +553,13 @@ class StreamSource(RowPacker):
         locs = lambda items: torch.tensor([loc for loc, _ in items], dtype=torch.long).reshape(-1, 3)  # noqa: E731
         return {"epoch": self.epoch, "draws": self.draws, "at_end": self.at_end, "epoch_tokens": self.epoch_tokens,
                 "next": torch.tensor(self.reader.next_loc), "buffer": locs(self.buffer),
-                "current": locs([self.current] if self.current else []), "offset": self.offset}
+                "current": locs([self.current] if self.current else []), "offset": self.offset,
+                "files": self.files}
 
     def load_state_dict(self, state: dict) -> None:
+        """Go on where `state` stopped; a DataChanged when the data's files differ from those it was saved on
+        (see check_same_files)."""
+        check_same_files(state.get("files"), self.reader.path, self.allow_changed, self.warn)
         self.epoch, self.draws, self.at_end, self.epoch_tokens, self.offset = \
             state["epoch"], state["draws"], state["at_end"], state["epoch_tokens"], state["offset"]
         buffer = [tuple(loc) for loc in state["buffer"].tolist()]
@@ -501,8 +619,9 @@ class PresetSource:
 
     KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 
-    def __init__(self, path: str, vocab_size: int):
+    def __init__(self, path: str, vocab_size: int, allow_changed: bool = False, warn=lambda message: None):
         batches = load_batches(path)
+        self.path, self.files, self.allow_changed, self.warn = path, fingerprint(path), allow_changed, warn
         if not isinstance(batches, (list, tuple)) or not batches:
             raise ValueError(f"{path}: expected a non-empty list of batches, found {type(batches).__name__}")
         for i, b in enumerate(batches):
@@ -536,9 +655,10 @@ class PresetSource:
         return {k: v if k == "attention_mask" and v.ndim == 4 else v.long() for k, v in b.items()}
 
     def state_dict(self) -> dict:
-        return {"index": self.index}
+        return {"index": self.index, "files": self.files}
 
     def load_state_dict(self, state: dict) -> None:
+        check_same_files(state.get("files"), self.path, self.allow_changed, self.warn)
         self.index = state["index"]
 
 
@@ -555,7 +675,10 @@ def make_eval_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: in
                   chat_template=chat_template, train_on=train_on)
     if path is not None or split is not None:
         eval_kind = "json_file" if kind in ("text", "synthetic") else kind
-        return make_source(eval_kind, path=path or train_path, split=split, warn=lambda message: None, **common)
+        try:
+            return make_source(eval_kind, path=path or train_path, split=split, warn=lambda message: None, **common)
+        except FileNotFoundError as e:  # the readers name the training flag; this file came from --eval.path
+            raise FileNotFoundError(str(e).replace("--data.path", "--eval.path") if path else str(e)) from None
     if kind == "synthetic":
         return SyntheticSource(batch_size, seq_len, vocab_size, seed, step=SyntheticSource.HELD_OUT_STEP)
     if kind == "text":  # the training source has checked the tokenizer against the model
@@ -570,13 +693,59 @@ def make_eval_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: in
     return None
 
 
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz")
+
+
+def infer_data_type(path: str | None) -> str:
+    """The --data.type that reads `path` when none is given: text without a path; json_file for a .jsonl, .json
+    (or either .gz) file; preset_pt for a .pt file; hf_datasets for a datasets.save_to_disk directory. A
+    ValueError when the path says none of these."""
+    if path is None:
+        return "text"
+    if os.path.isdir(path):
+        if any(os.path.isfile(os.path.join(path, n)) for n in ("dataset_info.json", "dataset_dict.json",
+                                                                "state.json")):
+            return "hf_datasets"
+        raise ValueError(f"--data.path {path} is a directory but not a datasets.save_to_disk output (no "
+                         f"dataset_info.json or dataset_dict.json in it); pass a .jsonl file, a .pt file or a saved "
+                         f"dataset, or name its type with --data.type")
+    if path.endswith(JSONL_SUFFIXES):
+        return "json_file"
+    if path.endswith(".pt"):
+        return "preset_pt"
+    raise ValueError(f"cannot tell the type of --data.path {path} from its name (expected .jsonl, .jsonl.gz, .pt "
+                     f"or a datasets.save_to_disk directory); pass --data.type json_file, preset_pt or hf_datasets")
+
+
+def check_path_fits(kind: str, path: str | None, flag: str = "--data.path") -> None:
+    """A ValueError when --data.type `kind` would not read `path`: text and synthetic read no path (it would be
+    ignored), json_file and preset_pt read a file, hf_datasets a directory; a .pt file is not JSONL and a JSONL
+    file not torch.save batches."""
+    if path is None:
+        return
+    if kind in ("text", "synthetic"):
+        raise ValueError(f"--data.type {kind} reads no file, so {flag} {path} would be ignored; drop --data.type "
+                         f"(the type then follows from the path) or pass the type that reads it")
+    fix = "pass the --data.type that reads it, or leave --data.type out (it then follows from the path)"
+    if kind in ("json_file", "preset_pt") and os.path.isdir(path):
+        raise ValueError(f"--data.type {kind} reads a file, but {flag} {path} is a directory; {fix}")
+    if kind == "hf_datasets" and os.path.isfile(path):
+        raise ValueError(f"--data.type hf_datasets reads a datasets.save_to_disk directory, but {flag} {path} is "
+                         f"a file; {fix}")
+    if kind == "json_file" and path.endswith(".pt"):
+        raise ValueError(f"--data.type json_file reads JSONL, but {flag} {path} is a .pt file; {fix}")
+    if kind == "preset_pt" and path.endswith(JSONL_SUFFIXES):
+        raise ValueError(f"--data.type preset_pt reads torch.save batches, but {flag} {path} is JSON; {fix}")
+
+
 def print_warning(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr)
 
 
 def make_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, seed: int = 0, path: str | None = None,
                 tokenizer_path: str | None = None, pack: bool = True, split: str | None = None, warn=print_warning,
-                shuffle_buffer: int = 10_000, chat_template: str | None = None, train_on: str = "assistant"):
+                shuffle_buffer: int = 10_000, chat_template: str | None = None, train_on: str = "assistant",
+                allow_changed: bool = False):
     """The data source of `--data.type kind` for a model of vocab_size. What looks like a mistake in the data
     (an empty response, an unused tokenizer) is passed to `warn`, one line each. json_file and hf_datasets are
     streamed, shuffled by a buffer of `shuffle_buffer` records (see StreamSource); so is chat with a path. Chat
@@ -589,7 +758,7 @@ def make_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, se
     if kind == "preset_pt":
         if path is None:
             raise ValueError("--data.type preset_pt needs --data.path FILE (torch.save of a list of batches)")
-        return PresetSource(path, vocab_size)
+        return PresetSource(path, vocab_size, allow_changed, warn)
     tok = make_tokenizer(tokenizer_path)
     if tok.vocab_size > vocab_size:
         raise ValueError(f"the tokenizer has {tok.vocab_size} ids but the model's vocab_size is {vocab_size}: "
@@ -607,7 +776,7 @@ def make_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, se
             raise ValueError(f"--data.type {kind} needs --data.path")
         reader = DatasetReader(path, split) if kind == "hf_datasets" else JsonlReader(path)
         return StreamSource(reader, tok, vocab_size, batch_size, seq_len, seed, pack, shuffle_buffer, path,
-                            tokenizer_path, warn, chat)
+                            tokenizer_path, warn, chat, allow_changed)
     else:
         raise ValueError(f"unknown --data.type {kind!r}")
     check_vocab(examples, vocab_size, name)

@@ -184,6 +184,19 @@ def backend_for(device: torch.device) -> str:
     return {"cuda": "nccl", "npu": "hccl"}.get(device.type, "gloo")
 
 
+def check_device(device: torch.device, flag: str = "--device") -> torch.device:
+    """`device`, or a ValueError saying it is not there (cuda without a GPU or a CUDA build of torch, npu without
+    torch_npu's device) and what to pass instead."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise ValueError(f"{flag} {device} asks for a GPU, but {why}; pass {flag} cpu (or auto), or run where "
+                         f"a GPU is visible (CUDA_VISIBLE_DEVICES, a CUDA build of torch)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"{flag} {device}: there are only {torch.cuda.device_count()} GPUs (cuda:0 to "
+                         f"cuda:{torch.cuda.device_count() - 1})")
+    return device
+
+
 def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
@@ -232,12 +245,66 @@ def _worker(local_rank: int, world: int, port: int, fn, args, parent_pid: int | 
                       LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     try:
         fn(*args)
-    except BaseException:
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C (the launcher says it once), or a stop with its exit code
+        raise
+    except BaseException as e:
+        timeout = collective_timeout(e)
+        if timeout:
+            print(f"error: [rank {local_rank}] {timeout}", file=sys.stderr, flush=True)
+            raise SystemExit(TIMEOUT_EXIT) from None
         print(f"[rank {local_rank}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+TIMEOUT_EXIT = 124  # a worker's exit code after a collective timed out (collective_timeout)
+
+
+def collective_timeout(e: BaseException) -> str | None:
+    """For a collective that timed out waiting for another rank (gloo's and NCCL's timeout errors): a line naming
+    the rank that stopped answering when the error says it, the run directory's last checkpoint and what to do;
+    None for any other error."""
+    import re
+
+    text = str(e)
+    if not re.search(r"[Tt]imed out|[Tt]imeout|DistBackendError", text + type(e).__name__):
+        return None
+    found = re.search(r"(?:from|to|peer|rank)[ :]+(\d+)", text)
+    who = f"rank {found.group(1)} stopped answering" if found else "another rank stopped answering"
+    return (f"a collective timed out after --parallel.timeout_s: {who} (hung, stopped or dead; "
+            f"{text.strip().splitlines()[0][:160] if text.strip() else type(e).__name__})")
+
+
+def _wait_stopping(processes) -> int | None:
+    """Wait while the workers run or stop together on a signal (exit codes 130/143, see glm5f.preempt); the
+    stop's exit code once all have stopped so, None as soon as one fails otherwise (or all end with 0), for
+    ProcessContext.join to handle (which stops the others at once)."""
+    from multiprocessing.connection import wait
+
+    while True:
+        codes = [p.exitcode for p in processes]
+        if any(c not in (None, 0, 130, 143) for c in codes):
+            return None
+        if all(c is not None for c in codes):
+            return max(codes) if any(codes) else None
+        wait([p.sentinel for p, c in zip(processes, codes) if c is None], timeout=1.0)
+
+
+def _silent_after_timeout(processes, grace_s: float = 5.0) -> list[int]:
+    """When a worker ended on a collective timeout (TIMEOUT_EXIT): the workers still running `grace_s` later, the
+    ones that stopped answering (killed now); [] otherwise."""
+    if not any(p.exitcode == TIMEOUT_EXIT for p in processes):
+        return []
+    deadline = time.monotonic() + grace_s
+    for p in processes:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    silent = [i for i, p in enumerate(processes) if p.exitcode is None]
+    for i in silent:
+        os.kill(processes[i].pid, signal.SIGKILL)
+        processes[i].join()
+    return silent
 
 
 class WorkerFailure(RuntimeError):
@@ -249,12 +316,31 @@ def spawn(fn, world: int, *args) -> None:
     the others are stopped and this raises with the worker's exit status."""
     import torch.multiprocessing as mp
 
+    ctx = mp.start_processes(_worker, args=(world, free_port(), fn, args, os.getpid()), nprocs=world, join=False,
+                             start_method="spawn")
+
+    def forward(signum, frame):  # SIGTERM to the launcher: every worker finishes its step and saves
+        for p in ctx.processes:
+            if p.is_alive():
+                os.kill(p.pid, signum)
+    before = signal.signal(signal.SIGTERM, forward) if threading.current_thread() is threading.main_thread() else None
     try:
-        mp.start_processes(_worker, args=(world, free_port(), fn, args, os.getpid()), nprocs=world, join=True,
-                           start_method="spawn")
-    except mp.ProcessRaisedException as e:
-        raise WorkerFailure(f"a worker process failed (its traceback is above); all {world} workers were "
-                           f"stopped") from e
+        stopped = _wait_stopping(ctx.processes)
+        if stopped:  # every worker stopped on a signal, after one checkpoint (rank 0 said where): exit as they did
+            raise SystemExit(stopped)
+        silent = _silent_after_timeout(ctx.processes)
+        if silent:
+            raise WorkerFailure(f"worker(s) {', '.join(map(str, silent))} stopped answering: the others' collective "
+                                f"timed out after --parallel.timeout_s waiting for them, and they were still running "
+                                f"(hung or stopped), so all {world} workers were stopped")
+        while not ctx.join():
+            pass
     except mp.ProcessExitedException as e:
         raise WorkerFailure(f"worker {e.error_index} died with exit code {e.exit_code}; all {world} workers "
                            f"were stopped") from e
+    except mp.ProcessRaisedException as e:
+        raise WorkerFailure(f"a worker process failed (its traceback is above); all {world} workers were "
+                           f"stopped") from e
+    finally:
+        if before is not None:
+            signal.signal(signal.SIGTERM, before)

@@ -345,6 +345,21 @@ def load_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None, device
     return cfg, unflatten(flat, abstract_params(cfg, torch.float32, copies))
 
 
+def check_loaded_finite(params: dict, source: str, total=lambda t: t) -> None:
+    """A ValueError naming the tensors of loaded `params` (from checkpoint `source`) that hold NaN or inf: training
+    from them cannot work, whatever the learning rate. `total` sums a count over ranks (Layout.sum), so each
+    rank checks its own shards and all agree."""
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+    flat = {p: t for p, t in flatten(params).items() if t.is_floating_point()}
+    counts = total(torch.stack([(~torch.isfinite(local(t))).sum() for t in flat.values()]).to(torch.float64)) \
+        if flat else torch.zeros(0)
+    bad = [f"{p} ({int(n)} values)" for p, n in zip(flat, counts.tolist()) if n]
+    if bad:
+        raise ValueError(f"--model.init_from {source}: the loaded checkpoint holds NaN/inf in {len(bad)} "
+                         f"tensor(s): {', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''}; it is damaged or was "
+                         f"saved from a diverged run: load another checkpoint")
+
+
 def hf_state_dict(params: dict, *, fused_experts: bool = False) -> dict[str, torch.Tensor]:
     """Our params as checkpoint tensors: per expert (default), or fused as Transformers holds them in memory.
 
@@ -397,14 +412,15 @@ def check_export_dir(path: str | os.PathLike, run_dir: str | os.PathLike | None 
 
 
 def save_hf(path: str | os.PathLike, cfg: GLM5Config, params: dict, *, max_shard_bytes: int = 5 << 30,
-            write: bool = True) -> None:
+            write: bool = True, extra_files: tuple[str, ...] = ()) -> None:
     """Write a Transformers checkpoint directory (config.json + safetensors, per-expert keys, sharded with an
     index above `max_shard_bytes`). Written into a temporary sibling and renamed, so `path` never holds half a
     checkpoint. `path` must be new, empty or a previous export (check_export_dir); that one is replaced.
 
     Leaves are gathered one at a time (DTensor leaves of a sharded run: every rank calls save_hf, in the same
     order, and only the one with write=True checks `path` and writes), so no rank holds more than one full leaf
-    and one shard file's tensors.
+    and one shard file's tensors. `extra_files` (e.g. the run's tokenizer.json) are copied in beside them. The
+    directory gets the user's umask's permissions (not mkdtemp's 0700).
     """
     path = os.fspath(path).rstrip("/")
     if write:
@@ -442,6 +458,11 @@ def save_hf(path: str | os.PathLike, cfg: GLM5Config, params: dict, *, max_shard
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
+        for file in extra_files:
+            shutil.copyfile(file, os.path.join(tmp, os.path.basename(file)))
         hf_cfg = cfg.to_hf()
         hf_cfg["dtype"] = str(max({t.dtype for t in flat.values()},
                                   key=lambda d: torch.finfo(d).bits)).removeprefix("torch.")

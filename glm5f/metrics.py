@@ -39,14 +39,15 @@ class MetricsLog:
     """metrics.jsonl, one JSON object per step, appended across resumes: records after the resumed step (written
     by a run that died before its next checkpoint) are dropped first, so each step appears once."""
 
-    def __init__(self, run_dir: str, resume_step: int = 0):
-        self.run_dir, self.resume_step, self.started = run_dir, resume_step, False
+    def __init__(self, run_dir: str, resume_step: int = 0, warn=lambda message: None):
+        self.run_dir, self.resume_step, self.started, self.warn = run_dir, resume_step, False, warn
         self.path = os.path.join(run_dir, "metrics.jsonl")
 
     def _start(self) -> None:
         """On the first record (so a run that fails before it leaves the directory as it was)."""
         os.makedirs(self.run_dir, exist_ok=True)
-        kept = [r for r in read_metrics(self.path) if r["step"] <= self.resume_step] if self.resume_step else []
+        kept = [r for r in read_metrics(self.path, self.warn) if r["step"] <= self.resume_step] \
+            if self.resume_step else []
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in kept)
@@ -60,14 +61,31 @@ class MetricsLog:
             f.write(json.dumps(rec) + "\n")
 
 
-def read_metrics(path: str) -> list[dict]:
-    """The records of a metrics.jsonl (a file or a run directory holding one); [] if there is none."""
+def read_metrics(path: str, warn=lambda message: None) -> list[dict]:
+    """The records of a metrics.jsonl (a file or a run directory holding one); [] if there is none. A last line
+    cut off (a run killed while writing it) is dropped, with a line to `warn`; a bad line before the last is a
+    ValueError naming file:line."""
     if os.path.isdir(path):
         path = os.path.join(path, "metrics.jsonl")
     if not os.path.isfile(path):
         return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    records = []
+    for i, line in enumerate(lines[:last + 1]):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            if i == last:
+                warn(f"{path}:{i + 1}: dropping its last line, cut off ({len(line)} bytes of an unfinished record: "
+                     f"the run writing it was stopped mid-line)")
+                break
+            raise ValueError(f"{path}:{i + 1}: not a JSON record ({e}); metrics.jsonl holds one JSON object per "
+                             f"line: fix or remove that line") from None
+    return records
 
 
 def plot_losses(runs: dict[str, list[dict]], out_png: str, title: str = "loss") -> bool:

@@ -154,6 +154,30 @@ def lr_schedule(step: int, *, peak: float, warmup: int, total: int, min_ratio: f
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def schedule_total(optim_cfg, train_cfg) -> int:
+    """The step the cosine schedule ends at: --optim.schedule_steps, else --train.steps."""
+    return optim_cfg.schedule_steps if optim_cfg.schedule_steps is not None else train_cfg.steps
+
+
+def schedule_change(saved_run: dict | None, optim_cfg, train_cfg, step: int) -> str | None:
+    """On resume at `step`: a line saying the learning rate jumps because the schedule's total differs from the
+    saved run's (e.g. a larger --train.steps), with the flag that keeps the original; None when it is the same
+    (or the checkpoint does not say)."""
+    if not saved_run:
+        return None
+    o, t = saved_run.get("optim") or {}, saved_run.get("train") or {}
+    before = o.get("schedule_steps") or t.get("steps")
+    now = schedule_total(optim_cfg, train_cfg)
+    if before is None or before == now:
+        return None
+    kw = dict(peak=optim_cfg.lr, warmup=optim_cfg.warmup_steps, min_ratio=optim_cfg.min_lr_ratio)
+    old_lr, new_lr = lr_schedule(step, total=before, **kw), lr_schedule(step, total=now, **kw)
+    change = (f"so the lr jumps from {old_lr:.2e} to {new_lr:.2e} at step {step + 1}" if old_lr != new_lr else
+              "so the lr decays along another curve from here")
+    return (f"the learning-rate schedule now ends at step {now}, not {before} as in the checkpoint's run, {change}; "
+            f"pass --optim.schedule_steps {before} to keep the original schedule")
+
+
 def balance_router_bias(params: dict, expert_counts: dict[str, torch.Tensor], rate: float) -> dict:
     """Auxiliary-loss-free load balancing: each MoE layer's e_score_correction_bias moves by
     rate * sign(mean load - load) (under-loaded experts up, over-loaded down). expert_counts maps the bias leaf

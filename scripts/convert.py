@@ -17,16 +17,36 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import glm5f  # noqa: E402
 from glm5f import checkpoint  # noqa: E402
+from glm5f.data import make_tokenizer  # noqa: E402
 from glm5f.hf import check_export_dir  # noqa: E402
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def run_tokenizer(path: str) -> tuple[dict, list[str]]:
+    """What the run of checkpoint `path` tokenized with: the config.json ids of its tokenizer (bos/eos/pad of
+    --model.tokenizer_path, else of the byte tokenizer: 256/257/258) and the tokenizer files to ship beside the
+    weights (tokenizer.json and, from its directory, tokenizer_config.json and special_tokens_map.json)."""
+    tok_path = (checkpoint.read_meta(path).get("run") or {}).get("model", {}).get("tokenizer_path")
+    tok = make_tokenizer(tok_path)
+    ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+    if tok_path is None:
+        return ids, []
+    directory = tok_path if os.path.isdir(tok_path) else os.path.dirname(tok_path)
+    files = [tok_path if os.path.isfile(tok_path) else os.path.join(tok_path, "tokenizer.json")]
+    files += [os.path.join(directory, n) for n in TOKENIZER_FILES[1:] if os.path.isfile(os.path.join(directory, n))]
+    return ids, files
+
+
 def convert(source: str, out_dir: str) -> str:
-    """Write the params of `source` (a checkpoint, or a run directory's latest) to `out_dir`; returns the
-    checkpoint it read."""
+    """Write the params of `source` (a checkpoint, or a run directory's latest) to `out_dir`, with the run's
+    tokenizer's bos/eos/pad ids in config.json and its tokenizer files; returns the checkpoint it read."""
     path = checkpoint.resolve(source)
     check_export_dir(out_dir)  # before reading: refuses a non-empty directory that is not a previous export
+    ids, files = run_tokenizer(path)
     cfg, params = checkpoint.load_params(path)
-    glm5f.save_hf(out_dir, cfg, params)
+    glm5f.save_hf(out_dir, cfg.replace(**ids), params, extra_files=tuple(files))
     return path
 
 
@@ -37,7 +57,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         path = convert(args.checkpoint, args.out_dir)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"wrote {args.out_dir} from {path}")

@@ -26,6 +26,7 @@ from glm5f import checkpoint  # noqa: E402
 from glm5f.chat import ChatFormat  # noqa: E402
 from glm5f.data import make_tokenizer  # noqa: E402
 from glm5f.decode import stream  # noqa: E402
+from glm5f.distributed import check_device  # noqa: E402
 
 
 def load(path: str, tokenizer: str | None = None, device: str = "cpu"):
@@ -103,6 +104,7 @@ def main(argv=None) -> int:
             raise ValueError("--max-tokens must be >= 0, --temperature >= 0 and --top-p in (0, 1]")
         if args.chat_template and not args.chat:
             raise ValueError("--chat-template is used only with --chat")
+        check_device(torch.device(args.device), "--device")
         cfg, params, tok, tok_path = load(args.model, args.tokenizer, args.device)
         stops = None
         if args.chat:
@@ -115,12 +117,16 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     generator = torch.Generator(args.device).manual_seed(args.seed)
-    if not args.chat:
-        sys.stdout.write(args.prompt)
-    new = stream(params, cfg, ids_1xS, args.max_tokens, eos_token_id=None if args.chat else tok.eos_id,
-                 temperature=args.temperature, top_p=args.top_p, generator=generator)
-    tokens = (int(t[0]) for t in new)
-    print_stream(tok, tokens) if stops is None else print_stream(tok, tokens, stops=stops)
+    try:
+        if not args.chat:
+            sys.stdout.write(args.prompt)
+        new = stream(params, cfg, ids_1xS, args.max_tokens, eos_token_id=None if args.chat else tok.eos_id,
+                     temperature=args.temperature, top_p=args.top_p, generator=generator)
+        tokens = (int(t[0]) for t in new)
+        print_stream(tok, tokens) if stops is None else print_stream(tok, tokens, stops=stops)
+    except BrokenPipeError:  # the reader went away (`generate.py ... | head`): stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not fail again
     return 0
 
 

@@ -45,7 +45,7 @@ def naive_rows(records, batch_size, seq_len, pack, n_batches):
         else:
             ids = [tok.bos_id, *r["text"].encode(), tok.eos_id]
             labels = list(ids)
-        if ids:
+        if any(t != IGNORE_INDEX for t in labels[1:]):  # a document with nothing to learn is skipped
             docs.append((ids, [IGNORE_INDEX] + labels[1:], list(range(len(ids)))))
     rows, need = [], batch_size * n_batches
     if pack:
@@ -72,7 +72,8 @@ records_st = st.lists(st.one_of(
     st.builds(lambda ids: {"input_ids": ids}, st.lists(st.integers(0, 258), max_size=9)),
     st.builds(lambda ids: {"input_ids": ids, "labels": [IGNORE_INDEX] * (len(ids) // 2) + ids[len(ids) // 2:]},
               st.lists(st.integers(0, 258), min_size=1, max_size=9))), min_size=1, max_size=8).filter(
-    lambda rs: any("input_ids" not in r or r["input_ids"] for r in rs))
+    lambda rs: any("input_ids" not in r or any(t != IGNORE_INDEX for t in r.get("labels", r["input_ids"])[1:])
+                   for r in rs))
 
 
 @settings(max_examples=40, deadline=None)
@@ -89,8 +90,8 @@ def test_unshuffled_stream_is_the_naive_packing(tmp_path_factory, records, batch
 
 
 def drawn_records(n_records, buffer, epochs, seed=0, tmp_path=None):
-    """The record indices a json_file source packs, in order (each record one unpacked row)."""
-    path = write_lines(tmp_path / f"n{n_records}.jsonl", [{"input_ids": [i]} for i in range(n_records)])
+    """The record indices a json_file source packs, in order (each record, two tokens, one unpacked row)."""
+    path = write_lines(tmp_path / f"n{n_records}.jsonl", [{"input_ids": [i, i]} for i in range(n_records)])
     src = make_source("json_file", vocab_size=259, batch_size=1, seq_len=2, path=path, pack=False,
                       shuffle_buffer=buffer, seed=seed)
     return [int(src.next_batch()["input_ids"][0, 0]) for _ in range(n_records * epochs)]

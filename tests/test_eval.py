@@ -8,7 +8,7 @@ import torch
 import tyro
 
 import glm5f
-from configs import Config
+from configs import Config, with_data_type
 from glm5f import checkpoint
 from glm5f.data import embedded_documents, make_eval_source, make_source
 from glm5f.metrics import read_metrics
@@ -75,5 +75,5 @@ def test_eval_from_a_file_and_errors(tmp_path, capsys):
 
 
 def test_default_run_evaluates():
-    cfg = cli()
+    cfg = with_data_type(cli())  # no --data.type and no --data.path: the embedded text
     assert cfg.data.type == "text" and 0 < cfg.eval.every <= cfg.train.steps

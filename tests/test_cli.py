@@ -1,0 +1,198 @@
+"""The command lines under trouble: SIGTERM and the grace period, a GPU that is not there, a closed pipe, a
+diverged checkpoint to start from, a longer resumed run's schedule, and what an export carries."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from glm5f import checkpoint, preempt
+from glm5f.metrics import read_metrics
+from scripts import convert, generate
+from train import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", "--data.batch_size", "2", "--data.seq_len", "32",
+        "--eval.every", "0", "--optim.warmup_steps", "2"]
+
+# train.py, with a real SIGTERM sent to the process that writes metrics (rank 0) once it has logged step `at`
+SIGTERM_AT = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {root!r})
+    import glm5f.metrics as metrics
+    write = metrics.MetricsLog.write
+    def write_then_sigterm(self, rec):
+        write(self, rec)
+        if rec["step"] == {at}:
+            os.kill(os.getpid(), signal.SIGTERM)
+    metrics.MetricsLog.write = write_then_sigterm
+    if __name__ == "__main__":
+        from train import main
+        sys.exit(main(sys.argv[1:]))
+""")
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_sigterm_saves_one_checkpoint_that_resumes_bit_identically(tmp_path, ranks):
+    script = tmp_path / "sigterm.py"
+    script.write_text(SIGTERM_AT.format(root=ROOT, at=3))
+    args = TINY + ["--train.steps", "6", "--checkpoint.every", "0", "--parallel.dp_shard", str(ranks)]
+    run = args + ["--checkpoint.dir", str(tmp_path / "run")]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(script), *run], cwd=ROOT, capture_output=True, text=True,
+                          timeout=240, env=env)
+    assert proc.returncode == 143, proc.stderr
+    saved = tmp_path / "run" / "checkpoints" / "step_00000003"
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"stopped after step 3 on SIGTERM: saved {saved}; resume with: python train.py {' '.join(run)} "
+        f"--checkpoint.resume latest")
+    assert "Traceback" not in proc.stderr
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["latest", "step_00000003"]  # no .tmp-*
+    for more in (run + ["--checkpoint.resume", "latest"], args + ["--checkpoint.dir", str(tmp_path / "straight")]):
+        # processes of their own, as the interrupted run: the same thread count, so the same sums
+        done = subprocess.run([sys.executable, "train.py", *more], cwd=ROOT, capture_output=True, text=True,
+                              timeout=240, env=env)
+        assert done.returncode == 0, done.stderr
+    resumed, straight = read_metrics(tmp_path / "run"), read_metrics(tmp_path / "straight")
+    assert [r["step"] for r in resumed] == list(range(1, 7))
+    for key in ("loss", "grad_norm", "lr"):
+        assert [r[key] for r in resumed] == [r[key] for r in straight], key
+    _, a = checkpoint.load_params(checkpoint.latest(str(tmp_path / "run")))
+    _, b = checkpoint.load_params(checkpoint.latest(str(tmp_path / "straight")))
+    assert all(torch.equal(x, y) for x, y in zip(torch.utils._pytree.tree_leaves(a),
+                                                 torch.utils._pytree.tree_leaves(b)))
+
+
+def test_a_second_sigterm_or_the_grace_period_stops_without_saving():
+    with preempt.handling(grace_s=None):
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert preempt.requested() == signal.SIGTERM  # the first only asks
+        with pytest.raises(preempt.StopNow, match="a second SIGTERM"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+    with preempt.handling(grace_s=0.2):
+        os.kill(os.getpid(), signal.SIGTERM)
+        with pytest.raises(preempt.StopNow, match=r"--checkpoint.preempt_grace_s 0.2\) ran out"):
+            time.sleep(5)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and preempt.requested() is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
+def test_cuda_without_a_gpu_is_an_error_line(tmp_path, capsys):
+    assert main(TINY + ["--train.steps", "1", "--train.device", "cuda", "--checkpoint.dir", str(tmp_path / "r")]) == 1
+    err = capsys.readouterr().err
+    assert "error: --train.device cuda asks for a GPU, but " in err and "pass --train.device cpu" in err
+    assert not (tmp_path / "r").exists()
+    assert main(TINY + ["--train.steps", "1", "--checkpoint.dir", str(tmp_path / "run")]) == 0
+    assert generate.main([str(tmp_path / "run"), "--device", "cuda"]) == 1
+    assert "error: --device cuda asks for a GPU, but " in capsys.readouterr().err
+
+
+def test_generate_into_a_closed_pipe_exits_quietly(tmp_path):
+    assert main(TINY + ["--train.steps", "1", "--checkpoint.dir", str(tmp_path / "run")]) == 0
+    proc = subprocess.Popen([sys.executable, "scripts/generate.py", str(tmp_path / "run"), "--prompt", "The",
+                             "--max-tokens", "50", "--device", "cpu"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc.stdout.close()  # `| head` that has already gone
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0 and err == ""
+
+
+def test_init_from_a_checkpoint_with_nan_names_its_tensors(tmp_path, capsys):
+    hf = tmp_path / "hf"
+    assert main(TINY + ["--train.steps", "1", "--checkpoint.dir", str(tmp_path / "a"),
+                        "--checkpoint.export_hf", str(hf)]) == 0
+    tensors = load_file(hf / "model.safetensors")
+    tensors["model.layers.1.self_attn.o_proj.weight"][0, :3] = torch.tensor([float("nan"), float("inf"), 1.0])
+    save_file(tensors, hf / "model.safetensors")
+    capsys.readouterr()
+    assert main(["--model.init_from", str(hf), "--data.type", "synthetic", "--data.batch_size", "2",
+                 "--optim.warmup_steps", "1", "--data.seq_len", "32", "--train.steps", "2", "--checkpoint.dir", str(tmp_path / "b")]) == 1
+    err = capsys.readouterr().err
+    assert (f"error: --model.init_from {hf}: the loaded checkpoint holds NaN/inf in 1 tensor(s): "
+            f"model.layers.1.self_attn.o_proj.weight (2 values)") in err
+    assert "--optim.lr" not in err and not (tmp_path / "b").exists()
+
+
+def test_a_longer_resumed_run_says_the_lr_jumps_and_schedule_steps_keeps_the_schedule(tmp_path, capsys):
+    run = TINY + ["--checkpoint.dir", str(tmp_path / "run")]
+    assert main(run + ["--train.steps", "4"]) == 0
+    capsys.readouterr()
+    assert main(run + ["--train.steps", "8", "--checkpoint.resume", "latest", "--optim.schedule_steps", "4"]) == 0
+    assert "learning-rate schedule" not in capsys.readouterr().out
+    kept = [r["lr"] for r in read_metrics(tmp_path / "run")]
+    assert kept[4:] == [3e-3 * 0.1] * 4  # the original schedule ended at step 4: min lr from there
+    assert main(TINY + ["--checkpoint.dir", str(tmp_path / "b"), "--train.steps", "4"]) == 0
+    capsys.readouterr()
+    assert main(TINY + ["--checkpoint.dir", str(tmp_path / "b"), "--train.steps", "8", "--checkpoint.resume",
+                        "latest"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "learning-rate schedule" in line]
+    assert lines == ["the learning-rate schedule now ends at step 8, not 4 as in the checkpoint's run, so the lr "
+                     "jumps from 3.00e-04 to 2.33e-03 at step 5; pass --optim.schedule_steps 4 to keep the original "
+                     "schedule"]
+
+
+def test_convert_keeps_the_umask_and_the_run_tokenizer(tmp_path, capsys):
+    from tests.test_train import bpe_tokenizer
+
+    old = os.umask(0o022)
+    try:
+        assert main(TINY + ["--train.steps", "1", "--checkpoint.dir", str(tmp_path / "bytes")]) == 0
+        assert convert.main([str(tmp_path / "bytes"), str(tmp_path / "hf-bytes")]) == 0
+        assert os.stat(tmp_path / "hf-bytes").st_mode & 0o777 == 0o755
+        cfg = json.loads((tmp_path / "hf-bytes" / "config.json").read_text())
+        assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (256, 257, 258)
+        (tmp_path / "tok").mkdir()
+        tok = bpe_tokenizer(tmp_path / "tok")
+        (tmp_path / "tok" / "tokenizer_config.json").write_text('{"model_max_length": 32}')
+        assert main(TINY + ["--train.steps", "1", "--model.tokenizer_path", str(tmp_path / "tok"),
+                            "--checkpoint.dir", str(tmp_path / "bpe")]) == 0
+        assert convert.main([str(tmp_path / "bpe"), str(tmp_path / "hf-bpe")]) == 0
+    finally:
+        os.umask(old)
+    out = tmp_path / "hf-bpe"
+    assert (out / "tokenizer.json").read_bytes() == open(tok, "rb").read()
+    assert (out / "tokenizer_config.json").read_text() == '{"model_max_length": 32}'
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (1, 2, 3)  # <s>, </s>, <pad>
+    _, tokenizer = generate.load(str(out))[::2]
+    assert tokenizer.bos_id == 1
+
+
+# train.py whose rank 1 hangs in its first step (as a SIGSTOPped or deadlocked worker would)
+HANG = textwrap.dedent("""
+    import os, sys, time
+    sys.path.insert(0, {root!r})
+    import train
+    real = train.step_grads
+    def step_grads(*a, **k):
+        if os.environ.get("RANK") == "1":
+            time.sleep(600)
+        return real(*a, **k)
+    train.step_grads = step_grads
+    if __name__ == "__main__":
+        sys.exit(train.main(sys.argv[1:]))
+""")
+
+
+def test_a_hung_rank_is_named_after_the_collective_timeout(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text(HANG.format(root=ROOT))
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(script), *TINY, "--train.steps", "3", "--parallel.dp_shard", "2",
+                           "--parallel.timeout_s", "5", "--checkpoint.dir", str(run)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 1
+    assert "error: [rank 0] a collective timed out after --parallel.timeout_s" in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: worker(s) 1 stopped answering: the others' collective timed out after --parallel.timeout_s waiting "
+        f"for them, and they were still running (hung or stopped), so all 2 workers were stopped; no checkpoint was "
+        f"written in {run}")
+    assert "Traceback" not in proc.stderr
