@@ -76,7 +76,8 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     progress = Progress(cfg.train.steps, start, cfg.train.log_every) if layout.is_main else None
     say(f"glm5f: {cfg.model.init_from or cfg.model.preset} ({glm5f.param_count(model_cfg):,} parameters), "
         f"{cfg.data.type} data, {cfg.data.batch_size}x{cfg.data.seq_len} tokens/step, {cfg.train.dtype} on "
-        f"{layout.device} x{layout.world}, steps {start}->{cfg.train.steps}, run dir {cfg.checkpoint.dir}")
+        f"{layout.device} x{layout.world} (dp_shard {cfg.parallel.dp_shard} x cp {cfg.parallel.cp}, ep "
+        f"{cfg.parallel.ep}), steps {start}->{cfg.train.steps}, run dir {cfg.checkpoint.dir}")
     records = []
     for i in range(start, cfg.train.steps):
         t0 = time.perf_counter()

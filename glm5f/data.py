@@ -339,9 +339,9 @@ class RecordNotes:
 
     def add(self, rec: dict, where: str, ex: Example) -> None:
         self.records += 1
-        if ex.note:
+        if ex.note:  # skipped or cut for a reason of its own (a chat record), said once by that note
             self.notes.setdefault(ex.note, [0, where])[0] += 1
-        if not has_target(ex):
+        elif not has_target(ex):
             self.untrained += 1
             self.first_untrained = self.first_untrained or where
         self.tokenized += "input_ids" in rec

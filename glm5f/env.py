@@ -12,6 +12,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from glm5f.config import GLM5Config
+from glm5f.kernels import allowed_rows
 from glm5f.ops import rope_tables
 from glm5f.parallel import Layout
 from glm5f.params import leaf_dtype, map_with_path
@@ -46,16 +47,8 @@ class Mask:
 
     def rows(self, start: int, stop: int, num_keys: int | None = None) -> torch.Tensor:
         """allowed [B or 1, stop - start, num_keys] for queries start:stop over the first num_keys (default all)."""
-        nk = self.num_keys if num_keys is None else num_keys
-        if self.dense is not None:
-            return self.dense[:, start:stop, :nk]
-        k_index = torch.arange(nk, device=self.q_index.device)
-        allowed = (k_index[None, :] <= self.q_index[start:stop, None])[None]
-        if self.key_valid is not None:
-            allowed = allowed & self.key_valid[:, None, :nk]
-        if self.q_segment is not None:
-            allowed = allowed & (self.q_segment[:, start:stop, None] == self.k_segment[:, None, :nk])
-        return allowed
+        return allowed_rows(self.q_index, self.key_valid, self.q_segment, self.k_segment, self.dense, start, stop,
+                            self.num_keys if num_keys is None else num_keys)
 
     def visible_keys(self, start: int, stop: int) -> int:
         """How many leading keys queries start:stop can see at most (causal: one past the last query's index)."""

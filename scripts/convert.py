@@ -10,6 +10,7 @@ safetensors shards one at a time (glm5f.save_hf). OUT_DIR must be new, empty, or
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -46,7 +47,7 @@ def convert(source: str, out_dir: str) -> str:
     check_export_dir(out_dir)  # before reading: refuses a non-empty directory that is not a previous export
     ids, files = run_tokenizer(path)
     cfg, params = checkpoint.load_params(path)
-    glm5f.save_hf(out_dir, cfg.replace(**ids), params, extra_files=tuple(files))
+    glm5f.save_hf(out_dir, dataclasses.replace(cfg, **ids), params, extra_files=tuple(files))
     return path
 
 

@@ -6,7 +6,7 @@ from torch.utils import _pytree as pytree
 
 import glm5f
 from glm5f.ops import wide_dtype
-from glm5f.optim import adamw_init, adamw_update, leaf_rule
+from glm5f.optim import adamw_init, adamw_update, leaf_rule, lr_schedule
 from glm5f.params import flatten, unflatten
 
 
@@ -23,7 +23,9 @@ def out_of_place_adamw(params, grads, state, lr, *, b1, b2, eps, weight_decay):
                             torch._foreach_mul(g, g), alpha=1 - b2)
     denom = torch._foreach_add(torch._foreach_sqrt(torch._foreach_div(nu, 1 - b2 ** t)), eps)
     step = torch._foreach_div(torch._foreach_div(mu, 1 - b1 ** t), denom)
-    decay = [1 - lr * weight_decay if leaf_rule(p, flat[p].ndim) == "decay" else 1.0 for p in paths]
+    # decayed: the matrices and embeddings; not the norms, biases or the router bias (1-D), written out here, not
+    # read from the rule under test
+    decay = [1 - lr * weight_decay if flat[p].ndim >= 2 else 1.0 for p in paths]
     p32 = torch._foreach_mul([x.to(wide_dtype(x.dtype)) for x in p_old], decay)
     new = torch._foreach_add(p32, step, alpha=-lr)
     updated = dict(flat)
@@ -64,3 +66,31 @@ def test_in_place_adamw_is_the_out_of_place_step_bit_for_bit(param_dtype, grad_d
     assert state["mu"]["lm_head.weight"].dtype == wide_dtype(param_dtype)
     assert not torch.equal(params["lm_head"]["weight"],
                            glm5f.init_params(glm5f.preset("glm5-tiny"), seed=3, dtype=param_dtype)["lm_head"]["weight"])
+
+
+def test_schedule_is_linear_warmup_then_cosine():
+    """Linear warm-up to the peak, then cosine to peak * min_ratio: at a quarter of the decay the cosine is at
+    (1 + cos(pi / 4)) / 2 of the way down, not a linear 3/4."""
+    peak, warmup, total, low = 2.0, 10, 110, 0.1
+    assert [lr_schedule(i, peak=peak, warmup=warmup, total=total, min_ratio=low) for i in (0, 4, 9)] == \
+        pytest.approx([0.2, 1.0, 2.0])
+    quarter = lr_schedule(35, peak=peak, warmup=warmup, total=total, min_ratio=low)
+    assert quarter == pytest.approx(peak * (low + (1 - low) * (1 + 2 ** -0.5) / 2))
+    assert quarter != pytest.approx(peak * (low + (1 - low) * 0.75))
+    assert lr_schedule(total + 5, peak=peak, warmup=warmup, total=total, min_ratio=low) == pytest.approx(peak * low)
+
+
+def test_decay_rule_of_every_leaf():
+    """leaf_rule: AdamW with decay on matrices and embeddings, without on 1-D leaves, the router bias balanced, the
+    indexer frozen unless its loss trains it; checked against the list written out here."""
+    params = glm5f.init_params(glm5f.preset("glm5-tiny"))
+    for path, t in flatten(params).items():
+        if path.endswith("e_score_correction_bias"):
+            want = "balance"
+        elif ".indexer." in path:
+            want = "frozen"
+        else:
+            want = "decay" if t.ndim >= 2 else "no_decay"
+        assert leaf_rule(path, t.ndim) == want, path
+        if ".indexer." in path:
+            assert leaf_rule(path, t.ndim, indexer=True) == ("decay" if t.ndim >= 2 else "no_decay"), path
