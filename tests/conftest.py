@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 
 import pytest
 import torch
+import tyro
 
 import glm5f
-from glm5f import attention as attn
-from glm5f import kernels
+from configs import Config
+from glm5f import attention as attn, kernels
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
@@ -115,3 +117,79 @@ def env_of(cfg, shape, attention_mask=None, position_ids=None, dtype=torch.float
     if attention_mask is not None:
         batch["attention_mask"] = attention_mask
     return glm5f.make_env(cfg, batch, dtype, objectives=Objectives(**objectives))[1]
+
+
+def cli(*args: str) -> Config:
+    return tyro.cli(Config, args=list(args), use_underscores=True)
+
+
+def write_records(path, records) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def bpe_tokenizer(directory) -> str:
+    """A small BPE tokenizer.json in `directory` (its path)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["the cat sat on the mat", "a dog ran"] * 20,
+                            trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>", "<s>", "</s>", "<pad>"]))
+    tok.save(str(directory / "tokenizer.json"))
+    return str(directory / "tokenizer.json")
+
+
+def naive_choice(biased: list[float], cfg: glm5f.GLM5Config) -> list[int]:
+    """The experts one token picks: the topk_group groups with the best top-2 sums of the biased scores, then the
+    num_experts_per_tok best experts inside them."""
+    E, G = len(biased), cfg.n_group
+    size = E // G
+    group_score = [sum(sorted(biased[g * size:(g + 1) * size], reverse=True)[:2]) for g in range(G)]
+    groups = sorted(range(G), key=lambda g: -group_score[g])[:cfg.topk_group]
+    eligible = [i for i in range(E) if i // size in groups]
+    return sorted(eligible, key=lambda i: -biased[i])[:cfg.num_experts_per_tok]
+
+
+def naive_seq_aux(gate: dict, x_BxSxD: torch.Tensor, valid_BxS: torch.Tensor, cfg: glm5f.GLM5Config):
+    """sum over sequences with a valid token of sum_i f_i P_i (DeepSeek-V3) in fp64, the choices token by token."""
+    E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
+    s_BxSxE = torch.sigmoid(x_BxSxD.double() @ gate["weight"].double().T)
+    biased = (s_BxSxE.detach() + gate["e_score_correction_bias"].double()).tolist()
+    total = torch.zeros((), dtype=torch.float64)
+    for b in range(x_BxSxD.shape[0]):
+        tokens = [t for t in range(x_BxSxD.shape[1]) if valid_BxS[b, t]]
+        if not tokens:
+            continue
+        T, load = len(tokens), [0] * E
+        for t in tokens:
+            for i in naive_choice(biased[b][t], cfg):
+                load[i] += 1
+        f = torch.tensor(load, dtype=torch.float64) * E / (K * T)
+        P = (s_BxSxE[b, tokens] / s_BxSxE[b, tokens].sum(-1, keepdim=True)).sum(0) / T
+        total = total + (f * P).sum()
+    return total
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = glm5f.preset("glm5-tiny")
+    return cfg, glm5f.init_params(cfg)
+
+
+TINY_RUN = ["--model.preset", "glm5-tiny", "--data.batch_size", "2", "--data.seq_len", "32", "--train.steps", "2"]
+
+
+def run_error(capsys, *args) -> str:
+    """train.py's exit status must be 1; returns its stderr (the `error:` line)."""
+    from train import main
+    assert main(TINY_RUN + list(args)) == 1
+    return capsys.readouterr().err
+
+
+def run_step(params: dict, batch: dict, run, model_cfg: glm5f.GLM5Config):
+    """`step_grads` of one process for the run `run` (a configs.Config) describes."""
+    from glm5f.loss import Step, step_grads
+    from glm5f.parallel import Layout
+
+    return step_grads(params, batch, model_cfg, Layout(torch.device("cpu")), Step.of(run.train, model_cfg))

@@ -3,6 +3,7 @@ diverged checkpoint to start from, a longer resumed run's schedule, and what an 
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,12 +12,17 @@ import time
 
 import pytest
 import torch
+import tyro
 from safetensors.torch import load_file, save_file
 
+import glm5f
+from configs import Config, validate
+from conftest import cli
 from glm5f import checkpoint, preempt
+from glm5f.data import ByteTokenizer
 from glm5f.metrics import read_metrics
 from scripts import convert, generate
-from train import main
+from train import main, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", "--data.batch_size", "2", "--data.seq_len", "32",
@@ -196,3 +202,136 @@ def test_a_hung_rank_is_named_after_the_collective_timeout(tmp_path):
         f"for them, and they were still running (hung or stopped), so all 2 workers were stopped; no checkpoint was "
         f"written in {run}")
     assert "Traceback" not in proc.stderr
+
+
+def test_invalid_run_configs_fail_before_any_work(tmp_path, capsys):
+    run = tmp_path / "never"
+    for args, message in [(["--train.steps", "-3"], "--train.steps must be >= 1"),
+                          (["--model.preset", "glm9"], "--model.preset 'glm9' is unknown"),
+                          (["--data.batch_size", "6", "--train.grad_accum", "4"], "must divide by"),
+                          (["--model.n_group", "3"], "divisible by n_group"),
+                          (["--data.type", "json_file"], "needs --data.path"),
+                          (["--train.dtype", "float64", "--train.reduce_dtype", "float32"], "narrower than"),
+                          (["--parallel.tp", "2"], "tensor parallelism is not built")]:
+        assert main([*args, "--checkpoint.dir", str(run)]) == 1
+        err = capsys.readouterr().err
+        assert message in err and err.startswith("error: invalid configuration"), (args, err)
+    assert not run.exists()
+    # under torchrun the world is the launcher's: a layout that does not fill it is refused
+    assert any("must equal the number of processes" in e
+               for e in validate(cli("--parallel.dp_shard", "2", "--parallel.cp", "2"), world_size=1))
+
+
+def test_export_hf_and_compare_script(tmp_path):
+    train(cli("--train.steps", "2", "--checkpoint.dir", str(tmp_path / "r1"), "--checkpoint.export_hf",
+              str(tmp_path / "hf")))
+    cfg, params = glm5f.load_hf(tmp_path / "hf")
+    assert cfg == glm5f.preset("glm5-tiny")
+    train(cli("--train.steps", "2", "--checkpoint.dir", str(tmp_path / "r2")))
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "compare_runs.py"), str(tmp_path / "r1"),
+                          str(tmp_path / "r2"), "--png", str(tmp_path / "c.png")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "0.000e+00" in out.stdout and os.path.isfile(tmp_path / "c.png")
+
+
+def test_help_lists_every_section():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--help"], capture_output=True, text=True,
+                         cwd=ROOT)
+    assert out.returncode == 0
+    for flag in ("--model.preset", "--data.type", "--optim.lr", "--train.steps", "--train.activation_checkpointing",
+                 "--parallel.cp", "--checkpoint.resume", "--model.hidden_size"):
+        assert flag in out.stdout, flag
+
+
+def test_every_flag_has_help():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--help"], capture_output=True, text=True,
+                         cwd=ROOT, env=dict(os.environ, COLUMNS="100"))
+    assert out.returncode == 0
+    helps, flag = {}, None  # flag -> its help text, "(default: ...)" left out
+    for line in out.stdout.splitlines():
+        inner = line.strip().strip("│").strip()
+        if line.strip()[:1] in "╭╰─":
+            flag = None
+        elif inner.startswith("-"):
+            flag = inner.split()[0].rstrip(",")
+            helps[flag] = ""
+        elif flag:
+            helps[flag] += " " + inner
+    helps = {f: re.sub(r"\(default: [^)]*\)", "", h).strip() for f, h in helps.items()}
+    assert len(helps) > 60 and "--data.seq_len" in helps
+    assert [f for f, h in helps.items() if not h] == []
+
+
+RUN_TINY = ["--model.preset", "glm5-tiny", "--data.batch_size", "2", "--data.seq_len", "32", "--train.steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A two-step glm5-tiny run on the embedded text."""
+    run = tmp_path_factory.mktemp("run")
+    train(tyro.cli(Config, args=RUN_TINY + ["--checkpoint.dir", str(run)], use_underscores=True))
+    return run
+
+
+def test_convert_loads_in_transformers_with_the_same_logits(run_dir, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    assert convert.main([str(run_dir), str(tmp_path / "hf")]) == 0
+    assert "step_00000002" in capsys.readouterr().out
+    cfg, params = checkpoint.load_params(checkpoint.latest(str(run_dir)))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = model(ids).logits
+    ours = glm5f.forward(params, cfg, ids)
+    assert (ours - theirs).abs().max() <= 1e-5
+
+
+def test_convert_errors(run_dir, tmp_path, capsys):
+    assert convert.main([str(tmp_path / "missing"), str(tmp_path / "hf")]) == 1
+    assert "error:" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert convert.main([str(tmp_path / "empty"), str(tmp_path / "hf")]) == 1
+    assert "no complete checkpoint" in capsys.readouterr().err
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("keep me")
+    assert convert.main([str(run_dir), str(tmp_path / "notes")]) == 1
+    assert "not a previous glm5f export" in capsys.readouterr().err
+    assert (tmp_path / "notes" / "a.txt").read_text() == "keep me"
+
+
+def argmax_continuation(params, cfg, ids, n, eos):
+    """Greedy tokens by the full forward over the growing sequence, up to eos."""
+    ids, out = torch.tensor([ids]), []
+    for _ in range(n):
+        token = int(glm5f.forward(params, cfg, ids)[0, -1].argmax())
+        if token == eos:
+            break
+        out.append(token)
+        ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return out
+
+
+def test_generate_streams_the_greedy_continuation(run_dir, capsys, monkeypatch):
+    printed = []
+    real = generate.print_stream
+    monkeypatch.setattr(generate, "print_stream", lambda tok, tokens: printed.append(real(tok, tokens)))
+    assert generate.main([str(run_dir), "--prompt", "The ", "--max-tokens", "24"]) == 0
+    cfg, params = checkpoint.load_params(checkpoint.latest(str(run_dir)))
+    tok = ByteTokenizer()
+    want = argmax_continuation(params, cfg, [tok.bos_id] + tok.encode("The "), 24, tok.eos_id)
+    assert printed == [want]
+    assert capsys.readouterr().out == "The " + tok.decode(want) + "\n"
+
+
+def test_generate_sampling_is_seeded_and_errors_are_lines(run_dir, tmp_path, capsys):
+    args = [str(run_dir), "--prompt", "a", "--max-tokens", "16", "--temperature", "1.0", "--top-p", "0.9"]
+    assert generate.main(args + ["--seed", "3"]) == 0
+    first = capsys.readouterr().out
+    assert generate.main(args + ["--seed", "3"]) == 0
+    assert capsys.readouterr().out == first
+    assert generate.main([str(tmp_path / "nothing"), "--prompt", "a"]) == 1
+    assert capsys.readouterr().err.startswith("error: ")
+    (tmp_path / "empty-run").mkdir()
+    assert generate.main([str(tmp_path / "empty-run"), "--prompt", "a"]) == 1
+    assert "no complete checkpoint" in capsys.readouterr().err

@@ -1,9 +1,15 @@
 """Greedy decoding on the cache equals re-running the full forward for every new token."""
 
+import dataclasses
+import math
+
+import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 import glm5f
-from glm5f.decode import generate
+from glm5f import decode
+from glm5f.decode import extend, generate, init_cache, sample
 
 
 def naive_greedy(params, cfg, ids, n):
@@ -42,3 +48,96 @@ def test_eos_stops_rows():
     stopped = generate(params, cfg, prompt, 6, eos_token_id=eos)
     assert eos not in free[0, 4:6].tolist()  # so decoding stops right after the third token
     assert torch.equal(stopped, free[:, :7])
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(st.integers(1, 30), st.integers(0, 30), st.integers(0, 2**31 - 1))
+def test_cached_decode_equals_full_forward(prompt, new, seed):
+    cfg = glm5f.preset("glm5-tiny")
+    params = glm5f.init_params(cfg, seed=seed % 997)
+    S = prompt + new
+    ids = torch.randint(0, cfg.vocab_size, (2, S), generator=torch.Generator().manual_seed(seed))
+    full = glm5f.forward(params, cfg, ids)
+    cache = init_cache(cfg, 2, S)
+    pos = torch.arange(S).expand(2, S)
+    steps = [extend(params, cfg, cache, ids[:, :prompt], pos[:, :prompt])]
+    steps += [extend(params, cfg, cache, ids[:, t:t + 1], pos[:, t:t + 1]) for t in range(prompt, S)]
+    assert (torch.cat(steps, 1) - full).abs().max() <= 1e-5
+
+
+MTP_CFG = glm5f.preset("glm5-tiny", num_nextn_predict_layers=1)  # the MTP layer is MoE with a full indexer
+
+
+@settings(max_examples=4, deadline=None, derandomize=True)
+@given(st.integers(0, 2**16), st.integers(1, 10), st.integers(0, 8), st.integers(1, 2), st.integers(1, 2))
+def test_speculative_decoding_is_greedy_decoding(seed, prompt_len, new, batch, depths):
+    cfg = dataclasses.replace(MTP_CFG, num_nextn_predict_layers=depths)
+    params = glm5f.init_params(cfg, seed=seed % 97)
+    prompt = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(seed))
+    stats = {}
+    out = glm5f.generate(params, cfg, prompt, new, draft="mtp", stats=stats)
+    assert torch.equal(out, glm5f.generate(params, cfg, prompt, new))
+    assert 0 <= stats["acceptance_rate"] <= 1 and stats["accepted"] <= stats["proposed"]
+    assert stats["proposed"] <= batch * depths * max(new - 1, 0)
+
+
+@pytest.mark.parametrize("wrong_every", [0, 2, 3], ids=["all-right", "every-2nd-wrong", "every-3rd-wrong"])
+def test_accepted_drafts_are_kept_and_rejected_ones_dropped(monkeypatch, wrong_every):
+    """A draft that knows the greedy answer (but for every `wrong_every`-th proposal, one token off): the output
+    stays greedy, and the acceptance rate counts exactly the drafts that were right up to the first wrong one."""
+    cfg = dataclasses.replace(MTP_CFG, num_nextn_predict_layers=3)
+    params = glm5f.init_params(cfg, seed=11)
+    prompt = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(4))
+    n = 25
+    greedy = glm5f.generate(params, cfg, prompt, n)
+    calls, expected = [0], [0, 0]
+
+    def oracle(params_, cfg_, tokens, hidden, positions, valid, k):
+        M = tokens.shape[1]
+        assert hidden.shape[1] == positions.shape[1] == M - 1 and torch.equal(tokens, greedy[:, :M])
+        out = greedy[:, M:M + k].clone()
+        calls[0] += 1
+        a = k
+        if wrong_every and calls[0] % wrong_every == 0 and k:
+            j = calls[0] % k
+            out[1, j] = (out[1, j] + 1) % cfg.vocab_size  # only row 1 is off: both rows keep j drafts
+            a = j
+        expected[0] += 2 * k
+        expected[1] += 2 * a
+        return out
+
+    monkeypatch.setattr(decode, "mtp_propose", oracle)
+    stats = {}
+    assert torch.equal(glm5f.generate(params, cfg, prompt, n, draft="mtp", stats=stats), greedy)
+    assert (stats["proposed"], stats["accepted"]) == tuple(expected)
+    if not wrong_every:
+        assert stats["acceptance_rate"] == 1.0 and calls[0] <= math.ceil(n / 4) + 1
+    else:
+        assert 0 < stats["acceptance_rate"] < 1
+
+
+def test_speculative_decoding_with_padding_and_eos():
+    cfg = MTP_CFG
+    params = glm5f.init_params(cfg, seed=5)
+    g = torch.Generator().manual_seed(1)
+    batch = torch.randint(0, cfg.vocab_size, (2, 12), generator=g)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :7] = 0
+    free = glm5f.generate(params, cfg, batch, 10, attention_mask=mask)
+    assert torch.equal(glm5f.generate(params, cfg, batch, 10, attention_mask=mask, draft="mtp"), free)
+    eos = int(free[0, 14])
+    assert torch.equal(glm5f.generate(params, cfg, batch, 10, attention_mask=mask, eos_token_id=eos, draft="mtp"),
+                       glm5f.generate(params, cfg, batch, 10, attention_mask=mask, eos_token_id=eos))
+    with pytest.raises(ValueError, match="needs MTP layers"):
+        glm5f.generate(glm5f.init_params(glm5f.preset("glm5-tiny")), glm5f.preset("glm5-tiny"), batch, 3,
+                       draft="mtp")
+    with pytest.raises(ValueError, match="greedy"):
+        glm5f.generate(params, cfg, batch, 3, draft="mtp", temperature=1.0)
+
+
+def test_top_p_keeps_the_smallest_likely_set():
+    logits_1xV = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    g = torch.Generator().manual_seed(0)
+    assert set(int(sample(logits_1xV, 1.0, 0.01, g)) for _ in range(50)) == {0}
+    assert set(int(sample(logits_1xV, 1.0, 0.75, g)) for _ in range(200)) == {0, 1}
+    assert int(sample(logits_1xV, 0.0)) == 0

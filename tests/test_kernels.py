@@ -12,10 +12,14 @@ if DEVICE == "cpu":
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.func import grad, vmap
 
 import glm5f
 from glm5f import kernels
 from glm5f.env import Mask, make_mask
+from glm5f.kernels import sparse_attention, sparse_attention_unblocked, topk_first
 
 try:
     from glm5f import triton_dsa
@@ -187,6 +191,77 @@ def test_indexer_op_is_the_formula(monkeypatch, mask_kind, chunk_elems):
     assert ours.dtype == torch.int64 and torch.equal(ours.sort(-1).values, formula().sort(-1).values)
     for wrong in (formula(relu=False), formula(heads=False), formula(scale=-1.0)):
         assert not torch.equal(ours.sort(-1).values, wrong.sort(-1).values)
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(st.integers(1, 2), st.integers(1, 40), st.integers(1, 12), st.integers(1, 3), st.integers(1, 50),
+       st.sampled_from(["causal", "padded", "packed", "bias"]), st.booleans(), st.integers(0, 2**31 - 1))
+def test_blocked_sparse_core_equals_unblocked_oracle(B, T, K, H, block, kind, cp_shard, seed):
+    """The blocked core (query blocks, gathers recomputed in the backward) against the all-at-once oracle, fp64:
+    values and both gradients, ragged last blocks, padding, packed documents, an additive bias, a CP-like shard
+    of the queries (global keys, local queries)."""
+    g = torch.Generator().manual_seed(seed)
+    K, R, P = min(K, T), 6, 2
+    q_index = torch.arange(T)
+    if cp_shard and T > 1:  # this rank's queries: a contiguous share of the sequence, as a CP chunk
+        a = int(torch.randint(0, T - 1, (1,), generator=g))
+        q_index = q_index[a:int(torch.randint(a + 1, T + 1, (1,), generator=g))]
+    S = q_index.numel()
+    key_valid = torch.rand(B, T, generator=g) > 0.3 if kind == "padded" else None
+    seg = torch.randint(0, 3, (B, T), generator=g).sort(-1).values if kind == "packed" else None
+    mask = Mask(q_index, T, key_valid=key_valid, q_segment=None if seg is None else seg[:, q_index], k_segment=seg)
+    scores = torch.randn(B, S, T, generator=g).masked_fill(~mask.rows(0, S), float("-inf"))
+    idx = topk_first(scores, K)
+    allowed = mask.at(idx)
+    bias = torch.randn(B, S, K, generator=g, dtype=torch.float64) if kind == "bias" else None
+    q = torch.randn(B, S, H, R + P, generator=g, dtype=torch.float64).requires_grad_()
+    latent = torch.randn(B, T, R + P, generator=g, dtype=torch.float64).requires_grad_()
+    blocked = sparse_attention(q, latent, idx, allowed, 0.7, R, bias, block=block)
+    oracle = sparse_attention_unblocked(q, latent, idx, allowed, 0.7, R, bias)
+    assert torch.allclose(blocked, oracle, atol=1e-12, rtol=1e-10)
+    w = torch.randn(blocked.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad((blocked * w).sum(), (q, latent)),
+                    torch.autograd.grad((oracle * w).sum(), (q, latent))):
+        assert torch.allclose(a, b, atol=1e-12, rtol=1e-10)
+
+
+def test_blocked_sparse_core_under_torch_func_matches_autograd():
+    """torch.func.grad and vmap route through the unblocked oracle; they agree with eager autograd through the
+    blocked core."""
+    g = torch.Generator().manual_seed(0)
+    B, S, T, H, R, P, K = 2, 9, 11, 3, 6, 2, 4
+    q = torch.randn(B, S, H, R + P, generator=g, dtype=torch.float64)
+    latent = torch.randn(B, T, R + P, generator=g, dtype=torch.float64)
+    idx = topk_first(torch.randn(B, S, T, generator=g), K)
+    allowed = idx <= torch.arange(S)[None, :, None]
+    f = lambda q_, lat_: sparse_attention(q_, lat_, idx, allowed, 0.5, R, block=2).square().sum()  # noqa: E731
+    eager = torch.autograd.grad(f(q.requires_grad_(), latent.requires_grad_()), (q, latent))
+    func = grad(f, argnums=(0, 1))(q.detach(), latent.detach())
+    for a, b in zip(eager, func):
+        assert torch.allclose(a, b, atol=1e-12)
+    per_example = vmap(lambda q1, l1, i1, a1: sparse_attention(q1[None], l1[None], i1[None], a1[None], 0.5, R)[0])(
+        q.detach(), latent.detach(), idx, allowed)
+    assert torch.allclose(per_example, sparse_attention(q.detach(), latent.detach(), idx, allowed, 0.5, R, block=3))
+
+
+def test_topk_ties_go_to_the_lower_index():
+    scores = torch.tensor([[0.0, 1.0, 0.0, -0.0, 0.0, float("-inf"), 2.0]])
+    assert topk_first(scores, 4).sort().values.tolist() == [[0, 1, 2, 6]]
+    assert topk_first(torch.tensor([[-1.5, -0.5, -2.0, -0.5]]), 2).sort().values.tolist() == [[1, 3]]
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(st.integers(1, 40), st.integers(0, 2**31 - 1), st.sampled_from([torch.float32, torch.float64]))
+def test_topk_first_is_a_stable_descending_sort(T, seed, dtype):
+    """topk_first picks what a stable sort by descending fp32 score picks: ties (ReLU zeros, -0.0 and +0.0, -inf,
+    repeated negatives) go to the lower index."""
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.tensor([0.0, -0.0, 1.5, -1.5, 2.0**-140, -3.0, float("-inf"), float("inf")], dtype=dtype)
+    scores = torch.where(torch.rand(3, T, generator=g) < 0.5, pool[torch.randint(0, len(pool), (3, T), generator=g)],
+                         torch.randn(3, T, generator=g, dtype=dtype))
+    k = int(torch.randint(1, T + 1, (), generator=g))
+    want = torch.sort(scores.float() + 0.0, dim=-1, descending=True, stable=True).indices[:, :k]
+    assert torch.equal(topk_first(scores, k).sort().values, want.sort().values)
 
 
 # ---- the Triton kernels (interpreted on the CPU, or on DEVICE) ---------------------------------------------------

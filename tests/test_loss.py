@@ -9,32 +9,23 @@ import dataclasses
 
 import pytest
 import torch
-import tyro
+from hypothesis import given, settings, strategies as st
 
 import glm5f
+import glm5f.model as model_mod
 from configs import Config, validate
-from glm5f import checkpoint
-from conftest import env_of
+from conftest import cli, env_of, naive_seq_aux, rel_err, run_step
 from glm5f.attention import LATENT_NORM_EPS, attention
-from glm5f.loss import Step, step_grads
 from glm5f.kernels import topk_as_mask
+from glm5f.loss import Step, cross_entropy_sum, mtp_targets, step_grads, with_targets
+from glm5f.model import apply
 from glm5f.ops import apply_rope, layer_norm, rms_norm
-from glm5f.optim import adamw_init, trained_paths
+from glm5f.optim import value_and_grad
 from glm5f.parallel import Layout
-from train import train
 
 # glm5-tiny with weights wide enough that attention and index scores are far from uniform, top-k 8 of 24 keys
 CFG = glm5f.preset("glm5-tiny", initializer_range=0.2, index_topk=8)
 B, S = 2, 24
-
-
-def cli(*args: str) -> Config:
-    return tyro.cli(Config, args=list(args), use_underscores=True)
-
-
-def run_step(params: dict, batch: dict, run: Config, model_cfg: glm5f.GLM5Config):
-    """`step_grads` of one process for the run `run` describes."""
-    return step_grads(params, batch, model_cfg, Layout(torch.device("cpu")), Step.of(run.train, model_cfg))
 
 
 def layer0_params(seed: int = 0) -> dict:
@@ -237,42 +228,136 @@ def test_indexer_loss_under_activation_checkpointing():
         assert torch.equal(g[k], g_remat[k]), k
 
 
-def test_trainable_selects_leaves_and_bad_patterns_are_config_errors():
-    params = glm5f.init_params(CFG)
-    assert not any(".indexer." in k for k in trained_paths(params))
-    only = trained_paths(params, "indexer", indexer=True)
-    assert len(only) == 10 and all(".indexer." in k for k in only)
-    assert set(adamw_init(params, only)["mu"]) == set(only)
-    assert trained_paths(params, r"layers\.0\.mlp") == [f"model.layers.0.mlp.{m}.weight"
-                                                        for m in ("gate_proj", "up_proj", "down_proj")]
-    errs = validate(cli("--train.trainable", "indexer"))
-    assert len(errs) == 1 and "--train.trainable 'indexer' matches none" in errs[0]
-    assert "--train.indexer_loss dense or sparse" in errs[0]
-    assert any("--train.trainable 'nothing_here'" in e for e in validate(cli("--train.trainable", "nothing_here")))
-    assert any("not a regular expression" in e for e in validate(cli("--train.trainable", "(")))
-    assert validate(cli("--train.trainable", "indexer", "--train.indexer_loss", "dense")) == []
+def padded_batch(cfg: glm5f.GLM5Config, B: int = 4, S: int = 16, seed: int = 0) -> dict:
+    """Random tokens, rows right-padded to different lengths (attention_mask 0, labels -100), the last wholly."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
+    mask = (torch.arange(S)[None] < torch.tensor([S, S - 5, 3, 0])[:B, None]).long()
+    return {"input_ids": ids, "labels": ids.masked_fill(mask == 0, glm5f.IGNORE_INDEX),
+            "position_ids": torch.arange(S).expand(B, S), "attention_mask": mask}
 
 
-def test_indexer_warmup_trains_only_the_indexer(tmp_path):
-    """The warm-up (`--train.trainable indexer --train.indexer_loss dense`) on the embedded text, from weights wide
-    enough that the frozen model's attention is not near-uniform (as a trained model's is not)."""
-    recs = train(cli("--train.trainable", "indexer", "--train.indexer_loss", "dense", "--train.steps", "20",
-                     "--model.initializer_range", "0.2", "--data.batch_size", "4", "--data.seq_len", "64",
-                     "--optim.warmup_steps", "2", "--optim.lr", "1e-2", "--eval.every", "0",
-                     "--checkpoint.dir", str(tmp_path)))
-    first, last = recs[:3], recs[-3:]
-    mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
-    assert mean(last, "indexer_loss") < 0.8 * mean(first, "indexer_loss")
-    assert mean(last, "indexer_recall") > mean(first, "indexer_recall") + 0.02
-    assert len({r["loss"] for r in recs}) > 1  # the data changes, the LM loss is still reported
-    model_cfg = glm5f.preset("glm5-tiny", initializer_range=0.2)
-    init = glm5f.init_params(model_cfg)
-    trained = trained_paths(init, "indexer", indexer=True)
-    state = {"params": glm5f.init_params(model_cfg, seed=1), "optim": adamw_init(init, trained)}
-    checkpoint.load(checkpoint.latest(str(tmp_path)), state)
-    final = glm5f.flatten(state["params"])
-    for k, t in glm5f.flatten(init).items():
-        if k in trained:
-            assert not torch.equal(final[k], t), k
-        else:
-            assert torch.equal(final[k], t), k  # including the routers' e_score_correction_bias
+def test_train_step_objective_matches_the_formula(monkeypatch):
+    """The step's seq_aux_loss metric (mean over sequences, summed over MoE layers) and its gradients of
+    loss + coeff * seq_aux_loss wrt every trained leaf equal autograd of the naive formula applied to each MoE
+    layer's input, over a padded batch cut into two micro-batches (fp64, rel_err 1e-6)."""
+    coeff = 0.5
+    cfg = cli("--train.dtype", "float64", "--train.grad_accum", "2", "--train.seq_aux_loss_coeff", str(coeff))
+    model_cfg = cfg.model.build()
+    params = glm5f.init_params(model_cfg, seed=1, dtype=torch.float64)
+    for layer in params["model"]["layers"]:
+        if "gate" in layer["mlp"]:
+            layer["mlp"]["gate"]["weight"] = layer["mlp"]["gate"]["weight"] * 200  # scores spread beyond 0.5
+            layer["mlp"]["gate"]["e_score_correction_bias"].normal_(0, 0.1)
+    batch = padded_batch(model_cfg)
+    metrics, grads, _ = run_step(params, batch, cfg, model_cfg)
+
+    seen = []
+
+    def spy(p, x, *args, **kwargs):
+        seen.append((p["gate"], x))
+        return real(p, x, *args, **kwargs)
+
+    real = model_mod.moe
+    monkeypatch.setattr(model_mod, "moe", spy)
+    full = with_targets(batch)
+    n_seq = int((full["valid"].sum(1) > 0).sum())
+
+    def objective(params):
+        seen.clear()
+        ctx = env_of(model_cfg, full["input_ids"].shape, full["attention_mask"], full["position_ids"], torch.float64)
+        logits, _ = apply(params, model_cfg, full["input_ids"], ctx)
+        ce, n = cross_entropy_sum(logits, full["targets"])
+        aux = sum(naive_seq_aux(gate, x, full["valid"], model_cfg) for gate, x in seen) / n_seq
+        return ce / n + coeff * aux, aux
+
+    (_, aux), want = value_and_grad(objective, has_aux=True)(params)
+    assert len(seen) == sum(model_cfg.is_moe(i) for i in range(model_cfg.num_hidden_layers)) >= 2
+    assert abs(metrics["seq_aux_loss"] - float(aux)) <= 1e-6 * float(aux)
+    assert grads.keys() == want.keys()
+    for k, g in want.items():
+        assert rel_err(grads[k], g) <= 1e-6, f"{k}: relative gradient error {rel_err(grads[k], g):.2e}"
+    gate = "model.layers.1.mlp.gate.weight"
+    _, no_aux, _ = run_step(params, batch, cli("--train.dtype", "float64", "--train.grad_accum", "2"), model_cfg)
+    assert rel_err(grads[gate], no_aux[gate]) > 1e-3  # the loss does move the router
+
+
+def test_coeff_zero_leaves_the_step_as_before():
+    """--train.seq_aux_loss_coeff 0 (the default): the step's metrics and gradients are, bit for bit, those of the
+    plain LM loss (autograd of the cross-entropy mean), and no seq_aux_loss is logged."""
+    cfg = cli("--data.seq_len", "16")
+    assert cfg.train.seq_aux_loss_coeff == 0.0
+    model_cfg = cfg.model.build()
+    params = glm5f.init_params(model_cfg, seed=2)
+    batch = padded_batch(model_cfg)
+    metrics, grads, _ = run_step(params, batch, cfg, model_cfg)
+    full = with_targets(batch)
+
+    def lm_loss(params):
+        ctx = env_of(model_cfg, full["input_ids"].shape, full["attention_mask"], full["position_ids"])
+        ce, n = cross_entropy_sum(apply(params, model_cfg, full["input_ids"], ctx)[0], full["targets"])
+        return ce / n.clamp(min=1)
+
+    loss, want = value_and_grad(lm_loss)(params)
+    assert metrics.keys() == {"loss"} and metrics["loss"] == float(loss)
+    for k, g in want.items():
+        assert torch.equal(grads[k], g), k
+    assert validate(cli("--train.seq_aux_loss_coeff", "-1")) == ["--train.seq_aux_loss_coeff must be >= 0, got -1.0"]
+
+
+MTP_CFG = glm5f.preset("glm5-tiny", num_nextn_predict_layers=1)  # the MTP layer is MoE with a full indexer
+
+
+def naive_targets(labels, depth, position_ids, valid):
+    """Python loops over the rule: the label of t_{i+depth+1}, same document as i, none of i, i+depth,
+    i+depth+1 padding."""
+    B, S = labels.shape
+    out = torch.full_like(labels, glm5f.IGNORE_INDEX)
+    for b in range(B):
+        doc, d = [], 0
+        for i in range(S):
+            if i and position_ids[b, i] != position_ids[b, i - 1] + 1:
+                d += 1
+            doc.append(d)
+        for i in range(S - depth - 1):
+            j = i + depth + 1
+            if doc[j] == doc[i] and valid[b, i] and valid[b, i + depth] and valid[b, j]:
+                out[b, i] = labels[b, j]
+    return out
+
+
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(st.integers(0, 2**16), st.integers(1, 3), st.integers(2, 14), st.booleans())
+def test_mtp_targets_stay_within_documents_and_skip_padding(seed, depth, S, padded):
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, 50, (2, S), generator=g)
+    labels[torch.rand(2, S, generator=g) < 0.2] = glm5f.IGNORE_INDEX
+    starts = torch.rand(2, S, generator=g) < 0.25  # packed documents: positions restart
+    pos = torch.zeros(2, S, dtype=torch.long)
+    for b in range(2):
+        for i in range(1, S):
+            pos[b, i] = 0 if starts[b, i] else pos[b, i - 1] + 1
+    valid = (torch.rand(2, S, generator=g) > 0.2).long() if padded else torch.ones(2, S, dtype=torch.long)
+    assert torch.equal(mtp_targets(labels, depth, pos, valid), naive_targets(labels, depth, pos, valid))
+
+
+def test_mtp_weight_scales_the_gradient_the_main_model_gets():
+    """Weight 0: the main leaves' gradients are bit for bit those of the model without an MTP layer; weight w:
+    they move by w times the MTP loss's gradient (checked against two weights)."""
+    base = glm5f.preset("glm5-tiny")
+    params = glm5f.init_params(MTP_CFG, seed=1)
+    main_params = glm5f.init_params(base, seed=1)
+    ids = torch.randint(0, MTP_CFG.vocab_size, (2, 24), generator=torch.Generator().manual_seed(2))
+    batch = {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(24).expand(2, 24)}
+    layout, run = Layout(torch.device("cpu")), Config()
+    grads = {}
+    for w in (0.0, 0.5, 1.0):
+        run.train.mtp_loss_weight = w
+        metrics, grads[w], _ = step_grads(params, batch, MTP_CFG, layout, Step.of(run.train, MTP_CFG))
+    _, plain, _ = step_grads(main_params, batch, base, layout, Step.of(run.train, base))
+    for k, g in plain.items():
+        assert torch.equal(grads[0.0][k], g), k
+    k = "model.layers.2.self_attn.o_proj.weight"
+    mtp_part = grads[1.0][k] - grads[0.0][k]
+    assert mtp_part.abs().max() > 0
+    assert rel_err(grads[0.5][k] - grads[0.0][k], 0.5 * mtp_part) <= 1e-4

@@ -5,8 +5,11 @@ import torch
 from torch.utils import _pytree as pytree
 
 import glm5f
+from configs import validate
+from conftest import cli
 from glm5f.ops import wide_dtype
-from glm5f.optim import adamw_init, adamw_update, leaf_rule, lr_schedule
+from glm5f.optim import (adamw_init, adamw_update, balance_router_bias, clip_by_global_norm, leaf_rule, lr_schedule,
+                         trained_paths, value_and_grad)
 from glm5f.params import flatten, unflatten
 
 
@@ -94,3 +97,62 @@ def test_decay_rule_of_every_leaf():
         assert leaf_rule(path, t.ndim) == want, path
         if ".indexer." in path:
             assert leaf_rule(path, t.ndim, indexer=True) == ("decay" if t.ndim >= 2 else "no_decay"), path
+
+
+def test_adamw_matches_torch_optim():
+    cfg = glm5f.preset("glm5-tiny")
+    params = glm5f.init_params(cfg)
+    state = adamw_init(params)
+    ref_leaves = {p: t.clone().requires_grad_() for p, t in glm5f.flatten(params).items() if p in state["mu"]}
+    decay = [t for p, t in ref_leaves.items() if leaf_rule(p, t.ndim) == "decay"]
+    no_decay = [t for p, t in ref_leaves.items() if leaf_rule(p, t.ndim) == "no_decay"]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        grads = {p: torch.randn(t.shape, generator=g) for p, t in ref_leaves.items()}
+        for p, t in ref_leaves.items():
+            t.grad = grads[p].clone()
+        opt.step()
+        params, state = adamw_update(params, grads, state, 1e-2, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
+    flat = glm5f.flatten(params)
+    for p, t in ref_leaves.items():
+        assert torch.allclose(flat[p], t.detach(), atol=1e-6), p
+    assert leaf_rule("model.layers.0.self_attn.indexer.wk.weight", 2) == "frozen"
+    assert leaf_rule("model.layers.1.mlp.gate.e_score_correction_bias", 1) == "balance"
+    assert leaf_rule("model.norm.weight", 1) == "no_decay"
+
+
+def test_value_and_grad_clip_schedule_and_balance():
+    cfg = glm5f.preset("glm5-tiny")
+    params = glm5f.init_params(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 24))
+    loss, grads = value_and_grad(lambda p: glm5f.causal_lm_loss(glm5f.forward(p, cfg, ids), ids))(params)
+    assert ".indexer." not in "".join(grads) and "e_score" not in "".join(grads)
+    norm = torch.sqrt(sum((g ** 2).sum() for g in grads.values()))
+    clipped, before = clip_by_global_norm(grads, float(norm) / 2)
+    assert torch.isclose(before, norm)
+    assert torch.isclose(torch.sqrt(sum((g ** 2).sum() for g in clipped.values())), norm / 2, rtol=1e-4)
+    assert lr_schedule(0, peak=1.0, warmup=10, total=100) == pytest.approx(0.1)
+    assert lr_schedule(9, peak=1.0, warmup=10, total=100) == pytest.approx(1.0)
+    assert lr_schedule(100, peak=1.0, warmup=10, total=100, min_ratio=0.1) == pytest.approx(0.1)
+    key = "model.layers.1.mlp.gate.e_score_correction_bias"
+    counts = torch.tensor([10.0, 0, 5, 5, 5, 5, 5, 5])
+    moved = glm5f.flatten(balance_router_bias(params, {key: counts}, 0.01))[key]
+    assert moved.tolist() == pytest.approx([-0.01, 0.01, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+
+
+def test_trainable_selects_leaves_and_bad_patterns_are_config_errors():
+    params = glm5f.init_params(glm5f.preset("glm5-tiny", initializer_range=0.2, index_topk=8))
+    assert not any(".indexer." in k for k in trained_paths(params))
+    only = trained_paths(params, "indexer", indexer=True)
+    assert len(only) == 10 and all(".indexer." in k for k in only)
+    assert set(adamw_init(params, only)["mu"]) == set(only)
+    assert trained_paths(params, r"layers\.0\.mlp") == [f"model.layers.0.mlp.{m}.weight"
+                                                        for m in ("gate_proj", "up_proj", "down_proj")]
+    errs = validate(cli("--train.trainable", "indexer"))
+    assert len(errs) == 1 and "--train.trainable 'indexer' matches none" in errs[0]
+    assert "--train.indexer_loss dense or sparse" in errs[0]
+    assert any("--train.trainable 'nothing_here'" in e for e in validate(cli("--train.trainable", "nothing_here")))
+    assert any("not a regular expression" in e for e in validate(cli("--train.trainable", "(")))
+    assert validate(cli("--train.trainable", "indexer", "--train.indexer_loss", "dense")) == []

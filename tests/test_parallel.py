@@ -11,6 +11,7 @@ import torch
 
 import dist_checks
 import glm5f
+from conftest import rel_err
 from glm5f.distributed import spawn
 from glm5f.metrics import read_metrics
 from scripts.align import COMMON, LAYOUTS
@@ -283,3 +284,38 @@ def test_loading_and_export_hold_only_a_ranks_share(tmp_path):
     original = (tmp_path / "ckpt" / "model.safetensors").read_bytes()
     for name in ("one", "two"):
         assert (tmp_path / name / "model.safetensors").read_bytes() == original, name
+
+
+def test_seq_aux_loss_under_context_parallel_equals_one_process(tmp_path):
+    """--parallel.cp 2: each sequence's tokens are split over two ranks, whose expert loads and token counts are
+    summed before f is formed; the metric and every gradient equal the one-process run's (rel_err 1e-6)."""
+    argv = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", "--data.batch_size", "2", "--data.seq_len",
+            "32", "--train.dtype", "float64", "--train.steps", "1", "--train.seq_aux_loss_coeff", "0.3"]
+    ref = dist_checks.first_step_grads(argv, None)
+    spawn(dist_checks.first_step_grads, 2, argv + ["--parallel.cp", "2"], str(tmp_path / "g.pt"))
+    got = torch.load(tmp_path / "g.pt", weights_only=True)
+    assert abs(got["metrics"]["seq_aux_loss"] - ref["metrics"]["seq_aux_loss"]) <= 1e-6 * ref["metrics"][
+        "seq_aux_loss"]
+    assert got["grads"].keys() == ref["grads"].keys()
+    for k, g in ref["grads"].items():
+        assert rel_err(got["grads"][k], g) <= 1e-6, f"{k}: relative gradient error {rel_err(got['grads'][k], g):.2e}"
+
+
+def test_context_and_expert_parallel_mtp_equals_one_process(tmp_path):
+    """cp2 x ep2 on packed text: the MTP inputs and targets are shifted on whole sequences before the CP split,
+    so the MTP loss, every gradient and the MTP layer's expert counts are the one-process ones."""
+    import dist_checks
+    from glm5f.distributed import spawn
+
+    argv = ["--model.preset", "glm5-tiny", "--model.num_nextn_predict_layers", "1", "--data.type", "text",
+            "--data.batch_size", "2", "--data.seq_len", "64", "--train.steps", "1"]
+    ref = dist_checks.first_step_grads(argv, None)
+    spawn(dist_checks.first_step_grads, 2, argv + ["--parallel.cp", "2", "--parallel.ep", "2"], str(tmp_path / "g.pt"))
+    got = torch.load(tmp_path / "g.pt", weights_only=True)
+    assert abs(got["metrics"]["mtp_loss"] - ref["metrics"]["mtp_loss"]) <= 1e-6
+    assert abs(got["loss"] - ref["loss"]) <= 1e-6
+    assert "model.layers.3.mlp.gate.e_score_correction_bias" in ref["counts"]
+    for k, c in ref["counts"].items():
+        assert torch.equal(got["counts"][k], c), k
+    for k, g in ref["grads"].items():
+        assert rel_err(got["grads"][k], g) <= 1e-5, f"{k}: relative gradient error {rel_err(got['grads'][k], g):.2e}"

@@ -1,34 +1,25 @@
 """The train loop: learning, bitwise resume, crash-safe checkpoints, bad input, and the optimizer functions."""
 
 import json
+import math
 import os
-import re
-import signal
-import subprocess
 import sys
-import textwrap
-import time
 
 import pytest
 import torch
-import tyro
 
 import glm5f
-from configs import Config, validate
+from configs import with_data_type
+from conftest import cli, write_records
 from glm5f import checkpoint
-from glm5f.data import ByteTokenizer, make_source
+from glm5f.data import make_eval_source, make_source
 from glm5f.metrics import read_metrics
-from glm5f.optim import (adamw_init, adamw_update, balance_router_bias, clip_by_global_norm, leaf_rule, lr_schedule,
-                         value_and_grad)
+from glm5f.optim import adamw_init, trained_paths
 from train import TrainingError, main, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MOE = ["--model.preset", "glm5-scaled-moe", "--data.batch_size", "4", "--data.seq_len", "80",
        "--train.grad_accum", "2", "--checkpoint.every", "5"]
-
-
-def cli(*args: str) -> Config:
-    return tyro.cli(Config, args=list(args), use_underscores=True)
 
 
 def write_jsonl(path, n=40, seed=0):
@@ -97,49 +88,6 @@ def test_activation_checkpointing_and_bf16(tmp_path):
     assert all(abs(a["loss"] - b["loss"]) < 0.05 for a, b in zip(plain, bf16))
 
 
-KILL_SCRIPT = textwrap.dedent("""
-    import os, sys, time
-    sys.path.insert(0, {root!r})
-    import glm5f.checkpoint as ck
-    real_replace = os.replace
-    def slow_replace(src, dst):
-        if os.path.basename(dst) == "step_00000010":  # the second save: stop with its files half-way there
-            open({marker!r}, "w").close()
-            time.sleep(600)
-        return real_replace(src, dst)
-    ck.os.replace = slow_replace
-    from train import main
-    sys.exit(main(sys.argv[1:]))
-""")
-
-
-def test_sigkill_during_checkpoint_keeps_previous(tmp_path):
-    run = tmp_path / "run"
-    marker = tmp_path / "saving"
-    script = tmp_path / "kill.py"
-    script.write_text(KILL_SCRIPT.format(root=ROOT, marker=str(marker)))
-    args = MOE + ["--data.type", "synthetic", "--train.steps", "12", "--checkpoint.dir", str(run)]
-    proc = subprocess.Popen([sys.executable, str(script), *args], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    deadline = time.time() + 120
-    while not marker.exists():
-        assert proc.poll() is None, proc.stderr.read().decode()
-        assert time.time() < deadline, "training never reached its second checkpoint"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert os.path.isdir(run / "checkpoints" / ".tmp-step_00000010")  # the half-written one
-    assert checkpoint.latest(str(run)).endswith("step_00000005")
-    cfg = glm5f.preset("glm5-scaled-moe")
-    state = {"params": glm5f.init_params(cfg, seed=123), "optim": adamw_init(glm5f.init_params(cfg))}
-    extra = checkpoint.load(checkpoint.latest(str(run)), state)
-    assert extra["step"] == 5 and int(state["optim"]["count"]) == 5
-    recs = train(cli(*args, "--checkpoint.resume", "latest"))
-    assert recs[0]["step"] == 6 and recs[-1]["step"] == 12
-    assert [r["step"] for r in read_metrics(run)] == list(range(1, 13))
-    assert not any(n.startswith(".tmp") for n in os.listdir(run / "checkpoints"))
-
-
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, capsys):
     args = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", "--data.batch_size", "2", "--data.seq_len",
             "32", "--train.steps", "6", "--checkpoint.every", "1", "--optim.lr", "1e30", "--optim.warmup_steps", "0",
@@ -194,16 +142,6 @@ def test_skip_nonfinite_skips_the_update_and_goes_on(tmp_path, capsys, monkeypat
     assert int(state["optim"]["count"]) == 3  # three updates of four steps
 
 
-def test_checkpoint_save_refuses_nonfinite_and_keeps_the_newest(tmp_path):
-    good = {"params": {"w": torch.ones(3)}}
-    first = checkpoint.save(str(tmp_path), 1, good, extra={"step": 1}, meta={}, keep=1)
-    with pytest.raises(ValueError, match="refusing to save checkpoint 2: non-finite values in params.w"):
-        checkpoint.save(str(tmp_path), 2, {"params": {"w": torch.tensor([1.0, float("inf"), 0.0])}},
-                        extra={"step": 2}, meta={}, keep=1)
-    assert checkpoint.latest(str(tmp_path)) == first
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_00000001"]
-
-
 def test_nonfinite_params_are_never_checkpointed(tmp_path, capsys, monkeypatch):
     import train as train_mod
     real, calls = train_mod.adamw_update, []
@@ -219,37 +157,6 @@ def test_nonfinite_params_are_never_checkpointed(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "error: step 2: non-finite values in 1 parameter(s) (lm_head.weight); not writing a checkpoint" in err
     assert checkpoint.latest(str(tmp_path)).endswith("step_00000001")
-
-
-def test_bad_data_is_reported(tmp_path, capsys):
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"text": "fine"}\n\n{"text": "broken"\n')
-    with pytest.raises(ValueError, match=rf"{bad}:3: not valid JSON"):
-        make_source("json_file", vocab_size=512, batch_size=2, seq_len=16, path=str(bad))
-    assert main(["--data.type", "json_file", "--data.path", str(bad), "--checkpoint.dir", str(tmp_path / "r")]) == 1
-    assert f"{bad}:3: not valid JSON" in capsys.readouterr().err
-    assert not (tmp_path / "r" / "checkpoints").exists()
-    (tmp_path / "keys.jsonl").write_text('{"words": "no"}\n')
-    with pytest.raises(ValueError, match="keys.jsonl:1: a record needs 'text'"):
-        make_source("json_file", vocab_size=512, batch_size=2, seq_len=16, path=str(tmp_path / "keys.jsonl"))
-    with pytest.raises(FileNotFoundError, match="no such file"):
-        make_source("json_file", vocab_size=512, batch_size=2, seq_len=16, path=str(tmp_path / "missing.jsonl"))
-    (tmp_path / "empty.jsonl").write_text("\n\n")
-    with pytest.raises(ValueError, match="dataset is empty"):
-        make_source("json_file", vocab_size=512, batch_size=2, seq_len=16, path=str(tmp_path / "empty.jsonl"))
-    (tmp_path / "ids.jsonl").write_text('{"input_ids": [1, 2, 600]}\n')
-    with pytest.raises(ValueError, match="token id 600 outside \\[0, vocab_size=512\\)"):
-        make_source("json_file", vocab_size=512, batch_size=2, seq_len=16, path=str(tmp_path / "ids.jsonl"))
-    with pytest.raises(ValueError, match="raise --model.vocab_size to at least 259"):
-        make_source("text", vocab_size=100, batch_size=2, seq_len=16)
-    torch.save([{"input_ids": torch.tensor([[1, 2, 999]])}], tmp_path / "b.pt")
-    with pytest.raises(ValueError, match="outside \\[0, vocab_size=512\\)"):
-        make_source("preset_pt", vocab_size=512, batch_size=2, seq_len=16, path=str(tmp_path / "b.pt"))
-
-
-def write_records(path, records) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return str(path)
 
 
 def test_warnings_print_once_and_only_when_due(tmp_path, capsys):
@@ -269,131 +176,6 @@ def test_warnings_print_once_and_only_when_due(tmp_path, capsys):
     assert main(args + ["--data.path", clean, "--optim.warmup_steps", "2",
                         "--checkpoint.dir", str(tmp_path / "b")]) == 0
     assert "warning" not in capsys.readouterr().err
-
-
-def test_unused_tokenizer_warns(tmp_path, capsys):
-    tok = bpe_tokenizer(tmp_path)
-    assert main(TINY + ["--model.tokenizer_path", tok, "--train.steps", "1", "--optim.warmup_steps", "1",
-                        "--checkpoint.dir", str(tmp_path / "run")]) == 0
-    err = capsys.readouterr().err
-    assert [line for line in err.splitlines() if "warning" in line] == [
-        f"warning: --model.tokenizer_path {tok} is not used: --data.type synthetic does not tokenize text"]
-    ids = write_records(tmp_path / "ids.jsonl", [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])
-    text = write_records(tmp_path / "text.jsonl", [{"input_ids": [1, 2, 3]}, {"text": "the cat"}])
-    for kind, path, tokenizer, expected in [
-            ("synthetic", None, tok, f"--model.tokenizer_path {tok} is not used: --data.type synthetic does not "
-                                     f"tokenize text"),
-            ("json_file", ids, tok, f"--model.tokenizer_path {tok} is not used: every record holds input_ids "
-                                    f"already"),
-            ("synthetic", None, None, None), ("json_file", ids, None, None), ("json_file", text, tok, None)]:
-        seen = []
-        make_source(kind, vocab_size=512, batch_size=1, seq_len=8, path=path, tokenizer_path=tokenizer,
-                    warn=seen.append)
-        assert seen == ([expected] if expected else []), (kind, path, tokenizer)
-
-
-def test_invalid_run_configs_fail_before_any_work(tmp_path, capsys):
-    run = tmp_path / "never"
-    for args, message in [(["--train.steps", "-3"], "--train.steps must be >= 1"),
-                          (["--model.preset", "glm9"], "--model.preset 'glm9' is unknown"),
-                          (["--data.batch_size", "6", "--train.grad_accum", "4"], "must divide by"),
-                          (["--model.n_group", "3"], "divisible by n_group"),
-                          (["--data.type", "json_file"], "needs --data.path"),
-                          (["--train.dtype", "float64", "--train.reduce_dtype", "float32"], "narrower than"),
-                          (["--parallel.tp", "2"], "tensor parallelism is not built")]:
-        assert main([*args, "--checkpoint.dir", str(run)]) == 1
-        err = capsys.readouterr().err
-        assert message in err and err.startswith("error: invalid configuration"), (args, err)
-    assert not run.exists()
-    # under torchrun the world is the launcher's: a layout that does not fill it is refused
-    assert any("must equal the number of processes" in e
-               for e in validate(cli("--parallel.dp_shard", "2", "--parallel.cp", "2"), world_size=1))
-
-
-def test_packing_positions_and_prompt_masking():
-    tok = ByteTokenizer()
-    src = make_source("text", vocab_size=512, batch_size=3, seq_len=64)
-    b = src.next_batch()
-    starts = b["input_ids"] == tok.bos_id
-    assert torch.all(b["position_ids"][starts] == 0)  # positions restart at each document
-    assert torch.all(b["labels"][starts] == glm5f.IGNORE_INDEX)  # no prediction across documents
-    state = src.state_dict()
-    nxt = src.next_batch()
-    src.load_state_dict(state)
-    again = src.next_batch()
-    assert all(torch.equal(nxt[k], again[k]) for k in nxt)
-
-
-def test_json_prompt_response_and_unpacked_rows(tmp_path):
-    f = tmp_path / "pr.jsonl"
-    f.write_text(json.dumps({"prompt": "ab", "response": "cd"}) + "\n")
-    b = make_source("json_file", vocab_size=512, batch_size=1, seq_len=8, path=str(f), pack=False).next_batch()
-    tok = ByteTokenizer()
-    assert b["input_ids"][0].tolist() == [tok.bos_id, 97, 98, 99, 100, tok.eos_id, tok.pad_id, tok.pad_id]
-    assert b["labels"][0].tolist() == [-100, -100, -100, 99, 100, tok.eos_id, -100, -100]
-    assert b["attention_mask"][0].tolist() == [1] * 6 + [0] * 2
-
-
-def test_preset_batches_replay_in_order(tmp_path):
-    batches = [{"input_ids": torch.full((2, 5), i), "labels": torch.full((2, 5), -100)} for i in range(3)]
-    torch.save(batches, tmp_path / "b.pt")
-    src = make_source("preset_pt", vocab_size=16, batch_size=2, seq_len=5, path=str(tmp_path / "b.pt"))
-    assert [int(src.next_batch()["input_ids"][0, 0]) for _ in range(4)] == [0, 1, 2, 0]
-
-
-def test_adamw_matches_torch_optim():
-    cfg = glm5f.preset("glm5-tiny")
-    params = glm5f.init_params(cfg)
-    state = adamw_init(params)
-    ref_leaves = {p: t.clone().requires_grad_() for p, t in glm5f.flatten(params).items() if p in state["mu"]}
-    decay = [t for p, t in ref_leaves.items() if leaf_rule(p, t.ndim) == "decay"]
-    no_decay = [t for p, t in ref_leaves.items() if leaf_rule(p, t.ndim) == "no_decay"]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(3):
-        grads = {p: torch.randn(t.shape, generator=g) for p, t in ref_leaves.items()}
-        for p, t in ref_leaves.items():
-            t.grad = grads[p].clone()
-        opt.step()
-        params, state = adamw_update(params, grads, state, 1e-2, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
-    flat = glm5f.flatten(params)
-    for p, t in ref_leaves.items():
-        assert torch.allclose(flat[p], t.detach(), atol=1e-6), p
-    assert leaf_rule("model.layers.0.self_attn.indexer.wk.weight", 2) == "frozen"
-    assert leaf_rule("model.layers.1.mlp.gate.e_score_correction_bias", 1) == "balance"
-    assert leaf_rule("model.norm.weight", 1) == "no_decay"
-
-
-def test_value_and_grad_clip_schedule_and_balance():
-    cfg = glm5f.preset("glm5-tiny")
-    params = glm5f.init_params(cfg)
-    ids = torch.randint(0, cfg.vocab_size, (2, 24))
-    loss, grads = value_and_grad(lambda p: glm5f.causal_lm_loss(glm5f.forward(p, cfg, ids), ids))(params)
-    assert ".indexer." not in "".join(grads) and "e_score" not in "".join(grads)
-    norm = torch.sqrt(sum((g ** 2).sum() for g in grads.values()))
-    clipped, before = clip_by_global_norm(grads, float(norm) / 2)
-    assert torch.isclose(before, norm)
-    assert torch.isclose(torch.sqrt(sum((g ** 2).sum() for g in clipped.values())), norm / 2, rtol=1e-4)
-    assert lr_schedule(0, peak=1.0, warmup=10, total=100) == pytest.approx(0.1)
-    assert lr_schedule(9, peak=1.0, warmup=10, total=100) == pytest.approx(1.0)
-    assert lr_schedule(100, peak=1.0, warmup=10, total=100, min_ratio=0.1) == pytest.approx(0.1)
-    key = "model.layers.1.mlp.gate.e_score_correction_bias"
-    counts = torch.tensor([10.0, 0, 5, 5, 5, 5, 5, 5])
-    moved = glm5f.flatten(balance_router_bias(params, {key: counts}, 0.01))[key]
-    assert moved.tolist() == pytest.approx([-0.01, 0.01, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
-
-
-def test_export_hf_and_compare_script(tmp_path):
-    train(cli("--train.steps", "2", "--checkpoint.dir", str(tmp_path / "r1"), "--checkpoint.export_hf",
-              str(tmp_path / "hf")))
-    cfg, params = glm5f.load_hf(tmp_path / "hf")
-    assert cfg == glm5f.preset("glm5-tiny")
-    train(cli("--train.steps", "2", "--checkpoint.dir", str(tmp_path / "r2")))
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "compare_runs.py"), str(tmp_path / "r1"),
-                          str(tmp_path / "r2"), "--png", str(tmp_path / "c.png")], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    assert "0.000e+00" in out.stdout and os.path.isfile(tmp_path / "c.png")
 
 
 def test_export_hf_refuses_foreign_directories_before_training(tmp_path):
@@ -425,98 +207,6 @@ def test_export_hf_replaces_its_own_export_and_exports_a_finished_run(tmp_path):
               "--checkpoint.export_hf", str(again)))  # nothing to train, still exported
     assert (again / "model.safetensors").read_bytes() == (hf / "model.safetensors").read_bytes()
     assert not any(".tmp-" in n or ".old-" in n for n in os.listdir(tmp_path))
-
-
-def test_second_run_into_a_used_run_dir_is_refused(tmp_path, capsys, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # the default --checkpoint.dir, runs/default, as a user running train.py twice
-    assert main(TINY + ["--train.steps", "2"]) == 0
-    before = (tmp_path / "runs" / "default" / "metrics.jsonl").read_text()
-    assert main(TINY + ["--train.steps", "3", "--data.seed", "1"]) == 1
-    err = capsys.readouterr().err
-    assert ("error: the run directory runs/default already holds a run (checkpoints, metrics.jsonl); continue it "
-            "with --checkpoint.resume latest, start over with --checkpoint.overwrite") in err
-    assert (tmp_path / "runs" / "default" / "metrics.jsonl").read_text() == before
-    assert sorted(os.listdir(tmp_path / "runs" / "default" / "checkpoints")) == ["latest", "step_00000002"]
-    (tmp_path / "runs" / "default" / "notes.txt").write_text("mine")
-    assert main(TINY + ["--train.steps", "3", "--checkpoint.overwrite", "--checkpoint.every", "0"]) == 0
-    run = tmp_path / "runs" / "default"
-    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
-    assert sorted(os.listdir(run / "checkpoints")) == ["latest", "step_00000003"]
-    assert (run / "notes.txt").read_text() == "mine"  # overwrite removes only what a run writes
-    assert main(TINY + ["--train.steps", "3", "--checkpoint.overwrite", "--checkpoint.resume", "latest"]) == 1
-    assert "--checkpoint.overwrite deletes the checkpoints --checkpoint.resume would" in capsys.readouterr().err
-
-
-def test_help_lists_every_section():
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--help"], capture_output=True, text=True,
-                         cwd=ROOT)
-    assert out.returncode == 0
-    for flag in ("--model.preset", "--data.type", "--optim.lr", "--train.steps", "--train.activation_checkpointing",
-                 "--parallel.cp", "--checkpoint.resume", "--model.hidden_size"):
-        assert flag in out.stdout, flag
-
-
-def test_every_flag_has_help():
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--help"], capture_output=True, text=True,
-                         cwd=ROOT, env=dict(os.environ, COLUMNS="100"))
-    assert out.returncode == 0
-    helps, flag = {}, None  # flag -> its help text, "(default: ...)" left out
-    for line in out.stdout.splitlines():
-        inner = line.strip().strip("│").strip()
-        if line.strip()[:1] in "╭╰─":
-            flag = None
-        elif inner.startswith("-"):
-            flag = inner.split()[0].rstrip(",")
-            helps[flag] = ""
-        elif flag:
-            helps[flag] += " " + inner
-    helps = {f: re.sub(r"\(default: [^)]*\)", "", h).strip() for f, h in helps.items()}
-    assert len(helps) > 60 and "--data.seq_len" in helps
-    assert [f for f, h in helps.items() if not h] == []
-
-
-def bpe_tokenizer(directory) -> str:
-    """A small BPE tokenizer.json in `directory` (its path)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(["the cat sat on the mat", "a dog ran"] * 20,
-                            trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>", "<s>", "</s>", "<pad>"]))
-    tok.save(str(directory / "tokenizer.json"))
-    return str(directory / "tokenizer.json")
-
-
-def test_tokenizer_file(tmp_path):
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(bpe_tokenizer(tmp_path))
-    data = tmp_path / "d.jsonl"
-    data.write_text(json.dumps({"text": "the cat sat"}) + "\n")
-    b = make_source("json_file", vocab_size=64, batch_size=1, seq_len=6, path=str(data), tokenizer_path=str(tmp_path),
-                    pack=False).next_batch()
-    assert b["input_ids"][0].tolist()[0] == tok.token_to_id("<s>")
-    assert tok.decode(b["input_ids"][0].tolist()[1:4]) == "the cat sat"
-    assert b["input_ids"][0].tolist()[4] == tok.token_to_id("</s>")
-
-
-def test_hf_datasets_from_disk(tmp_path):
-    import datasets
-
-    datasets.Dataset.from_dict({"text": ["hello world", "a second document"]}).save_to_disk(str(tmp_path / "one"))
-    b = make_source("hf_datasets", vocab_size=512, batch_size=2, seq_len=12, path=str(tmp_path / "one"),
-                    shuffle_buffer=1).next_batch()
-    # packed in the dataset's order: bos "hello world", then its eos, bos and the start of the second document
-    assert b["input_ids"].tolist() == [[256, *b"hello world"], [257, 256, *b"a second d"]]
-    splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"prompt": ["q"], "response": ["a"]}),
-                                   "test": datasets.Dataset.from_dict({"prompt": ["x"], "response": ["y"]})})
-    splits.save_to_disk(str(tmp_path / "two"))
-    with pytest.raises(ValueError, match="choose one with --data.split"):
-        make_source("hf_datasets", vocab_size=512, batch_size=1, seq_len=8, path=str(tmp_path / "two"))
-    b = make_source("hf_datasets", vocab_size=512, batch_size=1, seq_len=8, path=str(tmp_path / "two"),
-                    split="test", pack=False).next_batch()
-    assert b["input_ids"][0, :4].tolist() == [256, ord("x"), ord("y"), 257]
-    assert b["labels"][0, :4].tolist() == [-100, -100, ord("y"), 257]
 
 
 def test_resume_under_another_data_type_is_refused(tmp_path, capsys):
@@ -556,60 +246,80 @@ def test_a_run_failing_before_its_first_step_writes_nothing(tmp_path, monkeypatc
     assert not (tmp_path / "r").exists()  # no empty metrics.jsonl
 
 
-def test_damaged_checkpoint_is_named_and_latest_falls_back(tmp_path, capsys):
-    run, root = str(tmp_path), tmp_path / "checkpoints"
-    args = TINY + ["--checkpoint.every", "1", "--checkpoint.keep", "0", "--checkpoint.dir", run]
-    assert main(args + ["--train.steps", "3"]) == 0
-    manifest = json.loads((root / "step_00000003" / "manifest.json").read_text())["files"]
-    assert sorted(manifest) == [".metadata", "__0_0.distcp", "extra.pt", "meta.json"]
-    size = manifest["__0_0.distcp"]["bytes"]
-    with open(root / "step_00000003" / "__0_0.distcp", "r+b") as f:
-        f.truncate(1000)
-    (root / "step_00000002" / "extra.pt").unlink()
-    capsys.readouterr()
-    assert main(args + ["--train.steps", "4", "--checkpoint.resume", str(root / "step_00000003")]) == 1
-    assert (f"error: checkpoint {root / 'step_00000003'} is damaged: __0_0.distcp has 1000 bytes, not the {size} it "
-            f"was saved with. Resume from the newest complete checkpoint instead: --checkpoint.resume "
-            f"{root / 'step_00000001'}") in capsys.readouterr().err
-    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]  # the refused resume wrote nothing
-    assert main(args + ["--train.steps", "4", "--checkpoint.keep", "1", "--checkpoint.resume", "latest"]) == 0
-    out = capsys.readouterr().out
-    assert (f"checkpoint {root / 'step_00000003'} is damaged (__0_0.distcp has 1000 bytes, not the {size} it was "
-            f"saved with): resuming from {root / 'step_00000001'}, the newest complete one") in out
-    assert f"resumed from {root / 'step_00000001'} at step 1" in out
-    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4]
-    assert checkpoint.latest(run).endswith("step_00000004") and checkpoint.verify(checkpoint.latest(run)) is None
-    assert sorted(os.listdir(root)) == ["latest", "step_00000004"]  # rotation kept the newest complete one
+def test_indexer_warmup_trains_only_the_indexer(tmp_path):
+    """The warm-up (`--train.trainable indexer --train.indexer_loss dense`) on the embedded text, from weights wide
+    enough that the frozen model's attention is not near-uniform (as a trained model's is not)."""
+    recs = train(cli("--train.trainable", "indexer", "--train.indexer_loss", "dense", "--train.steps", "20",
+                     "--model.initializer_range", "0.2", "--data.batch_size", "4", "--data.seq_len", "64",
+                     "--optim.warmup_steps", "2", "--optim.lr", "1e-2", "--eval.every", "0",
+                     "--checkpoint.dir", str(tmp_path)))
+    first, last = recs[:3], recs[-3:]
+    mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
+    assert mean(last, "indexer_loss") < 0.8 * mean(first, "indexer_loss")
+    assert mean(last, "indexer_recall") > mean(first, "indexer_recall") + 0.02
+    assert len({r["loss"] for r in recs}) > 1  # the data changes, the LM loss is still reported
+    model_cfg = glm5f.preset("glm5-tiny", initializer_range=0.2)
+    init = glm5f.init_params(model_cfg)
+    trained = trained_paths(init, "indexer", indexer=True)
+    state = {"params": glm5f.init_params(model_cfg, seed=1), "optim": adamw_init(init, trained)}
+    checkpoint.load(checkpoint.latest(str(tmp_path)), state)
+    final = glm5f.flatten(state["params"])
+    for k, t in glm5f.flatten(init).items():
+        if k in trained:
+            assert not torch.equal(final[k], t), k
+        else:
+            assert torch.equal(final[k], t), k  # including the routers' e_score_correction_bias
 
 
-def test_checkpoint_verify_finds_each_kind_of_damage(tmp_path):
-    path = checkpoint.save(str(tmp_path), 1, {"params": {"w": torch.ones(64)}}, extra={"step": 1}, meta={})
-    assert checkpoint.verify(path) is None
-    meta_file = tmp_path / "checkpoints" / "step_00000001" / ".metadata"
-    good = meta_file.read_bytes()
-    meta_file.write_bytes(good[:-1] + bytes([good[-1] ^ 0xFF]))  # same size, one byte flipped
-    assert checkpoint.verify(path) == ".metadata does not match its CRC-32 in manifest.json (corrupted)"
-    meta_file.write_bytes(good)
-    os.remove(os.path.join(path, "extra.pt"))
-    assert checkpoint.verify(path) == "extra.pt is missing"
-    with pytest.raises(ValueError, match="no other checkpoint in .* is complete: start over with --checkpoint.overw"):
-        checkpoint.choose(str(tmp_path), "latest")
-    (tmp_path / "checkpoints" / "step_00000001" / "manifest.json").write_text("{")
-    assert checkpoint.verify(path) == "manifest.json is unreadable"
-    os.remove(os.path.join(path, "manifest.json"))  # as a checkpoint written before manifests: not checked
-    assert checkpoint.verify(path) is None and checkpoint.choose(str(tmp_path), "latest") == (path, None)
+def test_train_cli_writes_mtp_loss(tmp_path):
+    assert main(["--data.batch_size", "2", "--data.seq_len", "32", "--train.steps", "3", "--eval.every", "0",
+                 "--model.num_nextn_predict_layers", "1", "--checkpoint.dir", str(tmp_path / "a")]) == 0
+    history = read_metrics(str(tmp_path / "a"))
+    assert len(history) == 3 and all(math.isfinite(r["mtp_loss"]) and r["mtp_loss"] > 0 for r in history)
 
 
-def test_checkpoint_without_manifest_still_resumes(tmp_path, capsys):
-    run = str(tmp_path)
-    assert main(TINY + ["--train.steps", "2", "--checkpoint.dir", run]) == 0
-    os.remove(tmp_path / "checkpoints" / "step_00000002" / "manifest.json")
-    assert main(TINY + ["--train.steps", "3", "--checkpoint.dir", run, "--checkpoint.resume", "latest"]) == 0
-    out = capsys.readouterr().out
-    assert f"resumed from {tmp_path / 'checkpoints' / 'step_00000002'} at step 2" in out and "damaged" not in out
-    old = tmp_path / "checkpoints" / "step_00000003"
-    os.remove(old / "manifest.json")
-    with open(old / "__0_0.distcp", "r+b") as f:
-        f.truncate(1000)
-    assert main(TINY + ["--train.steps", "4", "--checkpoint.dir", run, "--checkpoint.resume", "latest"]) == 1
-    assert (f"error: cannot read checkpoint {old} (") in capsys.readouterr().err
+EVAL_TINY = ["--model.preset", "glm5-tiny", "--data.batch_size", "2", "--data.seq_len", "32", "--eval.batches", "2"]
+
+
+def independent_eval_loss(params, cfg, batches) -> float:
+    total, count = 0.0, 0
+    for b in batches:
+        logits = glm5f.forward(params, cfg, b["input_ids"], position_ids=b["position_ids"])
+        s, n = glm5f.cross_entropy_sum(logits, glm5f.shift_labels(b["labels"]))
+        total, count = total + float(s), count + int(n)
+    return total / count
+
+
+def test_eval_loss_is_the_loss_of_the_params_on_the_held_out_batches(tmp_path, capsys):
+    recs = train(cli(*EVAL_TINY, "--train.steps", "3", "--eval.every", "2", "--checkpoint.dir", str(tmp_path)))
+    assert [r["step"] for r in recs if "eval_loss" in r] == [2, 3]  # every 2 steps and at the end
+    assert "eval_loss" in capsys.readouterr().out
+    logged = read_metrics(tmp_path)[-1]
+    cfg, params = checkpoint.load_params(checkpoint.latest(str(tmp_path)))
+    src = make_eval_source("text", vocab_size=cfg.vocab_size, batch_size=2, seq_len=32)
+    batches = [src.next_batch() for _ in range(2)]
+    want = independent_eval_loss(params, cfg, batches)
+    assert logged["eval_loss"] == pytest.approx(want, rel=1e-6)
+    assert logged["eval_ppl"] == pytest.approx(torch.tensor(want).exp().item(), rel=1e-6)
+    both = {k: torch.cat([b[k] for b in batches]) for k in ("input_ids", "labels", "position_ids")}
+    logits = glm5f.forward(params, cfg, both["input_ids"], position_ids=both["position_ids"])
+    assert logged["eval_loss"] == pytest.approx(float(glm5f.causal_lm_loss(logits, both["labels"])), rel=1e-6)
+
+
+def test_eval_from_a_file_and_errors(tmp_path, capsys):
+    data = tmp_path / "held.jsonl"
+    data.write_text("".join(json.dumps({"text": f"held out document number {i}"}) + "\n" for i in range(8)))
+    recs = train(cli(*EVAL_TINY, "--train.steps", "1", "--eval.path", str(data), "--checkpoint.dir", str(tmp_path / "a")))
+    cfg, params = checkpoint.load_params(checkpoint.latest(str(tmp_path / "a")))
+    src = make_source("json_file", vocab_size=cfg.vocab_size, batch_size=2, seq_len=32, path=str(data))
+    assert recs[-1]["eval_loss"] == pytest.approx(
+        independent_eval_loss(params, cfg, [src.next_batch() for _ in range(2)]), rel=1e-6)
+    assert main(EVAL_TINY + ["--eval.split", "test", "--checkpoint.dir", str(tmp_path / "b")]) == 1
+    assert "--eval.split needs --data.type hf_datasets" in capsys.readouterr().err
+    assert main(EVAL_TINY + ["--eval.path", str(tmp_path / "none.jsonl"), "--checkpoint.dir", str(tmp_path / "c")]) == 1
+    assert "none.jsonl" in capsys.readouterr().err
+
+
+def test_default_run_evaluates():
+    cfg = with_data_type(cli())  # no --data.type and no --data.path: the embedded text
+    assert cfg.data.type == "text" and 0 < cfg.eval.every <= cfg.train.steps
