@@ -190,8 +190,8 @@ def target_queries(p: dict, q_nope_BxSxHxN: torch.Tensor, q_rot_BxSxHxP: torch.T
 
 # ---- the attention block ------------------------------------------------------------------------------------------
 
-def attention(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, env: Env,
-              carry: Selection | None) -> tuple[torch.Tensor, Selection, dict]:
+def attention(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, env: Env, carry: Selection | None,
+              kl_block_elems: int = indexer_loss.INDEXER_LOSS_BLOCK_ELEMS) -> tuple[torch.Tensor, Selection, dict]:
     """MLA + DSA for one layer -> (output [B, S, D], the Selection the next layer may reuse, aux). A full layer
     ("indexer" in p) selects its own keys; a shared layer attends to `carry`'s. With env.objectives.indexer_loss
     on, the aux of a group's last layer (with target "own", every full layer) holds the indexer loss's fp64 sums
@@ -213,5 +213,5 @@ def attention(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, env: 
             or cfg.has_indexer(layer + 1))
     if not last:
         return out_BxSxD, carry, {}
-    loss, recall = indexer_loss.kl(carry, cfg, env)
+    loss, recall = indexer_loss.kl(carry, cfg, env, kl_block_elems)
     return out_BxSxD, Selection(carry.topk), {"indexer_loss": loss, "indexer_recall": recall}

@@ -95,8 +95,9 @@ def sample(logits_BxV: torch.Tensor, temperature: float = 0.0, top_p: float = 1.
 @torch.no_grad()
 def stream(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, max_new_tokens: int, *,
            attention_mask: torch.Tensor | None = None, eos_token_id: int | None = None, temperature: float = 0.0,
-           top_p: float = 1.0, generator: torch.Generator | None = None):
-    """Yield the new tokens [B] one step at a time (see `generate`)."""
+           top_p: float = 1.0, generator: torch.Generator | None = None, with_logits: bool = False):
+    """Yield the new tokens [B] one step at a time (see `generate`); with `with_logits`, each with the logits
+    [B, V] it was chosen from."""
     check_input_ids(input_ids, cfg)
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -121,7 +122,7 @@ def stream(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, max_new_token
         if eos_token_id is not None:
             token = torch.where(done, torch.full_like(token, eos_token_id), token)
             done = done | (token == eos_token_id)
-        yield token
+        yield (token, logits) if with_logits else token
         if step == max_new_tokens - 1 or bool(done.all()):
             break
         logits = extend(params, cfg, cache, token[:, None], next_pos, valid)[:, -1]

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 INDEXER_LOSS_BLOCK_ELEMS = 1 << 23  # bound on one query block's scores of both attentions, [B, s, keys, ~2H + 3I]
 
 
-def kl(sel: Selection, cfg: GLM5Config, env: Env) -> tuple[torch.Tensor, torch.Tensor]:
+def kl(sel: Selection, cfg: GLM5Config, env: Env,
+       block_elems: int = INDEXER_LOSS_BLOCK_ELEMS) -> tuple[torch.Tensor, torch.Tensor]:
     """(KL sum, recall sum): fp64 sums over this rank's valid queries of the indexer's distillation loss.
 
     Per query, over its key set (env.objectives.indexer_loss "dense": every key it may see; "sparse": its
@@ -39,7 +40,7 @@ def kl(sel: Selection, cfg: GLM5Config, env: Env) -> tuple[torch.Tensor, torch.T
     sparse = env.objectives.indexer_loss == "sparse" and topk is not None
     C = latent_BxTxC.shape[-1]
     width = topk.shape[-1] if sparse else keys_BxTxJ.shape[1]
-    block = max(1, INDEXER_LOSS_BLOCK_ELEMS // max(1, B * width * (2 * H + 3 * I + 8 + (C + J if sparse else 0))))
+    block = max(1, block_elems // max(1, B * width * (2 * H + 3 * I + 8 + (C + J if sparse else 0))))
     return _IndexerKL.apply(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, sel.targets, topk, env.mask.query_valid(B), env.mask,
                             cfg.softmax_scale, sparse, block)
 

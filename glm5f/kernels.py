@@ -294,10 +294,10 @@ def _check_indexer(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, k):
 
 
 def _indexer_topk_torch(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, key_valid_BxT, q_segment_BxS, k_segment_BxT,
-                        dense_BxSxT, bias_BxSxT, k):
+                        dense_BxSxT, bias_BxSxT, k, chunk_elems=INDEXER_QUERY_CHUNK_ELEMS):
     B, S, I, _ = q_BxSxIxJ.shape
     T = keys_BxTxJ.shape[1]
-    chunk = max(1, INDEXER_QUERY_CHUNK_ELEMS // max(1, B * I * T))
+    chunk = max(1, chunk_elems // max(1, B * I * T))
     idx_BxSxK = torch.empty(B, S, k, dtype=torch.long, device=q_BxSxIxJ.device)
     # the last chunk first: causal chunks see more keys the later they are, so each chunk's buffers fit in the
     # memory the one before freed (in ascending order every chunk needs more, and the host heap only grows)
@@ -335,14 +335,14 @@ def indexer_topk(q_BxSxIxJ: torch.Tensor, w_BxSxI: torch.Tensor, keys_BxTxJ: tor
 
 @indexer_topk.register_kernel("cuda")
 def indexer_topk_cuda(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, key_valid_BxT, q_segment_BxS, k_segment_BxT,
-                      dense_BxSxT, bias_BxSxT, k):
+                      dense_BxSxT, bias_BxSxT, k, chunk_elems=INDEXER_QUERY_CHUNK_ELEMS):
     _check_indexer(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, k)
     if not _use_triton(q_BxSxIxJ, w_BxSxI, keys_BxTxJ):
         return _indexer_topk_torch(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, key_valid_BxT, q_segment_BxS,
-                                   k_segment_BxT, dense_BxSxT, bias_BxSxT, k)
+                                   k_segment_BxT, dense_BxSxT, bias_BxSxT, k, chunk_elems)
     B, S = q_BxSxIxJ.shape[:2]
     T = keys_BxTxJ.shape[1]
-    chunk = max(1, INDEXER_QUERY_CHUNK_ELEMS // max(1, B * T))  # the fused kernel keeps no per-head scores
+    chunk = max(1, chunk_elems // max(1, B * T))  # the fused kernel keeps no per-head scores
     idx_BxSxK = torch.empty(B, S, k, dtype=torch.long, device=q_BxSxIxJ.device)
     for start in range(0, S, chunk):  # all T keys scored (no host sync on q_index); masked ones are -inf
         stop = min(S, start + chunk)

@@ -12,10 +12,13 @@ import tyro
 
 import glm5f
 from configs import Config
-from glm5f import attention as attn, kernels
+from glm5f import attention as attn
+from glm5f import kernels
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+
+TINY_RUN = ["--model.preset", "glm5-tiny", "--data.batch_size", "2", "--data.seq_len", "32", "--train.steps", "2"]
 
 
 def hf_model(cfg: glm5f.GLM5Config, seed: int = 0, bias_std: float = 0.1):
@@ -177,9 +180,6 @@ def tiny():
     return cfg, glm5f.init_params(cfg)
 
 
-TINY_RUN = ["--model.preset", "glm5-tiny", "--data.batch_size", "2", "--data.seq_len", "32", "--train.steps", "2"]
-
-
 def run_error(capsys, *args) -> str:
     """train.py's exit status must be 1; returns its stderr (the `error:` line)."""
     from train import main
@@ -193,3 +193,29 @@ def run_step(params: dict, batch: dict, run, model_cfg: glm5f.GLM5Config):
     from glm5f.parallel import Layout
 
     return step_grads(params, batch, model_cfg, Layout(torch.device("cpu")), Step.of(run.train, model_cfg))
+
+
+def forward_by_layers(params: dict, cfg: glm5f.GLM5Config, input_ids_BxS: torch.Tensor, env, attend=None,
+                      moe_inputs: list | None = None) -> torch.Tensor:
+    """Logits [B, S, V] of the model written out layer by layer (pre-norm attention and MLP, each with a residual),
+    with `attend` (attention's signature) in place of glm5f's attention when given; each MoE layer's (gate params,
+    input) appended to `moe_inputs` when given. A reference for tests that replace or watch one part of a layer."""
+    from glm5f.model import lm_head
+    from glm5f.moe import moe
+    from glm5f.ops import rms_norm, swiglu_mlp
+
+    attend = attend or attn.attention
+    x_BxSxD = torch.nn.functional.embedding(input_ids_BxS, params["model"]["embed_tokens"]["weight"])
+    carry = None
+    for i, p in enumerate(params["model"]["layers"][:cfg.num_hidden_layers]):
+        a_BxSxD, carry, _ = attend(p["self_attn"], rms_norm(p["input_layernorm"]["weight"], x_BxSxD, cfg.rms_norm_eps),
+                                   cfg, i, env, carry)
+        x_BxSxD = x_BxSxD + a_BxSxD
+        h_BxSxD = rms_norm(p["post_attention_layernorm"]["weight"], x_BxSxD, cfg.rms_norm_eps)
+        if cfg.is_moe(i):
+            if moe_inputs is not None:
+                moe_inputs.append((p["mlp"]["gate"], h_BxSxD))
+            x_BxSxD = x_BxSxD + moe(p["mlp"], h_BxSxD, cfg, env)[0]
+        else:
+            x_BxSxD = x_BxSxD + swiglu_mlp(p["mlp"], h_BxSxD)
+    return lm_head(params, cfg, x_BxSxD)

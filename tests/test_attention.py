@@ -2,11 +2,11 @@
 
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import glm5f
-import glm5f.model as model_mod
-from conftest import env_of
+from conftest import env_of, forward_by_layers
 from glm5f.attention import dense_mla, indexer_keys, indexer_queries, indexer_topk, mla_project, sparse_mla
 from glm5f.env import Mask
 from glm5f.kernels import topk_as_mask, topk_first
@@ -84,12 +84,7 @@ def test_dsa_with_topk_at_least_sequence_is_plain_mla(S, seed):
     params = glm5f.init_params(cfg, seed=seed % 1000)
     ids = torch.randint(0, cfg.vocab_size, (2, S), generator=torch.Generator().manual_seed(seed))
     ours = glm5f.forward(params, cfg, ids)
-    orig = model_mod.attention
-    model_mod.attention = naive_mla
-    try:
-        plain = glm5f.forward(params, cfg, ids)
-    finally:
-        model_mod.attention = orig
+    plain = forward_by_layers(params, cfg, ids, env_of(cfg, ids.shape), attend=naive_mla)
     assert (ours - plain).abs().max() <= 1e-5
     # the sparse kernel over every key agrees with the dense path too
     x = torch.randn(2, S, cfg.hidden_size, generator=torch.Generator().manual_seed(seed))

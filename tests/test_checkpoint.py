@@ -23,6 +23,11 @@ from train import main, train
 
 TINY = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", "--data.batch_size", "2", "--data.seq_len", "32",
         "--eval.every", "0"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MOE = ["--model.preset", "glm5-scaled-moe", "--data.batch_size", "4", "--data.seq_len", "80",
+       "--train.grad_accum", "2", "--checkpoint.every", "5"]
+SYNTHETIC_TINY = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", "--data.batch_size", "2",
+                  "--data.seq_len", "32"]
 
 
 def test_a_second_run_into_a_locked_run_dir_stops_before_writing_naming_the_holder(tmp_path, capsys):
@@ -142,13 +147,6 @@ def test_unwritable_run_paths_are_an_error_before_any_training(tmp_path, capsys,
     assert sorted(os.listdir(tmp_path)) == before and blocker.read_text() == "mine"
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-MOE = ["--model.preset", "glm5-scaled-moe", "--data.batch_size", "4", "--data.seq_len", "80",
-       "--train.grad_accum", "2", "--checkpoint.every", "5"]
-
-
 KILL_SCRIPT = textwrap.dedent("""
     import os, sys, time
     sys.path.insert(0, {root!r})
@@ -190,9 +188,6 @@ def test_sigkill_during_checkpoint_keeps_previous(tmp_path):
     assert recs[0]["step"] == 6 and recs[-1]["step"] == 12
     assert [r["step"] for r in read_metrics(run)] == list(range(1, 13))
     assert not any(n.startswith(".tmp") for n in os.listdir(run / "checkpoints"))
-
-
-SYNTHETIC_TINY = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", "--data.batch_size", "2", "--data.seq_len", "32"]
 
 
 def test_checkpoint_save_refuses_nonfinite_and_keeps_the_newest(tmp_path):

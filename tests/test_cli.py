@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 import glm5f
 from configs import Config, validate
-from conftest import cli
+from conftest import bpe_tokenizer, cli
 from glm5f import checkpoint, preempt
 from glm5f.data import ByteTokenizer
 from glm5f.metrics import read_metrics
@@ -27,6 +27,7 @@ from train import main, train
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", "--data.batch_size", "2", "--data.seq_len", "32",
         "--eval.every", "0", "--optim.warmup_steps", "2"]
+RUN_TINY = ["--model.preset", "glm5-tiny", "--data.batch_size", "2", "--data.seq_len", "32", "--train.steps", "2"]
 
 # train.py, with a real SIGTERM sent to the process that writes metrics (rank 0) once it has logged step `at`
 SIGTERM_AT = textwrap.dedent("""
@@ -146,8 +147,6 @@ def test_a_longer_resumed_run_says_the_lr_jumps_and_schedule_steps_keeps_the_sch
 
 
 def test_convert_keeps_the_umask_and_the_run_tokenizer(tmp_path, capsys):
-    from tests.test_train import bpe_tokenizer
-
     old = os.umask(0o022)
     try:
         assert main(TINY + ["--train.steps", "1", "--checkpoint.dir", str(tmp_path / "bytes")]) == 0
@@ -260,9 +259,6 @@ def test_every_flag_has_help():
     helps = {f: re.sub(r"\(default: [^)]*\)", "", h).strip() for f, h in helps.items()}
     assert len(helps) > 60 and "--data.seq_len" in helps
     assert [f for f, h in helps.items() if not h] == []
-
-
-RUN_TINY = ["--model.preset", "glm5-tiny", "--data.batch_size", "2", "--data.seq_len", "32", "--train.steps", "2"]
 
 
 @pytest.fixture(scope="module")

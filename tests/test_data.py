@@ -10,7 +10,8 @@ import textwrap
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import glm5f
 from conftest import bpe_tokenizer, run_error, write_records
@@ -21,6 +22,11 @@ from train import main, train
 
 TINY = ["--model.preset", "glm5-tiny", "--data.batch_size", "2", "--data.seq_len", "32", "--eval.every", "0",
         "--train.steps", "2", "--optim.warmup_steps", "2"]
+SYNTHETIC_TINY = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", "--data.batch_size", "2",
+                  "--data.seq_len", "32"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STREAM_TINY = ["--model.preset", "glm5-tiny", "--data.type", "json_file", "--data.batch_size", "2", "--data.seq_len",
+               "32", "--optim.warmup_steps", "0", "--eval.every", "0"]
 
 
 @pytest.mark.parametrize("record,field,found", [({"prompt": "q", "response": None}, "response", "null (null)"),
@@ -127,9 +133,6 @@ def test_resume_after_the_data_file_changed_is_an_error_unless_allowed(tmp_path,
     assert main(resume + ["--data.allow_changed"]) == 0
     assert "resuming at the saved position as it is (--data.allow_changed)" in capsys.readouterr().err
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3, 4]
-
-
-SYNTHETIC_TINY = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", "--data.batch_size", "2", "--data.seq_len", "32"]
 
 
 def test_bad_data_is_reported(tmp_path, capsys):
@@ -289,13 +292,6 @@ def test_held_out_documents_are_never_in_a_training_batch():
         assert text.encode() in stream  # the check can see a document
     for text in held:
         assert text.encode() not in stream and text.encode()[:200] not in stream
-
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-STREAM_TINY = ["--model.preset", "glm5-tiny", "--data.type", "json_file", "--data.batch_size", "2", "--data.seq_len", "32",
-        "--optim.warmup_steps", "0", "--eval.every", "0"]
 
 
 def write_lines(path, records) -> str:

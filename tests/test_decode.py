@@ -5,11 +5,14 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import glm5f
 from glm5f import decode
 from glm5f.decode import extend, generate, init_cache, sample
+
+MTP_CFG = glm5f.preset("glm5-tiny", num_nextn_predict_layers=1)  # the MTP layer is MoE with a full indexer
 
 
 def naive_greedy(params, cfg, ids, n):
@@ -23,6 +26,32 @@ def test_greedy_generate_matches_full_forward_loop():
     params = glm5f.init_params(cfg, seed=4)
     prompt = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     assert torch.equal(generate(params, cfg, prompt, 20), naive_greedy(params, cfg, prompt, 20))
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["plain", "left-padded"])
+def test_cached_decode_logits_are_the_full_forwards_at_every_step(padded):
+    """The logits each decoding step picks from (the prefill, then one token at a time on the cache, sparse once
+    past index_topk keys) are the full forward's over the prompt and the tokens so far, at every position, not
+    only in their argmax: within 4x the fp32 full forward's own distance from an fp64 forward of the same tokens."""
+    cfg = glm5f.preset("glm5-tiny")
+    params = glm5f.init_params(cfg, seed=4)
+    prompt = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask, n, kw = None, 20, {}
+    if padded:  # row 1's prompt holds 5 tokens after 4 of padding: its positions count real tokens only
+        mask = torch.ones(2, 9, dtype=torch.long)
+        mask[1, :4] = 0
+        full_mask = torch.cat([mask, torch.ones(2, n, dtype=torch.long)], 1)
+        kw = dict(attention_mask=full_mask, position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0))
+    steps = list(decode.stream(params, cfg, prompt, n, attention_mask=mask, with_logits=True))
+    tokens = torch.stack([t for t, _ in steps], 1)
+    logits = torch.stack([step_logits for _, step_logits in steps], 1)  # [B, n, V]: step i's, predicting token i
+    assert tokens.shape == (2, n) and torch.equal(tokens, logits.argmax(-1))
+    ids = torch.cat([prompt, tokens], 1)
+    at = slice(8, 8 + n)  # the prompt's last position and every new token's but the last
+    full = glm5f.forward(params, cfg, ids, **kw)[:, at]
+    exact = glm5f.forward(glm5f.params.map_with_path(lambda path, t: t.double(), params), cfg, ids, **kw)[:, at]
+    bound = 4 * float((full.double() - exact).abs().max())
+    assert 0 < bound and float((logits.double() - exact).abs().max()) <= bound
 
 
 def test_left_padded_batch_generates_like_each_prompt_alone():
@@ -63,9 +92,6 @@ def test_cached_decode_equals_full_forward(prompt, new, seed):
     steps = [extend(params, cfg, cache, ids[:, :prompt], pos[:, :prompt])]
     steps += [extend(params, cfg, cache, ids[:, t:t + 1], pos[:, t:t + 1]) for t in range(prompt, S)]
     assert (torch.cat(steps, 1) - full).abs().max() <= 1e-5
-
-
-MTP_CFG = glm5f.preset("glm5-tiny", num_nextn_predict_layers=1)  # the MTP layer is MoE with a full indexer
 
 
 @settings(max_examples=4, deadline=None, derandomize=True)

@@ -30,6 +30,7 @@ CASES = [
     ("mixed-shared-groups-yarn", MIXED, 2, 96, False),
     ("scaled-moe-padded", glm5f.preset("glm5-scaled-moe"), 3, 112, True),
 ]
+MTP_CFG = glm5f.preset("glm5-tiny", num_nextn_predict_layers=1)  # the MTP layer is MoE with a full indexer
 
 
 def batch(cfg, B, S, padded, seed=0):
@@ -199,9 +200,6 @@ def test_load_hf_of_a_region_reads_that_part(fused, tmp_path):
         _, part = glm5f.load_hf(ckpt, region=region)
         for k, v in glm5f.flatten(part).items():
             assert torch.equal(v, whole[k][region(k, tuple(whole[k].shape))]), (k, lo, hi)
-
-
-MTP_CFG = glm5f.preset("glm5-tiny", num_nextn_predict_layers=1)  # the MTP layer is MoE with a full indexer
 
 
 def mtp_checkpoint(path, cfg, copies):

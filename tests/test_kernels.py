@@ -156,7 +156,7 @@ INDEXER_MASKS = ["documents", "padding", "float4d"]
 
 @pytest.mark.parametrize("mask_kind", INDEXER_MASKS)
 @pytest.mark.parametrize("chunk_elems", [None, 1 << 8])
-def test_indexer_op_is_the_formula(monkeypatch, mask_kind, chunk_elems):
+def test_indexer_op_is_the_formula(mask_kind, chunk_elems):
     """The op's picks are the top-k of sum_i w_i relu(q_i . k / sqrt(J)) (+ bias) over the allowed keys, computed
     here in fp64 from the formula (random inputs: no ties but among masked keys, which go to the lower index), in
     one chunk or in chunks of 2 queries; without the ReLU, the head weights or the scale the picks differ."""
@@ -174,10 +174,11 @@ def test_indexer_op_is_the_formula(monkeypatch, mask_kind, chunk_elems):
                                                                      torch.finfo(torch.float32).min)
         mask = make_mask(additive, positions[:1])
         assert mask.bias is not None
-    if chunk_elems is not None:
-        monkeypatch.setattr(kernels, "INDEXER_QUERY_CHUNK_ELEMS", chunk_elems)  # 2 queries a chunk
-    ours = kernels.indexer_topk(q, w, keys, mask.q_index, mask.key_valid, mask.q_segment, mask.k_segment,
-                                mask.dense, mask.bias, K)
+    args = (q, w, keys, mask.q_index, mask.key_valid, mask.q_segment, mask.k_segment, mask.dense, mask.bias, K)
+    if chunk_elems is None:
+        ours = kernels.indexer_topk(*args)
+    else:  # the op's CPU code in chunks of 2 queries
+        ours = kernels._indexer_topk_torch(*args, chunk_elems=chunk_elems)
 
     def formula(relu=True, heads=True, scale=J ** -0.5):
         z = torch.einsum("bsij,btj->bsit", q.double(), keys.double()) * scale
@@ -386,7 +387,7 @@ def test_triton_indexer_scores_match_fp64(tk, mask_kind):
     assert_close_rel(scores[allowed], expected[allowed].float())
 
 
-def test_cuda_entry_points_run_the_kernels(tk, monkeypatch):
+def test_cuda_entry_points_run_the_kernels(tk):
     """The ops' CUDA implementations (on CPU tensors with the kernels interpreted, or on the GPU): sparse MLA and
     its backward agree with the CPU op, the indexer picks what the CPU op picks (over several query chunks)."""
     q, latent, idx, allowed, b, _ = triton_case("padding-bias")
@@ -405,5 +406,5 @@ def test_cuda_entry_points_run_the_kernels(tk, monkeypatch):
     seg = (torch.rand(B, T, generator=g) < 0.1).cumsum(-1)
     args = (torch.randn(B, S, I, J, generator=g), torch.randn(B, S, I, generator=g), torch.randn(B, T, J, generator=g),
             torch.arange(T - S, T), torch.rand(B, T, generator=g) > 0.2, seg[:, T - S:], seg, None, None, 8)
-    monkeypatch.setattr(kernels, "INDEXER_QUERY_CHUNK_ELEMS", 4 * B * T)  # chunks of 4 queries
-    assert torch.equal(kernels.indexer_topk_cuda(*on_device(*args[:-1]), args[-1]).cpu(), kernels.indexer_topk(*args))
+    ours = kernels.indexer_topk_cuda(*on_device(*args[:-1]), args[-1], chunk_elems=4 * B * T)  # chunks of 4 queries
+    assert torch.equal(ours.cpu(), kernels.indexer_topk(*args))

@@ -9,12 +9,12 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import glm5f
-import glm5f.model as model_mod
 from configs import Config, validate
-from conftest import cli, env_of, naive_seq_aux, rel_err, run_step
+from conftest import cli, env_of, forward_by_layers, naive_seq_aux, rel_err, run_step
 from glm5f.attention import LATENT_NORM_EPS, attention
 from glm5f.kernels import topk_as_mask
 from glm5f.loss import Step, cross_entropy_sum, mtp_targets, step_grads, with_targets
@@ -26,6 +26,7 @@ from glm5f.parallel import Layout
 # glm5-tiny with weights wide enough that attention and index scores are far from uniform, top-k 8 of 24 keys
 CFG = glm5f.preset("glm5-tiny", initializer_range=0.2, index_topk=8)
 B, S = 2, 24
+MTP_CFG = glm5f.preset("glm5-tiny", num_nextn_predict_layers=1)  # the MTP layer is MoE with a full indexer
 
 
 def layer0_params(seed: int = 0) -> dict:
@@ -95,15 +96,14 @@ def naive_indexer_kl(p: dict, x: torch.Tensor, cos, sin, keyset_BxSxT, selected_
 @pytest.mark.parametrize("blocks", ["one", "many"])
 @pytest.mark.parametrize("kind", ["causal", "padding", "packed"])
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
-def test_indexer_kl_and_its_gradients_match_the_formula(mode, kind, blocks, monkeypatch):
-    if blocks == "many":  # query blocks of 1 to 3 queries
-        monkeypatch.setattr(glm5f.indexer_loss, "INDEXER_LOSS_BLOCK_ELEMS", 4000)
+def test_indexer_kl_and_its_gradients_match_the_formula(mode, kind, blocks):
+    block_elems = 4000 if blocks == "many" else glm5f.indexer_loss.INDEXER_LOSS_BLOCK_ELEMS  # many: 1 to 3 queries
     am, pos, allowed, valid = inputs(kind)
     p = layer0_params()
     x = torch.randn(B, S, CFG.hidden_size, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     ctx = env_of(CFG, (B, S), am, pos, torch.float64, indexer_loss=mode)
     live = glm5f.params.map_with_path(lambda path, t: t.clone().requires_grad_(".indexer." in f".{path}"), p)
-    _, carry, aux = attention(live, x, CFG, 0, ctx, None)
+    _, carry, aux = attention(live, x, CFG, 0, ctx, None, kl_block_elems=block_elems)
     topk = carry.topk
     assert topk is not None and topk.shape[-1] == CFG.index_topk
     selected = topk_as_mask(topk, S)
@@ -129,10 +129,9 @@ def test_indexer_kl_and_its_gradients_match_the_formula(mode, kind, blocks, monk
 
 @pytest.mark.parametrize("kind", ["causal", "padding"])
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
-def test_indexer_mean_target_and_its_gradients_match_the_formula(mode, kind, monkeypatch):
+def test_indexer_mean_target_and_its_gradients_match_the_formula(mode, kind):
     """--train.indexer_target mean on layers F S S: layer 0's indexer learns the mean of the three layers' targets
     (each over the same key set), its loss appearing at layer 2, the group's last."""
-    monkeypatch.setattr(glm5f.indexer_loss, "INDEXER_LOSS_BLOCK_ELEMS", 20000)  # several query blocks
     cfg = dataclasses.replace(CFG, indexer_types=("full", "shared", "shared"))
     am, pos, allowed, valid = inputs(kind)
     g = torch.Generator().manual_seed(3)
@@ -145,7 +144,7 @@ def test_indexer_mean_target_and_its_gradients_match_the_formula(mode, kind, mon
     live = glm5f.params.map_with_path(lambda path, t: t.clone().requires_grad_(".indexer." in f".{path}"), ps[0])
     carry, auxes = None, []
     for i, (p, x) in enumerate(zip([live] + ps[1:], xs)):
-        _, carry, aux = attention(p, x, cfg, i, ctx, carry)
+        _, carry, aux = attention(p, x, cfg, i, ctx, carry, kl_block_elems=20000)  # several query blocks
         auxes.append(aux)
         assert bool(carry.targets) == (i < 2)  # the group's targets ride along until its last layer
     assert "indexer_loss" not in auxes[0] and "indexer_loss" not in auxes[1]
@@ -237,10 +236,10 @@ def padded_batch(cfg: glm5f.GLM5Config, B: int = 4, S: int = 16, seed: int = 0) 
             "position_ids": torch.arange(S).expand(B, S), "attention_mask": mask}
 
 
-def test_train_step_objective_matches_the_formula(monkeypatch):
+def test_train_step_objective_matches_the_formula():
     """The step's seq_aux_loss metric (mean over sequences, summed over MoE layers) and its gradients of
     loss + coeff * seq_aux_loss wrt every trained leaf equal autograd of the naive formula applied to each MoE
-    layer's input, over a padded batch cut into two micro-batches (fp64, rel_err 1e-6)."""
+    layer's input, over a padded batch cut into two micro-batches (fp64, rel 1e-6)."""
     coeff = 0.5
     cfg = cli("--train.dtype", "float64", "--train.grad_accum", "2", "--train.seq_aux_loss_coeff", str(coeff))
     model_cfg = cfg.model.build()
@@ -253,20 +252,13 @@ def test_train_step_objective_matches_the_formula(monkeypatch):
     metrics, grads, _ = run_step(params, batch, cfg, model_cfg)
 
     seen = []
-
-    def spy(p, x, *args, **kwargs):
-        seen.append((p["gate"], x))
-        return real(p, x, *args, **kwargs)
-
-    real = model_mod.moe
-    monkeypatch.setattr(model_mod, "moe", spy)
     full = with_targets(batch)
     n_seq = int((full["valid"].sum(1) > 0).sum())
 
     def objective(params):
         seen.clear()
         ctx = env_of(model_cfg, full["input_ids"].shape, full["attention_mask"], full["position_ids"], torch.float64)
-        logits, _ = apply(params, model_cfg, full["input_ids"], ctx)
+        logits = forward_by_layers(params, model_cfg, full["input_ids"], ctx, moe_inputs=seen)
         ce, n = cross_entropy_sum(logits, full["targets"])
         aux = sum(naive_seq_aux(gate, x, full["valid"], model_cfg) for gate, x in seen) / n_seq
         return ce / n + coeff * aux, aux
@@ -303,9 +295,6 @@ def test_coeff_zero_leaves_the_step_as_before():
     for k, g in want.items():
         assert torch.equal(grads[k], g), k
     assert validate(cli("--train.seq_aux_loss_coeff", "-1")) == ["--train.seq_aux_loss_coeff must be >= 0, got -1.0"]
-
-
-MTP_CFG = glm5f.preset("glm5-tiny", num_nextn_predict_layers=1)  # the MTP layer is MoE with a full indexer
 
 
 def naive_targets(labels, depth, position_ids, valid):

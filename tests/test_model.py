@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.func import grad, jacrev
 
 import glm5f
@@ -15,6 +16,8 @@ from conftest import env_of, rel_err, stable_topk, with_grad
 from glm5f.env import Objectives
 from glm5f.loss import Step, micro_loss, step_denoms, with_targets
 from glm5f.parallel import Layout
+
+MTP_CFG = glm5f.preset("glm5-tiny", num_nextn_predict_layers=1)  # the MTP layer is MoE with a full indexer
 
 
 @settings(max_examples=6, deadline=None, derandomize=True)
@@ -59,9 +62,6 @@ def test_padding_does_not_change_real_tokens(lengths, seed):
     for i, s in enumerate(seqs):
         assert (out_r[i, :len(s)] - alone[i]).abs().max() <= 1e-5
         assert (out_l[i, S - len(s):] - alone[i]).abs().max() <= 1e-5
-
-
-MTP_CFG = glm5f.preset("glm5-tiny", num_nextn_predict_layers=1)  # the MTP layer is MoE with a full indexer
 
 
 def reference_mtp_logits(params, cfg, ids, hidden):

@@ -4,7 +4,8 @@ layer, in the train step (with padding and micro-batches) and under context para
 import dataclasses
 
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.func import vmap
 
 import glm5f

@@ -288,7 +288,7 @@ def test_loading_and_export_hold_only_a_ranks_share(tmp_path):
 
 def test_seq_aux_loss_under_context_parallel_equals_one_process(tmp_path):
     """--parallel.cp 2: each sequence's tokens are split over two ranks, whose expert loads and token counts are
-    summed before f is formed; the metric and every gradient equal the one-process run's (rel_err 1e-6)."""
+    summed before f is formed; the metric and every gradient equal the one-process run's (rel 1e-6)."""
     argv = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", "--data.batch_size", "2", "--data.seq_len",
             "32", "--train.dtype", "float64", "--train.steps", "1", "--train.seq_aux_loss_coeff", "0.3"]
     ref = dist_checks.first_step_grads(argv, None)

@@ -4,7 +4,8 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import glm5f
 

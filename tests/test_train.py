@@ -1,8 +1,10 @@
-"""The train loop: learning, bitwise resume, crash-safe checkpoints, bad input, and the optimizer functions."""
+"""train.py's loop end to end: learning, bitwise resume (RNG states included), non-finite steps, warnings, export,
+held-out evaluation, the objectives it logs, and the resumes it refuses."""
 
 import json
 import math
 import os
+import random
 import sys
 
 import pytest
@@ -17,9 +19,9 @@ from glm5f.metrics import read_metrics
 from glm5f.optim import adamw_init, trained_paths
 from train import TrainingError, main, train
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MOE = ["--model.preset", "glm5-scaled-moe", "--data.batch_size", "4", "--data.seq_len", "80",
        "--train.grad_accum", "2", "--checkpoint.every", "5"]
+EVAL_TINY = ["--model.preset", "glm5-tiny", "--data.batch_size", "2", "--data.seq_len", "32", "--eval.batches", "2"]
 
 
 def write_jsonl(path, n=40, seed=0):
@@ -66,6 +68,42 @@ def test_bitwise_resume(tmp_path, data):
     assert [r["step"] for r in resumed] == list(range(1, 21))
     assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]
     assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in straight]
+
+
+def test_resume_restores_the_rng_states_of_an_uninterrupted_run(tmp_path, monkeypatch):
+    """A resumed run's torch and Python RNG states are an uninterrupted run's at the same step: what each step draws
+    from them (as dropout would: a spy around step_grads draws from both) and the batches it trains on are the
+    same, and so are the RNG states its checkpoints hold, though the resuming process starts from other states."""
+    import train as train_mod
+    real, seen = train_mod.step_grads, []
+
+    def drawing_step(params, batch, *args):
+        seen.append((batch["input_ids"].clone(), torch.rand(4), random.random()))
+        return real(params, batch, *args)
+    monkeypatch.setattr(train_mod, "step_grads", drawing_step)
+    write_jsonl(tmp_path / "d.jsonl")
+    args = ["--data.type", "json_file", "--data.path", str(tmp_path / "d.jsonl"), "--data.batch_size", "2",
+            "--data.seq_len", "32", "--eval.every", "0", "--checkpoint.every", "1", "--checkpoint.keep", "0"]
+    random.seed(0)
+    train(cli(*args, "--train.steps", "4", "--checkpoint.dir", str(tmp_path / "straight")))
+    straight = seen[:]
+    seen.clear()
+    random.seed(0)
+    train(cli(*args, "--train.steps", "2", "--checkpoint.dir", str(tmp_path / "resumed")))
+    torch.manual_seed(1)  # a new process: other RNG states
+    random.seed(1)
+    train(cli(*args, "--train.steps", "4", "--checkpoint.dir", str(tmp_path / "resumed"), "--checkpoint.resume",
+              "latest"))
+    assert len(straight) == len(seen) == 4
+    for step, ((ids, drawn, py), (ids2, drawn2, py2)) in enumerate(zip(straight, seen), 1):
+        assert torch.equal(ids, ids2), f"step {step}: another batch than the uninterrupted run's"
+        assert torch.equal(drawn, drawn2), f"step {step}: torch drew {drawn2.tolist()}, not {drawn.tolist()}"
+        assert py == py2, f"step {step}: random drew {py2}, not {py}"
+    assert not torch.equal(straight[2][1], straight[0][1])  # the draws do move the state
+    for step in (2, 3, 4):
+        a, b = (torch.load(tmp_path / run / "checkpoints" / f"step_{step:08d}" / "extra.pt", weights_only=True)["rng"]
+                for run in ("straight", "resumed"))
+        assert torch.equal(a["torch"], b["torch"]) and a["python"] == b["python"], f"step {step}"
 
 
 def test_grad_accumulation_does_not_change_the_step(tmp_path):
@@ -276,9 +314,6 @@ def test_train_cli_writes_mtp_loss(tmp_path):
                  "--model.num_nextn_predict_layers", "1", "--checkpoint.dir", str(tmp_path / "a")]) == 0
     history = read_metrics(str(tmp_path / "a"))
     assert len(history) == 3 and all(math.isfinite(r["mtp_loss"]) and r["mtp_loss"] > 0 for r in history)
-
-
-EVAL_TINY = ["--model.preset", "glm5-tiny", "--data.batch_size", "2", "--data.seq_len", "32", "--eval.batches", "2"]
 
 
 def independent_eval_loss(params, cfg, batches) -> float:
