@@ -1,4 +1,5 @@
-"""Property tests: equivalences stated once, searched over shapes, seeds and masks by hypothesis."""
+"""glm5f/attention.py: the sparse path against a masked-dense oracle, DSA over every key as plain MLA (the model
+written out layer by layer), and a query with fewer visible keys than k; equivalences searched by hypothesis."""
 
 import torch
 import torch.nn.functional as F

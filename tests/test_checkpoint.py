@@ -1,5 +1,6 @@
-"""The run directory and its checkpoints under trouble: a second run into it, a save that fails or is interrupted,
-partial saves left by a killed run, and paths a run cannot write."""
+"""glm5f/checkpoint.py: the run directory and its checkpoints under trouble: a second run into it, a save that
+fails, is interrupted or killed, partial saves left behind, damaged checkpoints and what `verify` finds, non-finite
+params refused, malformed meta.json, and paths a run cannot write."""
 
 import errno
 import json

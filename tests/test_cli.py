@@ -1,5 +1,6 @@
-"""The command lines under trouble: SIGTERM and the grace period, a GPU that is not there, a closed pipe, a
-diverged checkpoint to start from, a longer resumed run's schedule, and what an export carries."""
+"""The command lines (train.py and configs.py's flags, scripts/convert.py, scripts/generate.py,
+scripts/compare_runs.py): their help, invalid configurations, SIGTERM and the grace period, a GPU that is not there,
+a closed pipe, a diverged checkpoint to start from, a longer resumed run's schedule, and what an export carries."""
 
 import json
 import os

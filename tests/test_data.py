@@ -1,5 +1,7 @@
-"""Data that would train on the wrong thing, or on nothing, is an `error:` line naming where; the data type follows
-from the path; a resume notices that the data changed under its checkpoint."""
+"""glm5f/data.py: packing, prompt masking and the sources (text, json_file, hf_datasets, preset_pt, a tokenizer);
+streamed files against a naive packer, the shuffle buffer, resume mid-stream, memory that does not grow with the
+corpus; held-out documents; and data that would train on the wrong thing, or on nothing, as an `error:` line naming
+where."""
 
 import gzip
 import json

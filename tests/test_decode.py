@@ -1,4 +1,5 @@
-"""Greedy decoding on the cache equals re-running the full forward for every new token."""
+"""glm5f/decode.py: decoding on the cache equals re-running the full forward (its tokens and its logits at every
+step), left padding, eos, sampling's top-p, and self-speculative decoding with the MTP layers."""
 
 import dataclasses
 import math

@@ -1,4 +1,6 @@
-"""fp32 parity with Transformers' GlmMoeDsaForCausalLM: logits, loss and every parameter's gradient."""
+"""glm5f/hf.py and fp32 parity with Transformers' GlmMoeDsaForCausalLM: logits, loss and every parameter's
+gradient; checkpoints both ways (regions, fused experts, shards, the MTP layer) and the errors of a checkpoint that
+does not fit."""
 
 import json
 import math

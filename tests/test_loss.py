@@ -1,4 +1,5 @@
-"""Training objectives beside the LM loss: the lightning indexer's KL distillation loss and --train.trainable.
+"""glm5f/loss.py and the objectives it sums beside the LM loss: the lightning indexer's KL distillation loss
+(glm5f/indexer_loss.py), the MoE sequence-wise balance loss in the step, and the MTP targets and loss weight.
 
 The indexer loss is checked against a naive fp64 implementation of its formula (per-head MLA scores over the keys
 each query may see, head-summed and L1-normalised probabilities as the target, the log-softmax of the index scores

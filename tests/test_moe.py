@@ -1,5 +1,5 @@
-"""The sequence-wise auxiliary balance loss of the MoE layers against a naive fp64 reading of its formula, in one
-layer, in the train step (with padding and micro-batches) and under context parallelism."""
+"""glm5f/moe.py: the grouped experts against a per-expert oracle, and one MoE layer's sequence-wise auxiliary
+balance loss against a naive fp64 reading of its formula (in the step: test_loss.py; under CP: test_parallel.py)."""
 
 import dataclasses
 

@@ -1,4 +1,5 @@
-"""Parallel layouts (FSDP/DP, CP, EP and their mixes) against the single-process run, on local gloo processes."""
+"""Parallel layouts (FSDP/DP, CP, EP and their mixes) against the single-process run, on local gloo processes
+(glm5f/distributed.py and glm5f/parallel.py across processes; the objectives' sums over ranks included)."""
 
 import os
 import signal
