@@ -3,6 +3,7 @@
     python train.py                      # glm5-tiny on the embedded text, CPU, about a minute
     python train.py --help               # every flag, with defaults
     python train.py --model.preset glm5-scaled-moe --data.type synthetic --train.steps 50
+    python train.py --config recipes/tiny.yaml --train.steps 100   # a recipe (or a run's config.yaml), flags over it
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ import sys
 import time
 
 import torch
-import tyro
 
 import glm5f
-from configs import Config, validate, with_data_type
+from configs import CONFIG_FILE, Config, parse, validate, with_data_type, write_config
 from glm5f import checkpoint, preempt
 from glm5f.data import check_first_batch, make_eval_source, make_source, print_warning
 from glm5f.distributed import DistLayout, WorkerFailure, check_device, init_process, spawn, under_torchrun
@@ -108,6 +108,8 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         records.append(rec)
         if layout.is_main:
             log.write(rec)
+            if i == start:  # beside the first metrics record, so a run that fails before it leaves nothing
+                write_config(cfg)
             progress.update(i + 1, rec)
         stop = preempt.should_stop(layout)  # SIGTERM on any rank: all save this step, then stop
         if stop or (cfg.checkpoint.every and (i + 1) % cfg.checkpoint.every == 0) or i + 1 == cfg.train.steps:
@@ -125,7 +127,7 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
 
 # ---- the run's edges ----------------------------------------------------------------------------------------------
 
-RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png")  # what a run writes into its directory
+RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png", CONFIG_FILE)  # what a run writes into its directory
 
 
 def prepare_run_dir(cfg: Config, layout: Layout, say) -> None:
@@ -321,7 +323,7 @@ def export(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, layout: Layou
 
 def run_rank(argv: list[str]) -> None:
     """One process of a multi-process run (spawned by main, or started by torchrun)."""
-    cfg = tyro.cli(Config, args=argv, use_underscores=True)
+    cfg = parse(argv)
     device = init_process(resolve_device(cfg.train.device), cfg.parallel.timeout_s)
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
@@ -347,7 +349,11 @@ def plan_run(cfg: Config) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    cfg = tyro.cli(Config, args=argv, use_underscores=True, description=__doc__)
+    try:
+        cfg = parse(argv, description=__doc__)
+    except ValueError as e:  # a recipe file (--config) that does not fit Config
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else cfg.parallel.world
     try:
         errors = validate(cfg, world_size=world)
