@@ -10,6 +10,7 @@ splits it for experts (ep consecutive ranks share one copy of all experts, each 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -300,12 +301,13 @@ def _stop_workers(processes, signum: int, wait_s: float = 60.0) -> None:
     up to `wait_s` for them to end; SIGKILL the ones that do not."""
     for p in processes:
         if p.is_alive():
-            os.kill(p.pid, signum)
+            with contextlib.suppress(ProcessLookupError):  # it ended just now
+                os.kill(p.pid, signum)
     deadline = time.monotonic() + wait_s
     for p in processes:
         p.join(timeout=max(0.0, deadline - time.monotonic()))
         if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
+            p.kill()
             p.join()
 
 
