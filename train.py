@@ -3,6 +3,7 @@
     python train.py                      # glm5-tiny on the embedded text, CPU, about a minute
     python train.py --help               # every flag, with defaults
     python train.py --model.preset glm5-scaled-moe --data.type synthetic --train.steps 50
+    python train.py --config recipes/tiny.yaml --train.steps 100   # a recipe (or a run's config.yaml), flags over it
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ import sys
 import time
 
 import torch
-import tyro
+import torch.distributed as dist
 
 import glm5f
-from configs import Config, validate, with_data_type
+from configs import CONFIG_FILE, Config, parse, validate, with_data_type, write_config
 from glm5f import checkpoint, preempt
 from glm5f.data import check_first_batch, make_eval_source, make_source, print_warning
-from glm5f.distributed import DistLayout, WorkerFailure, check_device, init_process, spawn, under_torchrun
+from glm5f.distributed import (TIMEOUT_EXIT, DistLayout, WorkerFailure, check_device, collective_timeout, init_process,
+                               silent_ranks, spawn, under_torchrun)
 from glm5f.hf import check_export_dir, check_loaded_finite
 from glm5f.loss import Step, eval_loss, step_grads
 from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
@@ -108,6 +110,8 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         records.append(rec)
         if layout.is_main:
             log.write(rec)
+            if i == start:  # beside the first metrics record, so a run that fails before it leaves nothing
+                write_config(cfg)
             progress.update(i + 1, rec)
         stop = preempt.should_stop(layout)  # SIGTERM on any rank: all save this step, then stop
         if stop or (cfg.checkpoint.every and (i + 1) % cfg.checkpoint.every == 0) or i + 1 == cfg.train.steps:
@@ -125,7 +129,7 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
 
 # ---- the run's edges ----------------------------------------------------------------------------------------------
 
-RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png")  # what a run writes into its directory
+RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png", CONFIG_FILE)  # what a run writes into its directory
 
 
 def prepare_run_dir(cfg: Config, layout: Layout, say) -> None:
@@ -319,22 +323,48 @@ def export(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, layout: Layou
 
 # ---- the command line ---------------------------------------------------------------------------------------------
 
-def run_rank(argv: list[str]) -> None:
-    """One process of a multi-process run (spawned by main, or started by torchrun)."""
-    cfg = tyro.cli(Config, args=argv, use_underscores=True)
+def run_rank(argv: list[str], torchrun: bool = False) -> None:
+    """One process of a multi-process run: spawned by main (which holds the run directory's lock and names the
+    ranks that stop answering), or started by torchrun (then rank 0 holds the lock for all, and on a collective
+    timeout the ranks that timed out name, in one line, those that did not)."""
+    cfg = parse(argv)
     device = init_process(resolve_device(cfg.train.device), cfg.parallel.timeout_s)
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     p = cfg.parallel
     with preempt.handling(cfg.checkpoint.preempt_grace_s):
         try:
-            train(cfg, DistLayout(p.dp_shard, p.cp, p.ep, device))
+            with checkpoint.shared_run_lock(cfg.checkpoint.dir) if torchrun else contextlib.nullcontext():
+                train(cfg, DistLayout(p.dp_shard, p.cp, p.ep, device))
         except (preempt.Preempted, preempt.StopNow) as e:  # every rank stops here; rank 0 says where
             if os.environ.get("RANK") == "0":
                 print(e.message(argv) if isinstance(e, preempt.Preempted) else
                       preempt.interrupted_line(f"{e} (without saving)", cfg.checkpoint.dir, argv),
                       file=sys.stderr, flush=True)
             raise SystemExit(preempt.SIGNAL_EXIT[signal.SIGTERM]) from None
+        except Exception as e:
+            if torchrun and preempt.interrupted():  # a peer that stopped on the same Ctrl-C: main says it once
+                raise KeyboardInterrupt from None
+            if not torchrun or not collective_timeout(e):
+                raise
+            report_timeout(cfg, e)
+            raise SystemExit(TIMEOUT_EXIT) from None
+
+
+def report_timeout(cfg: Config, e: Exception) -> None:
+    """Under torchrun, after this rank's collective timed out: the lowest rank that timed out prints one line
+    naming the ranks that did not (they stopped answering) and the last checkpoint; the others print nothing."""
+    last = checkpoint.last_line(cfg.checkpoint.dir)
+    found = silent_ranks()
+    if found is None:  # the store is gone too (it lived in a rank that stopped): what this rank's error says
+        print(f"error: [rank {dist.get_rank()}] {collective_timeout(e)}; {last}", file=sys.stderr, flush=True)
+        return
+    answered, silent = found
+    if dist.get_rank() == min(answered):
+        who = (f"rank(s) {', '.join(map(str, silent))} stopped answering (hung, stopped or dead)" if silent else
+               "every rank timed out waiting for the others (each in another collective)")
+        print(f"error: a collective timed out after --parallel.timeout_s {cfg.parallel.timeout_s}: {who}; {last}",
+              file=sys.stderr, flush=True)
 
 
 def plan_run(cfg: Config) -> None:
@@ -347,7 +377,11 @@ def plan_run(cfg: Config) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    cfg = tyro.cli(Config, args=argv, use_underscores=True, description=__doc__)
+    try:
+        cfg = parse(argv, description=__doc__)
+    except ValueError as e:  # a recipe file (--config) that does not fit Config
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else cfg.parallel.world
     try:
         errors = validate(cfg, world_size=world)
@@ -361,10 +395,11 @@ def main(argv: list[str] | None = None) -> int:
             raise TrainingError("invalid configuration:\n  - " + "\n  - ".join(errors))
         cfg = with_data_type(cfg)
         checkpoint.check_run_paths(cfg)
+        if under_torchrun():  # rank 0 holds the lock, once the process group is up (see run_rank)
+            run_rank(argv, torchrun=True)
+            return 0
         with checkpoint.run_lock(cfg.checkpoint.dir):
-            if under_torchrun():
-                run_rank(argv)
-            elif world > 1:
+            if world > 1:
                 spawn(run_rank, world, argv)
             else:
                 with preempt.handling(cfg.checkpoint.preempt_grace_s):
@@ -374,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
         return preempt.SIGNAL_EXIT[e.signum]
     except (preempt.StopNow, KeyboardInterrupt) as e:
         why = f"{e} (without saving)" if isinstance(e, preempt.StopNow) else "on Ctrl-C (SIGINT)"
-        print(preempt.interrupted_line(why, cfg.checkpoint.dir, argv), file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank gets Ctrl-C; rank 0 says it
+            print(preempt.interrupted_line(why, cfg.checkpoint.dir, argv), file=sys.stderr)
         return 130 if isinstance(e, KeyboardInterrupt) else 143
     except WorkerFailure as e:
         print(f"error: {e}; {checkpoint.last_line(cfg.checkpoint.dir)}", file=sys.stderr)

@@ -427,6 +427,30 @@ def run_lock(run_dir: str, say=print):
     return RunLock(run_dir, say) if os.environ.get("RANK", "0") == "0" else contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def shared_run_lock(run_dir: str, say=print):
+    """The run directory's RunLock for a run whose ranks were started by another launcher (torchrun): rank 0
+    takes it, and every rank learns whether it did (a broadcast), so a refusal stops all of them at once rather
+    than leaving the others to wait for a collective that rank 0 never joins. Rank 0 raises the RunDirBusy, the
+    others SystemExit(1) without a word."""
+    lock, refused = RunLock(run_dir, say) if _rank() == 0 else None, [None]
+    if lock is not None:
+        try:
+            lock.__enter__()
+        except RunDirBusy as e:
+            refused[0] = str(e)
+    dist.broadcast_object_list(refused, src=0)
+    if refused[0] is not None:
+        if lock is not None:
+            raise RunDirBusy(refused[0])
+        raise SystemExit(1)
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.__exit__(None, None, None)
+
+
 def remove_partial_saves(run_dir: str) -> list[str]:
     """Remove the .tmp-step_* folders a killed save left in RUN/checkpoints (call it holding the run's lock, so no
     save is running); returns a line for each one removed."""

@@ -10,6 +10,7 @@ splits it for experts (ep consecutive ranks share one copy of all experts, each 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -27,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from glm5f import preempt
 from glm5f.moe import expert_ffn
 from glm5f.params import Region, leaf_kind, map_with_path
 from glm5f.parallel import Layout
@@ -245,9 +247,11 @@ def _worker(local_rank: int, world: int, port: int, fn, args, parent_pid: int | 
                       LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     try:
         fn(*args)
-    except (KeyboardInterrupt, SystemExit):  # Ctrl-C (the launcher says it once), or a stop with its exit code
+    except SystemExit:  # a stop with its exit code
         raise
     except BaseException as e:
+        if isinstance(e, KeyboardInterrupt) or preempt.interrupted():  # Ctrl-C, or a peer that stopped on it:
+            raise SystemExit(preempt.SIGNAL_EXIT[signal.SIGINT]) from None  # the launcher says it, once
         timeout = collective_timeout(e)
         if timeout:
             print(f"error: [rank {local_rank}] {timeout}", file=sys.stderr, flush=True)
@@ -292,6 +296,21 @@ def _wait_stopping(processes) -> int | None:
         wait([p.sentinel for p, c in zip(processes, codes) if c is None], timeout=1.0)
 
 
+def _stop_workers(processes, signum: int, wait_s: float = 60.0) -> None:
+    """Send `signum` to the workers still running (one that already got it from the terminal ignores it) and wait
+    up to `wait_s` for them to end; SIGKILL the ones that do not."""
+    for p in processes:
+        if p.is_alive():
+            with contextlib.suppress(ProcessLookupError):  # it ended just now
+                os.kill(p.pid, signum)
+    deadline = time.monotonic() + wait_s
+    for p in processes:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
 def _silent_after_timeout(processes, grace_s: float = 5.0) -> list[int]:
     """When a worker ended on a collective timeout (TIMEOUT_EXIT): the workers still running `grace_s` later, the
     ones that stopped answering (killed now); [] otherwise."""
@@ -305,6 +324,26 @@ def _silent_after_timeout(processes, grace_s: float = 5.0) -> list[int]:
         os.kill(processes[i].pid, signal.SIGKILL)
         processes[i].join()
     return silent
+
+
+def silent_ranks(grace_s: float = 5.0) -> tuple[list[int], list[int]] | None:
+    """After a collective timed out in this rank (under torchrun, where no launcher of ours watches the ranks):
+    (the ranks whose collective timed out too within `grace_s`, the others: those that stopped answering), told
+    through the process group's store; None when the store does not answer either."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    key = "glm5f/timed_out/{}".format
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(timedelta(seconds=grace_s))
+        store.set(key(rank), "1")
+        deadline = time.monotonic() + grace_s
+        while True:
+            answered = [r for r in range(world) if store.check([key(r)])]
+            if len(answered) == world or time.monotonic() > deadline:
+                return answered, [r for r in range(world) if r not in answered]
+            time.sleep(0.2)
+    except (RuntimeError, ValueError):  # DistStoreError, a store that has gone
+        return None
 
 
 class WorkerFailure(RuntimeError):
@@ -325,7 +364,13 @@ def spawn(fn, world: int, *args) -> None:
                 os.kill(p.pid, signum)
     before = signal.signal(signal.SIGTERM, forward) if threading.current_thread() is threading.main_thread() else None
     try:
-        stopped = _wait_stopping(ctx.processes)
+        try:
+            stopped = _wait_stopping(ctx.processes)
+        except KeyboardInterrupt:  # Ctrl-C: every worker stops (and removes a partial save) before the line
+            _stop_workers(ctx.processes, signal.SIGINT)
+            raise
+        if stopped == preempt.SIGNAL_EXIT[signal.SIGINT]:  # the workers got Ctrl-C: main says where to resume
+            raise KeyboardInterrupt
         if stopped:  # every worker stopped on a signal, after one checkpoint (rank 0 said where): exit as they did
             raise SystemExit(stopped)
         silent = _silent_after_timeout(ctx.processes)

@@ -1,5 +1,7 @@
 """Stopping a run on a signal: on SIGTERM every rank finishes its step, all save one checkpoint together and the run
 exits with a line saying where it stopped; a second SIGTERM, or the grace period running out, stops without saving.
+On Ctrl-C (SIGINT) every process stops at once, a save it interrupts removing its partial folder, and one line says
+where the run can resume.
 
 The handler only sets a flag (`requested`); the train loop calls `should_stop(layout)` after each step, which
 agrees on it over all ranks (an all_reduce), so all ranks stop after the same step.
@@ -16,7 +18,7 @@ import torch
 
 SIGNAL_EXIT = {signal.SIGTERM: 143, signal.SIGINT: 130}  # 128 + the signal's number, as a shell reports it
 
-_state = {"signum": None, "grace_s": None}
+_state = {"signum": None, "grace_s": None, "sigint": False}
 
 
 class Preempted(Exception):
@@ -64,6 +66,20 @@ def _on_sigterm(signum, frame) -> None:
         signal.setitimer(signal.ITIMER_REAL, grace)
 
 
+def _on_sigint(signum, frame) -> None:
+    """Ctrl-C: KeyboardInterrupt once; further SIGINTs (a terminal's to every process of the run, the launcher's
+    forwarded one) are ignored, so the cleanup it starts (a partial save removed) is not cut short."""
+    _state["sigint"] = True
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def interrupted() -> bool:
+    """Whether this process got Ctrl-C (SIGINT) inside `handling` (an error that follows is its consequence: a
+    peer that stopped on it)."""
+    return _state["sigint"]
+
+
 def _on_alarm(signum, frame) -> None:
     raise StopNow(f"as the grace period after SIGTERM (--checkpoint.preempt_grace_s {_state['grace_s']}) ran out")
 
@@ -71,13 +87,15 @@ def _on_alarm(signum, frame) -> None:
 @contextlib.contextmanager
 def handling(grace_s: float | None = None):
     """Within it, SIGTERM sets the stop flag (see `should_stop`) instead of killing the process; a second SIGTERM,
-    or `grace_s` seconds after the first, raise StopNow. Restores the previous handlers on leaving. Outside the
-    main thread (no signals there) it does nothing."""
+    or `grace_s` seconds after the first, raise StopNow; the first SIGINT raises KeyboardInterrupt and later ones
+    are ignored. Restores the previous handlers on leaving. Outside the main thread (no signals there) it does
+    nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    _state.update(signum=None, grace_s=grace_s)
+    _state.update(signum=None, grace_s=grace_s, sigint=False)
     before = signal.signal(signal.SIGTERM, _on_sigterm)
+    before_int = signal.signal(signal.SIGINT, _on_sigint)
     alarm = signal.getsignal(signal.SIGALRM)
     try:
         yield
@@ -85,6 +103,7 @@ def handling(grace_s: float | None = None):
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, alarm)
         signal.signal(signal.SIGTERM, before)
+        signal.signal(signal.SIGINT, before_int)
         _state["signum"] = None
 
 

@@ -1,17 +1,21 @@
-"""Block-quantized FP8 checkpoints: load_hf dequantizes them exactly (whole or a rank's region), the model's logits
-stay within FP8 error of the unquantized model's, and malformed scales are errors naming the key."""
+"""Block-quantized FP8 checkpoints: load_hf dequantizes them exactly (whole, a rank's region, or rank-locally under
+DP2, each rank reading only the blocks of its shards), the model's logits stay within FP8 error of the unquantized
+model's, and malformed scales are errors naming the key."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 import glm5f
+from glm5f.distributed import DistLayout, init_process, spawn
 from glm5f.hf import hf_state_dict
 
 FP8_MAX = 448.0  # the largest float8_e4m3fn
@@ -105,6 +109,60 @@ def test_region_load_is_the_same_slice_of_the_full_load(tmp_path, fused):
             _, part = glm5f.load_hf(ckpt, dtype=torch.float32, region=region)
             for k, v in glm5f.flatten(part).items():
                 assert torch.equal(v, whole[k][region(k, tuple(whole[k].shape))]), (k, lo, hi)
+
+
+def rank_local_load(ckpt: str, plain: str, ep: int, out: str) -> None:
+    """One rank of a DP2 load (`Layout.local_params`) of the FP8 checkpoint `ckpt`: writes to out.<rank> whether
+    its shards equal the same shards of the dequantized reference (`plain`, an fp32 checkpoint of the values the
+    test computed), the elements it holds, and the FP8 elements it read from the files."""
+    layout = DistLayout(2, 1, ep, init_process(torch.device("cpu")))
+    real, read = glm5f.hf._read_into, {"fp8": 0, "bytes": 0}
+
+    def counted(f, shape, begin, part, dest):  # every byte load_hf takes from a safetensors file comes through here
+        real(f, shape, begin, part, dest)
+        read["bytes"] += dest.numel() * dest.element_size()
+        read["fp8"] += dest.numel() if dest.dtype == torch.float8_e4m3fn else 0
+    glm5f.hf._read_into = counted
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mine = glm5f.flatten(layout.local_params(lambda region: glm5f.load_hf(ckpt, dtype=torch.float32,
+                                                                              region=region)[1]))
+    glm5f.hf._read_into = real
+    ref = glm5f.flatten(layout.shard_params(glm5f.load_hf(plain)[1]))
+    differ = [k for k in ref if not (torch.equal(mine[k].to_local(), ref[k].to_local())
+                                     and mine[k].placements == ref[k].placements and mine[k].shape == ref[k].shape)]
+    with open(f"{out}.{layout.rank}", "w") as f:
+        json.dump({"differ": differ, "held": sum(t.to_local().numel() for t in mine.values()),
+                   "read_fp8": read["fp8"], "read_bytes": read["bytes"]}, f)
+    dist.barrier()
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_a_dp2_load_holds_and_reads_only_each_ranks_share(tmp_path, ep):
+    """Under --parallel.dp_shard 2 (two processes) each rank's shards of an FP8 checkpoint (12x24 blocks, so shard
+    boundaries cut through blocks) are the dequantized values, it holds half the model, and it reads from the
+    files only the FP8 bytes of its shards: together the ranks read each FP8 byte once."""
+    block = (12, 24)
+    cfg, _, ckpt, reference = fp8_checkpoint(tmp_path, block)
+    plain = tmp_path / "reference"
+    plain.mkdir()
+    save_file({k: v.contiguous() for k, v in reference.items()}, plain / "model.safetensors")
+    config = json.loads((ckpt / "config.json").read_text())
+    del config["quantization_config"]
+    (plain / "config.json").write_text(json.dumps(config))
+    fp8 = {k: v for k, v in load_file(ckpt / "model.safetensors").items() if v.dtype == torch.float8_e4m3fn}
+    cut = [k for k, v in fp8.items() if (v.shape[0] // 2) % block[0]]
+    assert len(cut) > 10  # shards that begin or end inside a block of scales
+    spawn(rank_local_load, 2, str(ckpt), str(plain), ep, str(tmp_path / "out"))
+    ranks = [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(2)]
+    total = glm5f.param_count(cfg, include_buffers=True)
+    size = os.path.getsize(ckpt / "model.safetensors")
+    for r, got in enumerate(ranks):
+        assert got["differ"] == [], f"rank {r}: {got['differ'][:5]}"
+        assert got["held"] <= total // 2 + 64, (r, got["held"], total)
+        assert got["read_fp8"] <= sum(v.numel() for v in fp8.values()) // 2, (r, got["read_fp8"])
+        assert got["read_bytes"] < 0.55 * size, (r, got["read_bytes"], size)
+    assert sum(got["read_fp8"] for got in ranks) == sum(v.numel() for v in fp8.values())
 
 
 def rewrite(ckpt, edit):
