@@ -101,6 +101,7 @@ def _(x_MxIn, w_ExOutxIn, offs_E):
 def grouped_mm_backward(dy_MxOut: torch.Tensor, x_MxIn: torch.Tensor, w_ExOutxIn: torch.Tensor,
                         offs_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [M, In], dw [E, Out, In]) of `grouped_mm`, the products torch's own backward takes (bit for bit)."""
+    dy_MxOut = dy_MxOut.contiguous()  # autograd may hand an expanded gradient; the grouped GEMM takes real strides
     return (F.grouped_mm(dy_MxOut, w_ExOutxIn, offs=offs_E),
             F.grouped_mm(dy_MxOut.transpose(0, 1), x_MxIn, offs=offs_E))
 
