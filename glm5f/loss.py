@@ -219,8 +219,8 @@ def device_step(params: dict, batch: dict, cfg: GLM5Config, layout: Layout, step
     the layout's device: nothing is read to the host (tests/test_host_sync.py).
 
     metrics maps each objective the step computes to its mean over the global batch (an fp64 scalar). Only the
-    leaves the step trains get gradients. The batch is the step's global batch; it is cut into micro-batches, each rank computes
-    its share, and the token-weighted means over all of them are the same whatever the layout. With a reduce
+    leaves the step trains get gradients. The batch is the step's global batch; it is cut into micro-batches,
+    each rank computes its share, and the token-weighted means over all of them are the same whatever the layout. With a reduce
     dtype the gradients are taken, and summed over micro-batches and ranks, in that dtype and rounded to the
     parameters' at the end.
     """
