@@ -220,9 +220,9 @@ def device_step(params: dict, batch: dict, cfg: GLM5Config, layout: Layout, step
 
     metrics maps each objective the step computes to its mean over the global batch (an fp64 scalar). Only the
     leaves the step trains get gradients. The batch is the step's global batch; it is cut into micro-batches,
-    each rank computes its share, and the token-weighted means over all of them are the same whatever the layout. With a reduce
-    dtype the gradients are taken, and summed over micro-batches and ranks, in that dtype and rounded to the
-    parameters' at the end.
+    each rank computes its share, and the token-weighted means over all of them are the same whatever the layout.
+    With a reduce dtype the gradients are taken, and summed over micro-batches and ranks, in that dtype and
+    rounded to the parameters' at the end.
     """
     master = {p: t.dtype for p, t in flatten(params).items()}
     if step.reduce_dtype is not None:
