@@ -44,29 +44,29 @@ def test_every_decoder_layer_is_one_graph_without_breaks():
     assert kinds == {(False, True, False), (True, True, True), (True, False, True)}, kinds
 
 
-def relative_differences(a: dict, b: dict) -> dict:
-    """Per gradient: ||a - b|| / ||b||."""
-    return {k: float((a[k] - b[k]).norm() / b[k].norm().clamp(min=1e-30)) for k in b}
+def relative_errors(got: dict, truth: dict) -> dict:
+    """Per gradient: ||got - truth|| / ||truth||, in fp64."""
+    return {k: float((got[k].double() - truth[k]).norm() / truth[k].norm().clamp(min=1e-300)) for k in truth}
 
 
-def test_compiled_step_equals_eager_within_the_summation_order_noise():
-    """The bound: compilation fuses and reorders fp32 arithmetic, so it is held to what another summation order
-    does to the eager step, the same step with its batch in two micro-batches (each gradient's sum over tokens in
-    two parts): twice that, per gradient, plus an ulp-scale floor for leaves whose two orders agree exactly."""
+def test_compiled_step_is_as_accurate_as_eager():
+    """The bound: compilation fuses and reorders fp32 arithmetic, so the compiled step is held to the eager step's
+    own accuracy: against the same step in fp64, each gradient's relative error at most twice the eager one's
+    (measured: at most 1.4x; the indexer's gradients, a KL near zero, are 1e-5 off in both), and each metric's
+    error at most twice the eager one's plus 4 fp32 epsilons of its value."""
     params, batch = glm5f.init_params(CFG), packed_batch()
     eager = step_grads(params, batch, CFG, Layout(), step_of())
-    split = step_grads(params, batch, CFG, Layout(), step_of("--train.grad_accum", "2"))
     compiled = step_grads(params, batch, CFG, Layout(), step_of("--train.compile"))
-    noise = relative_differences(split[1], eager[1])
-    got = relative_differences(compiled[1], eager[1])
-    eps = torch.finfo(torch.float32).eps
-    worse = {k: (got[k], noise[k]) for k in got if got[k] > 2 * noise[k] + 16 * eps}
+    wide = glm5f.params.map_with_path(lambda p, t: t.double() if t.is_floating_point() else t, params)
+    truth = step_grads(wide, batch, CFG, Layout(), step_of("--train.dtype", "float64"))
+    eager_err, compiled_err = relative_errors(eager[1], truth[1]), relative_errors(compiled[1], truth[1])
+    worse = {k: (compiled_err[k], eager_err[k]) for k in truth[1] if compiled_err[k] > 2 * eager_err[k]}
     assert not worse, worse
-    for k, v in eager[0].items():
-        assert abs(compiled[0][k] - v) <= 2 * abs(split[0][k] - v) + 16 * eps * abs(v), (k, compiled[0][k], v)
-    assert set(compiled[2]) == set(eager[2])
+    eps = torch.finfo(torch.float32).eps
+    for k, v in truth[0].items():
+        assert abs(compiled[0][k] - v) <= 2 * abs(eager[0][k] - v) + 4 * eps * abs(v), (k, compiled[0][k], v)
     for k in eager[2]:
-        assert torch.equal(compiled[2][k], eager[2][k]), k  # the routing is the same
+        assert torch.equal(compiled[2][k], eager[2][k]), k  # the same routing
 
 
 def test_grouped_mm_op_passes_opcheck_and_has_torchs_gradients():
