@@ -165,7 +165,7 @@ def check_model(rows, device, size, gen):
     ref_logits, ref_grads = loss_and_grads(params, cfg, ids)
     bf = {k: v.to(device, torch.bfloat16) for k, v in glm5f.flatten(params).items()}
     logits, grads = loss_and_grads(glm5f.params.unflatten(bf, params), cfg, ids.to(device))
-    logits_err = float((logits.cpu().double() - ref_logits).norm() / ref_logits.norm())
+    logits_err = float((logits.detach().cpu().double() - ref_logits.detach()).norm() / ref_logits.detach().norm())
     row(rows, "model logits vs CPU fp64", f"bf16 {name} B{B} S{S} (norm)", logits_err, 16 * BF16)
     num = sum(float((grads[k].cpu().double() - g).norm() ** 2) for k, g in ref_grads.items())
     den = sum(float(g.norm() ** 2) for g in ref_grads.values())
