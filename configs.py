@@ -170,6 +170,9 @@ class TrainConfig:
     every parallel layout computes the one-process fp32 numbers (bit for bit in scripts/align.py); 2.4x slower."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer in the backward pass."""
+    compile: bool = False
+    """torch.compile each decoder layer (regional: one graph per layer, no graph breaks; the sparse attention and
+    indexer ops stay opaque). The first step compiles (about 40 s for the bench model on CPU)."""
     seed: int = 0
     """Seed of the parameter initialisation and of torch's random state."""
     device: str = "auto"

@@ -53,32 +53,9 @@ def matmul_peak_flops(device: str, dtype: torch.dtype, n: int = 2048, reps: int 
 
 
 def train_flops(cfg, batch: int, seq: int) -> float:
-    """Model FLOPs of one forward + backward over [batch, seq] causal tokens (2 per multiply-add; backward twice
-    the forward; the indexer forward only, as it gets no gradient from the LM loss).
-
-    Counted as the model defines it, independent of how a side computes it: attention per head over the keys each
-    query attends (min(index_topk, visible) where the layer is sparse), key/value up-projection once per token,
-    experts per routed and shared slot, the indexer over every visible key.
-    """
-    D, H, Q, R = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank
-    N, P, V = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-    I, J = cfg.index_n_heads, cfg.index_head_dim
-    visible = (seq + 1) / 2  # mean keys a causal query sees
-    sparse = sum(min(cfg.index_topk, s + 1) for s in range(seq)) / seq
-    attended = sparse if seq > cfg.index_topk else visible
-    macs, indexer_macs = 0.0, 0.0
-    for layer in range(cfg.num_hidden_layers):
-        macs += D * Q + Q * H * (N + P) + D * (R + P) + R * H * (N + V) + H * V * D
-        macs += attended * H * (N + P + V)
-        if cfg.indexer_types[layer] == "full":
-            indexer_macs += Q * I * J + D * J + D * I + visible * I * (J + 1)
-        if cfg.is_moe(layer):
-            F = cfg.moe_intermediate_size
-            macs += D * cfg.n_routed_experts + 3 * D * F * (cfg.num_experts_per_tok + cfg.n_shared_experts)
-        else:
-            macs += 3 * D * cfg.intermediate_size
-    macs += D * cfg.vocab_size
-    return 2 * batch * seq * (3 * macs + indexer_macs)
+    """Model FLOPs of one forward + backward over [batch, seq] causal tokens (`glm5f.flops.flops_per_token`)."""
+    from glm5f.flops import flops_per_token
+    return batch * seq * flops_per_token(cfg, seq)
 
 
 def run_child(script: str, args: list[str], what: str) -> dict:

@@ -70,7 +70,7 @@ def extend(params: dict, cfg: GLM5Config, cache: Cache, input_ids_BxS: torch.Ten
 
     mask = Mask(torch.arange(start, stop, device=input_ids_BxS.device), stop,
                 key_valid=None if key_valid_BxT is None else key_valid_BxT[:, :stop],
-                q_index_host=torch.arange(start, stop))
+                q_index_host=range(start, stop))
     cos, sin = rope_tables(cfg, position_ids_BxS, cache.latent[0].dtype)
     logits, aux = apply(params, cfg, input_ids_BxS, Env(cos, sin, mask, CacheLayout(cache, start, stop)))
     cache.length = stop

@@ -7,6 +7,7 @@ Shape suffixes: B batch, S queries (this rank's), T keys (the whole sequence).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 from torch.utils import _pytree as pytree
@@ -26,8 +27,7 @@ class Mask:
     key_valid [B, T]: False for padding keys. q_segment [B, S] / k_segment [B, T]: document ids (packed
     sequences attend within their document). dense [B, S, T] bool: a user's 4D mask, used as given (no causal
     part added), with `bias` [B, S, T] its additive values where it was a float mask with non-zero entries.
-    q_index_host: q_index on the CPU where q_index lives on an accelerator (the indexer reads it to size its
-    chunks without waiting for the device).
+    q_index_host: q_index as Python ints (a range or list), read to size query chunks without a device read.
     """
 
     q_index: torch.Tensor
@@ -37,7 +37,7 @@ class Mask:
     k_segment: torch.Tensor | None = None
     dense: torch.Tensor | None = None
     bias: torch.Tensor | None = None
-    q_index_host: torch.Tensor | None = None
+    q_index_host: Sequence[int] | None = None
 
     @property
     def is_plain_causal(self) -> bool:
@@ -54,8 +54,9 @@ class Mask:
         """How many leading keys queries start:stop can see at most (causal: one past the last query's index)."""
         if self.dense is not None or stop <= start:
             return self.num_keys
-        q_index = self.q_index if self.q_index_host is None else self.q_index_host
-        return min(self.num_keys, int(q_index[start:stop].max()) + 1)
+        if self.q_index_host is None:
+            return min(self.num_keys, int(self.q_index[start:stop].max()) + 1)
+        return min(self.num_keys, max(self.q_index_host[start:stop]) + 1)
 
     def at(self, idx_BxSxK: torch.Tensor) -> torch.Tensor:
         """allowed [B, S, K] at the key indices idx (without building [S, T])."""
@@ -108,7 +109,7 @@ class Env:
     weights: cast to weight_dtype, FSDP-gathered), `keys` (a layer's keys over all T positions: identity, a CP
     all-gather, a decode cache), `experts` (the routed experts over rows sorted by expert: local or EP
     all-to-all) and `seq_sum` (a sum over the ranks holding parts of this rank's sequences). `remat` recomputes
-    each decoder layer in the backward pass."""
+    each decoder layer in the backward pass; `compile` runs decoder layers under torch.compile."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -118,6 +119,7 @@ class Env:
     valid_BxS: torch.Tensor | None = None
     weight_dtype: torch.dtype | None = None
     remat: bool = False
+    compile: bool = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -150,26 +152,25 @@ def default_positions(position_ids: torch.Tensor | None, B: int, S: int, device)
     return position_ids.expand(B, S)
 
 
-def packed_segments(position_ids_BxS: torch.Tensor) -> torch.Tensor | None:
-    """Document ids [B, S] where positions do not step by one (a new packed document starts); None if every row
-    is one document."""
+def packed_segments(position_ids_BxS: torch.Tensor) -> torch.Tensor:
+    """Document ids [B, S]: a new packed document starts where positions do not step by one. All zeros when every
+    row is one document (not checked: that would read the device)."""
     first = position_ids_BxS[:, :1] - 1
-    seg = (torch.diff(position_ids_BxS, prepend=first, dim=-1) != 1).cumsum(-1)
-    return None if bool((seg[:, -1] == 0).all()) else seg
+    return (torch.diff(position_ids_BxS, prepend=first, dim=-1) != 1).cumsum(-1)
 
 
 def make_mask(attention_mask: torch.Tensor | None, position_ids_BxT: torch.Tensor,
-              q_index: torch.Tensor | None = None) -> Mask:
-    """The mask of queries `q_index` (default: all T positions; a CP rank's share) over the T positions of a
-    sequence: attention_mask None (causal; positions that restart mark packed documents), 2D [B, T] padding
-    (1 keep, 0 pad) or 4D [B, 1, T, T] (boolean, True attends, or additive float: 0 attends, the dtype's minimum
-    masks), used as given."""
+              q_index: torch.Tensor | None = None, packed: bool = True) -> Mask:
+    """The mask of queries `q_index` (default: all T positions; a CP rank's share, a CPU tensor) over the T
+    positions of a sequence: attention_mask None (causal; with `packed`, positions that restart mark packed
+    documents), 2D [B, T] padding (1 keep, 0 pad) or 4D [B, 1, T, T] (boolean, True attends, or additive float:
+    0 attends, the dtype's minimum masks), used as given."""
     B, T = position_ids_BxT.shape
     device = position_ids_BxT.device
-    host = torch.arange(T) if q_index is None else q_index.cpu()
-    q_index = torch.arange(T, device=device) if q_index is None else q_index
+    host = range(T) if q_index is None else q_index.tolist()
+    q_index = torch.arange(T, device=device) if q_index is None else q_index.to(device)
     if attention_mask is None:
-        seg = packed_segments(position_ids_BxT)
+        seg = packed_segments(position_ids_BxT) if packed else None
         return Mask(q_index, T, q_segment=None if seg is None else seg[:, q_index], k_segment=seg, q_index_host=host)
     if attention_mask.ndim == 2:
         if tuple(attention_mask.shape) != (B, T):
@@ -208,18 +209,18 @@ def split_tokens(batch: dict, rows: slice, positions: torch.Tensor | None) -> di
 
 def make_env(cfg: GLM5Config, batch: dict, dtype: torch.dtype, layout: Layout | None = None, *,
              objectives: Objectives = Objectives(), weight_dtype: torch.dtype | None = None,
-             remat: bool = False) -> tuple[dict, Env]:
+             remat: bool = False, compile: bool = False) -> tuple[dict, Env]:
     """(this rank's share of a global batch, the Env its layers run in). The batch holds [B, S] "input_ids" and
     "position_ids", optionally "attention_mask" (2D or 4D, see `make_mask`), "valid" and any other per-token
     tensors (split alike); the layout says which rows and positions are this rank's."""
     layout = layout or Layout(batch["input_ids"].device)
     B, S = batch["input_ids"].shape
     rows, positions = layout.share(B, S)
+    packed = batch.get("position_ids") is not None  # else one document per row (deciding it would read the ids)
     position_ids = default_positions(batch.get("position_ids"), B, S, batch["input_ids"].device)
     batch = {**batch, "position_ids": position_ids}
     local = split_tokens(batch, rows, positions)
     mask = batch.get("attention_mask")
-    mask = make_mask(None if mask is None else mask[rows], position_ids[rows],
-                     None if positions is None else positions.to(position_ids.device))
+    mask = make_mask(None if mask is None else mask[rows], position_ids[rows], positions, packed)
     cos, sin = rope_tables(cfg, local["position_ids"], dtype)
-    return local, Env(cos, sin, mask, layout, objectives, local.get("valid"), weight_dtype, remat)
+    return local, Env(cos, sin, mask, layout, objectives, local.get("valid"), weight_dtype, remat, compile)

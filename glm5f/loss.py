@@ -104,7 +104,7 @@ OBJECTIVES = {
 class Step:
     """What a training step computes and how: the Objectives and each one's weight, the activations' dtype, the
     dtype of the sums that make gradients (`--train.reduce_dtype`; None: the activations'), activation
-    checkpointing, micro-batches, and the --train.trainable regex."""
+    checkpointing, micro-batches, the --train.trainable regex, and whether decoder layers run compiled."""
 
     objectives: Objectives = Objectives()
     coeffs: dict = dataclasses.field(default_factory=lambda: {"loss": 1.0})
@@ -113,6 +113,7 @@ class Step:
     remat: bool = False
     grad_accum: int = 1
     trainable: str | None = None
+    compile: bool = False
 
     @classmethod
     def of(cls, train, model_cfg: GLM5Config) -> Step:
@@ -125,7 +126,7 @@ class Step:
                   for name, o in OBJECTIVES.items() if o.coeff is not None and o.on(objectives)}
         return cls(objectives, coeffs, getattr(torch, train.dtype),
                    getattr(torch, train.reduce_dtype) if train.reduce_dtype else None,
-                   train.activation_checkpointing, train.grad_accum, train.trainable)
+                   train.activation_checkpointing, train.grad_accum, train.trainable, train.compile)
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -179,7 +180,7 @@ def micro_loss(params: dict, batch: dict, denoms: dict, cfg: GLM5Config, layout:
     MoE layer's router bias path, the valid tokens of this rank routed to each expert (for the bias rule).
     """
     local, env = make_env(cfg, batch, step.dtype, layout, objectives=step.objectives, weight_dtype=step.weight_dtype,
-                          remat=step.remat)
+                          remat=step.remat, compile=step.compile)
     # the embedding, final norm and head now; each decoder layer as it runs (model.run_layer)
     top = env.weights({**params, "model": {k: v for k, v in params["model"].items() if k != "layers"}})
     compute = {**top, "model": {**top["model"], "layers": params["model"]["layers"]}}
@@ -200,20 +201,28 @@ def micro_loss(params: dict, batch: dict, denoms: dict, cfg: GLM5Config, layout:
     with torch.no_grad():
         valid = local["valid"].flatten().to(torch.float32)
         counts = {f"model.layers.{i}.mlp.gate.e_score_correction_bias":
-                  torch.bincount(a["expert_idx"].flatten(), weights=valid.repeat_interleave(a["expert_idx"].shape[1]),
-                                 minlength=cfg.n_routed_experts)
+                  valid.new_zeros(cfg.n_routed_experts).index_add_(
+                      0, a["expert_idx"].flatten(), valid.repeat_interleave(a["expert_idx"].shape[1]))
                   for i, a in enumerate(layers) if "expert_idx" in a}
     return value, (sums, counts)
 
 
 def step_grads(params: dict, batch: dict, cfg: GLM5Config, layout: Layout, step: Step):
-    """(metrics, gradients of the trained leaves, per-MoE-layer expert token counts) of one step.
+    """(metrics, gradients of the trained leaves, per-MoE-layer expert token counts) of one step: `device_step`
+    with its metrics read to the host as floats, all in one read (the step's only wait on the device)."""
+    metrics, grads, counts = device_step(params, batch, cfg, layout, step)
+    return dict(zip(metrics, torch.stack(list(metrics.values())).tolist())), grads, counts
 
-    metrics maps each objective the step computes to its mean over the global batch. Only the leaves the step
-    trains get gradients. The batch is the step's global batch; it is cut into micro-batches, each rank computes
-    its share, and the token-weighted means over all of them are the same whatever the layout. With a reduce
-    dtype the gradients are taken, and summed over micro-batches and ranks, in that dtype and rounded to the
-    parameters' at the end.
+
+def device_step(params: dict, batch: dict, cfg: GLM5Config, layout: Layout, step: Step):
+    """(metrics, gradients of the trained leaves, per-MoE-layer expert token counts) of one step, all tensors on
+    the layout's device: nothing is read to the host (tests/test_host_sync.py).
+
+    metrics maps each objective the step computes to its mean over the global batch (an fp64 scalar). Only the
+    leaves the step trains get gradients. The batch is the step's global batch; it is cut into micro-batches,
+    each rank computes its share, and the token-weighted means over all of them are the same whatever the layout.
+    With a reduce dtype the gradients are taken, and summed over micro-batches and ranks, in that dtype and
+    rounded to the parameters' at the end.
     """
     master = {p: t.dtype for p, t in flatten(params).items()}
     if step.reduce_dtype is not None:
@@ -228,7 +237,7 @@ def step_grads(params: dict, batch: dict, cfg: GLM5Config, layout: Layout, step:
         sums = {k: sums.get(k, 0) + v for k, v in mb_sums.items()}
         counts = {k: counts.get(k, 0) + c for k, c in mb_counts.items()}
     grads = {p: g.to(master[p]) for p, g in grads.items()}
-    metrics = {k: float(layout.sum(v) / denoms[OBJECTIVES[k].denom]) for k, v in sums.items()}
+    metrics = {k: (layout.sum(v) / denoms[OBJECTIVES[k].denom]).to(torch.float64) for k, v in sums.items()}
     return metrics, grads, {k: layout.sum(c) for k, c in counts.items()}
 
 

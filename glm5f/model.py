@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -35,13 +37,26 @@ def decoder_layer(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, e
     return x_BxSxD + m_BxSxD, carry, aux
 
 
+@functools.cache
+def compiled_decoder_layer():
+    """`decoder_layer` under torch.compile: a graph per distinct layer (its index and kind are constants), the
+    glm5f custom ops opaque inside it. The recompile limit is raised so every layer of a deep model gets one."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 1024)
+    return torch.compile(decoder_layer)
+
+
+def layer_fn(env: Env):
+    """The decoder layer function `env` runs: compiled with env.compile (--train.compile), else eager."""
+    return compiled_decoder_layer() if env.compile else decoder_layer
+
+
 def run_layer(p_layer: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, env: Env,
               carry: Selection | None):
     """`decoder_layer` on the stored weights of layer `layer`: its compute weights are made (env.weights: cast,
     FSDP gather) as it starts; with env.remat (and gradients on) the layer is recomputed in the backward pass,
     its gathered weights freed after the forward and gathered again, so one layer's are alive at a time."""
     def run(p_layer, x_BxSxD, carry):
-        return decoder_layer(env.weights(p_layer, f"model.layers.{layer}"), x_BxSxD, cfg, layer, env, carry)
+        return layer_fn(env)(env.weights(p_layer, f"model.layers.{layer}"), x_BxSxD, cfg, layer, env, carry)
 
     if env.remat and torch.is_grad_enabled():
         return checkpoint(run, p_layer, x_BxSxD, carry, use_reentrant=False)
@@ -101,9 +116,9 @@ def mtp_layer(params: dict, cfg: GLM5Config, depth: int, h_BxSxD: torch.Tensor, 
     x_BxSxD = linear(p["eh_proj"], torch.cat([rms_norm(p["enorm"]["weight"], e_BxSxD, eps),
                                               rms_norm(p["hnorm"]["weight"], h_BxSxD, eps)], dim=-1))
     if env.remat and torch.is_grad_enabled():
-        h_BxSxD, _, aux = checkpoint(decoder_layer, p, x_BxSxD, cfg, layer, env, None, use_reentrant=False)
+        h_BxSxD, _, aux = checkpoint(layer_fn(env), p, x_BxSxD, cfg, layer, env, None, use_reentrant=False)
     else:
-        h_BxSxD, _, aux = decoder_layer(p, x_BxSxD, cfg, layer, env, None)
+        h_BxSxD, _, aux = layer_fn(env)(p, x_BxSxD, cfg, layer, env, None)
     head = p["shared_head"].get("head")
     if head is None:
         head = params["model"]["embed_tokens"] if cfg.tie_word_embeddings else params["lm_head"]

@@ -73,7 +73,9 @@ def grouped_matmul(x_MxIn: torch.Tensor, w_ExOutxIn: torch.Tensor, counts_E: tor
     w_ExOutxIn = w_ExOutxIn.to(x_MxIn.dtype)
     if _grouped_mm_ok(x_MxIn, w_ExOutxIn):
         offs = torch.cumsum(counts_E, 0, dtype=torch.int32)
-        return F.grouped_mm(x_MxIn, w_ExOutxIn.transpose(-1, -2), offs=offs).to(out_dtype)
+        if torch._C._are_functorch_transforms_active():  # torch.func differentiates torch's op itself
+            return F.grouped_mm(x_MxIn, w_ExOutxIn.transpose(-1, -2), offs=offs).to(out_dtype)
+        return grouped_mm(x_MxIn, w_ExOutxIn, offs).to(out_dtype)
     E = w_ExOutxIn.shape[0]
     expert_M = torch.repeat_interleave(torch.arange(E, device=x_MxIn.device), counts_E, output_size=x_MxIn.shape[0])
     start_E = torch.cumsum(counts_E, 0) - counts_E
@@ -81,6 +83,44 @@ def grouped_matmul(x_MxIn: torch.Tensor, w_ExOutxIn: torch.Tensor, counts_E: tor
     width = int(counts_E.max()) if x_MxIn.shape[0] else 0
     buf = x_MxIn.new_zeros(E, width, x_MxIn.shape[1]).index_put((expert_M, slot_M), x_MxIn)
     return torch.bmm(buf, w_ExOutxIn.transpose(-1, -2))[expert_M, slot_M].to(out_dtype)
+
+
+@torch.library.custom_op("glm5f::grouped_mm", mutates_args=())
+def grouped_mm(x_MxIn: torch.Tensor, w_ExOutxIn: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """torch's grouped GEMM, rows [offs[e-1], offs[e]) of x times w[e]^T -> [M, Out], as an op whose fake takes
+    every dtype (torch's own takes bf16 only), so fp32 MoE layers trace under FakeTensor and torch.compile."""
+    return F.grouped_mm(x_MxIn, w_ExOutxIn.transpose(-1, -2), offs=offs_E)
+
+
+@grouped_mm.register_fake
+def _(x_MxIn, w_ExOutxIn, offs_E):
+    return x_MxIn.new_empty(x_MxIn.shape[0], w_ExOutxIn.shape[1])
+
+
+@torch.library.custom_op("glm5f::grouped_mm_backward", mutates_args=())
+def grouped_mm_backward(dy_MxOut: torch.Tensor, x_MxIn: torch.Tensor, w_ExOutxIn: torch.Tensor,
+                        offs_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx [M, In], dw [E, Out, In]) of `grouped_mm`, the products torch's own backward takes (bit for bit)."""
+    dy_MxOut = dy_MxOut.contiguous()  # autograd may hand an expanded gradient; the grouped GEMM takes real strides
+    return (F.grouped_mm(dy_MxOut, w_ExOutxIn, offs=offs_E),
+            F.grouped_mm(dy_MxOut.transpose(0, 1), x_MxIn, offs=offs_E))
+
+
+@grouped_mm_backward.register_fake
+def _(dy_MxOut, x_MxIn, w_ExOutxIn, offs_E):
+    return torch.empty_like(x_MxIn), torch.empty_like(w_ExOutxIn)
+
+
+def _grouped_mm_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _grouped_mm_autograd(ctx, dy_MxOut):
+    x_MxIn, w_ExOutxIn, offs_E = ctx.saved_tensors
+    return *grouped_mm_backward(dy_MxOut, x_MxIn, w_ExOutxIn, offs_E), None
+
+
+grouped_mm.register_autograd(_grouped_mm_autograd, setup_context=_grouped_mm_setup_context)
 
 
 def expert_ffn(p: dict, x_MxD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
@@ -91,10 +131,11 @@ def expert_ffn(p: dict, x_MxD: torch.Tensor, counts_E: torch.Tensor) -> torch.Te
 
 
 def sort_by_expert(idx_NxK: torch.Tensor, num_experts: int):
-    """(order [M]: routed rows sorted by expert (stable), counts [E]) for the flattened (token, slot) rows."""
+    """(order [M]: routed rows sorted by expert (stable), counts [E]) for the flattened (token, slot) rows; counts
+    has a fixed size (no read of the indices, as bincount's max would be)."""
     flat_M = idx_NxK.reshape(-1)
     order_M = torch.argsort(flat_M, stable=True)
-    return order_M, torch.bincount(flat_M, minlength=num_experts)
+    return order_M, flat_M.new_zeros(num_experts).index_add_(0, flat_M, torch.ones_like(flat_M))
 
 
 def routed_experts(p: dict, x_NxD: torch.Tensor, idx_NxK: torch.Tensor, w_NxK: torch.Tensor, num_experts: int,
