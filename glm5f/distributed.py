@@ -10,6 +10,7 @@ splits it for experts (ep consecutive ranks share one copy of all experts, each 
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -55,12 +56,15 @@ class Spec(NamedTuple):
     grads: list
 
 
+@functools.lru_cache(maxsize=None)
 def placements(axes: tuple[str, ...]) -> tuple[str, list, list, list]:
     """(mesh name, placements as stored, as gathered for the forward, of the gathered tensor's gradient) of a leaf
     whose dims have the logical `axes` (its `params.LEAF_KINDS` entry), by MESH_RULES. A leaf with an "ep" dim
     lives on the "experts" mesh (edp x ep: its fsdp shard is over edp), any other on "fsdp" (every rank)."""
     taken: dict[str, int] = {}  # mesh axis -> the dim it shards
     for dim, axis in enumerate(axes):
+        if axis not in MESH_RULES:
+            raise ValueError(f"the logical axis {axis!r} has no row in distributed.MESH_RULES: add one")
         mesh_axis = next((m for m in MESH_RULES[axis] if m not in taken), None)
         if mesh_axis is not None:
             taken[mesh_axis] = dim

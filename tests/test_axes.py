@@ -40,6 +40,8 @@ def test_every_dim_of_every_leaf_is_named():
         assert len(leaf_kind(path).axes) == len(leaf.shape), path
     with pytest.raises(ValueError, match="no row of params.LEAF_KINDS matches the leaf model.adapter.weight"):
         leaf_kind("model.adapter.weight")
+    with pytest.raises(ValueError, match="the logical axis 'rank' has no row in distributed.MESH_RULES"):
+        placements(("rank", "embed"))
 
 
 def test_derived_placements_are_the_old_tables():
