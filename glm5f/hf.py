@@ -443,7 +443,7 @@ def save_hf(path: str | os.PathLike, cfg: GLM5Config, params: dict, *, max_shard
     def tensor(key, leaf, e, shape):
         if held["leaf"] != leaf:
             held.update(leaf=leaf, t=None)
-            held["t"] = full_tensor(flat[leaf]).detach().to("cpu").contiguous()  # the whole leaf, on the CPU
+            held["t"] = _materialize(flat[leaf])
         return held["t"] if e is None else held["t"][e]
 
     if not write:  # take part in every gather, in the writer's order
@@ -505,3 +505,7 @@ def _hf_keys(path: str, shape: tuple[int, ...]) -> list[tuple[str, int | None]]:
     prefix, proj = m
     return [(f"{prefix}.{e}.{proj}.weight", e) for e in range(shape[0])]
 
+
+def _materialize(t: torch.Tensor) -> torch.Tensor:
+    """A leaf's whole value, detached, on the CPU, contiguous (a DTensor leaf is gathered)."""
+    return full_tensor(t).detach().to("cpu").contiguous()
