@@ -32,8 +32,7 @@ from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
 from glm5f.model import check_input_ids
 from glm5f.optim import (adamw_init, adamw_update, balance_router_bias, clip_by_global_norm, lr_schedule, matches,
                          schedule_change, schedule_total)
-from glm5f.parallel import Layout, local_tensor
-from glm5f.params import flatten
+from glm5f.parallel import Layout, nonfinite_counts
 
 
 class TrainingError(RuntimeError):
@@ -281,9 +280,7 @@ def check_step(cfg: Config, step: int, loss: float, grad_norm: float, last_ckpt:
 
 def check_finite(params: dict, layout: Layout, step: int, last_ckpt: str | None) -> None:
     """Refuse to checkpoint parameters holding NaN or inf (counted over all ranks' shards)."""
-    bad = {p: (~torch.isfinite(local_tensor(t))).sum() for p, t in flatten(params).items() if t.is_floating_point()}
-    counts = layout.sum(torch.stack(list(bad.values())).to(torch.float64)) if bad else torch.zeros(0)
-    names = [p for p, n in zip(bad, counts.tolist()) if n]
+    names = list(nonfinite_counts(params, layout.sum))
     if names:
         raise TrainingError(f"step {step}: non-finite values in {len(names)} parameter(s) ({', '.join(names[:3])}"
                             f"{', ...' if len(names) > 3 else ''}); not writing a checkpoint of them. The last good "

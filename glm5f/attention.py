@@ -1,7 +1,7 @@
 """MLA attention with DeepSeek Sparse Attention (DSA), in three parts: `select` picks the keys each query attends
 (a full layer's lightning indexer and its top-k; a shared layer reuses the last full layer's), `mla_core` attends
-over them (dense, or sparse through the glm5f.kernels op), and the indexer's training objective (glm5f.indexer_loss) runs once per
-group of layers sharing a top-k.
+over them (dense, or sparse through the glm5f.kernels op), and the indexer's training objective
+(glm5f.indexer_loss) runs once per group of layers sharing a top-k.
 
 Keys and values are never stored per head: a token's key/value source is its *latent* row, the normalised
 compressed kv (kv_lora_rank) followed by the shared rope key (qk_rope_head_dim). The sparse path gathers each
@@ -35,7 +35,7 @@ LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm use 1e-6, not rms_nor
 def mla_project(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, env: Env):
     """Queries (nope and rotated parts, plus the q latent the indexer reuses) and this rank's latent rows."""
     q_BxSxQ = rms_norm(p["q_a_layernorm"]["weight"], linear(p["q_a_proj"], x_BxSxD), LATENT_NORM_EPS)
-    q_BxSxHx_ = rearrange(linear(p["q_b_proj"], q_BxSxQ), "b s (h d) -> b s h d", h=cfg.num_attention_heads)
+    q_BxSxHx_ = rearrange(linear(p["q_b_proj"], q_BxSxQ), "b s (h d) -> b s h d", d=cfg.qk_head_dim)
     q_nope_BxSxHxN, q_rot_BxSxHxP = q_BxSxHx_.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
     kv_BxSxC = linear(p["kv_a_proj_with_mqa"], x_BxSxD)
     kv_BxSxR, k_rot_BxSxP = kv_BxSxC.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
@@ -46,7 +46,7 @@ def mla_project(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, env: Env):
 
 def kv_b_heads(p: dict, cfg: GLM5Config) -> tuple[torch.Tensor, torch.Tensor]:
     """kv_b_proj split per head into its key half [H, N, R] and value half [H, V, R]."""
-    w_Hx_xR = rearrange(p["kv_b_proj"]["weight"], "(h d) r -> h d r", h=cfg.num_attention_heads)
+    w_Hx_xR = rearrange(p["kv_b_proj"]["weight"], "(h d) r -> h d r", d=cfg.qk_nope_head_dim + cfg.v_head_dim)
     return w_Hx_xR.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)
 
 
@@ -64,7 +64,7 @@ def indexer_queries(ip: dict, x_BxSxD: torch.Tensor, q_BxSxQ: torch.Tensor, cfg:
     layer's input and the q latent, computed once for the top-k and the indexer loss. Weights_proj computes in
     fp32 (fp64 in fp64 runs), as the reference does."""
     I, J, P = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
-    q_BxSxIxJ = rearrange(linear(ip["wq_b"], q_BxSxQ), "b s (i j) -> b s i j", i=I)
+    q_BxSxIxJ = rearrange(linear(ip["wq_b"], q_BxSxQ), "b s (i j) -> b s i j", j=J)
     q_rot, q_pass = q_BxSxIxJ.split([P, J - P], dim=-1)
     q_BxSxIxJ = wide(torch.cat([apply_rope(q_rot, env.cos, env.sin), q_pass], dim=-1))
     return q_BxSxIxJ, linear(ip["weights_proj"], wide(x_BxSxD)) * I ** -0.5
@@ -146,12 +146,12 @@ def sparse_mla(p: dict, q_nope_BxSxHxN: torch.Tensor, q_rot_BxSxHxP: torch.Tenso
 
 def expand_latent(p: dict, latent_BxTxC: torch.Tensor, cfg: GLM5Config):
     """Per-head keys [B, H, T, N + P] and values [B, H, T, V] from latent rows (through kv_b_proj)."""
-    B, T, _ = latent_BxTxC.shape
-    H, N = cfg.num_attention_heads, cfg.qk_nope_head_dim
+    N, V = cfg.qk_nope_head_dim, cfg.v_head_dim
     kv_BxTxR, k_rot_BxTxP = latent_BxTxC.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-    kv_BxHxTx_ = rearrange(linear(p["kv_b_proj"], kv_BxTxR), "b t (h d) -> b h t d", h=H)
-    k_nope_BxHxTxN, v_BxHxTxV = kv_BxHxTx_.split([N, cfg.v_head_dim], dim=-1)
-    k_BxHxTx_ = torch.cat([k_nope_BxHxTxN, k_rot_BxTxP[:, None].expand(B, H, T, -1)], dim=-1)
+    kv_BxHxTx_ = rearrange(linear(p["kv_b_proj"], kv_BxTxR), "b t (h d) -> b h t d", d=N + V)
+    k_nope_BxHxTxN, v_BxHxTxV = kv_BxHxTx_.split([N, V], dim=-1)
+    k_rot_BxHxTxP = k_rot_BxTxP[:, None].expand(-1, kv_BxHxTx_.shape[1], -1, -1)
+    k_BxHxTx_ = torch.cat([k_nope_BxHxTxN, k_rot_BxHxTxP], dim=-1)
     return k_BxHxTx_, v_BxHxTxV
 
 
@@ -163,7 +163,8 @@ def dense_mla(p: dict, q_nope_BxSxHxN: torch.Tensor, q_rot_BxSxHxP: torch.Tensor
     Computed in the latent's dtype (kv_b's), returned in the queries'.
     """
     k_BxHxTx_, v_BxHxTxV = expand_latent(p, latent_BxTxC, cfg)
-    q_BxHxSx_ = torch.cat([q_nope_BxSxHxN, q_rot_BxSxHxP], dim=-1).transpose(1, 2).to(latent_BxTxC.dtype)
+    q_BxSxHx_ = torch.cat([q_nope_BxSxHxN, q_rot_BxSxHxP], dim=-1).to(latent_BxTxC.dtype)
+    q_BxHxSx_ = rearrange(q_BxSxHx_, "b s h d -> b h s d")
     if allowed_BxSxT is None and mask.is_plain_causal and mask.bias is None:
         out = F.scaled_dot_product_attention(q_BxHxSx_, k_BxHxTx_, v_BxHxTxV, is_causal=True,
                                              scale=cfg.softmax_scale)
@@ -175,7 +176,7 @@ def dense_mla(p: dict, q_nope_BxSxHxN: torch.Tensor, q_rot_BxSxHxP: torch.Tensor
         additive = additive.masked_fill(~allowed, torch.finfo(q_BxHxSx_.dtype).min)
         out = F.scaled_dot_product_attention(q_BxHxSx_, k_BxHxTx_, v_BxHxTxV, attn_mask=additive[:, None],
                                              scale=cfg.softmax_scale)
-    return out.transpose(1, 2).to(q_nope_BxSxHxN.dtype)
+    return rearrange(out, "b h s v -> b s h v").to(q_nope_BxSxHxN.dtype)
 
 
 @torch.no_grad()
@@ -196,7 +197,6 @@ def attention(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, env: 
     ("indexer" in p) selects its own keys; a shared layer attends to `carry`'s. With env.objectives.indexer_loss
     on, the aux of a group's last layer (with target "own", every full layer) holds the indexer loss's fp64 sums
     "indexer_loss" and "indexer_recall" (`indexer_loss.kl`)."""
-    B, S, _ = x_BxSxD.shape
     q_nope, q_rot, q_BxSxQ, latent_BxSxC = mla_project(p, x_BxSxD, cfg, env)
     # the latent rows are gathered (and their gradients summed over queries and CP ranks) in kv_b's dtype
     latent_dtype = torch.promote_types(latent_BxSxC.dtype, p["kv_b_proj"]["weight"].dtype)
@@ -204,7 +204,7 @@ def attention(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, env: 
     if "indexer" in p:
         carry = select(p["indexer"], x_BxSxD, q_BxSxQ, cfg, layer, env, latent_BxTxC.shape[1])
     out_BxSxHxV = mla_core(p, q_nope, q_rot, latent_BxTxC, carry.topk, env.mask, cfg)
-    out_BxSxD = linear(p["o_proj"], out_BxSxHxV.reshape(B, S, -1))
+    out_BxSxD = linear(p["o_proj"], rearrange(out_BxSxHxV, "b s h v -> b s (h v)"))
     if carry.student is None:
         return out_BxSxD, carry, {}
     target = (target_queries(p, q_nope.detach(), q_rot.detach(), latent_BxTxC.detach(), cfg), latent_BxTxC.detach())

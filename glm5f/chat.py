@@ -226,10 +226,6 @@ class ChatTemplate:
 
 # ---- records ----------------------------------------------------------------------------------------------------
 
-def is_chat_record(rec) -> bool:
-    return isinstance(rec, dict) and ("messages" in rec or "conversations" in rec)
-
-
 def _json_value(value, what: str):
     if isinstance(value, str):
         try:

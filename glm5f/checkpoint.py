@@ -25,7 +25,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from glm5f.config import GLM5Config, read_json
-from glm5f.params import abstract_params, map_with_path
+from glm5f.parallel import local_tensor, nonfinite_counts
+from glm5f.params import abstract_params, flatten, map_with_path
 
 PREFIX = "step_"
 MANIFEST = "manifest.json"
@@ -90,7 +91,7 @@ def save(run_dir: str, step: int, state: dict, extra: dict, meta: dict, keep: in
         before = latest(run_dir)
         kept = f"{before} is still the latest checkpoint" if before else "no checkpoint was written before it"
         if cause.errno == errno.ENOSPC:
-            need = sum(_local(t).numel() * _local(t).element_size() for _, t in _leaves(state))
+            need = sum(local_tensor(t).numel() * local_tensor(t).element_size() for t in flatten(state).values())
             free = shutil.disk_usage(root if os.path.isdir(root) else run_dir).free
             why = (f"no space left on device: it needs about {_size(need)} (this rank's share), {_size(free)} "
                    f"are free there now")
@@ -131,7 +132,7 @@ def _size(n: int) -> str:
 
 
 def _save(run_dir: str, step: int, state: dict, extra: dict, meta: dict, keep: int) -> str:
-    bad = [p for p, t in _leaves(state) if t.is_floating_point() and not bool(torch.isfinite(_local(t)).all())]
+    bad = list(nonfinite_counts(state))
     if bad:
         raise ValueError(f"refusing to save checkpoint {step}: non-finite values in {', '.join(bad[:3])}"
                          f"{', ...' if len(bad) > 3 else ''}; the checkpoints already in {run_dir} are kept")
@@ -155,22 +156,6 @@ def _save(run_dir: str, step: int, state: dict, extra: dict, meta: dict, keep: i
         _prune(root, keep, name)
     _barrier()
     return final
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _leaves(tree, prefix: str = ""):
-    """(path, tensor) for every tensor of a nested dict/list."""
-    if isinstance(tree, torch.Tensor):
-        yield prefix, tree
-    elif isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from _leaves(v, f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree):
-            yield from _leaves(v, f"{prefix}.{i}" if prefix else str(i))
 
 
 def _complete(root: str) -> list[str]:

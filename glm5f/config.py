@@ -270,24 +270,19 @@ def _validate(c: GLM5Config) -> None:
         raise ValueError("invalid GLM5Config:\n  - " + "\n  - ".join(problems))
 
 
+# The sizes of the two scaled presets: a few hundred hidden units, four layers, DSA sparse below 64 keys.
+_SCALED = dict(vocab_size=4096, hidden_size=256, intermediate_size=704, moe_intermediate_size=128, num_hidden_layers=4,
+               num_attention_heads=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+               v_head_dim=32, index_topk=64, index_n_heads=16, index_head_dim=32, max_position_embeddings=4096)
+
 # Presets: plain dicts of overrides on the defaults (the full GLM-5), looked up by name.
 PRESETS: dict[str, dict[str, Any]] = {
     "glm5": {"num_nextn_predict_layers": 1},  # the release carries one MTP layer
-    # MLA + DSA attention with dense SwiGLU MLPs only, a few hundred hidden units.
-    "glm5-scaled-dense": dict(
-        vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
-        q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
-        v_head_dim=32, index_topk=64, index_n_heads=16, index_head_dim=32, first_k_dense_replace=4,
-        moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2, max_position_embeddings=4096,
-    ),
-    # Every GLM-5 part at a CPU-friendly size: a dense first layer, MoE with groups, DSA sparse below 64 keys.
-    "glm5-scaled-moe": dict(
-        vocab_size=4096, hidden_size=256, intermediate_size=704, moe_intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32,
-        qk_rope_head_dim=16, v_head_dim=32, index_topk=64, index_n_heads=16, index_head_dim=32,
-        first_k_dense_replace=1, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, n_group=4,
-        topk_group=2, index_topk_pattern="FFSF", max_position_embeddings=4096,
-    ),
+    # MLA + DSA attention with dense SwiGLU MLPs only.
+    "glm5-scaled-dense": dict(_SCALED, first_k_dense_replace=4, n_routed_experts=8, num_experts_per_tok=2),
+    # Every GLM-5 part at a CPU-friendly size: a dense first layer, MoE with groups, shared-indexer layers.
+    "glm5-scaled-moe": dict(_SCALED, first_k_dense_replace=1, n_routed_experts=16, n_shared_experts=1,
+                            num_experts_per_tok=4, n_group=4, topk_group=2, index_topk_pattern="FFSF"),
     # Toy size, every feature on: dense layer, MoE layers, a shared-indexer layer, index_topk << sequence.
     "glm5-tiny": dict(
         vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,

@@ -98,25 +98,11 @@ def stream(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, max_new_token
            top_p: float = 1.0, generator: torch.Generator | None = None, with_logits: bool = False):
     """Yield the new tokens [B] one step at a time (see `generate`); with `with_logits`, each with the logits
     [B, V] it was chosen from."""
-    check_input_ids(input_ids, cfg)
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    valid, positions = prompt_positions(input_ids, cfg, attention_mask, max_new_tokens)
     B, S = input_ids.shape
-    device = input_ids.device
-    dtype = params["model"]["embed_tokens"]["weight"].dtype
-    cache = init_cache(cfg, B, S + max_new_tokens, dtype, device)
-    if attention_mask is None:
-        valid = None
-        positions = torch.arange(S, device=device).expand(B, S)
-    else:
-        if tuple(attention_mask.shape) != (B, S):
-            raise ValueError(f"attention_mask must be [{B}, {S}], got {tuple(attention_mask.shape)}")
-        valid = torch.ones(B, S + max_new_tokens, dtype=torch.bool, device=device)
-        valid[:, :S] = attention_mask.bool()
-        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    next_pos = positions[:, -1:] + 1
-    logits = extend(params, cfg, cache, input_ids, positions, valid)[:, -1]
-    done = torch.zeros(B, dtype=torch.bool, device=device)
+    cache = init_cache(cfg, B, S + max_new_tokens, params["model"]["embed_tokens"]["weight"].dtype, input_ids.device)
+    logits = extend(params, cfg, cache, input_ids, positions[:, :S], valid)[:, -1]
+    done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
     for step in range(max_new_tokens):
         token = sample(logits, temperature, top_p, generator)
         if eos_token_id is not None:
@@ -125,8 +111,26 @@ def stream(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, max_new_token
         yield (token, logits) if with_logits else token
         if step == max_new_tokens - 1 or bool(done.all()):
             break
-        logits = extend(params, cfg, cache, token[:, None], next_pos, valid)[:, -1]
-        next_pos = next_pos + 1
+        logits = extend(params, cfg, cache, token[:, None], positions[:, S + step:S + step + 1], valid)[:, -1]
+
+
+def prompt_positions(input_ids: torch.Tensor, cfg: GLM5Config, attention_mask: torch.Tensor | None,
+                     max_new_tokens: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(valid [B, S + max_new_tokens]: the left padding of the prompts, None without any; positions [B, S +
+    max_new_tokens]: the prompt's real tokens counted from 0, the new tokens after them), the prompt checked."""
+    check_input_ids(input_ids, cfg)
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    B, S = input_ids.shape
+    capacity, device = S + max_new_tokens, input_ids.device
+    if attention_mask is None:
+        return None, torch.arange(capacity, device=device).expand(B, capacity)
+    if tuple(attention_mask.shape) != (B, S):
+        raise ValueError(f"attention_mask must be [{B}, {S}], got {tuple(attention_mask.shape)}")
+    valid = torch.ones(B, capacity, dtype=torch.bool, device=device)
+    valid[:, :S] = attention_mask.bool()
+    prompt_pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    return valid, torch.cat([prompt_pos, prompt_pos[:, -1:] + 1 + torch.arange(max_new_tokens, device=device)], 1)
 
 
 def generate(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, max_new_tokens: int, *,
@@ -182,25 +186,14 @@ def speculative(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, max_new_
     Each step the MTP layers draft k tokens after the last one, the main model runs the last token and the
     drafts against the cache, and the leading drafts that equal its greedy choices (in every row) are kept with
     its next token; the cache drops the rest. So each step adds 1 to k + 1 tokens, all of them greedy."""
-    check_input_ids(input_ids, cfg)
+    valid, positions = prompt_positions(input_ids, cfg, attention_mask, max_new_tokens)
     depths = cfg.num_nextn_predict_layers
     if depths < 1 or len(params["model"]["layers"]) < cfg.num_hidden_layers + depths:
         raise ValueError(f"draft='mtp' needs MTP layers: the config has num_nextn_predict_layers={depths} and the "
                          f"params {len(params['model']['layers']) - cfg.num_hidden_layers} past the main layers")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     B, S = input_ids.shape
     device, dtype = input_ids.device, params["model"]["embed_tokens"]["weight"].dtype
     capacity = S + max_new_tokens
-    if attention_mask is None:
-        valid, positions = None, torch.arange(capacity, device=device).expand(B, capacity)
-    else:
-        if tuple(attention_mask.shape) != (B, S):
-            raise ValueError(f"attention_mask must be [{B}, {S}], got {tuple(attention_mask.shape)}")
-        valid = torch.ones(B, capacity, dtype=torch.bool, device=device)
-        valid[:, :S] = attention_mask.bool()
-        prompt_pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        positions = torch.cat([prompt_pos, prompt_pos[:, -1:] + 1 + torch.arange(max_new_tokens, device=device)], 1)
     proposed = accepted = 0
     tokens = input_ids
     if max_new_tokens:

@@ -1,8 +1,8 @@
 """Several processes: FSDP/DP, context parallelism (CP) and expert parallelism (EP) as explicit DTensor specs.
 
-The spec of each leaf comes from the one table of what each leaf is, `params.LEAF_KINDS`: a parameter names its
-logical axes ("experts" for the routed experts' [E, out, in], "any" for the rest) and `MESH_RULES` maps them to
-mesh placements. Layer code never names a mesh axis.
+The spec of each leaf comes from the one table of what each leaf is, `params.LEAF_KINDS`, which names the logical
+axis of each of its dims (embed, heads, mlp, experts, ...); `MESH_RULES` maps logical axes to mesh axes, and
+`placements` derives the leaf's DTensor placements from them. Layer code never names a mesh axis.
 
 Meshes: "fsdp" is every rank (world = dp_shard x cp); "dp" x "cp" splits the world for the data; "edp" x "ep"
 splits it for experts (ep consecutive ranks share one copy of all experts, each owning n_routed_experts / ep).
@@ -11,6 +11,7 @@ splits it for experts (ep consecutive ranks share one copy of all experts, each 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -24,6 +25,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from einops import rearrange, repeat
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -33,13 +35,17 @@ from glm5f.moe import expert_ffn
 from glm5f.params import Region, leaf_kind, map_with_path
 from glm5f.parallel import Layout
 
-# How each logical kind is laid out: (mesh name, placements as stored, placements gathered for the forward,
-# gradient placements of the gathered tensor). FSDP gathers shards for the forward; the gradient comes back
-# reduce-scattered (Partial -> Shard). Experts stay sharded over "ep" inside the forward.
+# Logical axis -> the mesh axes that may shard it, in order: each dim of a leaf takes the first of its axis's mesh
+# axes that no earlier dim took. "fsdp": stored sharded, gathered for the forward, the gradient reduce-scattered
+# (over every rank; on a leaf with an "ep" dim, over the edp ranks sharing one copy of its experts). "ep": the
+# routed experts, stored and computed sharded (each rank runs its own experts).
 MESH_RULES = {
-    "any": ("fsdp", [Shard(0)], [Replicate()], [Partial()]),
-    "experts": ("experts", [Shard(1), Shard(0)], [Replicate(), Shard(0)], [Partial(), Shard(0)]),
+    "experts": ("ep",),
+    "vocab": ("fsdp",), "embed": ("fsdp",), "heads": ("fsdp",), "mlp": ("fsdp",), "router": ("fsdp",),
+    "q_lora": ("fsdp",), "kv_lora": ("fsdp",), "latent": ("fsdp",),
+    "index_heads": ("fsdp",), "index_dim": ("fsdp",),
 }
+GATHERED = ("fsdp",)  # the mesh axes a leaf is gathered over for the forward
 
 
 class Spec(NamedTuple):
@@ -52,16 +58,30 @@ class Spec(NamedTuple):
     grads: list
 
 
-def logical_kind(path: str) -> str:
-    """The logical axes of the leaf at `path` (its `params.LEAF_KINDS` entry), a key of MESH_RULES."""
-    return leaf_kind(path).axes
+@functools.lru_cache(maxsize=None)
+def placements(axes: tuple[str, ...]) -> tuple[str, list, list, list]:
+    """(mesh name, placements as stored, as gathered for the forward, of the gathered tensor's gradient) of a leaf
+    whose dims have the logical `axes` (its `params.LEAF_KINDS` entry), by MESH_RULES. A leaf with an "ep" dim
+    lives on the "experts" mesh (edp x ep: its fsdp shard is over edp), any other on "fsdp" (every rank)."""
+    taken: dict[str, int] = {}  # mesh axis -> the dim it shards
+    for dim, axis in enumerate(axes):
+        if axis not in MESH_RULES:
+            raise ValueError(f"the logical axis {axis!r} has no row in distributed.MESH_RULES: add one")
+        mesh_axis = next((m for m in MESH_RULES[axis] if m not in taken), None)
+        if mesh_axis is not None:
+            taken[mesh_axis] = dim
+    mesh, mesh_axes = ("experts", ("fsdp", "ep")) if "ep" in taken else ("fsdp", ("fsdp",))
+    stored = [Shard(taken[m]) if m in taken else Replicate() for m in mesh_axes]
+    gathered = [Replicate() if m in GATHERED else pl for m, pl in zip(mesh_axes, stored)]
+    grads = [Partial() if m in GATHERED else pl for m, pl in zip(mesh_axes, stored)]
+    return mesh, stored, gathered, grads
 
 
 def cp_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     """Sequence indices held by CP rank `rank`: chunks rank and 2cp-1-rank of 2cp equal chunks (each rank gets
     an equal share of the causal attention work)."""
-    c = seq_len // (2 * cp)
-    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
+    chunks_2CPxC = rearrange(torch.arange(seq_len), "(n c) -> n c", n=2 * cp)
+    return rearrange(chunks_2CPxC[[rank, 2 * cp - 1 - rank]], "two c -> (two c)")
 
 
 def mesh_shapes(dp_shard: int, cp: int, ep: int) -> dict[str, tuple[int, ...]]:
@@ -98,7 +118,7 @@ class DistLayout(Layout):
 
     def _spec(self, path: str) -> Spec:
         """The Spec of the leaf at dotted `path`, from its logical axes."""
-        mesh, stored, gathered, grads = MESH_RULES[logical_kind(path)]
+        mesh, stored, gathered, grads = placements(leaf_kind(path).axes)
         return Spec(self.meshes[mesh], stored, gathered, grads)
 
     def local_params(self, make: Callable[[Region], dict]) -> dict:
@@ -129,17 +149,13 @@ class DistLayout(Layout):
             return t.redistribute(s.mesh, s.gathered).to_local(grad_placements=s.grads)
         return map_with_path(gather, tree, self.param_specs(tree, prefix), is_leaf=lambda x: isinstance(x, Spec))
 
-    def sum(self, t: torch.Tensor) -> torch.Tensor:
+    def sum(self, t: torch.Tensor, group=None) -> torch.Tensor:
         t = t.detach().clone()
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=group)
         return t
 
     def seq_sum(self, t: torch.Tensor) -> torch.Tensor:
-        if self.cp == 1:
-            return t
-        t = t.detach().clone()
-        dist.all_reduce(t, group=self.cp_group)
-        return t
+        return t if self.cp == 1 else self.sum(t, self.cp_group)
 
     # ---- data
     def share(self, B: int, S: int) -> tuple[slice, torch.Tensor | None]:
@@ -161,21 +177,19 @@ class DistLayout(Layout):
         if self.ep == 1:
             return expert_ffn(p, x_MxD, counts_E)
         ep, group = self.ep, self.ep_group
-        E = counts_E.shape[0]
-        e_local = E // ep
         # rows for each (destination rank, its local expert) and what every source sends us
-        send_counts = counts_E.view(ep, e_local)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=group)
-        send_splits = send_counts.sum(1).tolist()
-        recv_splits = recv_counts.sum(1).tolist()
+        send_counts_RxE = rearrange(counts_E, "(r e) -> r e", r=ep)
+        recv_counts_RxE = torch.empty_like(send_counts_RxE)
+        dist.all_to_all_single(recv_counts_RxE, send_counts_RxE.contiguous(), group=group)
+        send_splits = send_counts_RxE.sum(1).tolist()
+        recv_splits = recv_counts_RxE.sum(1).tolist()
         rows = funcol.wait_tensor(funcol.all_to_all_single_autograd(x_MxD.contiguous(), recv_splits, send_splits,
                                                                     group))
         # received rows come grouped by source rank, then by expert: regroup by expert for the grouped GEMM
-        expert_of_row = torch.repeat_interleave(torch.arange(e_local, device=rows.device).repeat(ep),
-                                                recv_counts.flatten())
+        local_expert_RxE = repeat(torch.arange(recv_counts_RxE.shape[1], device=rows.device), "e -> r e", r=ep)
+        expert_of_row = torch.repeat_interleave(local_expert_RxE.flatten(), recv_counts_RxE.flatten())
         order = torch.argsort(expert_of_row, stable=True)
-        y_sorted = expert_ffn(p, rows.index_select(0, order), recv_counts.sum(0))
+        y_sorted = expert_ffn(p, rows.index_select(0, order), recv_counts_RxE.sum(0))
         y = torch.zeros_like(y_sorted).index_copy(0, order, y_sorted)
         return funcol.wait_tensor(funcol.all_to_all_single_autograd(y, send_splits, recv_splits, group))
 

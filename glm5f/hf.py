@@ -24,6 +24,7 @@ from collections import defaultdict
 import torch
 
 from glm5f.config import GLM5Config, read_json
+from glm5f.parallel import full_tensor, nonfinite_counts
 from glm5f.params import (MTP_COPIES, Region, abstract_params, describe_mismatch, flatten, leaf_dtype, leaf_kind,
                           region_of, unflatten)
 
@@ -349,11 +350,7 @@ def check_loaded_finite(params: dict, source: str, total=lambda t: t) -> None:
     """A ValueError naming the tensors of loaded `params` (from checkpoint `source`) that hold NaN or inf: training
     from them cannot work, whatever the learning rate. `total` sums a count over ranks (Layout.sum), so each
     rank checks its own shards and all agree."""
-    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
-    flat = {p: t for p, t in flatten(params).items() if t.is_floating_point()}
-    counts = total(torch.stack([(~torch.isfinite(local(t))).sum() for t in flat.values()]).to(torch.float64)) \
-        if flat else torch.zeros(0)
-    bad = [f"{p} ({int(n)} values)" for p, n in zip(flat, counts.tolist()) if n]
+    bad = [f"{p} ({n} values)" for p, n in nonfinite_counts(params, total).items()]
     if bad:
         raise ValueError(f"--model.init_from {source}: the loaded checkpoint holds NaN/inf in {len(bad)} "
                          f"tensor(s): {', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''}; it is damaged or was "
@@ -493,8 +490,8 @@ def save_hf(path: str | os.PathLike, cfg: GLM5Config, params: dict, *, max_shard
 
 
 def _expert_leaf(path: str) -> tuple[str, str] | None:
-    """(prefix "….mlp.experts", projection name) of a stacked routed-expert leaf (LEAF_KINDS axes "experts")."""
-    if leaf_kind(path).axes != "experts":
+    """(prefix "….mlp.experts", projection name) of a stacked routed-expert leaf (LEAF_KINDS axes "experts", ...)."""
+    if leaf_kind(path).axes[0] != "experts":
         return None
     prefix, proj, _ = path.rsplit(".", 2)
     return prefix, proj
@@ -511,6 +508,4 @@ def _hf_keys(path: str, shape: tuple[int, ...]) -> list[tuple[str, int | None]]:
 
 def _materialize(t: torch.Tensor) -> torch.Tensor:
     """A leaf's whole value, detached, on the CPU, contiguous (a DTensor leaf is gathered)."""
-    if hasattr(t, "full_tensor"):
-        t = t.full_tensor()
-    return t.detach().to("cpu").contiguous()
+    return full_tensor(t).detach().to("cpu").contiguous()

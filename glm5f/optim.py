@@ -16,9 +16,11 @@ import re
 from typing import Callable
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils import _pytree as pytree
 
 from glm5f.ops import wide_dtype
+from glm5f.parallel import full_tensor
 from glm5f.params import flatten, leaf_kind, unflatten
 
 
@@ -126,13 +128,8 @@ def global_norm(grads: dict[str, torch.Tensor]) -> torch.Tensor:
     how the gradients are sharded), returned in fp32 (fp64 for fp64 gradients)."""
     grads = list(grads.values())
     norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
-    total = torch.linalg.vector_norm(torch.stack([_full(n) for n in norms]))
+    total = torch.linalg.vector_norm(torch.stack([full_tensor(n) for n in norms]))  # sharded norms gathered
     return total.to(wide_dtype(grads[0].dtype)) if grads else total
-
-
-def _full(x: torch.Tensor) -> torch.Tensor:
-    """A DTensor's global value (sharded norms are gathered); plain tensors as they are."""
-    return x.full_tensor() if hasattr(x, "full_tensor") else x
 
 
 def clip_by_global_norm(grads: dict[str, torch.Tensor], max_norm: float):
@@ -188,8 +185,7 @@ def balance_router_bias(params: dict, expert_counts: dict[str, torch.Tensor], ra
     for path, counts in expert_counts.items():
         load = counts.to(torch.float32)
         delta = rate * torch.sign(load.mean() - load).to(flat[path].dtype)
-        if hasattr(flat[path], "device_mesh"):  # a DTensor leaf: the same delta, laid out like it
-            from torch.distributed.tensor import distribute_tensor
+        if isinstance(flat[path], DTensor):  # the same delta, laid out like the leaf
             delta = distribute_tensor(delta, flat[path].device_mesh, flat[path].placements)
         flat[path] = flat[path] + delta
     return unflatten(flat, params)

@@ -12,9 +12,10 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from glm5f.moe import expert_ffn
-from glm5f.params import Region
+from glm5f.params import Region, flatten
 
 
 class Layout:
@@ -65,9 +66,19 @@ class Layout:
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor; a plain tensor as it is."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def nonfinite_counts(params: dict, total: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> dict[str, int]:
+    """{path: NaN/inf values} of the leaves of `params` that hold any, counted over every rank's shards by `total`
+    (`Layout.sum`: each rank counts its own, all agree on the result)."""
+    flat = {p: t for p, t in flatten(params).items() if t.is_floating_point()}
+    if not flat:
+        return {}
+    counts = total(torch.stack([(~torch.isfinite(local_tensor(t))).sum() for t in flat.values()]).to(torch.float64))
+    return {p: int(n) for p, n in zip(flat, counts.tolist()) if n}
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's global value on every rank (collective); a plain tensor as it is."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    return t.full_tensor() if isinstance(t, DTensor) else t

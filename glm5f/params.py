@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 import zlib
 from dataclasses import dataclass
@@ -22,28 +23,46 @@ from glm5f.ops import wide_dtype
 
 @dataclass(frozen=True)
 class LeafKind:
-    """What a leaf is. fp32: kept in fp32 (fp64 in fp64 runs) whatever the compute dtype. optim: "adamw" (weight
-    decay on matrices, none on 1-D leaves), "indexer" (AdamW while the indexer loss trains it, else frozen) or
-    "balance" (a buffer with its own update rule, no gradient). axes: the logical axes it is laid out by,
-    "experts" for the routed experts' [E, out, in] (sharded over ep; one checkpoint key per expert), "any" for
-    the rest."""
+    """What a leaf is. axes: the logical axis of each of its dims, which `distributed.MESH_RULES` maps to mesh
+    axes (fused dims are named by their outer axis: q_b_proj's (heads x head dim) rows are "heads"). fp32: kept in
+    fp32 (fp64 in fp64 runs) whatever the compute dtype. optim: "adamw" (weight decay on matrices, none on 1-D
+    leaves), "indexer" (AdamW while the indexer loss trains it, else frozen) or "balance" (a buffer with its own
+    update rule, no gradient)."""
 
+    axes: tuple[str, ...]
     fp32: bool = False
     optim: str = "adamw"
-    axes: str = "any"
 
 
 # The one table of what each leaf is, by path (re.search on "." + path; the first match wins). Compute dtypes
 # (`leaf_dtype`), the optimizer (`optim.leaf_rule`), sharding (`distributed.MESH_RULES` by axes), the memory plan
-# and the checkpoint keys (`hf`) all read it. As in the reference, the router and the indexer's head stay fp32.
-LEAF_KINDS = [
-    (re.compile(r"\.mlp\.gate\.e_score_correction_bias$"), LeafKind(fp32=True, optim="balance")),
-    (re.compile(r"\.mlp\.gate\.weight$"), LeafKind(fp32=True)),
-    (re.compile(r"\.indexer\.weights_proj\.weight$"), LeafKind(fp32=True, optim="indexer")),
-    (re.compile(r"\.indexer\."), LeafKind(optim="indexer")),
-    (re.compile(r"\.mlp\.experts\.(gate_proj|up_proj|down_proj)\.weight$"), LeafKind(axes="experts")),
-    (re.compile(r""), LeafKind()),
-]
+# and the checkpoint keys (`hf`: one key per routed expert) all read it. As in the reference, the router and the
+# indexer's head stay fp32. Axes: vocab, embed (hidden size), heads (MLA heads), mlp (an MLP's hidden width),
+# experts (routed experts, stacked [E, out, in]), router (one row per expert), q_lora / kv_lora (the latent
+# ranks), latent (kv_lora + rope: a latent row), index_heads / index_dim (the indexer's).
+LEAF_KINDS = [(re.compile(pattern), kind) for pattern, kind in [
+    (r"\.mlp\.gate\.e_score_correction_bias$", LeafKind(("router",), fp32=True, optim="balance")),
+    (r"\.mlp\.gate\.weight$", LeafKind(("router", "embed"), fp32=True)),
+    (r"\.experts\.(gate|up)_proj\.weight$", LeafKind(("experts", "mlp", "embed"))),
+    (r"\.experts\.down_proj\.weight$", LeafKind(("experts", "embed", "mlp"))),
+    (r"\.(gate|up)_proj\.weight$", LeafKind(("mlp", "embed"))),
+    (r"\.down_proj\.weight$", LeafKind(("embed", "mlp"))),
+    (r"\.indexer\.weights_proj\.weight$", LeafKind(("index_heads", "embed"), fp32=True, optim="indexer")),
+    (r"\.indexer\.wq_b\.weight$", LeafKind(("index_heads", "q_lora"), optim="indexer")),
+    (r"\.indexer\.wk\.weight$", LeafKind(("index_dim", "embed"), optim="indexer")),
+    (r"\.indexer\.k_norm\.(weight|bias)$", LeafKind(("index_dim",), optim="indexer")),
+    (r"\.q_a_proj\.weight$", LeafKind(("q_lora", "embed"))),
+    (r"\.(q_a_proj\.bias|q_a_layernorm\.weight)$", LeafKind(("q_lora",))),
+    (r"\.q_b_proj\.weight$", LeafKind(("heads", "q_lora"))),
+    (r"\.kv_a_proj_with_mqa\.weight$", LeafKind(("latent", "embed"))),
+    (r"\.kv_a_proj_with_mqa\.bias$", LeafKind(("latent",))),
+    (r"\.kv_a_layernorm\.weight$", LeafKind(("kv_lora",))),
+    (r"\.kv_b_proj\.weight$", LeafKind(("heads", "kv_lora"))),
+    (r"\.o_proj\.weight$", LeafKind(("embed", "heads"))),
+    (r"\.(embed_tokens|lm_head|head)\.weight$", LeafKind(("vocab", "embed"))),
+    (r"\.eh_proj\.weight$", LeafKind(("embed", "embed"))),  # [D, 2D]: the MTP layer's embedding and hidden state
+    (r"(norm\.weight|o_proj\.bias)$", LeafKind(("embed",))),
+]]
 
 
 @dataclass(frozen=True)
@@ -158,7 +177,10 @@ def _is_leaf(x) -> bool:
 @functools.lru_cache(maxsize=4096)
 def leaf_kind(path: str) -> LeafKind:
     """The LEAF_KINDS entry of the leaf at dotted `path`."""
-    return next(kind for pattern, kind in LEAF_KINDS if pattern.search("." + path))
+    kind = next((kind for pattern, kind in LEAF_KINDS if pattern.search("." + path)), None)
+    if kind is None:
+        raise ValueError(f"no row of params.LEAF_KINDS matches the leaf {path}: add one naming its axes")
+    return kind
 
 
 def leaf_dtype(path: str, dtype: torch.dtype) -> torch.dtype:
@@ -212,7 +234,7 @@ def _normal_rows(path: str, shape: tuple[int, ...], where: tuple[slice, ...], se
     base = seed * 1_000_003 + zlib.crc32(path.encode())
     if not shape:
         return torch.randn((), generator=torch.Generator().manual_seed(base))
-    rows = max(1, INIT_BLOCK_ELEMS // max(1, _numel(shape[1:])))
+    rows = max(1, INIT_BLOCK_ELEMS // max(1, math.prod(shape[1:])))
     lo, hi = where[0].start, where[0].stop
     parts = []
     for b in range(lo // rows, -(-hi // rows)):
@@ -236,15 +258,9 @@ def abstract_params(cfg: GLM5Config, dtype: torch.dtype = torch.float32, mtp_cop
 def param_count(cfg: GLM5Config, *, include_buffers: bool = False, include_mtp: bool = True) -> int:
     """Number of trained parameters (the router's correction bias is a buffer and is not counted), with the MTP
     layers unless include_mtp=False."""
-    flat = flatten(param_layout(cfg if include_mtp else dataclasses.replace(cfg, num_nextn_predict_layers=0)), is_leaf=_is_leaf)
-    return sum(_numel(leaf.shape) for path, leaf in flat.items() if include_buffers or not is_buffer(path))
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+    cfg = cfg if include_mtp else dataclasses.replace(cfg, num_nextn_predict_layers=0)
+    flat = flatten(param_layout(cfg), is_leaf=_is_leaf)
+    return sum(math.prod(leaf.shape) for path, leaf in flat.items() if include_buffers or not is_buffer(path))
 
 
 # ---- paths --------------------------------------------------------------------------------------------------------

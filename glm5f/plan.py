@@ -12,6 +12,7 @@ Shape suffixes as in attention.py; n = B * S tokens of this rank, T keys (the wh
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections import Counter
@@ -22,10 +23,10 @@ from torch.distributed.tensor import Shard
 
 from glm5f.kernels import INDEXER_QUERY_CHUNK_ELEMS, sparse_block_size
 from glm5f.config import GLM5Config
-from glm5f.distributed import MESH_RULES, logical_kind, mesh_shapes
+from glm5f.distributed import mesh_shapes, placements
 from glm5f.ops import wide_dtype
 from glm5f.optim import leaf_rule
-from glm5f.params import flatten, leaf_kind, param_layout
+from glm5f.params import Leaf, flatten, leaf_kind, param_layout
 
 GB = 10**9  # --parallel.device_memory_gb and the table count decimal gigabytes (an H200 has 141 GB)
 # Extra full-size copies of the trained leaves alive during the AdamW step: it updates params and moments in place
@@ -85,22 +86,18 @@ def mesh_coords(rank: int, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(coords))
 
 
-def _numel(shape) -> int:
-    return math.prod(shape)
-
-
 def leaf_groups(cfg: GLM5Config) -> Counter:
-    """Counter of (shape, logical kind, stays fp32, trained, unit) -> how many leaves: the plan's unit of work (a
+    """Counter of (shape, logical axes, stays fp32, trained, unit) -> how many leaves: the plan's unit of work (a
     few dozen groups for the full GLM-5, whose 78 layers repeat the same shapes). unit is what the leaf is gathered
     with: None for the leaves gathered once per micro-batch (embedding, final norm, head, MTP layers), else
     (kind, n) for a decoder layer of one of the n layers sharing that kind's leaves (`apply` gathers one at a time).
     """
     layers: dict[int, list] = {}
     groups = Counter()
-    for path, leaf in flatten(param_layout(cfg), is_leaf=lambda x: hasattr(x, "init")).items():
-        fp32 = leaf_kind(path).fp32  # stays fp32 whatever the compute dtype
+    for path, leaf in flatten(param_layout(cfg), is_leaf=lambda x: isinstance(x, Leaf)).items():
+        kind = leaf_kind(path)
         trained = leaf_rule(path, len(leaf.shape)) in ("decay", "no_decay")
-        key = (tuple(leaf.shape), logical_kind(path), fp32, trained)
+        key = (tuple(leaf.shape), kind.axes, kind.fp32, trained)  # fp32: stays fp32 whatever the compute dtype
         parts = path.split(".")
         if parts[:2] == ["model", "layers"] and int(parts[2]) < cfg.num_hidden_layers:
             layers.setdefault(int(parts[2]), []).append(key)
@@ -128,14 +125,14 @@ def state_bytes(cfg: GLM5Config, run: RunShape, rank: int = 0, groups: Counter |
     shapes = mesh_shapes(run.dp_shard, run.cp, run.ep)
     out = dict(params=0, trained=0, gathered=0, gathered_once=0, largest_layer_gathered=0, largest_gathered=0)
     per_layer = Counter()
-    for (shape, kind, fp32, trained, unit), count in groups.items():
-        mesh, stored, gathered, _ = MESH_RULES[kind]
+    for (shape, axes, fp32, trained, unit), count in groups.items():
+        mesh, stored, gathered, _ = placements(axes)
         if run.world > 1:
             coords = mesh_coords(rank, shapes[mesh])
-            local = _numel(local_shape(shape, stored, shapes[mesh], coords))
-            full = _numel(local_shape(shape, gathered, shapes[mesh], coords))
+            local = math.prod(local_shape(shape, stored, shapes[mesh], coords))
+            full = math.prod(local_shape(shape, gathered, shapes[mesh], coords))
         else:
-            local = full = _numel(shape)
+            local = full = math.prod(shape)
         w_bytes = _nbytes(wide_dtype(weight) if fp32 else weight)
         out["params"] += count * local * _nbytes(master)
         out["trained"] += count * local * _nbytes(master) * trained
@@ -369,9 +366,8 @@ def search(cfg: GLM5Config, run: RunShape, device_bytes: int, runtime_bytes: int
             if run.seq_len % (2 * cp) or run.batch_size % (run.grad_accum * dp):
                 continue
             eps = [e for e in range(1, world + 1) if world % e == 0 and has_moe and cfg.n_routed_experts % e == 0]
-            plans = [plan(cfg, RunShape(dp, cp, ep, run.batch_size, run.seq_len, run.grad_accum, run.dtype,
-                                        run.reduce_dtype, run.remat), runtime_bytes, device_bytes, groups, cache)
-                     for ep in eps or [1]]
+            plans = [plan(cfg, dataclasses.replace(run, dp_shard=dp, cp=cp, ep=ep), runtime_bytes, device_bytes,
+                          groups, cache) for ep in eps or [1]]
             best = min(plans, key=lambda p: p["total_bytes"])
             if best["fits"]:
                 found.append(best)

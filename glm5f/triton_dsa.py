@@ -27,6 +27,21 @@ def _dot_precision(dtype: torch.dtype) -> str:
 # halves are power-of-two tiles (GLM-5: R = 512, C - R = 64). `query` numbers b * S + s.
 
 @triton.jit
+def _load_query(q_ptr, H, R, C, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+    """This program's query and block of heads h, the value (r) and rope (c) channels with their bounds, and the
+    query's value half [heads, R] and rope half [heads, C - R]."""
+    query = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    r = tl.arange(0, BLOCK_R)
+    c = R + tl.arange(0, BLOCK_P)
+    h_ok, r_ok, c_ok = h < H, r < R, c < C
+    q_ptrs = q_ptr + (query * H + h[:, None]) * C
+    q_r = tl.load(q_ptrs + r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+    q_p = tl.load(q_ptrs + c[None, :], mask=h_ok[:, None] & c_ok[None, :], other=0.0)
+    return query, h, r, c, h_ok, r_ok, c_ok, q_r, q_p
+
+
+@triton.jit
 def _load_selections(latent_ptr, idx_ptr, allowed_ptr, bias_ptr, query, S, T, K, C, k, r, r_ok, c, c_ok,
                      HAS_BIAS: tl.constexpr):
     """Selections k (a tile) of one query: (in range, allowed, bias fp32, value half [k, R], rope half [k, C - R])

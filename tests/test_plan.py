@@ -19,7 +19,7 @@ from torch.distributed.tensor import Replicate
 import glm5f
 from configs import Config
 from conftest import env_of
-from glm5f.distributed import MESH_RULES, mesh_shapes
+from glm5f.distributed import mesh_shapes, placements
 from glm5f.loss import cross_entropy_sum, shift_labels
 from glm5f.model import apply
 from glm5f.params import flatten
@@ -39,8 +39,8 @@ def test_glm5_shards_over_all_ranks_sum_to_the_parameter_count():
     run = RunShape(dp_shard=256, ep=64, seq_len=4096)
     groups = leaf_groups(cfg)
     shapes = mesh_shapes(run.dp_shard, run.cp, run.ep)
-    replicas = {kind: math.prod(k for pl, k in zip(stored, shapes[mesh]) if isinstance(pl, Replicate))
-                for kind, (mesh, stored, _, _) in MESH_RULES.items()}
+    replicas = {axes: math.prod(k for pl, k in zip(stored, shapes[mesh]) if isinstance(pl, Replicate))
+                for axes, (mesh, stored, _, _) in ((key[1], placements(key[1])) for key in groups)}
     assert set(replicas.values()) == {1}  # nothing stored replicated: the plain sum of shards counts each leaf once
     total = sum(state_bytes(cfg, run, rank, groups)["params"] for rank in range(run.world))
     expected = glm5f.param_count(cfg, include_buffers=True) * 4
