@@ -59,21 +59,6 @@ def _load_selections(latent_ptr, idx_ptr, allowed_ptr, bias_ptr, query, S, T, K,
 
 
 @triton.jit
-def _load_query(q_ptr, H, R, C, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
-    """This program's query (axis 0) and block of heads h (axis 1): the channel ranges r (the R latent channels)
-    and c (the rope channels R..C-1), their bounds masks, and q's two parts q_r [heads, R] and q_p [heads, P]."""
-    query = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    r = tl.arange(0, BLOCK_R)
-    c = R + tl.arange(0, BLOCK_P)
-    h_ok, r_ok, c_ok = h < H, r < R, c < C
-    q_ptrs = q_ptr + (query * H + h[:, None]) * C
-    q_r = tl.load(q_ptrs + r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
-    q_p = tl.load(q_ptrs + c[None, :], mask=h_ok[:, None] & c_ok[None, :], other=0.0)
-    return query, h, r, c, h_ok, r_ok, c_ok, q_r, q_p
-
-
-@triton.jit
 def _masked_scores(q_r, q_p, v, kp, allowed, k_ok, bias, scale, DOT_PRECISION: tl.constexpr):
     """Scores [heads, k] in fp32: (q . row) * scale + bias, finfo.min where not allowed, -inf past K."""
     s = tl.dot(q_r, tl.trans(v), input_precision=DOT_PRECISION)

@@ -14,6 +14,7 @@ import pytest
 from glm5f import checkpoint
 from glm5f.distributed import TIMEOUT_EXIT, free_port
 from glm5f.metrics import read_metrics
+from tests.test_cli import HANG
 from train import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -103,20 +104,6 @@ def test_a_locked_run_dir_stops_every_torchrun_rank_at_once(tmp_path):
     assert not run.exists()
 
 
-# train.py whose rank 1 hangs in its first step (as a SIGSTOPped or deadlocked worker would)
-HANG = textwrap.dedent("""
-    import os, sys, time
-    sys.path.insert(0, {root!r})
-    import train
-    real = train.step_grads
-    def step_grads(*a, **k):
-        if os.environ.get("RANK") == "1":
-            time.sleep(600)
-        return real(*a, **k)
-    train.step_grads = step_grads
-    if __name__ == "__main__":
-        sys.exit(train.main(sys.argv[1:]))
-""")
 
 
 def test_a_hung_torchrun_rank_is_named_in_one_line(tmp_path):
