@@ -1,0 +1,114 @@
+"""LoRA adapters: low-rank factors kept in their own pytree beside the frozen base params.
+
+An adapted weight W [out, in] (routed experts: [E, out, in]) gets A [r, in] and B [out, r] ([E, r, in] and
+[E, out, r]); its layer computes x W^T + scale * (x A^T) B^T, scale = alpha / rank. B starts at zero, so a fresh
+adapter changes nothing. The adapter tree is flat, {dotted path: tensor}, with paths `<module>.lora_A` and
+`<module>.lora_B` beside the module's `<module>.weight`; `attach` puts them into the params tree for a forward.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from glm5f.ops import wide_dtype
+from glm5f.params import flatten
+
+# GLM-5's LoRA recipe: the attention projections (the DSA indexer's own projections are not adapted).
+DEFAULT_TARGETS = r"self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)$"
+# Weights that are not linear projections of activations: never adapted.
+NOT_ADAPTABLE = re.compile(r"(embed_tokens|lm_head|shared_head\.head|mlp\.gate)$")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """rank r, alpha (scale = alpha / r), dropout on the adapters' input, targets: a regex (re.search) over the
+    module paths of the weights to adapt, e.g. `model.layers.3.self_attn.q_b_proj` or `model.layers.3.mlp.experts.
+    gate_proj`."""
+
+    rank: int
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: str = DEFAULT_TARGETS
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+def target_modules(params: dict, targets: str) -> dict[str, tuple[int, ...]]:
+    """{module path: weight shape} of the weights `targets` selects, in tree order; an error when it selects none."""
+    pattern = re.compile(targets)
+    found = {}
+    for path, t in flatten(params).items():
+        module, _, name = path.rpartition(".")
+        if name == "weight" and t.ndim in (2, 3) and not NOT_ADAPTABLE.search(module) and pattern.search(module):
+            found[module] = tuple(t.shape)
+    if not found:
+        raise ValueError(f"--lora.targets {targets!r} matches no adaptable weight; it is matched (re.search) against "
+                         f"module paths such as 'model.layers.0.self_attn.q_b_proj' or "
+                         f"'model.layers.1.mlp.experts.gate_proj'")
+    return found
+
+
+def init_adapters(params: dict, spec: LoraSpec, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
+    """Fresh adapters for the weights of `params` that spec.targets selects: A uniform in +-1/sqrt(in) (the
+    Kaiming-uniform bound PEFT draws from), B zeros. Each A draws from a generator seeded by (seed, path)."""
+    if spec.rank < 1:
+        raise ValueError(f"--lora.rank must be at least 1, got {spec.rank}")
+    adapters = {}
+    for module, shape in target_modules(params, spec.targets).items():
+        *experts, out_features, in_features = shape
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(f"{module}.lora_A".encode()))
+        bound = 1.0 / math.sqrt(in_features)
+        a = torch.rand((*experts, spec.rank, in_features), generator=gen, dtype=torch.float64) * 2 - 1
+        adapters[f"{module}.lora_A"] = (a * bound).to(dtype)
+        adapters[f"{module}.lora_B"] = torch.zeros((*experts, out_features, spec.rank), dtype=dtype)
+    return adapters
+
+
+def nest(flat: dict) -> dict:
+    """The nested tree of a {dotted path: leaf} dict (keys that are all digits become lists, as params' layers)."""
+    root: dict = {}
+    for path, leaf in flat.items():
+        *keys, last = path.split(".")
+        node = root
+        for k in keys:
+            node = node.setdefault(k, {})
+        node[last] = leaf
+
+    def lists(node):
+        if not isinstance(node, dict):
+            return node
+        if node and all(k.isdigit() for k in node):
+            return [lists(node[str(i)]) for i in range(len(node))]
+        return {k: lists(v) for k, v in node.items()}
+    return lists(root)
+
+
+def attach(params: dict, adapters: dict) -> dict:
+    """The params tree with each adapter leaf beside its module's weight (`<module>` gets "lora_A", "lora_B")."""
+    if not adapters:
+        return params
+    return nest({**flatten(params), **adapters})
+
+
+def delta(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """scale * B @ A in fp32 (fp64 for fp64 factors): the change an adapter makes to its weight."""
+    dt = wide_dtype(torch.promote_types(a.dtype, b.dtype))
+    return (b.to(dt) @ a.to(dt)) * scale
+
+
+def merge(params: dict, adapters: dict, spec: LoraSpec) -> dict:
+    """The base params with every adapter merged into its weight (W + scale * B @ A in fp32, cast to W's dtype)."""
+    flat = flatten(params)
+    for module in {p.rpartition(".")[0] for p in adapters}:
+        w = flat[f"{module}.weight"]
+        w_wide = w.to(wide_dtype(w.dtype)) + delta(adapters[f"{module}.lora_A"], adapters[f"{module}.lora_B"],
+                                                  spec.scale)
+        flat[f"{module}.weight"] = w_wide.to(w.dtype)
+    return nest(flat)
