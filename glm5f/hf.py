@@ -25,6 +25,7 @@ from collections import defaultdict
 import torch
 
 from glm5f.config import GLM5Config, read_json
+from glm5f.lora import LoraSpec
 from glm5f.parallel import full_tensor, nonfinite_counts
 from glm5f.params import (MTP_COPIES, Region, abstract_params, describe_mismatch, flatten, leaf_dtype, leaf_kind,
                           region_of, unflatten)
@@ -578,7 +579,7 @@ def _compact(names: list[str], universe: set[str]) -> list[str]:
     return out
 
 
-def peft_adapter(cfg: GLM5Config, adapters: dict, spec, base_model_name_or_path: str | None = None,
+def peft_adapter(cfg: GLM5Config, adapters: dict, spec: LoraSpec, base_model_name_or_path: str | None = None,
                  ) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors keyed as PEFT saves them, adapter_config.json) of glm5f adapters (`glm5f.lora`: {"<module>.lora_A":
     [r, in] or [E, r, in], "<module>.lora_B": [out, r] or [E, out, r]}, scale spec.alpha / spec.rank) for
@@ -612,8 +613,7 @@ def peft_adapter(cfg: GLM5Config, adapters: dict, spec, base_model_name_or_path:
     r = spec.rank
     weight_of = {f"{m}.weight": m for m in modules if m not in mtp}
     tensors, chosen, fused = {}, {"module": [], "parameter": []}, {}  # fused: gate_up_proj name -> adapted gate/up
-    down_adapted = {name for name, (path, _) in targets.items()
-                    if name.endswith(".down_proj") and _expert_leaf(path) and path in weight_of}
+    down_adapted = {n for n, (path, _) in targets.items() if n.endswith(".experts.down_proj") and path in weight_of}
     for name, (path, kind) in targets.items():
         m = _expert_leaf(path)
         if m and m[1] != "down_proj":  # gate_up_proj: the gate and up adapters of this layer
@@ -623,11 +623,11 @@ def peft_adapter(cfg: GLM5Config, adapters: dict, spec, base_model_name_or_path:
                 continue
             fused[name] = len(parts)
             E, F_, D = shapes[path]
-            a = torch.cat([_materialize(adapters[f"{module}.lora_A"]) for _, module in parts], dim=1)
-            b0 = _materialize(adapters[f"{parts[0][1]}.lora_B"])
-            b = torch.zeros((E, 2 * F_, len(parts) * r), dtype=b0.dtype)
-            for j, (i, module) in enumerate(parts):
-                b[:, i * F_:(i + 1) * F_, j * r:(j + 1) * r] = _materialize(adapters[f"{module}.lora_B"])
+            b_parts_ExFxR = [_materialize(adapters[f"{module}.lora_B"]) for _, module in parts]
+            a = torch.cat([_materialize(adapters[f"{module}.lora_A"]) for _, module in parts], dim=1)  # [E, kr, D]
+            b = b_parts_ExFxR[0].new_zeros((E, 2 * F_, len(parts) * r))  # block-diagonal: gate rows, then up rows
+            for j, ((i, _), b_ExFxR) in enumerate(zip(parts, b_parts_ExFxR)):
+                b[:, i * F_:(i + 1) * F_, j * r:(j + 1) * r] = b_ExFxR
             key = f"{_PEFT_PREFIX}{m[0]}.{'base_layer.' if f'{m[0]}.down_proj' in down_adapted else ''}"
         elif path in weight_of:
             module = weight_of[path]
@@ -663,7 +663,7 @@ def peft_adapter(cfg: GLM5Config, adapters: dict, spec, base_model_name_or_path:
     return tensors, config
 
 
-def save_peft(path: str | os.PathLike, cfg: GLM5Config, adapters: dict, spec, *,
+def save_peft(path: str | os.PathLike, cfg: GLM5Config, adapters: dict, spec: LoraSpec, *,
               base_model_name_or_path: str | None = None, write: bool = True,
               flag: str = "--checkpoint.export_peft") -> None:
     """Write glm5f LoRA adapters as a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) that

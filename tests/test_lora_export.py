@@ -202,6 +202,15 @@ def test_dropout_is_written_where_peft_takes_it(tmp_path):
     assert json.loads((tmp_path / "b" / "adapter_config.json").read_text())["lora_dropout"] == 0.0
 
 
+def test_dtype_as_saved(tmp_path):
+    params = glm5f.init_params(CFG)
+    spec = lora.LoraSpec(rank=2, targets=r"self_attn\.o_proj|mlp\.experts")
+    adapters = {k: v.to(torch.bfloat16) for k, v in random_adapters(params, spec).items()}
+    hf.save_peft(tmp_path / "a", CFG, adapters, spec)
+    saved = load_file(tmp_path / "a" / "adapter_model.safetensors")
+    assert len(saved) == 2 * (3 + 2 * 2) and {t.dtype for t in saved.values()} == {torch.bfloat16}
+
+
 def test_export_directory_rules(tmp_path, monkeypatch):
     """A foreign non-empty directory is refused and left alone; a previous export is replaced; a failed write leaves
     neither half a directory nor a temporary one."""
