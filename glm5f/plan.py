@@ -19,9 +19,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import Shard
-
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import Shard
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from glm5f.config import GLM5Config
@@ -59,16 +58,23 @@ class RunShape:
     def world(self) -> int:
         return self.dp_shard * self.cp
 
+    @property
+    def micro_batch(self) -> int:
+        """Rows of one micro-batch on one rank."""
+        return max(1, self.batch_size // (self.grad_accum * self.dp_shard))
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, torch.dtype]:
+        """(the activations' dtype, the compute weights': --train.reduce_dtype, default the activations')."""
+        act = getattr(torch, self.dtype)
+        return act, getattr(torch, self.reduce_dtype) if self.reduce_dtype else act
+
 
 def run_shape(cfg) -> RunShape:
     """The RunShape of a train.py `Config`."""
     p, t = cfg.parallel, cfg.train
     return RunShape(p.dp_shard, p.cp, p.ep, cfg.data.batch_size, cfg.data.seq_len, t.grad_accum, t.dtype,
                     t.reduce_dtype, t.activation_checkpointing)
-
-
-def _nbytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
 # ---- parameters, gradients, optimizer state -----------------------------------------------------------------------
@@ -126,9 +132,8 @@ def state_bytes(cfg: GLM5Config, run: RunShape, rank: int = 0, groups: Counter |
     leaf's).
     """
     groups = leaf_groups(cfg) if groups is None else groups
-    act = getattr(torch, run.dtype)
+    act, weight = run.dtypes
     master = torch.promote_types(act, torch.float32)
-    weight = getattr(torch, run.reduce_dtype) if run.reduce_dtype else act
     shapes = mesh_shapes(run.dp_shard, run.cp, run.ep)
     out = dict(params=0, trained=0, gathered=0, gathered_once=0, largest_layer_gathered=0, largest_gathered=0)
     per_layer = Counter()
@@ -140,11 +145,11 @@ def state_bytes(cfg: GLM5Config, run: RunShape, rank: int = 0, groups: Counter |
             full = math.prod(local_shape(shape, gathered, shapes[mesh], coords))
         else:
             local = full = math.prod(shape)
-        w_bytes = _nbytes(wide_dtype(weight) if fp32 else weight)
-        out["params"] += count * local * _nbytes(master)
-        out["trained"] += count * local * _nbytes(master) * trained
+        w_bytes = (wide_dtype(weight) if fp32 else weight).itemsize
+        out["params"] += count * local * master.itemsize
+        out["trained"] += count * local * master.itemsize * trained
         entering = torch.promote_types(master, weight) if run.reduce_dtype else master  # what micro_loss gets
-        copy = run.world > 1 or w_bytes != _nbytes(wide_dtype(entering) if fp32 else entering)
+        copy = run.world > 1 or w_bytes != (wide_dtype(entering) if fp32 else entering).itemsize
         out["gathered"] += count * full * w_bytes * copy
         if unit is None:
             out["gathered_once"] += count * full * w_bytes * copy
@@ -200,8 +205,7 @@ def trace(cfg: GLM5Config, run: RunShape, B: int) -> dict[object, list[int]]:
     decoder layer (is_moe, has_indexer), the bytes of each storage it saves, then of what it keeps when
     checkpointed (its input and the top-k it passes on, 0 for none); "head": what the final norm, head and
     cross-entropy save; "rope": the rope tables (saved by every layer, held once)."""
-    act = getattr(torch, run.dtype)
-    weight = getattr(torch, run.reduce_dtype) if run.reduce_dtype else act
+    act, weight = run.dtypes
     T, layout = run.seq_len, param_layout(cfg)
     batch = {"input_ids": torch.zeros(B, T, dtype=torch.long), "position_ids": torch.arange(T).expand(B, T)}
     local, env = make_env(cfg, batch, act, TraceLayout(run.cp))
@@ -245,7 +249,7 @@ def traced_activations(cfg: GLM5Config, run: RunShape, cache: dict | None = None
     tensors out as views of larger ones: it is traced itself) and S = T, T / 2, each storage's bytes bilinear in
     B and S; the traces are kept in `cache`."""
     cache = {} if cache is None else cache
-    B = max(1, run.batch_size // (run.grad_accum * run.dp_shard))
+    B = run.micro_batch
     T = run.seq_len
     bs, cps = (1, 1) if B == 1 else (2, 3), (1, 2) if T % 4 == 0 else (1, 1)  # cp_positions cuts T in 2 cp chunks
     for b, cp in {(b, cp) for b in bs for cp in cps}:
@@ -270,9 +274,8 @@ def layer_transient(cfg: GLM5Config, layer: int, B: int, S: int, T: int, run: Ru
     in the forward the indexer's chunk of scores with its top-k keys, or the sparse core's block of gathered rows
     (both inside glm5f.kernels ops); in the backward twice the largest saved storage (its gradient and one
     temporary), plus the sparse core's latent and query gradients and its block."""
-    act = getattr(torch, run.dtype)
-    weight = getattr(torch, run.reduce_dtype) if run.reduce_dtype else act
-    a, w, lat = _nbytes(act), _nbytes(wide_dtype(act)), _nbytes(torch.promote_types(act, weight))
+    act, weight = run.dtypes
+    a, w, lat = act.itemsize, wide_dtype(act).itemsize, torch.promote_types(act, weight).itemsize
     H, C, K = cfg.num_attention_heads, cfg.kv_lora_rank + cfg.qk_rope_head_dim, min(cfg.index_topk, T)
     sparse = T > cfg.index_topk and S > 1
     fwd, bwd = 0, 2 * largest
@@ -294,14 +297,14 @@ def activation_bytes(cfg: GLM5Config, run: RunShape, remat: bool | None = None, 
     `traced_activations`."""
     remat = run.remat if remat is None else remat
     traced = traced_activations(cfg, run, cache)
-    B = max(1, run.batch_size // (run.grad_accum * run.dp_shard))
+    B = run.micro_batch
     S, T = run.seq_len // run.cp, run.seq_len
     per_layer = []  # (saved, transient, kept when checkpointed) of each decoder layer
     for i in range(cfg.num_hidden_layers):
         *saved, x, passed = traced[cfg.is_moe(i), cfg.has_indexer(i)]
         per_layer.append((sum(saved), layer_transient(cfg, i, B, S, T, run, max(saved)), x + passed))
     rope, logits = sum(traced["rope"]), sum(traced["head"])
-    a, nV = _nbytes(getattr(torch, run.dtype)), B * S * cfg.vocab_size  # the logits, their fp32 copy and gradient
+    a, nV = run.dtypes[0].itemsize, B * S * cfg.vocab_size  # the logits, their fp32 copy and gradient
     logits_transient = max(nV * a + (nV * 4 if a < 4 else 0), 2 * nV * 4 + (nV * a if a < 4 else 0))
     if remat:
         layers = sum(kept for _, _, kept in per_layer)
@@ -325,15 +328,14 @@ def plan(cfg: GLM5Config, run: RunShape, runtime_bytes: int = 0, device_bytes: i
     plans.
     """
     s = state_bytes(cfg, run, 0, groups)
-    act = getattr(torch, run.dtype)
-    master = torch.promote_types(act, torch.float32)
-    moment = s["trained"] * _nbytes(wide_dtype(master)) // _nbytes(master)
+    master = wide_dtype(run.dtypes[0])
+    moment = s["trained"] * wide_dtype(master).itemsize // master.itemsize
     # --train.reduce_dtype wider than the masters: the step's params copy in it, gradients in it until the end
-    ratio = _nbytes(getattr(torch, run.reduce_dtype)) // _nbytes(master) if run.reduce_dtype else 1
+    ratio = run.dtypes[1].itemsize // master.itemsize if run.reduce_dtype else 1
     reduce_extra = s["params"] * ratio + s["trained"] * (ratio - 1) if ratio > 1 else 0
     grads, optimizer = s["trained"], 2 * moment
     cache = {} if cache is None else cache
-    key = (run.batch_size // (run.grad_accum * run.dp_shard), run.seq_len, run.cp, run.dtype, run.reduce_dtype)
+    key = (run.micro_batch, run.seq_len, run.cp, run.dtype, run.reduce_dtype)
     if key not in cache:
         cache[key] = activation_bytes(cfg, run, True, cache), activation_bytes(cfg, run, False, cache)
     with_remat, without_remat = cache[key]
@@ -388,7 +390,7 @@ def _gb(x: int | None) -> str:
 
 def format_table(p: dict, model_name: str, run: RunShape, limit_note: str) -> str:
     """The plan as a table of lines, one per item, in GB (10^9 bytes)."""
-    master = torch.promote_types(getattr(torch, run.dtype), torch.float32)
+    master = wide_dtype(run.dtypes[0])
     rows = [
         (f"parameters ({str(master).replace('torch.', '')} master shards)", p["params_bytes"]),
         ("gradients (trained leaves)", p["grads_bytes"]),
@@ -411,7 +413,7 @@ def format_table(p: dict, model_name: str, run: RunShape, limit_note: str) -> st
         rows.append(("runtime (python + torch, measured)", p["runtime_bytes"]))
     rows += [("peak in forward/backward", p["forward_backward_bytes"]), ("peak in the update", p["update_bytes"]),
              (f"total (peak: {p['peak_phase']})", p["total_bytes"])]
-    B = max(1, run.batch_size // (run.grad_accum * run.dp_shard))
+    B = run.micro_batch
     head = (f"memory plan of {model_name}: dp_shard {run.dp_shard} x cp {run.cp} = {run.world} ranks, ep {run.ep}; "
             f"micro-batch {B} x {run.seq_len // run.cp} tokens per rank ({run.dtype}); per rank (rank 0)")
     lines = [head] + [f"  {name:<44}{_gb(v)}" for name, v in rows]
