@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from common import (add_model_flags, add_run_flags, median_seconds, model_config, model_flags, peak_memory_gb, run_child,
-                    serve_child)
+from common import (add_model_flags, add_run_flags, median_seconds, model_config, model_flags, peak_memory_gb,
+                    run_child, serve_child)
 
 SIDES = ("eager", "compiled")
 
