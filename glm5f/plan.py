@@ -249,8 +249,7 @@ def traced_activations(cfg: GLM5Config, run: RunShape, cache: dict | None = None
     tensors out as views of larger ones: it is traced itself) and S = T, T / 2, each storage's bytes bilinear in
     B and S; the traces are kept in `cache`."""
     cache = {} if cache is None else cache
-    B = run.micro_batch
-    T = run.seq_len
+    B, T = run.micro_batch, run.seq_len
     bs, cps = (1, 1) if B == 1 else (2, 3), (1, 2) if T % 4 == 0 else (1, 1)  # cp_positions cuts T in 2 cp chunks
     for b, cp in {(b, cp) for b in bs for cp in cps}:
         key = ("trace", T, run.dtype, run.reduce_dtype, b, cp)
@@ -263,8 +262,8 @@ def traced_activations(cfg: GLM5Config, run: RunShape, cache: dict | None = None
     for kind in at(bs[0], cps[0]):
         sizes = [at(b, cp)[kind] for cp in cps for b in bs]
         if len({len(x) for x in sizes}) > 1:
-            raise RuntimeError(f"error: the traces of {kind} at two sizes saved different numbers of tensors; the "
-                               f"memory plan needs the same ops at every size (glm5f/plan.py)")
+            raise RuntimeError(f"the memory plan's traces of layer kind {kind} saved different numbers of tensors "
+                               f"at two sizes: extending them to the run's size needs the same ops at every size")
         out[kind] = [round(a + v * (b - a) + u * (c - a) + v * u * (d - c - b + a)) for a, b, c, d in zip(*sizes)]
     return out
 
