@@ -90,8 +90,8 @@ def test_saved_activations_match_what_autograd_saves(B, S, layers, pattern, dtyp
     plan_acts = activation_bytes(cfg, RunShape(batch_size=B, seq_len=S, dtype=dtype, reduce_dtype=reduce), remat=False)
     measured = sum(saved.values())
     assert abs(plan_acts["layers"] + plan_acts["logits"] - measured) <= 0.1 * measured
-    if reduce is None:  # traced: within 1% (fp64 experts take the fallback, whose width depends on the routing)
-        assert abs(plan_acts["layers"] + plan_acts["logits"] - measured) <= 0.01 * measured
+    if reduce is None:  # traced: within 2% (fp64 experts take the fallback, whose width depends on the routing)
+        assert abs(plan_acts["layers"] + plan_acts["logits"] - measured) <= 0.02 * measured
     remat = activation_bytes(cfg, RunShape(batch_size=B, seq_len=S, dtype=dtype, reduce_dtype=reduce), remat=True)
     assert remat["layers"] < plan_acts["layers"] / 5
 
