@@ -305,12 +305,9 @@ def activation_bytes(cfg: GLM5Config, run: RunShape, remat: bool | None = None, 
     rope, logits = sum(traced["rope"]), sum(traced["head"])
     a, nV = run.dtypes[0].itemsize, B * S * cfg.vocab_size  # the logits, their fp32 copy and gradient
     logits_transient = max(nV * a + (nV * 4 if a < 4 else 0), 2 * nV * 4 + (nV * a if a < 4 else 0))
-    if remat:
-        layers = sum(kept for _, _, kept in per_layer)
-        transient = max([saved + tr for saved, tr, _ in per_layer] + [logits_transient])
-    else:
-        layers = sum(saved for saved, _, _ in per_layer)
-        transient = max([tr for _, tr, _ in per_layer] + [logits_transient])
+    # checkpointed, a layer keeps its input and top-k, and its saved tensors come back in the backward one at a time
+    layers = sum(kept if remat else saved for saved, _, kept in per_layer)
+    transient = max([tr + (saved if remat else 0) for saved, tr, _ in per_layer] + [logits_transient])
     return dict(layers=layers + rope, logits=logits, transient=transient, peak=layers + rope + logits + transient)
 
 
@@ -412,9 +409,8 @@ def format_table(p: dict, model_name: str, run: RunShape, limit_note: str) -> st
         rows.append(("runtime (python + torch, measured)", p["runtime_bytes"]))
     rows += [("peak in forward/backward", p["forward_backward_bytes"]), ("peak in the update", p["update_bytes"]),
              (f"total (peak: {p['peak_phase']})", p["total_bytes"])]
-    B = run.micro_batch
     head = (f"memory plan of {model_name}: dp_shard {run.dp_shard} x cp {run.cp} = {run.world} ranks, ep {run.ep}; "
-            f"micro-batch {B} x {run.seq_len // run.cp} tokens per rank ({run.dtype}); per rank (rank 0)")
+            f"micro-batch {run.micro_batch} x {run.seq_len // run.cp} tokens per rank ({run.dtype}); per rank (rank 0)")
     lines = [head] + [f"  {name:<44}{_gb(v)}" for name, v in rows]
     if p["device_bytes"] is None:
         lines.append(f"  {'device memory':<44}{limit_note}")
