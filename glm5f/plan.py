@@ -6,8 +6,8 @@ activations, from shapes and the run's sharding rules alone (nothing is allocate
 What it models is what the code does: `micro_loss` gathers the embedding, final norm, head and MTP layers once per
 micro-batch and each decoder layer as it runs; with activation checkpointing a layer's gathered weights are freed
 after its forward and gathered again for its backward, without it autograd keeps them all; AdamW updates in place
-with one temporary list (`ADAMW_UPDATE_COPIES`).
-Shape suffixes as in attention.py; n = B * S tokens of this rank, T keys (the whole sequence), M = n * k rows.
+with one temporary list (`ADAMW_UPDATE_COPIES`); what autograd keeps for the backward is traced from the layers
+themselves (see "activations"). B rows and S queries of this rank, T keys (the whole sequence).
 """
 
 from __future__ import annotations
