@@ -294,11 +294,15 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
                              ("--train.log_every", cfg.train.log_every, 1),
                              ("--eval.every", cfg.eval.every, 0), ("--eval.batches", cfg.eval.batches, 1),
                              ("--optim.schedule_steps", cfg.optim.schedule_steps or 0, 0),
-                             ("--parallel.timeout_s", cfg.parallel.timeout_s, 1)]:
+                             ("--parallel.timeout_s", cfg.parallel.timeout_s, 1),
+                             ("--data.shuffle_buffer", cfg.data.shuffle_buffer, 1),
+                             ("--train.seq_aux_loss_coeff", cfg.train.seq_aux_loss_coeff, 0),
+                             ("--train.indexer_loss_coeff", cfg.train.indexer_loss_coeff, 0),
+                             ("--optim.bias_update_rate", cfg.optim.bias_update_rate, 0),
+                             *((f"--parallel.{n}", getattr(cfg.parallel, n), 1) for n in ("dp_shard", "cp", "ep",
+                                                                                          "tp"))]:
         if value < low:
             errs.append(f"{name} must be >= {low}, got {value}")
-    if cfg.data.shuffle_buffer < 1:
-        errs.append(f"--data.shuffle_buffer must be >= 1 (1: no shuffling), got {cfg.data.shuffle_buffer}")
     if cfg.train.reduce_dtype and cfg.train.dtype == "float64" and cfg.train.reduce_dtype != "float64":
         errs.append(f"--train.reduce_dtype {cfg.train.reduce_dtype} is narrower than --train.dtype float64; "
                     f"drop it or use float64")
@@ -309,14 +313,7 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         errs.append(f"--optim.lr must be positive, got {cfg.optim.lr}")
     if not 0 <= cfg.optim.min_lr_ratio <= 1:
         errs.append(f"--optim.min_lr_ratio must lie in [0, 1], got {cfg.optim.min_lr_ratio}")
-    if cfg.train.seq_aux_loss_coeff < 0:
-        errs.append(f"--train.seq_aux_loss_coeff must be >= 0, got {cfg.train.seq_aux_loss_coeff}")
-    if cfg.optim.bias_update_rate < 0:
-        errs.append(f"--optim.bias_update_rate must be >= 0, got {cfg.optim.bias_update_rate}")
     p = cfg.parallel
-    for name in ("dp_shard", "cp", "ep", "tp"):
-        if getattr(p, name) < 1:
-            errs.append(f"--parallel.{name} must be >= 1, got {getattr(p, name)}")
     if p.tp > 1:
         errs.append(f"--parallel.tp {p.tp}: tensor parallelism is not built yet; use dp_shard, cp and ep")
     if world_size is not None and p.world != world_size:
@@ -370,8 +367,7 @@ def _layout_errors(cfg: Config, model: glm5f.GLM5Config) -> list[str]:
 
 def _trainable_errors(cfg: Config, model: glm5f.GLM5Config) -> list[str]:
     """What is wrong with --train.trainable and the indexer loss for this model."""
-    t = cfg.train
-    errs = [] if t.indexer_loss_coeff >= 0 else [f"--train.indexer_loss_coeff must be >= 0, got {t.indexer_loss_coeff}"]
+    t, errs = cfg.train, []
     if t.indexer_target not in ("own", "mean"):
         errs.append(f"--train.indexer_target must be own or mean, got {t.indexer_target!r}")
     if t.trainable is None:

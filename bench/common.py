@@ -66,6 +66,30 @@ def run_child(script: str, args: list[str], what: str) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def add_model_flags(ap, steps_help: str) -> None:
+    """--preset, --batch, --seq, --steps, --topk: the model and batch of a whole-model bench (`model_config`)."""
+    ap.add_argument("--preset", default="bench", help="'bench' (the issue's 4-layer model) or a glm5f preset name")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=3, help=f"timed steps per side ({steps_help})")
+    ap.add_argument("--topk", type=int, default=None, help="index_topk (default: 128 for 'bench', else the preset's)")
+
+
+def model_flags(args) -> list[str]:
+    """The flags of `add_model_flags` and `add_run_flags` as parsed, to hand to a side's subprocess."""
+    return ["--preset", args.preset, "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
+            "--dtype", args.dtype, "--device", args.device, *(["--topk", str(args.topk)] if args.topk else [])]
+
+
+def model_config(args):
+    """The GLM5Config of --preset ('bench': BENCH_MODEL with 4 layers) and --topk."""
+    import glm5f
+    if args.preset == "bench":
+        return glm5f.preset("glm5-tiny", **{**BENCH_MODEL, "num_hidden_layers": 4, "index_topk": args.topk or 128,
+                                            "max_position_embeddings": max(4096, args.seq)})
+    return glm5f.preset(args.preset, **({"index_topk": args.topk} if args.topk else {}))
+
+
 def add_run_flags(ap) -> None:
     """--device, --dtype, and the hidden --child a bench passes to the subprocess of one side."""
     ap.add_argument("--device", default="cpu")

@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from common import add_run_flags, median_seconds, peak_memory_gb, run_child, serve_child
-from forward_backward import model_config
+from common import (add_model_flags, add_run_flags, median_seconds, model_config, model_flags, peak_memory_gb,
+                    run_child, serve_child)
 
 SIDES = ("eager", "compiled")
 
@@ -45,11 +45,7 @@ def run_side(args) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="bench", help="'bench' (the issue's 4-layer model) or a glm5f preset name")
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per side (after the first)")
-    ap.add_argument("--topk", type=int, default=None, help="index_topk (default: 128 for 'bench', else the preset's)")
+    add_model_flags(ap, "after the first")
     ap.add_argument("--objectives", action="store_true", help="the indexer (sparse) and balance losses on")
     add_run_flags(ap)
     args = ap.parse_args()
@@ -59,9 +55,7 @@ def main():
     print(f"training step (step_grads) of {args.preset} B{args.batch}xS{args.seq}, {args.dtype} on {args.device} "
           f"({torch.get_num_threads()} threads), median of {args.steps} after the first"
           f"{', indexer and balance losses on' if args.objectives else ''}")
-    flags = ["--preset", args.preset, "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
-             "--dtype", args.dtype, "--device", args.device, *(["--topk", str(args.topk)] if args.topk else []),
-             *(["--objectives"] if args.objectives else [])]
+    flags = [*model_flags(args), *(["--objectives"] if args.objectives else [])]
     r = {side: run_child(os.path.abspath(__file__), ["--child", side, *flags], f"the {side} side") for side in SIDES}
     for side in SIDES:
         print(f"  {side:9s} first step {r[side]['first']:7.2f} s   then {r[side]['seconds']:6.3f} s/step  "

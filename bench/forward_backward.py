@@ -18,16 +18,8 @@ import tempfile
 
 import torch
 
-from common import (BENCH_MODEL, add_run_flags, matmul_peak_flops, median_seconds, peak_memory_gb, run_child,
-                    serve_child, train_flops)
-
-
-def model_config(args):
-    import glm5f
-    if args.preset == "bench":
-        return glm5f.preset("glm5-tiny", **{**BENCH_MODEL, "num_hidden_layers": 4, "index_topk": args.topk or 128,
-                                            "max_position_embeddings": max(4096, args.seq)})
-    return glm5f.preset(args.preset, **({"index_topk": args.topk} if args.topk else {}))
+from common import (add_model_flags, add_run_flags, matmul_peak_flops, median_seconds, model_config, model_flags,
+                    peak_memory_gb, run_child, serve_child, train_flops)
 
 
 def run_side(args) -> dict:
@@ -60,11 +52,7 @@ def run_side(args) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="bench", help="'bench' (the issue's 4-layer model) or a glm5f preset name")
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per side (after one warm-up)")
-    ap.add_argument("--topk", type=int, default=None, help="index_topk (default: 128 for 'bench', else the preset's)")
+    add_model_flags(ap, "after one warm-up")
     ap.add_argument("--side", default="both", choices=["both", "glm5f", "transformers"])
     add_run_flags(ap)
     args = ap.parse_args()
@@ -78,8 +66,7 @@ def main():
     print(f"{args.preset} B{args.batch}xS{args.seq} index_topk {cfg.index_topk}, {args.dtype} on {args.device} "
           f"({torch.get_num_threads()} threads), median of {args.steps}; model {flops / 1e9:.1f} GFLOP per step, "
           f"matmul peak {peak / 1e9:.1f} GFLOP/s (2048^3, this run)")
-    flags = ["--preset", args.preset, "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
-             "--device", args.device, "--dtype", args.dtype] + (["--topk", str(args.topk)] if args.topk else [])
+    flags = model_flags(args)
     sides = ["glm5f", "transformers"] if args.side == "both" else [args.side]
     here = os.path.abspath(__file__)
     res = {s: run_child(here, ["--child", s, *flags], f"the {s} side") for s in sides}

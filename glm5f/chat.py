@@ -83,17 +83,6 @@ def chat_tokenizer(path: str | None):
     return ChatByteTokenizer() if path is None else FileTokenizer(path)
 
 
-def encode_offsets(tok, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-    if isinstance(tok, ChatByteTokenizer):
-        return tok.encode_offsets(text)
-    enc = tok._tok.encode(text, add_special_tokens=False)
-    return list(enc.ids), [tuple(o) for o in enc.offsets]
-
-
-def token_id(tok, text: str) -> int | None:
-    return tok.token_id(text) if isinstance(tok, ChatByteTokenizer) else tok._tok.token_to_id(text)
-
-
 def template_tokens(tok, tokenizer_path: str | None) -> dict[str, str]:
     """bos_token, eos_token, ... as a template sees them: tokenizer_config.json's, else the tokenizer's own."""
     if isinstance(tok, ChatByteTokenizer):
@@ -327,7 +316,7 @@ class ChatFormat:
 
     def __init__(self, tok, template: ChatTemplate, tokens: dict[str, str]):
         self.tok, self.template, self.tokens = tok, template, tokens
-        stops = [token_id(tok, s) for s in STOP_TOKENS] + [tok.eos_id]
+        stops = [tok.token_id(s) for s in STOP_TOKENS] + [tok.eos_id]
         self.stop_ids = sorted({i for i in stops if i is not None})
 
     @classmethod
@@ -340,14 +329,14 @@ class ChatFormat:
         return self.template.render(messages, tools, add_generation_prompt, **self.tokens)
 
     def ids(self, messages, tools=None, add_generation_prompt=False) -> list[int]:
-        return encode_offsets(self.tok, self.render(messages, tools, add_generation_prompt)[0])[0]
+        return self.tok.encode_offsets(self.render(messages, tools, add_generation_prompt)[0])[0]
 
     def tokenize(self, messages: list[dict], tools=None) -> tuple[list[int], list[int]]:
         """(ids, assistant mask) of a whole conversation, as apply_chat_template(..., tokenize=True,
         return_dict=True, return_assistant_tokens_mask=True) gives them; without {% generation %} blocks the
         mask comes from rendering each assistant turn's prefix: the tokens a turn adds are the turn's."""
         text, spans = self.render(messages, tools)
-        ids, offsets = encode_offsets(self.tok, text)
+        ids, offsets = self.tok.encode_offsets(text)
         if self.template.has_generation:
             return ids, span_mask(offsets, spans)
         mask = [0] * len(ids)

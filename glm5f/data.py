@@ -57,7 +57,7 @@ class FileTokenizer:
             raise ValueError(f"--model.tokenizer_path {file}: not a readable tokenizer.json ({e}); pass the "
                              f"tokenizer.json of a Transformers/tokenizers tokenizer") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        find = lambda *names: next((i for n in names if (i := self._tok.token_to_id(n)) is not None), None)  # noqa
+        find = lambda *names: next((i for n in names if (i := self.token_id(n)) is not None), None)  # noqa
         self.bos_id = find("<|begin_of_text|>", "<s>", "[gMASK]", "<bos>", "<|endoftext|>")
         self.eos_id = find("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
         self.pad_id = find("<pad>", "[PAD]", "<|pad|>")
@@ -66,6 +66,14 @@ class FileTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of `text` and each one's [start, end) in characters."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return list(enc.ids), [tuple(o) for o in enc.offsets]
+
+    def token_id(self, text: str) -> int | None:
+        return self._tok.token_to_id(text)
 
     def decode(self, ids) -> str:
         return self._tok.decode(list(ids))

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 
 from glm5f.config import GLM5Config
 from glm5f.ops import linear, swiglu_mlp, wide
@@ -71,7 +72,8 @@ def grouped_matmul(x_MxIn: torch.Tensor, w_ExOutxIn: torch.Tensor, counts_E: tor
     out_dtype = x_MxIn.dtype
     x_MxIn = x_MxIn.to(torch.promote_types(out_dtype, w_ExOutxIn.dtype))
     w_ExOutxIn = w_ExOutxIn.to(x_MxIn.dtype)
-    if _grouped_mm_ok(x_MxIn, w_ExOutxIn):
+    # on FakeTensors (the memory plan's trace) the op stands in for the fallback too, whose width reads the data
+    if _grouped_mm_ok(x_MxIn, w_ExOutxIn) or isinstance(x_MxIn, FakeTensor):
         offs = torch.cumsum(counts_E, 0, dtype=torch.int32)
         if torch._C._are_functorch_transforms_active():  # torch.func differentiates torch's op itself
             return F.grouped_mm(x_MxIn, w_ExOutxIn.transpose(-1, -2), offs=offs).to(out_dtype)

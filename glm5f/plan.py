@@ -6,8 +6,8 @@ activations, from shapes and the run's sharding rules alone (nothing is allocate
 What it models is what the code does: `micro_loss` gathers the embedding, final norm, head and MTP layers once per
 micro-batch and each decoder layer as it runs; with activation checkpointing a layer's gathered weights are freed
 after its forward and gathered again for its backward, without it autograd keeps them all; AdamW updates in place
-with one temporary list (`ADAMW_UPDATE_COPIES`).
-Shape suffixes as in attention.py; n = B * S tokens of this rank, T keys (the whole sequence), M = n * k rows.
+with one temporary list (`ADAMW_UPDATE_COPIES`); what autograd keeps for the backward is traced from the layers
+themselves (see "activations"). B rows and S queries of this rank, T keys (the whole sequence).
 """
 
 from __future__ import annotations
@@ -19,14 +19,20 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import Shard
+from torch.multiprocessing.reductions import StorageWeakRef
 
-from glm5f.kernels import INDEXER_QUERY_CHUNK_ELEMS, sparse_block_size
 from glm5f.config import GLM5Config
-from glm5f.distributed import mesh_shapes, placements
+from glm5f.distributed import cp_positions, mesh_shapes, placements
+from glm5f.env import make_env
+from glm5f.kernels import INDEXER_QUERY_CHUNK_ELEMS, sparse_block_size
+from glm5f.loss import cross_entropy_sum, shift_labels
+from glm5f.model import decoder_layer, lm_head
 from glm5f.ops import wide_dtype
 from glm5f.optim import leaf_rule
-from glm5f.params import Leaf, flatten, leaf_kind, param_layout
+from glm5f.parallel import Layout
+from glm5f.params import Leaf, flatten, leaf_dtype, leaf_kind, map_with_path, param_layout
 
 GB = 10**9  # --parallel.device_memory_gb and the table count decimal gigabytes (an H200 has 141 GB)
 # Extra full-size copies of the trained leaves alive during the AdamW step: it updates params and moments in place
@@ -52,16 +58,23 @@ class RunShape:
     def world(self) -> int:
         return self.dp_shard * self.cp
 
+    @property
+    def micro_batch(self) -> int:
+        """Rows of one micro-batch on one rank."""
+        return max(1, self.batch_size // (self.grad_accum * self.dp_shard))
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, torch.dtype]:
+        """(the activations' dtype, the compute weights': --train.reduce_dtype, default the activations')."""
+        act = getattr(torch, self.dtype)
+        return act, getattr(torch, self.reduce_dtype) if self.reduce_dtype else act
+
 
 def run_shape(cfg) -> RunShape:
     """The RunShape of a train.py `Config`."""
     p, t = cfg.parallel, cfg.train
     return RunShape(p.dp_shard, p.cp, p.ep, cfg.data.batch_size, cfg.data.seq_len, t.grad_accum, t.dtype,
                     t.reduce_dtype, t.activation_checkpointing)
-
-
-def _nbytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
 # ---- parameters, gradients, optimizer state -----------------------------------------------------------------------
@@ -119,9 +132,8 @@ def state_bytes(cfg: GLM5Config, run: RunShape, rank: int = 0, groups: Counter |
     leaf's).
     """
     groups = leaf_groups(cfg) if groups is None else groups
-    act = getattr(torch, run.dtype)
+    act, weight = run.dtypes
     master = torch.promote_types(act, torch.float32)
-    weight = getattr(torch, run.reduce_dtype) if run.reduce_dtype else act
     shapes = mesh_shapes(run.dp_shard, run.cp, run.ep)
     out = dict(params=0, trained=0, gathered=0, gathered_once=0, largest_layer_gathered=0, largest_gathered=0)
     per_layer = Counter()
@@ -133,11 +145,11 @@ def state_bytes(cfg: GLM5Config, run: RunShape, rank: int = 0, groups: Counter |
             full = math.prod(local_shape(shape, gathered, shapes[mesh], coords))
         else:
             local = full = math.prod(shape)
-        w_bytes = _nbytes(wide_dtype(weight) if fp32 else weight)
-        out["params"] += count * local * _nbytes(master)
-        out["trained"] += count * local * _nbytes(master) * trained
+        w_bytes = (wide_dtype(weight) if fp32 else weight).itemsize
+        out["params"] += count * local * master.itemsize
+        out["trained"] += count * local * master.itemsize * trained
         entering = torch.promote_types(master, weight) if run.reduce_dtype else master  # what micro_loss gets
-        copy = run.world > 1 or w_bytes != _nbytes(wide_dtype(entering) if fp32 else entering)
+        copy = run.world > 1 or w_bytes != (wide_dtype(entering) if fp32 else entering).itemsize
         out["gathered"] += count * full * w_bytes * copy
         if unit is None:
             out["gathered_once"] += count * full * w_bytes * copy
@@ -149,91 +161,153 @@ def state_bytes(cfg: GLM5Config, run: RunShape, rank: int = 0, groups: Counter |
 
 
 # ---- activations --------------------------------------------------------------------------------------------------
+# What autograd keeps is traced, not modelled: each kind of decoder layer (dense or MoE MLP, own indexer or shared
+# top-k) and the head run on FakeTensors (shapes and dtypes: no memory, no compute) under saved_tensors_hooks,
+# and the storages they save are counted, so a new kernel or adapter changes the plan with no edit here. Each
+# storage's bytes are bilinear in the rows B and this rank's queries S (per row, per query, per key, or per layer),
+# so four traces give every micro-batch and CP split of a sequence length (`traced_activations`). Two
+# things stay analytic (`layer_transient`): the buffers inside the custom ops of glm5f.kernels (a trace sees their
+# outputs only), and how routed rows split over experts and EP ranks, which depends on the data: the trace gives
+# every expert its rows in one grouped GEMM ([M, in] inputs), as balanced routing does.
 
-def _sizes(run: RunShape):
-    act = getattr(torch, run.dtype)
-    weight = getattr(torch, run.reduce_dtype) if run.reduce_dtype else act
-    return _nbytes(act), _nbytes(wide_dtype(act)), _nbytes(torch.promote_types(act, weight))
+class TraceLayout(Layout):
+    """CP rank 0 of a run, to trace its layers: its positions of each sequence, keys over all T positions as a
+    fresh tensor (as the CP all-gather makes them), every expert local."""
+
+    def __init__(self, cp: int):
+        super().__init__()
+        self.cp = cp
+
+    def share(self, B: int, S: int) -> tuple[slice, torch.Tensor | None]:
+        return slice(None), None if self.cp == 1 else cp_positions(S, self.cp, 0)
+
+    def keys(self, layer: int, name: str, local: torch.Tensor) -> torch.Tensor:
+        return local if self.cp == 1 else local.repeat(1, self.cp, *[1] * (local.ndim - 2))
 
 
-def layer_activations(cfg: GLM5Config, layer: int, B: int, S: int, T: int, run: RunShape) -> tuple[int, int, int]:
-    """(bytes autograd keeps for the backward, largest transient on top of them, bytes a checkpointed layer keeps)
-    of decoder layer `layer` over B x S queries and T keys (the saved tensors of each op, counted by storage)."""
-    a, w, lat = _sizes(run)
-    D, H, Q, R, P = cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-    N, V, C = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    n = B * S
-    norm = lambda width: n * width * (a + (w if a < w else 0))  # noqa: E731  the normalized input (+ fp32 copy)
+def saved_bytes(fn, outside: set) -> tuple[object, list[int]]:
+    """(fn(), the bytes of each storage autograd saves for the backward while fn runs, in the order saved, but
+    those in `outside`); a storage saved by several ops counts once, as memory holds it."""
+    saved = {}
+
+    def pack(t):
+        key = StorageWeakRef(t.untyped_storage())
+        if key not in outside:
+            saved[key] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        return fn(), list(saved.values())
+
+
+def trace(cfg: GLM5Config, run: RunShape, B: int) -> dict[object, list[int]]:
+    """What a micro-batch of B rows keeps for the backward on CP rank 0 of run.cp, traced: for each kind of
+    decoder layer (is_moe, has_indexer), the bytes of each storage it saves, then of what it keeps when
+    checkpointed (its input and the top-k it passes on, 0 for none); "head": what the final norm, head and
+    cross-entropy save; "rope": the rope tables (saved by every layer, held once)."""
+    act, weight = run.dtypes
+    T, layout = run.seq_len, param_layout(cfg)
+    batch = {"input_ids": torch.zeros(B, T, dtype=torch.long), "position_ids": torch.arange(T).expand(B, T)}
+    local, env = make_env(cfg, batch, act, TraceLayout(run.cp))
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        mask = dataclasses.replace(env.mask, **{f.name: fake(getattr(env.mask, f.name))
+                                                for f in dataclasses.fields(env.mask)})
+        env = dataclasses.replace(env, cos=fake(env.cos), sin=fake(env.sin), mask=mask)
+        outside = {StorageWeakRef(t.untyped_storage()) for t in [env.cos, env.sin, *vars(mask).values()]
+                   if isinstance(t, torch.Tensor)}
+
+        def weights(tree: dict) -> dict:  # the compute weights, trained ones requiring gradients, kept outside
+            p = map_with_path(lambda path, leaf: torch.empty(leaf.shape, dtype=leaf_dtype(path, weight))
+                              .requires_grad_(leaf_rule(path, len(leaf.shape)) in ("decay", "no_decay")),
+                              tree, is_leaf=lambda x: isinstance(x, Leaf))
+            outside.update(StorageWeakRef(t.untyped_storage()) for t in flatten(p).values())
+            return p
+
+        def hidden() -> torch.Tensor:
+            return torch.empty(*local["input_ids"].shape, cfg.hidden_size, dtype=act, requires_grad=True)
+
+        out, carry = {"rope": [env.cos.nbytes + env.sin.nbytes]}, None
+        for i in range(cfg.num_hidden_layers):
+            kind = (cfg.is_moe(i), cfg.has_indexer(i))
+            if kind in out:
+                continue
+            p, x_BxSxD = weights(layout["model"]["layers"][i]), hidden()
+            (_, selection, _), saved = saved_bytes(lambda: decoder_layer(p, x_BxSxD, cfg, i, env, carry), outside)
+            passed = selection.topk.nbytes if selection is not carry and selection.topk is not None else 0
+            out[kind] = saved + [x_BxSxD.nbytes, passed]
+            carry = selection
+        top = weights({**layout, "model": {k: v for k, v in layout["model"].items() if k != "layers"}})
+        x_BxSxD = hidden()
+        out["head"] = saved_bytes(lambda: cross_entropy_sum(lm_head(top, cfg, x_BxSxD),
+                                                            shift_labels(local["input_ids"])), outside)[1]
+    return out
+
+
+def traced_activations(cfg: GLM5Config, run: RunShape, cache: dict | None = None) -> dict[object, list[int]]:
+    """`trace` of the run's micro-batch (B rows, S = T / cp queries) from traces at B = 2, 3 (B = 1 lays some saved
+    tensors out as views of larger ones: it is traced itself) and S = T, T / 2, each storage's bytes bilinear in
+    B and S; the traces are kept in `cache`."""
+    cache = {} if cache is None else cache
+    B, T = run.micro_batch, run.seq_len
+    bs, cps = (1, 1) if B == 1 else (2, 3), (1, 2) if T % 4 == 0 else (1, 1)  # cp_positions cuts T in 2 cp chunks
+    for b, cp in {(b, cp) for b in bs for cp in cps}:
+        key = ("trace", T, run.dtype, run.reduce_dtype, b, cp)
+        if key not in cache:
+            cache[key] = trace(cfg, dataclasses.replace(run, cp=cp), b)
+    at = lambda b, cp: cache["trace", T, run.dtype, run.reduce_dtype, b, cp]  # noqa: E731
+    v = (B - bs[0]) / (bs[1] - bs[0]) if bs[1] != bs[0] else 0  # where B and S lie between the traced sizes
+    u = (T // run.cp - T) / (T // cps[1] - T) if cps[1] != cps[0] else 0
+    out = {}
+    for kind in at(bs[0], cps[0]):
+        sizes = [at(b, cp)[kind] for cp in cps for b in bs]
+        if len({len(x) for x in sizes}) > 1:
+            raise RuntimeError(f"the memory plan's traces of layer kind {kind} saved different numbers of tensors "
+                               f"at two sizes: extending them to the run's size needs the same ops at every size")
+        out[kind] = [round(a + v * (b - a) + u * (c - a) + v * u * (d - c - b + a)) for a, b, c, d in zip(*sizes)]
+    return out
+
+
+def layer_transient(cfg: GLM5Config, layer: int, B: int, S: int, T: int, run: RunShape, largest: int) -> int:
+    """The largest buffers decoder layer `layer` holds on top of what it saves, from the code that makes them:
+    in the forward the indexer's chunk of scores with its top-k keys, or the sparse core's block of gathered rows
+    (both inside glm5f.kernels ops); in the backward twice the largest saved storage (its gradient and one
+    temporary), plus the sparse core's latent and query gradients and its block."""
+    act, weight = run.dtypes
+    a, w, lat = act.itemsize, wide_dtype(act).itemsize, torch.promote_types(act, weight).itemsize
+    H, C, K = cfg.num_attention_heads, cfg.kv_lora_rank + cfg.qk_rope_head_dim, min(cfg.index_topk, T)
     sparse = T > cfg.index_topk and S > 1
-    K = min(cfg.index_topk, T)
-    full_indexer = cfg.has_indexer(layer)
-    tensors = {
-        "input": n * D * a, "input_norm": norm(D), "h": n * D * a,
-        "q_a": n * Q * a, "q_a_norm": norm(Q), "q_latent": n * Q * a, "q_b": n * H * (N + P) * a,
-        "kv_a": n * C * a, "kv_norm": norm(R), "latent_keys": B * T * C * lat, "o_proj_in": n * H * V * a,
-        "residual": n * D * a, "post_norm": norm(D), "h2": n * D * a,
-    }
-    if sparse:
-        tensors.update(q_abs=n * H * C * a, allowed=n * K, latent_out=n * H * R * a)
-        if full_indexer:
-            tensors["topk"] = n * K * 8
-    else:
-        tensors.update(kv_b=B * T * H * (N + V) * lat, keys=B * H * T * (N + P) * lat, queries=n * H * (N + P) * lat,
-                       sdpa_out=n * H * V * lat, logsumexp=B * H * S * 4)
-    if cfg.is_moe(layer):
-        E, k, F = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
-        M = n * k
-        tensors.update(router_in=n * D * 4 if a < 4 else 0, scores=n * E * 4 + n * E, routes=n * k * 8 * 2,
-                       rows=M * D * a, expert_hidden=4 * M * F * a, expert_out=M * D * a)
-        if cfg.n_shared_experts:
-            tensors["shared_hidden"] = 4 * n * F * cfg.n_shared_experts * a
-    else:
-        tensors["mlp_hidden"] = 4 * n * cfg.intermediate_size * a
-    if lat > a:  # weights wider than the activations (--train.reduce_dtype): each contraction keeps a wide copy
-        inputs = [D, D, Q, H * V] + ([H * N, H * R] if sparse else [])  # q_a, kv_a, q_b, o_proj, the kv_b einsums
-        if cfg.is_moe(layer):
-            k, F = cfg.num_experts_per_tok, cfg.moe_intermediate_size
-            Fs = F * cfg.n_shared_experts
-            inputs += [D] + [k * D, k * D, k * F] + ([D, D, Fs] if cfg.n_shared_experts else [])
-        else:
-            inputs += [D, D, cfg.intermediate_size]
-        tensors["wide_inputs"] = n * sum(inputs) * lat
-    saved = sum(tensors.values())
-    biggest = max(tensors.values())
-    # transients: the indexer's chunk of scores and its top-k keys, the sparse core's block, backward gradients
-    fwd = 0
-    if sparse and full_indexer:
+    fwd, bwd = 0, 2 * largest
+    if sparse and cfg.has_indexer(layer):
         rows = min(S, max(1, INDEXER_QUERY_CHUNK_ELEMS // max(1, B * cfg.index_n_heads * T)))
         fwd = B * T * cfg.index_head_dim * a + B * rows * cfg.index_n_heads * T * w + B * rows * T * (w + 1 + 4 + 8)
-    bwd = 2 * biggest
     if sparse:
         rows = min(S, sparse_block_size(B, K, C, H))
         fwd = max(fwd, B * rows * K * (C * a + 2 * H * w))
-        bwd += B * T * C * lat + n * H * C * a + B * rows * K * (2 * C * a + 4 * H * w)
-    kept = n * D * a + (n * K * 8 if sparse and full_indexer else 0)
-    return saved, max(fwd, bwd), kept
+        bwd += B * T * C * lat + B * S * H * C * a + B * rows * K * (2 * C * a + 4 * H * w)
+    return max(fwd, bwd)
 
 
-def activation_bytes(cfg: GLM5Config, run: RunShape, remat: bool | None = None) -> dict[str, int]:
+def activation_bytes(cfg: GLM5Config, run: RunShape, remat: bool | None = None, cache: dict | None = None) -> dict:
     """Peak activation bytes of one micro-batch on one rank: "layers" (what the decoder layers keep for the
-    backward), "logits" (the final norm, the log-probabilities [n, V] fp32 the cross-entropy keeps), "transient"
-    (the largest short-lived buffers on top) and "peak" (their sum). With `remat` (default: the run's) a layer
-    keeps only its input and top-k, and one layer at a time is recomputed in the backward."""
+    backward, with the rope tables), "logits" (what the final norm, head and cross-entropy keep), "transient" (the
+    largest short-lived buffers on top) and "peak" (their sum). With `remat` (default: the run's) a layer keeps
+    only its input and top-k, and one layer at a time is recomputed in the backward. `cache`: see
+    `traced_activations`."""
     remat = run.remat if remat is None else remat
-    a, w, _ = _sizes(run)
-    B = max(1, run.batch_size // (run.grad_accum * run.dp_shard))
+    traced = traced_activations(cfg, run, cache)
+    B = run.micro_batch
     S, T = run.seq_len // run.cp, run.seq_len
-    n, D, V = B * S, cfg.hidden_size, cfg.vocab_size
-    per_layer = [layer_activations(cfg, i, B, S, T, run) for i in range(cfg.num_hidden_layers)]
-    rope = 2 * n * cfg.qk_rope_head_dim // 2 * a
-    logits = n * D * a + n * D * (a + (w if a < w else 0)) + n * D * a + n * V * 4
-    logits_transient = max(n * V * a + (n * V * 4 if a < 4 else 0), 2 * n * V * 4 + (n * V * a if a < 4 else 0))
-    if remat:
-        layers = sum(kept for _, _, kept in per_layer)
-        transient = max([saved + tr for saved, tr, _ in per_layer] + [logits_transient])
-    else:
-        layers = sum(saved for saved, _, _ in per_layer)
-        transient = max([tr for _, tr, _ in per_layer] + [logits_transient])
+    per_layer = []  # (saved, transient, kept when checkpointed) of each decoder layer
+    for i in range(cfg.num_hidden_layers):
+        *saved, x, passed = traced[cfg.is_moe(i), cfg.has_indexer(i)]
+        per_layer.append((sum(saved), layer_transient(cfg, i, B, S, T, run, max(saved)), x + passed))
+    rope, logits = sum(traced["rope"]), sum(traced["head"])
+    a, nV = run.dtypes[0].itemsize, B * S * cfg.vocab_size  # the logits, their fp32 copy and gradient
+    logits_transient = max(nV * a + (nV * 4 if a < 4 else 0), 2 * nV * 4 + (nV * a if a < 4 else 0))
+    # checkpointed, a layer keeps its input and top-k, and its saved tensors come back in the backward one at a time
+    layers = sum(kept if remat else saved for saved, _, kept in per_layer)
+    transient = max([tr + (saved if remat else 0) for saved, tr, _ in per_layer] + [logits_transient])
     return dict(layers=layers + rope, logits=logits, transient=transient, peak=layers + rope + logits + transient)
 
 
@@ -246,20 +320,20 @@ def plan(cfg: GLM5Config, run: RunShape, runtime_bytes: int = 0, device_bytes: i
     total = runtime + max(forward/backward, update): forward/backward holds params, optimizer state, the previous
     micro-batches' gradients (grad_accum > 1), the gathered weights and the activations at their peak (the start of
     the backward); the update holds params, optimizer state, gradients and AdamW's temporary list. `groups`
-    (`leaf_groups(cfg)`) and `cache` (a dict of activations by micro-batch shape) save work over many plans.
+    (`leaf_groups(cfg)`) and `cache` (a dict of activations and traces by micro-batch shape) save work over many
+    plans.
     """
     s = state_bytes(cfg, run, 0, groups)
-    act = getattr(torch, run.dtype)
-    master = torch.promote_types(act, torch.float32)
-    moment = s["trained"] * _nbytes(wide_dtype(master)) // _nbytes(master)
+    master = wide_dtype(run.dtypes[0])
+    moment = s["trained"] * wide_dtype(master).itemsize // master.itemsize
     # --train.reduce_dtype wider than the masters: the step's params copy in it, gradients in it until the end
-    ratio = _nbytes(getattr(torch, run.reduce_dtype)) // _nbytes(master) if run.reduce_dtype else 1
+    ratio = run.dtypes[1].itemsize // master.itemsize if run.reduce_dtype else 1
     reduce_extra = s["params"] * ratio + s["trained"] * (ratio - 1) if ratio > 1 else 0
     grads, optimizer = s["trained"], 2 * moment
     cache = {} if cache is None else cache
-    key = (run.batch_size // (run.grad_accum * run.dp_shard), run.seq_len, run.cp, run.dtype, run.reduce_dtype)
+    key = (run.micro_batch, run.seq_len, run.cp, run.dtype, run.reduce_dtype)
     if key not in cache:
-        cache[key] = activation_bytes(cfg, run, True), activation_bytes(cfg, run, False)
+        cache[key] = activation_bytes(cfg, run, True, cache), activation_bytes(cfg, run, False, cache)
     with_remat, without_remat = cache[key]
     acts = with_remat if run.remat else without_remat
     update = ADAMW_UPDATE_COPIES * moment
@@ -312,7 +386,7 @@ def _gb(x: int | None) -> str:
 
 def format_table(p: dict, model_name: str, run: RunShape, limit_note: str) -> str:
     """The plan as a table of lines, one per item, in GB (10^9 bytes)."""
-    master = torch.promote_types(getattr(torch, run.dtype), torch.float32)
+    master = wide_dtype(run.dtypes[0])
     rows = [
         (f"parameters ({str(master).replace('torch.', '')} master shards)", p["params_bytes"]),
         ("gradients (trained leaves)", p["grads_bytes"]),
@@ -335,9 +409,8 @@ def format_table(p: dict, model_name: str, run: RunShape, limit_note: str) -> st
         rows.append(("runtime (python + torch, measured)", p["runtime_bytes"]))
     rows += [("peak in forward/backward", p["forward_backward_bytes"]), ("peak in the update", p["update_bytes"]),
              (f"total (peak: {p['peak_phase']})", p["total_bytes"])]
-    B = max(1, run.batch_size // (run.grad_accum * run.dp_shard))
     head = (f"memory plan of {model_name}: dp_shard {run.dp_shard} x cp {run.cp} = {run.world} ranks, ep {run.ep}; "
-            f"micro-batch {B} x {run.seq_len // run.cp} tokens per rank ({run.dtype}); per rank (rank 0)")
+            f"micro-batch {run.micro_batch} x {run.seq_len // run.cp} tokens per rank ({run.dtype}); per rank (rank 0)")
     lines = [head] + [f"  {name:<44}{_gb(v)}" for name, v in rows]
     if p["device_bytes"] is None:
         lines.append(f"  {'device memory':<44}{limit_note}")
