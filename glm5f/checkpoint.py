@@ -13,6 +13,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import math
 import os
 import random
 import shutil
@@ -329,6 +330,78 @@ def load(path: str, state: dict) -> dict:
                          f"{os.path.dirname(os.path.normpath(path))}") from None
 
 
+# ---- LoRA: adapters beside a base named by path and fingerprint ---------------------------------------------------
+
+_MIX = (-7046029254386353131, -4658895280553007687)  # 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9 as int64
+
+
+def _leaf_fingerprint(t: torch.Tensor, block_elems: int = 1 << 22) -> torch.Tensor:
+    """int64 sum (wrapping, so its order does not matter) over this rank's elements of a leaf of (the element's
+    bits + 1) times a mix of its global flat index: a DTensor's shard counts at its global offset, a replica only
+    on the first rank holding it, so the sum over ranks is the whole leaf's whatever the layout."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset, local = tuple(t.shape), (0,) * t.ndim, t
+    if isinstance(t, DTensor):
+        coord = t.device_mesh.get_coordinate()
+        if any(isinstance(pl, Replicate) and c for pl, c in zip(t.placements, coord)):
+            return torch.zeros((), dtype=torch.int64, device=t.to_local().device)
+        _, offset = compute_local_shape_and_global_offset(shape, t.device_mesh, t.placements)
+        local = t.to_local()
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[local.element_size()]
+    flat = local.contiguous().view(bits).to(torch.int64)
+    total = torch.zeros((), dtype=torch.int64, device=local.device)
+    if flat.numel() == 0:
+        return total
+    strides = torch.empty(shape, device="meta").stride() if shape else ()
+    rows = max(1, block_elems // max(1, math.prod(flat.shape[1:]))) if flat.ndim else 1
+    for start in range(0, flat.shape[0] if flat.ndim else 1, rows):
+        part = flat[start:start + rows] if flat.ndim else flat
+        idx = torch.zeros(part.shape, dtype=torch.int64, device=part.device)
+        for d in range(part.ndim):
+            first = offset[d] + (start if d == 0 else 0)
+            pos = torch.arange(first, first + part.shape[d], dtype=torch.int64, device=part.device) * strides[d]
+            idx = idx + pos.view([-1 if e == d else 1 for e in range(part.ndim)])
+        h = (idx + 1) * _MIX[0]
+        h = (h ^ (h >> 31)) * _MIX[1]
+        total = total + ((part + 1) * h).sum()
+    return total
+
+
+def fingerprint(params: dict, total=lambda t: t) -> str:
+    """A hex digest of a params tree's paths, shapes, dtypes and values that does not depend on how its leaves are
+    sharded (each rank hashes its shards, `total`, Layout.sum, adds them over ranks); collective."""
+    flat = flatten(params)
+    sums = total(torch.stack([_leaf_fingerprint(t) for t in flat.values()])) if flat else torch.zeros(0)
+    head = "".join(f"{p}:{tuple(t.shape)}:{t.dtype};" for p, t in flat.items()).encode()
+    digest = zlib.crc32(sums.cpu().numpy().tobytes(), zlib.crc32(head))
+    return f"{digest:08x}-{len(flat)}"
+
+
+def load_adapters(path: str):
+    """(LoraSpec, flat adapters {"<module>.lora_A": tensor, ...}) of a LoRA run's checkpoint `path` (or a run
+    directory's latest), in this one process whatever layout saved it, in the run's master dtype."""
+    from glm5f.lora import LoraSpec, target_modules
+
+    path = resolve(path)
+    meta = read_meta(path)
+    lo = (meta.get("run") or {}).get("lora") or {}
+    if not lo.get("rank") or "model" not in meta:
+        raise ValueError(f"{path} is not a checkpoint of a LoRA run (its meta.json has no lora.rank): convert it "
+                         f"without --peft / --merge-lora")
+    spec = LoraSpec(lo["rank"], float(lo["alpha"]), float(lo["dropout"]), lo["targets"])
+    cfg = GLM5Config.from_hf(meta["model"])
+    master = torch.float64 if meta["run"].get("train", {}).get("dtype") == "float64" else torch.float32
+    adapters = {}
+    for module, shape in target_modules(abstract_params(cfg), spec.targets).items():
+        *experts, out_features, in_features = shape
+        adapters[f"{module}.lora_A"] = torch.empty((*experts, spec.rank, in_features), dtype=master)
+        adapters[f"{module}.lora_B"] = torch.empty((*experts, out_features, spec.rank), dtype=master)
+    _quiet_dcp(dcp.load, {"adapters": adapters}, checkpoint_id=path)
+    return spec, adapters
+
+
 # ---- the run directory --------------------------------------------------------------------------------------------
 
 LOCK = ".lock"
@@ -475,8 +548,8 @@ def _path_problem(path: str, what: str) -> str | None:
 
 def check_run_paths(cfg) -> None:
     """Before any training: a ValueError naming the path and what is wrong when the run directory
-    (--checkpoint.dir) or its checkpoints/ cannot be written, or the --checkpoint.export_hf directory cannot be
-    created beside its parent (a file in the way, read-only, under a file)."""
+    (--checkpoint.dir) or its checkpoints/ cannot be written, or the --checkpoint.export_hf (export_peft)
+    directory cannot be created beside its parent (a file in the way, read-only, under a file)."""
     run_dir, export = cfg.checkpoint.dir, cfg.checkpoint.export_hf
     problem = _path_problem(run_dir, "the run directory (--checkpoint.dir)")
     ckpts = os.path.join(run_dir, "checkpoints")
@@ -486,10 +559,11 @@ def check_run_paths(cfg) -> None:
                        f"away or pass another --checkpoint.dir")
         elif not os.access(ckpts, os.W_OK | os.X_OK):
             problem = f"{ckpts} is not writable (read-only or not yours); pass a writable --checkpoint.dir"
-    if problem is None and export:
-        export = export.rstrip("/") or export
-        problem = _path_problem(os.path.dirname(os.path.abspath(export)), "the directory of --checkpoint.export_hf")
-        if problem is None and os.path.isdir(export) and not os.access(export, os.W_OK | os.X_OK):
-            problem = f"--checkpoint.export_hf {export} is not writable (read-only or not yours); pass another"
+    for flag, export in (("export_hf", export), ("export_peft", getattr(cfg.checkpoint, "export_peft", None))):
+        if problem is None and export:
+            export = export.rstrip("/") or export
+            problem = _path_problem(os.path.dirname(os.path.abspath(export)), f"the directory of --checkpoint.{flag}")
+            if problem is None and os.path.isdir(export) and not os.access(export, os.W_OK | os.X_OK):
+                problem = f"--checkpoint.{flag} {export} is not writable (read-only or not yours); pass another"
     if problem:
         raise ValueError(problem)
