@@ -402,6 +402,39 @@ def load_adapters(path: str):
     return spec, adapters
 
 
+
+def load_lora_base(path: str) -> tuple[GLM5Config, dict]:
+    """(model config, the frozen base) of a LoRA run's checkpoint `path`, rebuilt from what names it (the run's
+    --model.init_from, or its preset initialised with its --train.seed) in the dtype the run stored it in, and
+    checked against the fingerprint the checkpoint recorded (a ValueError when it changed)."""
+    from glm5f.hf import load_hf
+    from glm5f.params import init_params
+
+    path = resolve(path)
+    meta = read_meta(path)
+    run, recorded = meta.get("run") or {}, meta.get("lora_base")
+    if recorded is None:
+        raise ValueError(f"{path} is not a checkpoint of a LoRA run (its meta.json names no lora_base)")
+    train = run.get("train") or {}
+    master = torch.float64 if train.get("dtype") == "float64" else torch.float32
+    dtype = getattr(torch, (run.get("lora") or {}).get("base_dtype") or str(master).replace("torch.", ""))
+    init_from = (run.get("model") or {}).get("init_from")
+    cfg = GLM5Config.from_hf(meta["model"])
+    if init_from:
+        if not os.path.isdir(init_from):
+            raise FileNotFoundError(f"{path} holds adapters for the base {init_from}, which is not there now: "
+                                    f"convert where that checkpoint is")
+        _, base = load_hf(init_from, dtype=dtype)
+    else:
+        base = init_params(cfg, train.get("seed", 0), dtype)
+    found = fingerprint(base)
+    if found != recorded["fingerprint"]:
+        raise ValueError(f"{path} holds adapters trained on the base {recorded['source']} (fingerprint "
+                         f"{recorded['fingerprint']}), but that base now has fingerprint {found}: it changed since "
+                         f"the run, so the adapters do not belong to it")
+    return cfg, base
+
+
 # ---- the run directory --------------------------------------------------------------------------------------------
 
 LOCK = ".lock"
