@@ -382,7 +382,7 @@ def fingerprint(params: dict, total=lambda t: t) -> str:
 def load_adapters(path: str):
     """(LoraSpec, flat adapters {"<module>.lora_A": tensor, ...}) of a LoRA run's checkpoint `path` (or a run
     directory's latest), in this one process whatever layout saved it, in the run's master dtype."""
-    from glm5f.lora import LoraSpec, target_modules
+    from glm5f.lora import LoraSpec, adapter_shapes
 
     path = resolve(path)
     meta = read_meta(path)
@@ -393,11 +393,7 @@ def load_adapters(path: str):
     spec = LoraSpec(lo["rank"], float(lo["alpha"]), float(lo["dropout"]), lo["targets"])
     cfg = GLM5Config.from_hf(meta["model"])
     master = torch.float64 if meta["run"].get("train", {}).get("dtype") == "float64" else torch.float32
-    adapters = {}
-    for module, shape in target_modules(abstract_params(cfg), spec.targets).items():
-        *experts, out_features, in_features = shape
-        adapters[f"{module}.lora_A"] = torch.empty((*experts, spec.rank, in_features), dtype=master)
-        adapters[f"{module}.lora_B"] = torch.empty((*experts, out_features, spec.rank), dtype=master)
+    adapters = {p: torch.empty(shape, dtype=master) for p, shape in adapter_shapes(abstract_params(cfg), spec).items()}
     _quiet_dcp(dcp.load, {"adapters": adapters}, checkpoint_id=path)
     return spec, adapters
 

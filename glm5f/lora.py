@@ -61,6 +61,18 @@ def target_modules(params: dict, targets: str) -> dict[str, tuple[int, ...]]:
     return found
 
 
+def adapter_shapes(params: dict, spec: LoraSpec) -> dict[str, tuple[int, ...]]:
+    """{"<module>.lora_A": (.., r, in), "<module>.lora_B": (.., out, r)} for the weights spec.targets selects
+    (`params` may be abstract: meta tensors)."""
+    if spec.rank < 1:
+        raise ValueError(f"--lora.rank must be at least 1, got {spec.rank}")
+    shapes = {}
+    for module, (*experts, out_features, in_features) in target_modules(params, spec.targets).items():
+        shapes[f"{module}.lora_A"] = (*experts, spec.rank, in_features)
+        shapes[f"{module}.lora_B"] = (*experts, out_features, spec.rank)
+    return shapes
+
+
 def init_adapters(params: dict, spec: LoraSpec, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
     """Fresh adapters for the weights of `params` that spec.targets selects: A uniform in +-1/sqrt(in) (the
     Kaiming-uniform bound PEFT draws from), B zeros. Each A draws from a generator seeded by (seed, path)."""
