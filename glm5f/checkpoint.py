@@ -300,7 +300,8 @@ def read_meta(path: str) -> dict:
 
 def load_params(path: str) -> tuple[GLM5Config, dict]:
     """(model config, full params) of training checkpoint `path`, in this one process whatever layout saved it
-    (DCP reshards); the optimizer state is not read. Params keep the run's master dtype (fp32, fp64 in fp64 runs)."""
+    (DCP reshards); the optimizer state is not read. Params keep the run's master dtype (fp32, fp64 in fp64 runs).
+    A LoRA run's checkpoint: its base (`load_lora_base`, in the run's --lora.base_dtype) with the adapters merged."""
     meta = read_meta(path)
     if "model" not in meta:
         raise ValueError(f"{path}/meta.json has no model config: not a glm5f training checkpoint")
@@ -309,6 +310,12 @@ def load_params(path: str) -> tuple[GLM5Config, dict]:
         good = newest_complete(os.path.dirname(os.path.normpath(path)))
         raise ValueError(f"checkpoint {path} is damaged: {problem}" +
                          (f". The newest complete checkpoint beside it is {good}" if good else ""))
+    if "lora_base" in meta:
+        from glm5f.lora import merge
+
+        cfg, base = load_lora_base(path)
+        spec, adapters = load_adapters(path)
+        return cfg, merge(base, adapters, spec)
     cfg = GLM5Config.from_hf(meta["model"])
     master = torch.float64 if meta.get("run", {}).get("train", {}).get("dtype") == "float64" else torch.float32
     params = map_with_path(lambda p, t: torch.empty(t.shape, dtype=t.dtype), abstract_params(cfg, master))

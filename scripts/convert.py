@@ -63,16 +63,12 @@ def convert_lora(source: str, out_dir: str, merge: bool) -> str:
     Transformers checkpoint with the run's tokenizer ids and files; returns the checkpoint it read."""
     path = checkpoint.resolve(source)
     check_export_dir(out_dir)
-    spec, adapters = checkpoint.load_adapters(path)
-    if not merge:
-        from glm5f.hf import save_peft
+    if merge:
+        return convert(path, out_dir)  # load_params merges a LoRA run's adapters into its rebuilt base
+    from glm5f.hf import save_peft
 
-        save_peft(out_dir, GLM5Config.from_hf(checkpoint.read_meta(path)["model"]), adapters, spec)
-        return path
-    ids, files = run_tokenizer(path)
-    cfg, base = checkpoint.load_lora_base(path)
-    glm5f.save_hf(out_dir, dataclasses.replace(cfg, **ids), lora.merge(base, adapters, spec),
-                  extra_files=tuple(files))
+    spec, adapters = checkpoint.load_adapters(path)
+    save_peft(out_dir, GLM5Config.from_hf(checkpoint.read_meta(path)["model"]), adapters, spec)
     return path
 
 

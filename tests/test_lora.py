@@ -212,13 +212,19 @@ def test_layouts_meet_the_fp32_noise_floor(tmp_path):
 
 def test_merge_lora_export_gives_the_unmerged_logits(tmp_path):
     """scripts/convert.py --merge-lora: the base rebuilt from the run's preset and seed (fingerprint checked),
-    adapters merged in fp32: the Transformers checkpoint's logits are our unmerged forward's (fp32, 1e-5)."""
+    adapters merged in fp32: the Transformers checkpoint's logits are our unmerged forward's (fp32, 1e-5); the
+    run's --checkpoint.export_hf and checkpoint.load_params give the same merged weights."""
     from scripts.convert import main as convert
 
     run = tmp_path / "run"
     assert main(RUN + ["--train.steps", "3", "--optim.lr", "3e-2", "--lora.rank", "4", "--lora.targets",
-                       ALL_TARGETS, "--checkpoint.dir", str(run)]) == 0
+                       ALL_TARGETS, "--checkpoint.dir", str(run), "--checkpoint.export_hf", str(tmp_path / "hf")]) == 0
     assert convert([str(run), str(tmp_path / "merged"), "--merge-lora"]) == 0
+    _, exported = glm5f.load_hf(tmp_path / "hf")  # --checkpoint.export_hf of a LoRA run: the same merged weights
+    _, from_run = checkpoint.load_params(checkpoint.resolve(str(run)))  # what generate.py reads of a LoRA run
+    for other in (exported, from_run):
+        assert all(torch.equal(a, b) for a, b in zip(glm5f.flatten(other).values(),
+                                                     glm5f.flatten(glm5f.load_hf(tmp_path / "merged")[1]).values()))
     cfg, merged = glm5f.load_hf(tmp_path / "merged")
     spec, adapters = checkpoint.load_adapters(str(run))
     base = glm5f.init_params(glm5f.preset("glm5-tiny"), 0)
