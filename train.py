@@ -26,13 +26,13 @@ from glm5f import checkpoint, lora, preempt
 from glm5f.data import check_first_batch, make_eval_source, make_source, print_warning
 from glm5f.distributed import (TIMEOUT_EXIT, DistLayout, WorkerFailure, check_device, collective_timeout, init_process,
                                silent_ranks, spawn, under_torchrun)
-from glm5f.hf import check_export_dir, check_loaded_finite
+from glm5f.hf import check_export_dir, check_loaded_finite, save_peft
 from glm5f.loss import Step, eval_loss, step_grads
 from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
 from glm5f.model import check_input_ids
 from glm5f.optim import (adamw_init, adamw_update, balance_router_bias, clip_by_global_norm, lr_schedule, matches,
                          schedule_change, schedule_total)
-from glm5f.parallel import Layout, full_tensor, nonfinite_counts
+from glm5f.parallel import Layout, nonfinite_counts
 from glm5f.params import flatten, region_of
 
 
@@ -152,10 +152,10 @@ def prepare_run_dir(cfg: Config, layout: Layout, say) -> None:
     """A run directory holding a previous run is only continued (--checkpoint.resume) or, with
     --checkpoint.overwrite, emptied of what we wrote; anything else would mix two runs' metrics and checkpoints.
     An export directory is checked before any training."""
-    for export_dir in (cfg.checkpoint.export_hf, cfg.checkpoint.export_peft):
-        if export_dir:
+    for flag in ("export_hf", "export_peft"):
+        if getattr(cfg.checkpoint, flag):
             with user_errors():
-                check_export_dir(export_dir, run_dir=cfg.checkpoint.dir)
+                check_export_dir(getattr(cfg.checkpoint, flag), run_dir=cfg.checkpoint.dir, flag=f"--checkpoint.{flag}")
     run_dir = cfg.checkpoint.dir
     if cfg.checkpoint.resume or not os.path.isdir(run_dir):
         return
@@ -373,7 +373,7 @@ def export(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, adapters: dic
            say) -> None:
     """--checkpoint.export_hf: the weights (a LoRA run's merged into the base) as a Transformers checkpoint
     (collective: the ranks gather one leaf at a time, rank 0 writes). --checkpoint.export_peft: a LoRA run's
-    adapters as a PEFT adapter directory (gathered whole, rank 0 writes)."""
+    adapters as a PEFT adapter directory (`hf.save_peft`: the ranks gather them, rank 0 writes)."""
     spec = cfg.lora.spec()
     if cfg.checkpoint.export_hf:
         with user_errors():
@@ -381,12 +381,9 @@ def export(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, adapters: dic
             glm5f.save_hf(cfg.checkpoint.export_hf, model_cfg, weights, write=layout.is_main)
         say(f"exported Transformers checkpoint{' (adapters merged)' if spec else ''}: {cfg.checkpoint.export_hf}")
     if cfg.checkpoint.export_peft:
-        from glm5f.hf import save_peft
-
-        whole = {p: full_tensor(t).cpu() for p, t in adapters.items()}
-        if layout.is_main:
-            with user_errors():
-                save_peft(cfg.checkpoint.export_peft, model_cfg, whole, spec)
+        with user_errors():
+            save_peft(cfg.checkpoint.export_peft, model_cfg, adapters, spec,
+                      base_model_name_or_path=cfg.model.init_from, write=layout.is_main)
         say(f"exported PEFT adapter: {cfg.checkpoint.export_peft}")
 
 

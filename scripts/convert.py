@@ -26,7 +26,7 @@ import glm5f  # noqa: E402
 from glm5f import checkpoint, lora  # noqa: E402
 from glm5f.config import GLM5Config  # noqa: E402
 from glm5f.data import make_tokenizer  # noqa: E402
-from glm5f.hf import check_export_dir  # noqa: E402
+from glm5f.hf import check_export_dir, save_peft  # noqa: E402
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -65,10 +65,10 @@ def convert_lora(source: str, out_dir: str, merge: bool) -> str:
     check_export_dir(out_dir)
     if merge:
         return convert(path, out_dir)  # load_params merges a LoRA run's adapters into its rebuilt base
-    from glm5f.hf import save_peft
-
     spec, adapters = checkpoint.load_adapters(path)
-    save_peft(out_dir, GLM5Config.from_hf(checkpoint.read_meta(path)["model"]), adapters, spec)
+    meta = checkpoint.read_meta(path)
+    save_peft(out_dir, GLM5Config.from_hf(meta["model"]), adapters, spec,
+              base_model_name_or_path=(meta["run"].get("model") or {}).get("init_from"), flag="OUT_DIR")
     return path
 
 
