@@ -131,11 +131,11 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         if stop or (cfg.checkpoint.every and (i + 1) % cfg.checkpoint.every == 0) or i + 1 == cfg.train.steps:
             check_finite(adapters if spec else params, layout, i + 1, last_ckpt)
             state = {"adapters": adapters, "optim": opt_state} if spec else {"params": params, "optim": opt_state}
+            meta = {"model": model_cfg.to_hf(), "run": dataclasses.asdict(cfg)}
             last_ckpt = checkpoint.save(
                 cfg.checkpoint.dir, i + 1, state,
                 extra={"step": i + 1, "data": data.state_dict(), "rng": checkpoint.rng_state()},
-                meta={"model": model_cfg.to_hf(), "run": dataclasses.asdict(cfg), **({"lora_base": base} if spec else {})},
-                keep=cfg.checkpoint.keep)
+                meta={**meta, "lora_base": base} if spec else meta, keep=cfg.checkpoint.keep)
         if stop:
             raise preempt.Preempted(i + 1, last_ckpt)
     report(cfg, layout, say)

@@ -82,8 +82,9 @@ def main():
         print(f"  {s:6s} {r['seconds']:8.3f} s/step  peak {r['peak_gb']:7.3f} GB  {r['trained']:>12,} trained "
               f"parameters")
     full, low = res["full"], res["lora"]
-    print(f"  lora / full: {low['seconds'] / full['seconds']:.2f}x the step time, {low['peak_gb'] / full['peak_gb']:.3f} "
-          f"of the peak memory, {low['trained'] / full['trained']:.5f} of the trained parameters")
+    print(f"  lora / full: {low['seconds'] / full['seconds']:.2f}x the step time, "
+          f"{low['peak_gb'] / full['peak_gb']:.3f} of the peak memory, {low['trained'] / full['trained']:.5f} of the "
+          f"trained parameters")
 
 
 if __name__ == "__main__":
