@@ -123,12 +123,6 @@ def is_adapter(path: str) -> bool:
     return path.rpartition(".")[2] in ADAPTER_LEAVES
 
 
-def split(params: dict) -> tuple[dict, dict]:
-    """(the base tree, the flat adapters) of a tree holding both (`attach`'s result)."""
-    flat = flatten(params)
-    return nest({p: t for p, t in flat.items() if not is_adapter(p)}), {p: t for p, t in flat.items() if is_adapter(p)}
-
-
 def bind(tree, spec: LoraSpec | None):
     """The compute tree with `spec` (its scale and dropout) beside each adapter's factors, under "lora", for the
     layers (ops.linear, moe.expert_linear) to read; a ValueError when the tree holds adapters and spec is None."""
