@@ -35,7 +35,7 @@ from glm5f.optim import (adamw_init, adamw_update, balance_router_bias, clip_by_
 from glm5f.parallel import Layout, nonfinite_counts
 
 
-class TrainingError(RuntimeError):
+class TrainingError(ValueError):
     """A run stopped for a reason the user has to act on (the message says what)."""
 
 
@@ -329,23 +329,30 @@ def run_rank(argv: list[str], torchrun: bool = False) -> None:
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     p = cfg.parallel
-    with preempt.handling(cfg.checkpoint.preempt_grace_s):
+    with preempt.handling(cfg.checkpoint.preempt_grace_s, launched=not torchrun):
         try:
             with checkpoint.shared_run_lock(cfg.checkpoint.dir) if torchrun else contextlib.nullcontext():
                 train(cfg, DistLayout(p.dp_shard, p.cp, p.ep, device))
         except (preempt.Preempted, preempt.StopNow) as e:  # every rank stops here; rank 0 says where
-            if os.environ.get("RANK") == "0":
-                print(e.message(argv) if isinstance(e, preempt.Preempted) else
-                      preempt.interrupted_line(f"{e} (without saving)", cfg.checkpoint.dir, argv),
-                      file=sys.stderr, flush=True)
-            raise SystemExit(preempt.SIGNAL_EXIT[signal.SIGTERM]) from None
+            stopped(e, cfg, argv)
         except Exception as e:
+            if preempt.stopped_now():  # the collective of a peer that stopped on the same second SIGTERM
+                stopped(preempt.stopped_now(), cfg, argv)
             if torchrun and preempt.interrupted():  # a peer that stopped on the same Ctrl-C: main says it once
                 raise KeyboardInterrupt from None
             if not torchrun or not collective_timeout(e):
                 raise
             report_timeout(cfg, e)
             raise SystemExit(TIMEOUT_EXIT) from None
+
+
+def stopped(e: BaseException, cfg: Config, argv: list[str]) -> None:
+    """A rank of a multi-process run stops on SIGTERM (Preempted after the save, StopNow without one): rank 0 says
+    where, and every rank exits 143."""
+    if os.environ.get("RANK") == "0":
+        print(e.message(argv) if isinstance(e, preempt.Preempted) else
+              preempt.interrupted_line(f"{e} (without saving)", cfg.checkpoint.dir, argv), file=sys.stderr, flush=True)
+    raise SystemExit(preempt.SIGNAL_EXIT[signal.SIGTERM]) from None
 
 
 def report_timeout(cfg: Config, e: Exception) -> None:
@@ -392,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
             raise TrainingError("invalid configuration:\n  - " + "\n  - ".join(errors))
         cfg = with_data_type(cfg)
         checkpoint.check_run_paths(cfg)
+        resolve_device(cfg.train.device)  # a device that is not there: one line, before any process starts
         if under_torchrun():  # rank 0 holds the lock, once the process group is up (see run_rank)
             run_rank(argv, torchrun=True)
             return 0

@@ -13,9 +13,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -254,7 +256,8 @@ def _die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, daemon=True, name="die-with-parent").start()
 
 
-def _worker(local_rank: int, world: int, port: int, fn, args, parent_pid: int | None = None):
+def _worker(local_rank: int, world: int, port: int, fn, args, parent_pid: int | None = None,
+            report_dir: str | None = None):
     if parent_pid is not None:
         _die_with_parent(parent_pid)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
@@ -266,6 +269,14 @@ def _worker(local_rank: int, world: int, port: int, fn, args, parent_pid: int | 
     except BaseException as e:
         if isinstance(e, KeyboardInterrupt) or preempt.interrupted():  # Ctrl-C, or a peer that stopped on it:
             raise SystemExit(preempt.SIGNAL_EXIT[signal.SIGINT]) from None  # the launcher says it, once
+        if isinstance(e, preempt.StopNow) or preempt.stopped_now():  # a second SIGTERM, or a peer that stopped
+            raise SystemExit(preempt.SIGNAL_EXIT[signal.SIGTERM]) from None
+        if isinstance(e, ValueError) and report_dir is not None:  # a message for the user: the launcher says it
+            with open(os.path.join(report_dir, str(local_rank)), "w") as f:
+                f.write(str(e))
+            raise SystemExit(REPORTED_EXIT) from None
+        if report_dir is not None and os.listdir(report_dir):  # a peer reported an error and stopped first
+            raise SystemExit(REPORTED_EXIT) from None
         timeout = collective_timeout(e)
         if timeout:
             print(f"error: [rank {local_rank}] {timeout}", file=sys.stderr, flush=True)
@@ -278,6 +289,12 @@ def _worker(local_rank: int, world: int, port: int, fn, args, parent_pid: int | 
 
 
 TIMEOUT_EXIT = 124  # a worker's exit code after a collective timed out (collective_timeout)
+REPORTED_EXIT = 3  # a worker's exit code after it reported an error for the user (a ValueError) to the launcher
+
+
+class RankError(ValueError):
+    """An error for the user (a ValueError: bad input, a failed save) that a worker of `spawn` reported: the
+    launcher raises it once, with the message of the lowest rank that reported one, and no traceback."""
 
 
 def collective_timeout(e: BaseException) -> str | None:
@@ -360,22 +377,42 @@ def silent_ranks(grace_s: float = 5.0) -> tuple[list[int], list[int]] | None:
         return None
 
 
+def _reported_error(processes, report_dir: str, grace_s: float = 10.0) -> RankError | None:
+    """When a worker ended reporting an error (REPORTED_EXIT): the others get `grace_s` to end as well (they
+    usually meet the same error, or the collective of the one that left), then are killed; the RankError of the
+    lowest rank that reported. None when no worker reported one."""
+    if not any(p.exitcode == REPORTED_EXIT for p in processes):
+        return None
+    deadline = time.monotonic() + grace_s
+    for p in processes:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+    first = min(os.listdir(report_dir), key=int)
+    with open(os.path.join(report_dir, first)) as f:
+        return RankError(f.read())
+
+
 class WorkerFailure(RuntimeError):
     """A worker process of a multi-process run failed or died (the others were stopped)."""
 
 
 def spawn(fn, world: int, *args) -> None:
     """Run fn(*args) in `world` local processes joined into one process group. If any worker fails or dies,
-    the others are stopped and this raises with the worker's exit status."""
+    the others are stopped and this raises: a RankError with the message of a worker's ValueError (the lowest
+    rank's), a WorkerFailure with the worker's exit status otherwise. A SIGTERM to this process reaches the workers
+    as preempt.FORWARDED."""
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(_worker, args=(world, free_port(), fn, args, os.getpid()), nprocs=world, join=False,
-                             start_method="spawn")
+    report_dir = tempfile.mkdtemp(prefix="glm5f-errors-")
+    ctx = mp.start_processes(_worker, args=(world, free_port(), fn, args, os.getpid(), report_dir), nprocs=world,
+                             join=False, start_method="spawn")
 
     def forward(signum, frame):  # SIGTERM to the launcher: every worker finishes its step and saves
         for p in ctx.processes:
             if p.is_alive():
-                os.kill(p.pid, signum)
+                os.kill(p.pid, preempt.FORWARDED)
     before = signal.signal(signal.SIGTERM, forward) if threading.current_thread() is threading.main_thread() else None
     try:
         try:
@@ -387,6 +424,9 @@ def spawn(fn, world: int, *args) -> None:
             raise KeyboardInterrupt
         if stopped:  # every worker stopped on a signal, after one checkpoint (rank 0 said where): exit as they did
             raise SystemExit(stopped)
+        reported = _reported_error(ctx.processes, report_dir)
+        if reported is not None:
+            raise reported
         silent = _silent_after_timeout(ctx.processes)
         if silent:
             raise WorkerFailure(f"worker(s) {', '.join(map(str, silent))} stopped answering: the others' collective "
@@ -403,3 +443,4 @@ def spawn(fn, world: int, *args) -> None:
     finally:
         if before is not None:
             signal.signal(signal.SIGTERM, before)
+        shutil.rmtree(report_dir, ignore_errors=True)
