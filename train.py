@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import math
 import os
 import shutil
@@ -54,6 +55,18 @@ def user_errors():
         yield
     except (ValueError, FileNotFoundError, ImportError) as e:
         raise TrainingError(str(e)) from e
+
+
+@contextlib.contextmanager
+def writing(path: str, run_dir: str):
+    """Writing one of the run's files (metrics.jsonl, config.yaml, an export): a full disk or another I/O error
+    stops the run with a line naming the file, the cause and the last checkpoint."""
+    try:
+        yield
+    except OSError as e:
+        why = f"{e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)})"
+        fix = "free some space" if e.errno == errno.ENOSPC else "fix the cause"
+        raise TrainingError(f"could not write {path}: {why}; {fix}; {checkpoint.last_line(run_dir)}") from None
 
 
 def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
@@ -108,9 +121,11 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
             rec["eval_ppl"] = math.exp(rec["eval_loss"]) if rec["eval_loss"] < 700 else math.inf
         records.append(rec)
         if layout.is_main:
-            log.write(rec)
+            with writing(log.path, cfg.checkpoint.dir):
+                log.write(rec)
             if i == start:  # beside the first metrics record, so a run that fails before it leaves nothing
-                write_config(cfg)
+                with writing(os.path.join(cfg.checkpoint.dir, CONFIG_FILE), cfg.checkpoint.dir):
+                    write_config(cfg)
             progress.update(i + 1, rec)
         stop = preempt.should_stop(layout)  # SIGTERM on any rank: all save this step, then stop
         if stop or (cfg.checkpoint.every and (i + 1) % cfg.checkpoint.every == 0) or i + 1 == cfg.train.steps:
@@ -294,10 +309,14 @@ def report(cfg: Config, layout: Layout, say) -> None:
     run_dir = cfg.checkpoint.dir
     history = read_metrics(run_dir)
     png = os.path.join(run_dir, "loss.png")
-    if plot_losses({os.path.basename(os.path.abspath(run_dir)): history}, png):
-        say(f"loss curve: {png}")
-    else:
-        say("no loss curve: matplotlib is not installed (pip install matplotlib)")
+    try:
+        if plot_losses({os.path.basename(os.path.abspath(run_dir)): history}, png):
+            say(f"loss curve: {png}")
+        else:
+            say("no loss curve: matplotlib is not installed (pip install matplotlib)")
+    except OSError as e:  # the run and its checkpoint are complete: the picture is not worth an error
+        print_warning(f"no loss curve: could not write {png}: {e.strerror or e} "
+                      f"({errno.errorcode.get(e.errno, e.errno)})")
     first, last = history[0], history[-1]
     say(f"done: loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} (step {last['step']})")
     if "indexer_loss" in first:
@@ -313,7 +332,7 @@ def export(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, layout: Layou
     """--checkpoint.export_hf: the weights as a Transformers checkpoint (collective: the ranks gather one leaf at
     a time, rank 0 writes)."""
     if cfg.checkpoint.export_hf:
-        with user_errors():
+        with user_errors(), writing(cfg.checkpoint.export_hf, cfg.checkpoint.dir):
             glm5f.save_hf(cfg.checkpoint.export_hf, model_cfg, params, write=layout.is_main)
         say(f"exported Transformers checkpoint: {cfg.checkpoint.export_hf}")
 
