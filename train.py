@@ -248,7 +248,7 @@ def resume(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, opt_state: di
     checkpoint.set_rng_state(extra["rng"])
     say(f"resumed from {ckpt} at step {extra['step']}")
     note = schedule_change(saved, cfg.optim, cfg.train, extra["step"])
-    if note:
+    if note and extra["step"] < cfg.train.steps:  # a run with no step left has no learning rate to change
         say(note)
     return extra["step"], ckpt, state["params"], state["optim"]
 

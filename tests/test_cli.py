@@ -179,6 +179,10 @@ def test_a_longer_resumed_run_says_the_lr_jumps_and_schedule_steps_keeps_the_sch
     assert lines == ["the learning-rate schedule now ends at step 8, not 4 as in the checkpoint's run, so the lr "
                      "jumps from 3.00e-04 to 2.33e-03 at step 5; pass --optim.schedule_steps 4 to keep the original "
                      "schedule"]
+    assert main(TINY + ["--checkpoint.dir", str(tmp_path / "b"), "--train.steps", "6", "--checkpoint.resume",
+                        "latest"]) == 0  # nothing to do: no schedule to speak of
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1] == "nothing to do: step 8 >= --train.steps 6" and "learning-rate" not in out
 
 
 def test_convert_keeps_the_umask_and_the_run_tokenizer(tmp_path, capsys):
