@@ -25,8 +25,8 @@ import glm5f
 from configs import CONFIG_FILE, Config, parse, validate, with_data_type, write_config
 from glm5f import checkpoint, preempt
 from glm5f.data import check_first_batch, make_eval_source, make_source, print_warning
-from glm5f.distributed import (TIMEOUT_EXIT, DistLayout, WorkerFailure, check_device, collective_timeout, init_process,
-                               silent_ranks, spawn, under_torchrun)
+from glm5f.distributed import (TIMEOUT_EXIT, DistLayout, StallWatch, WorkerFailure, check_device, collective_timeout,
+                               init_process, silent_ranks, spawn, under_torchrun)
 from glm5f.hf import check_export_dir, check_loaded_finite
 from glm5f.loss import Step, eval_loss, step_grads
 from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
@@ -127,6 +127,7 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
                 with writing(os.path.join(cfg.checkpoint.dir, CONFIG_FILE), cfg.checkpoint.dir):
                     write_config(cfg)
             progress.update(i + 1, rec)
+        layout.step_done(i + 1)
         stop = preempt.should_stop(layout)  # SIGTERM on any rank: all save this step, then stop
         if stop or (cfg.checkpoint.every and (i + 1) % cfg.checkpoint.every == 0) or i + 1 == cfg.train.steps:
             check_finite(params, layout, i + 1, last_ckpt)
@@ -351,7 +352,9 @@ def run_rank(argv: list[str], torchrun: bool = False) -> None:
     with preempt.handling(cfg.checkpoint.preempt_grace_s, launched=not torchrun):
         try:
             with checkpoint.shared_run_lock(cfg.checkpoint.dir) if torchrun else contextlib.nullcontext():
-                train(cfg, DistLayout(p.dp_shard, p.cp, p.ep, device))
+                layout = DistLayout(p.dp_shard, p.cp, p.ep, device)
+                layout.stall_watch = StallWatch(cfg.parallel.timeout_s)
+                train(cfg, layout)
         except (preempt.Preempted, preempt.StopNow) as e:  # every rank stops here; rank 0 says where
             stopped(e, cfg, argv)
         except Exception as e:

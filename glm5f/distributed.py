@@ -111,6 +111,11 @@ class DistLayout(Layout):
         self.dp_rank, self.cp_rank = divmod(self.rank, cp)
         self.cp_group = self.meshes["data"].get_group("cp")
         self.ep_group = self.meshes["experts"].get_group("ep")
+        self.stall_watch: StallWatch | None = None
+
+    def step_done(self, step: int) -> None:
+        if self.stall_watch is not None:
+            self.stall_watch.step_done(step)
 
     # ---- parameters
     def param_specs(self, params: dict, prefix: str = "") -> dict:
@@ -355,6 +360,53 @@ def _silent_after_timeout(processes, grace_s: float = 5.0) -> list[int]:
         os.kill(processes[i].pid, signal.SIGKILL)
         processes[i].join()
     return silent
+
+
+class StallWatch:
+    """While a multi-process run trains: every rank's thread beats (a counter in the process group's store) every
+    `beat_s` seconds (2, or a 20th of the timeout); when this rank's step has run longer than half of `timeout_s`
+    (the collective timeout) and three times its longest step so far, the lowest rank still beating prints one
+    line naming the ranks whose beat stopped (a rank hung, stopped or dead makes the others' collectives wait for
+    it), before the timeout stops the run. The first step (compiling, warming up) is not watched."""
+
+    def __init__(self, timeout_s: float):
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.store = dist.distributed_c10d._get_default_store()
+        self.timeout_s, self.beat_s = timeout_s, min(2.0, timeout_s / 20)
+        self.step, self.since, self.longest, self.said = 0, time.monotonic(), 0.0, False
+        threading.Thread(target=self._watch, daemon=True, name="stall-watch").start()
+
+    def step_done(self, step: int) -> None:
+        now = time.monotonic()
+        self.longest = max(self.longest, now - self.since) if self.step else 0.0
+        self.step, self.since, self.said = step, now, False
+
+    def _beats(self) -> list[int]:
+        return [int(self.store.add(f"glm5f/beat/{r}", 0)) for r in range(self.world)]
+
+    def _watch(self) -> None:
+        try:
+            while True:
+                self.store.add(f"glm5f/beat/{self.rank}", 1)
+                time.sleep(self.beat_s)
+                waited = time.monotonic() - self.since
+                if self.said or not self.step or waited < max(self.timeout_s / 2, 3 * self.longest):
+                    continue
+                before = self._beats()
+                for _ in range(3):  # long enough for every live rank to beat at least once
+                    self.store.add(f"glm5f/beat/{self.rank}", 1)
+                    time.sleep(self.beat_s)
+                silent = [r for r, (a, b) in enumerate(zip(before, self._beats())) if a == b]
+                answering = [r for r in range(self.world) if r not in silent]
+                self.said = True
+                if answering and self.rank == min(answering) and time.monotonic() - self.since < self.timeout_s:
+                    who = (f"rank(s) {', '.join(map(str, silent))} stopped answering (hung, stopped or dead)" if silent
+                           else "every rank is alive (waiting in different collectives, or a step this slow)")
+                    print(f"warning: step {self.step + 1} has run {waited:.0f} s, more than half of "
+                          f"--parallel.timeout_s {self.timeout_s}: {who}; at {self.timeout_s} s of waiting the run "
+                          f"stops", file=sys.stderr, flush=True)
+        except Exception:  # the store went away (the run is ending): nothing left to watch
+            return
 
 
 def silent_ranks(grace_s: float = 5.0) -> tuple[list[int], list[int]] | None:

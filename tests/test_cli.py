@@ -242,6 +242,43 @@ def test_a_hung_rank_is_named_after_the_collective_timeout(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+# train.py whose rank 1 stops itself (SIGSTOP, as `kill -STOP` does) in its 4th step, past the first
+STOP_RANK_1 = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {root!r})
+    import train
+    real, calls = train.step_grads, []
+    def step_grads(*a, **k):
+        calls.append(1)
+        if os.environ.get("RANK") == "1" and len(calls) == 4:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return real(*a, **k)
+    train.step_grads = step_grads
+    if __name__ == "__main__":
+        sys.exit(train.main(sys.argv[1:]))
+""")
+
+
+def test_a_stopped_rank_is_named_before_the_collective_timeout(tmp_path):
+    script = tmp_path / "stop.py"
+    script.write_text(STOP_RANK_1.format(root=ROOT))
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(script), *TINY, "--train.steps", "10", "--parallel.dp_shard", "2",
+                           "--parallel.timeout_s", "10", "--checkpoint.every", "2", "--checkpoint.dir", str(run)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    warned = [i for i, line in enumerate(lines) if re.fullmatch(
+        r"warning: step 4 has run \d+ s, more than half of --parallel.timeout_s 10: rank\(s\) 1 stopped answering "
+        r"\(hung, stopped or dead\); at 10 s of waiting the run stops", line)]
+    assert len(warned) == 1, proc.stderr
+    assert lines[-1] == (
+        f"error: worker(s) 1 stopped answering: the others' collective timed out after --parallel.timeout_s waiting "
+        f"for them, and they were still running (hung or stopped), so all 2 workers were stopped; the last "
+        f"checkpoint is {run / 'checkpoints' / 'step_00000002'}: resume from it with --checkpoint.resume latest")
+    assert warned[0] < len(lines) - 1 and "Traceback" not in proc.stderr
+
+
 def test_invalid_run_configs_fail_before_any_work(tmp_path, capsys):
     run = tmp_path / "never"
     for args, message in [(["--train.steps", "-3"], "--train.steps must be >= 1"),
