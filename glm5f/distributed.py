@@ -268,6 +268,17 @@ def _worker(local_rank: int, world: int, port: int, fn, args, parent_pid: int | 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
                       LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     try:
+        _run_worker(local_rank, fn, args, report_dir)
+    except SystemExit as e:  # a stop (a signal, an error the launcher reports): its code, and nothing more
+        if not isinstance(e.code, int):
+            raise
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(e.code)  # not through torch's C++ teardown, which warns of the collective the stop left unwaited
+
+
+def _run_worker(local_rank: int, fn, args, report_dir: str | None) -> None:
+    try:
         fn(*args)
     except SystemExit:  # a stop with its exit code
         raise
