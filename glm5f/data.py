@@ -344,10 +344,12 @@ def check_same_files(saved: list[dict] | None, path: str, allow_changed: bool, w
 
 class RecordNotes:
     """What the first records of a dataset say about it: how many were read, how many hold input_ids, and where
-    the ones with an empty response and the ones with nothing to learn (skipped) are (the first, and a count)."""
+    the ones with an empty response or text and the ones with nothing to learn (skipped) are (the first, and a
+    count)."""
 
     def __init__(self):
-        self.records, self.tokenized, self.empty, self.first_empty = 0, 0, 0, None
+        self.records, self.tokenized = 0, 0
+        self.empty: dict[str, list] = {}  # "response" / "text" -> [records where it is empty, the first one]
         self.notes: dict[str, list] = {}  # an Example's note -> [count, where the first one is]
         self.untrained, self.first_untrained = 0, None
 
@@ -359,20 +361,20 @@ class RecordNotes:
             self.untrained += 1
             self.first_untrained = self.first_untrained or where
         self.tokenized += "input_ids" in rec
-        if "input_ids" not in rec and "prompt" in rec and "response" in rec and not str(rec["response"]).strip():
-            self.empty += 1
-            self.first_empty = self.first_empty or where
+        field = "response" if "prompt" in rec and "response" in rec else "text" if "text" in rec else None
+        if "input_ids" not in rec and field and not str(rec[field]).strip() and has_target(ex):
+            self.empty.setdefault(field, [0, where])[0] += 1
 
     def warn(self, complete: bool, tokenizer_path: str | None, warn) -> None:
-        """Warn once about records with an empty response, and about a --model.tokenizer_path that no record
+        """Warn once about records with an empty response or text, and about a --model.tokenizer_path that no record
         uses (all hold input_ids); `complete`: the notes cover the whole dataset."""
         counted = f"{self.records}" if complete else f"the first {self.records}"
         if self.untrained and self.untrained < self.records:
             warn(f"{self.untrained} of {counted} records have no token to learn (at most one token, or every "
                  f"label {IGNORE_INDEX}; the first at {self.first_untrained}): they are skipped")
-        if self.empty:
-            warn(f"{self.empty} of {counted} records have an empty response (the first at {self.first_empty}); "
-                 f"each trains only on its end-of-sequence token")
+        for field, (count, first) in self.empty.items():
+            warn(f"{count} of {counted} records have an empty {field} (the first at {first}); each trains only on "
+                 f"its end-of-sequence token")
         if tokenizer_path and self.records and self.tokenized == self.records:
             warn(f"--model.tokenizer_path {tokenizer_path} is not used: every record holds input_ids already")
         for note, (count, first) in self.notes.items():

@@ -538,3 +538,14 @@ def test_memory_does_not_grow_with_the_corpus(tmp_path):
 @pytest.mark.slow
 def test_memory_does_not_grow_with_a_1gb_corpus(tmp_path):
     assert rss_growth(tmp_path, 1024) < 300 << 20
+
+
+def test_records_with_an_empty_text_are_counted_in_one_warning(tmp_path):
+    data = write_records(tmp_path / "d.jsonl", [{"text": "some words"}, {"text": ""}, {"text": " "},
+                                                {"prompt": "q", "response": ""}])
+    said = []
+    make_source("json_file", vocab_size=512, batch_size=2, seq_len=16, path=data, warn=said.append)
+    assert said == [f"2 of 4 records have an empty text (the first at {data}:2); each trains only on its "
+                    f"end-of-sequence token",
+                    f"1 of 4 records have an empty response (the first at {data}:4); each trains only on its "
+                    f"end-of-sequence token"]
