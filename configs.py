@@ -8,6 +8,7 @@ values (`--config FILE.yaml`: the same sections and fields, nested; flags overri
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import os
@@ -575,7 +576,12 @@ def config_yaml(cfg: Config) -> str:
 def write_config(cfg: Config) -> str:
     """Write config.yaml into the run directory (atomically: a temporary file renamed); returns its path."""
     path = os.path.join(cfg.checkpoint.dir, CONFIG_FILE)
-    with open(path + ".tmp", "w") as f:
-        f.write(config_yaml(cfg))
-    os.replace(path + ".tmp", path)
+    try:
+        with open(path + ".tmp", "w") as f:
+            f.write(config_yaml(cfg))
+        os.replace(path + ".tmp", path)
+    except OSError:  # a full disk: no half-written copy left beside the file
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+        raise
     return path

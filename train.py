@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import math
 import os
 import shutil
@@ -24,8 +25,8 @@ import glm5f
 from configs import CONFIG_FILE, Config, parse, validate, with_data_type, write_config
 from glm5f import checkpoint, lora, preempt
 from glm5f.data import check_first_batch, make_eval_source, make_source, print_warning
-from glm5f.distributed import (TIMEOUT_EXIT, DistLayout, WorkerFailure, check_device, collective_timeout, init_process,
-                               silent_ranks, spawn, under_torchrun)
+from glm5f.distributed import (TIMEOUT_EXIT, DistLayout, StallWatch, WorkerFailure, check_device, collective_timeout,
+                               init_process, silent_ranks, spawn, under_torchrun)
 from glm5f.hf import check_export_dir, check_loaded_finite, save_peft
 from glm5f.loss import Step, eval_loss, step_grads
 from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
@@ -36,7 +37,7 @@ from glm5f.parallel import Layout, nonfinite_counts
 from glm5f.params import flatten, region_of
 
 
-class TrainingError(RuntimeError):
+class TrainingError(ValueError):
     """A run stopped for a reason the user has to act on (the message says what)."""
 
 
@@ -55,6 +56,18 @@ def user_errors():
         yield
     except (ValueError, FileNotFoundError, ImportError) as e:
         raise TrainingError(str(e)) from e
+
+
+@contextlib.contextmanager
+def writing(path: str, run_dir: str):
+    """Writing one of the run's files (metrics.jsonl, config.yaml, an export): a full disk or another I/O error
+    stops the run with a line naming the file, the cause and the last checkpoint."""
+    try:
+        yield
+    except OSError as e:
+        why = f"{e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)})"
+        fix = "free some space" if e.errno == errno.ENOSPC else "fix the cause"
+        raise TrainingError(f"could not write {path}: {why}; {fix}; {checkpoint.last_line(run_dir)}") from None
 
 
 def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
@@ -123,10 +136,13 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
             rec["eval_ppl"] = math.exp(rec["eval_loss"]) if rec["eval_loss"] < 700 else math.inf
         records.append(rec)
         if layout.is_main:
-            log.write(rec)
+            with writing(log.path, cfg.checkpoint.dir):
+                log.write(rec)
             if i == start:  # beside the first metrics record, so a run that fails before it leaves nothing
-                write_config(cfg)
+                with writing(os.path.join(cfg.checkpoint.dir, CONFIG_FILE), cfg.checkpoint.dir):
+                    write_config(cfg)
             progress.update(i + 1, rec)
+        layout.step_done(i + 1)
         stop = preempt.should_stop(layout)  # SIGTERM on any rank: all save this step, then stop
         if stop or (cfg.checkpoint.every and (i + 1) % cfg.checkpoint.every == 0) or i + 1 == cfg.train.steps:
             check_finite(adapters if spec else params, layout, i + 1, last_ckpt)
@@ -275,7 +291,7 @@ def resume(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, adapters: dic
     checkpoint.set_rng_state(extra["rng"])
     say(f"resumed from {ckpt} at step {extra['step']}")
     note = schedule_change(saved, cfg.optim, cfg.train, extra["step"])
-    if note:
+    if note and extra["step"] < cfg.train.steps:  # a run with no step left has no learning rate to change
         say(note)
     return extra["step"], ckpt, state["params" if adapters is None else "adapters"], state["optim"]
 
@@ -354,10 +370,14 @@ def report(cfg: Config, layout: Layout, say) -> None:
     run_dir = cfg.checkpoint.dir
     history = read_metrics(run_dir)
     png = os.path.join(run_dir, "loss.png")
-    if plot_losses({os.path.basename(os.path.abspath(run_dir)): history}, png):
-        say(f"loss curve: {png}")
-    else:
-        say("no loss curve: matplotlib is not installed (pip install matplotlib)")
+    try:
+        if plot_losses({os.path.basename(os.path.abspath(run_dir)): history}, png):
+            say(f"loss curve: {png}")
+        else:
+            say("no loss curve: matplotlib is not installed (pip install matplotlib)")
+    except OSError as e:  # the run and its checkpoint are complete: the picture is not worth an error
+        print_warning(f"no loss curve: could not write {png}: {e.strerror or e} "
+                      f"({errno.errorcode.get(e.errno, e.errno)})")
     first, last = history[0], history[-1]
     say(f"done: loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} (step {last['step']})")
     if "indexer_loss" in first:
@@ -376,12 +396,12 @@ def export(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, adapters: dic
     adapters as a PEFT adapter directory (`hf.save_peft`: the ranks gather them, rank 0 writes)."""
     spec = cfg.lora.spec()
     if cfg.checkpoint.export_hf:
-        with user_errors():
+        with user_errors(), writing(cfg.checkpoint.export_hf, cfg.checkpoint.dir):
             weights = lora.merge(params, adapters, spec) if spec else params
             glm5f.save_hf(cfg.checkpoint.export_hf, model_cfg, weights, write=layout.is_main)
         say(f"exported Transformers checkpoint{' (adapters merged)' if spec else ''}: {cfg.checkpoint.export_hf}")
     if cfg.checkpoint.export_peft:
-        with user_errors():
+        with user_errors(), writing(cfg.checkpoint.export_peft, cfg.checkpoint.dir):
             save_peft(cfg.checkpoint.export_peft, model_cfg, adapters, spec,
                       base_model_name_or_path=cfg.model.init_from, write=layout.is_main)
         say(f"exported PEFT adapter: {cfg.checkpoint.export_peft}")
@@ -398,23 +418,32 @@ def run_rank(argv: list[str], torchrun: bool = False) -> None:
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     p = cfg.parallel
-    with preempt.handling(cfg.checkpoint.preempt_grace_s):
+    with preempt.handling(cfg.checkpoint.preempt_grace_s, launched=not torchrun):
         try:
             with checkpoint.shared_run_lock(cfg.checkpoint.dir) if torchrun else contextlib.nullcontext():
-                train(cfg, DistLayout(p.dp_shard, p.cp, p.ep, device))
+                layout = DistLayout(p.dp_shard, p.cp, p.ep, device)
+                layout.stall_watch = StallWatch(cfg.parallel.timeout_s)
+                train(cfg, layout)
         except (preempt.Preempted, preempt.StopNow) as e:  # every rank stops here; rank 0 says where
-            if os.environ.get("RANK") == "0":
-                print(e.message(argv) if isinstance(e, preempt.Preempted) else
-                      preempt.interrupted_line(f"{e} (without saving)", cfg.checkpoint.dir, argv),
-                      file=sys.stderr, flush=True)
-            raise SystemExit(preempt.SIGNAL_EXIT[signal.SIGTERM]) from None
+            stopped(e, cfg, argv)
         except Exception as e:
+            if preempt.stopped_now():  # the collective of a peer that stopped on the same second SIGTERM
+                stopped(preempt.stopped_now(), cfg, argv)
             if torchrun and preempt.interrupted():  # a peer that stopped on the same Ctrl-C: main says it once
                 raise KeyboardInterrupt from None
             if not torchrun or not collective_timeout(e):
                 raise
             report_timeout(cfg, e)
             raise SystemExit(TIMEOUT_EXIT) from None
+
+
+def stopped(e: BaseException, cfg: Config, argv: list[str]) -> None:
+    """A rank of a multi-process run stops on SIGTERM (Preempted after the save, StopNow without one): rank 0 says
+    where, and every rank exits 143."""
+    if os.environ.get("RANK") == "0":
+        print(e.message(argv) if isinstance(e, preempt.Preempted) else
+              preempt.interrupted_line(f"{e} (without saving)", cfg.checkpoint.dir, argv), file=sys.stderr, flush=True)
+    raise SystemExit(preempt.SIGNAL_EXIT[signal.SIGTERM]) from None
 
 
 def report_timeout(cfg: Config, e: Exception) -> None:
@@ -461,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
             raise TrainingError("invalid configuration:\n  - " + "\n  - ".join(errors))
         cfg = with_data_type(cfg)
         checkpoint.check_run_paths(cfg)
+        resolve_device(cfg.train.device)  # a device that is not there: one line, before any process starts
         if under_torchrun():  # rank 0 holds the lock, once the process group is up (see run_rank)
             run_rank(argv, torchrun=True)
             return 0

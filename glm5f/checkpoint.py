@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from glm5f.config import GLM5Config, read_json
-from glm5f.parallel import local_tensor, nonfinite_counts
+from glm5f.parallel import nonfinite_counts
 from glm5f.params import abstract_params, flatten, map_with_path
 
 PREFIX = "step_"
@@ -92,10 +92,8 @@ def save(run_dir: str, step: int, state: dict, extra: dict, meta: dict, keep: in
         before = latest(run_dir)
         kept = f"{before} is still the latest checkpoint" if before else "no checkpoint was written before it"
         if cause.errno == errno.ENOSPC:
-            need = sum(local_tensor(t).numel() * local_tensor(t).element_size() for t in flatten(state).values())
             free = shutil.disk_usage(root if os.path.isdir(root) else run_dir).free
-            why = (f"no space left on device: it needs about {_size(need)} (this rank's share), {_size(free)} "
-                   f"are free there now")
+            why = f"no space left on device: {_needed(state, before)}, {_size(free)} are free there now"
             fix = "free some space (or lower --checkpoint.keep) and resume with --checkpoint.resume latest"
         else:
             why = f"{cause.strerror or cause} ({errno.errorcode.get(cause.errno, cause.errno)})"
@@ -123,6 +121,16 @@ def _behind(e: BaseException, match) -> BaseException | None:
             return e
         e = e.__cause__ or e.__context__
     return None
+
+
+def _needed(state: dict, before: str | None) -> str:
+    """How much room a checkpoint of `state` takes: as much as the previous one (`before`) on disk, else the bytes
+    of its tensors (whole tensors: every rank's shards, which all go to the same folder)."""
+    if before is not None:
+        used = sum(os.path.getsize(os.path.join(before, n)) for n in os.listdir(before))
+        return f"a checkpoint takes about {_size(used)} (as {os.path.basename(before)} does)"
+    tensors = sum(t.numel() * t.element_size() for t in flatten(state).values())  # a DTensor's numel is global
+    return f"a checkpoint takes at least {_size(tensors)} (its tensors)"
 
 
 def _size(n: int) -> str:

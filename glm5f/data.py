@@ -226,6 +226,16 @@ class JsonlReader:
         except UnicodeDecodeError as e:
             raise ValueError(f"{self.where(loc)}: not UTF-8 text ({e.reason} at byte {e.start} of the line)") from None
 
+    def relocate(self, locs) -> tuple[list, tuple]:
+        """For a file that changed since `locs` were taken: the locations its records with the same indices have
+        now (None for an index past its end), and the location of its end; one pass over the file."""
+        wanted, found = {loc[2] for loc in locs}, {}
+        scan = JsonlReader(self.path)
+        while (got := scan.read()) is not None:
+            if got[0][2] in wanted:
+                found[got[0][2]] = got[0]
+        return [found.get(loc[2]) for loc in locs], scan.next_loc
+
     def payloads(self, locs) -> list[bytes]:
         """The lines at `locs`, read in one forward pass over the file (and the reader back at next_loc)."""
         out = {}
@@ -277,6 +287,10 @@ class DatasetReader:
     def parse(self, loc, payload):
         return self.ds[loc[0]]
 
+    def relocate(self, locs) -> tuple[list, tuple]:
+        """As JsonlReader.relocate: a row keeps its index while the dataset has it."""
+        return [tuple(loc) if loc[0] < len(self.ds) else None for loc in locs], (len(self.ds),) * 3
+
     def payloads(self, locs) -> list:
         return [None] * len(locs)
 
@@ -310,11 +324,11 @@ class DataChanged(ValueError):
     """The data a checkpoint's position refers to is not the data there now."""
 
 
-def check_same_files(saved: list[dict] | None, path: str, allow_changed: bool, warn=lambda message: None) -> None:
+def check_same_files(saved: list[dict] | None, path: str, allow_changed: bool, warn=lambda message: None) -> bool:
     """Compare a data state's fingerprint (`saved`; None: a checkpoint from before fingerprints, not checked)
-    with `path` now: a DataChanged naming what changed unless allow_changed (then a warning)."""
+    with `path` now: a DataChanged naming what changed unless allow_changed (then a warning, and True)."""
     if saved is None:
-        return
+        return False
     now = {f["path"]: f for f in fingerprint(path)}
     before = {f["path"]: f for f in saved}
     changes = [f"{n} is new" for n in sorted(set(now) - set(before))] + \
@@ -326,11 +340,11 @@ def check_same_files(saved: list[dict] | None, path: str, allow_changed: bool, w
         elif a["sha256"] != b["sha256"]:
             changes.append(f"{n} has the same size ({a['bytes']} bytes) but other content at its start or end")
     if not changes:
-        return
+        return False
     what = f"the data at {path} changed since the checkpoint was saved ({'; '.join(changes[:3])})"
     if allow_changed:
-        warn(f"{what}; resuming at the saved position as it is (--data.allow_changed)")
-        return
+        warn(f"{what}; resuming at the saved position as it is (--data.allow_changed: the same record numbers)")
+        return True
     raise DataChanged(f"{what}: the saved data position may no longer point at the records it did. Resume with "
                       f"--data.allow_changed to take the position as it is, or start a new run (another "
                       f"--checkpoint.dir; --model.init_from an export of this one keeps its weights)")
@@ -338,10 +352,12 @@ def check_same_files(saved: list[dict] | None, path: str, allow_changed: bool, w
 
 class RecordNotes:
     """What the first records of a dataset say about it: how many were read, how many hold input_ids, and where
-    the ones with an empty response and the ones with nothing to learn (skipped) are (the first, and a count)."""
+    the ones with an empty response or text and the ones with nothing to learn (skipped) are (the first, and a
+    count)."""
 
     def __init__(self):
-        self.records, self.tokenized, self.empty, self.first_empty = 0, 0, 0, None
+        self.records, self.tokenized = 0, 0
+        self.empty: dict[str, list] = {}  # "response" / "text" -> [records where it is empty, the first one]
         self.notes: dict[str, list] = {}  # an Example's note -> [count, where the first one is]
         self.untrained, self.first_untrained = 0, None
 
@@ -353,20 +369,20 @@ class RecordNotes:
             self.untrained += 1
             self.first_untrained = self.first_untrained or where
         self.tokenized += "input_ids" in rec
-        if "input_ids" not in rec and "prompt" in rec and "response" in rec and not str(rec["response"]).strip():
-            self.empty += 1
-            self.first_empty = self.first_empty or where
+        field = "response" if "prompt" in rec and "response" in rec else "text" if "text" in rec else None
+        if "input_ids" not in rec and field and not str(rec[field]).strip() and has_target(ex):
+            self.empty.setdefault(field, [0, where])[0] += 1
 
     def warn(self, complete: bool, tokenizer_path: str | None, warn) -> None:
-        """Warn once about records with an empty response, and about a --model.tokenizer_path that no record
+        """Warn once about records with an empty response or text, and about a --model.tokenizer_path that no record
         uses (all hold input_ids); `complete`: the notes cover the whole dataset."""
         counted = f"{self.records}" if complete else f"the first {self.records}"
         if self.untrained and self.untrained < self.records:
             warn(f"{self.untrained} of {counted} records have no token to learn (at most one token, or every "
                  f"label {IGNORE_INDEX}; the first at {self.first_untrained}): they are skipped")
-        if self.empty:
-            warn(f"{self.empty} of {counted} records have an empty response (the first at {self.first_empty}); "
-                 f"each trains only on its end-of-sequence token")
+        for field, (count, first) in self.empty.items():
+            warn(f"{count} of {counted} records have an empty {field} (the first at {first}); each trains only on "
+                 f"its end-of-sequence token")
         if tokenizer_path and self.records and self.tokenized == self.records:
             warn(f"--model.tokenizer_path {tokenizer_path} is not used: every record holds input_ids already")
         for note, (count, first) in self.notes.items():
@@ -566,16 +582,26 @@ class StreamSource(RowPacker):
 
     def load_state_dict(self, state: dict) -> None:
         """Go on where `state` stopped; a DataChanged when the data's files differ from those it was saved on
-        (see check_same_files)."""
-        check_same_files(state.get("files"), self.reader.path, self.allow_changed, self.warn)
+        (see check_same_files). With allow_changed, changed files are taken at the same record numbers (a record
+        number past their end: at their end)."""
+        changed = check_same_files(state.get("files"), self.reader.path, self.allow_changed, self.warn)
         self.epoch, self.draws, self.at_end, self.epoch_tokens, self.offset = \
             state["epoch"], state["draws"], state["at_end"], state["epoch_tokens"], state["offset"]
         buffer = [tuple(loc) for loc in state["buffer"].tolist()]
         current = [tuple(loc) for loc in state["current"].tolist()]
-        self.reader.seek(tuple(state["next"].tolist()))
+        following = tuple(state["next"].tolist())
+        if changed:  # --data.allow_changed: byte offsets into another file mean nothing; record numbers do
+            n = len(buffer)
+            moved, end = self.reader.relocate(buffer + current + [following])
+            buffer = [loc for loc in moved[:n] if loc is not None]
+            current = [loc for loc in moved[n:-1] if loc is not None]
+            following = moved[-1] or end
+        self.reader.seek(following)
         payloads = self.reader.payloads(buffer + current)
         self.buffer = list(zip(buffer, payloads[:len(buffer)]))
         self.current = (current[0], self._example(current[0], payloads[-1])) if current else None
+        if changed and (self.current is None or self.offset >= len(self.current[1].ids)):
+            self.current, self.offset = None, 0  # no record there now, or a shorter one: go on with the next
 
 
 class SyntheticSource:

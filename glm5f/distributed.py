@@ -13,9 +13,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -110,6 +112,11 @@ class DistLayout(Layout):
         self.dp_rank, self.cp_rank = divmod(self.rank, cp)
         self.cp_group = self.meshes["data"].get_group("cp")
         self.ep_group = self.meshes["experts"].get_group("ep")
+        self.stall_watch: StallWatch | None = None
+
+    def step_done(self, step: int) -> None:
+        if self.stall_watch is not None:
+            self.stall_watch.step_done(step)
 
     # ---- parameters
     def param_specs(self, params: dict, prefix: str = "") -> dict:
@@ -255,11 +262,23 @@ def _die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, daemon=True, name="die-with-parent").start()
 
 
-def _worker(local_rank: int, world: int, port: int, fn, args, parent_pid: int | None = None):
+def _worker(local_rank: int, world: int, port: int, fn, args, parent_pid: int | None = None,
+            report_dir: str | None = None):
     if parent_pid is not None:
         _die_with_parent(parent_pid)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
                       LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    try:
+        _run_worker(local_rank, fn, args, report_dir)
+    except SystemExit as e:  # a stop (a signal, an error the launcher reports): its code, and nothing more
+        if not isinstance(e.code, int):
+            raise
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(e.code)  # not through torch's C++ teardown, which warns of the collective the stop left unwaited
+
+
+def _run_worker(local_rank: int, fn, args, report_dir: str | None) -> None:
     try:
         fn(*args)
     except SystemExit:  # a stop with its exit code
@@ -267,6 +286,14 @@ def _worker(local_rank: int, world: int, port: int, fn, args, parent_pid: int | 
     except BaseException as e:
         if isinstance(e, KeyboardInterrupt) or preempt.interrupted():  # Ctrl-C, or a peer that stopped on it:
             raise SystemExit(preempt.SIGNAL_EXIT[signal.SIGINT]) from None  # the launcher says it, once
+        if isinstance(e, preempt.StopNow) or preempt.stopped_now():  # a second SIGTERM, or a peer that stopped
+            raise SystemExit(preempt.SIGNAL_EXIT[signal.SIGTERM]) from None
+        if isinstance(e, ValueError) and report_dir is not None:  # a message for the user: the launcher says it
+            with open(os.path.join(report_dir, str(local_rank)), "w") as f:
+                f.write(str(e))
+            raise SystemExit(REPORTED_EXIT) from None
+        if report_dir is not None and os.listdir(report_dir):  # a peer reported an error and stopped first
+            raise SystemExit(REPORTED_EXIT) from None
         timeout = collective_timeout(e)
         if timeout:
             print(f"error: [rank {local_rank}] {timeout}", file=sys.stderr, flush=True)
@@ -279,6 +306,12 @@ def _worker(local_rank: int, world: int, port: int, fn, args, parent_pid: int | 
 
 
 TIMEOUT_EXIT = 124  # a worker's exit code after a collective timed out (collective_timeout)
+REPORTED_EXIT = 3  # a worker's exit code after it reported an error for the user (a ValueError) to the launcher
+
+
+class RankError(ValueError):
+    """An error for the user (a ValueError: bad input, a failed save) that a worker of `spawn` reported: the
+    launcher raises it once, with the message of the lowest rank that reported one, and no traceback."""
 
 
 def collective_timeout(e: BaseException) -> str | None:
@@ -341,6 +374,53 @@ def _silent_after_timeout(processes, grace_s: float = 5.0) -> list[int]:
     return silent
 
 
+class StallWatch:
+    """While a multi-process run trains: every rank's thread beats (a counter in the process group's store) every
+    `beat_s` seconds (2, or a 20th of the timeout); when this rank's step has run longer than half of `timeout_s`
+    (the collective timeout) and three times its longest step so far, the lowest rank still beating prints one
+    line naming the ranks whose beat stopped (a rank hung, stopped or dead makes the others' collectives wait for
+    it), before the timeout stops the run. The first step (compiling, warming up) is not watched."""
+
+    def __init__(self, timeout_s: float):
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.store = dist.distributed_c10d._get_default_store()
+        self.timeout_s, self.beat_s = timeout_s, min(2.0, timeout_s / 20)
+        self.step, self.since, self.longest, self.said = 0, time.monotonic(), 0.0, False
+        threading.Thread(target=self._watch, daemon=True, name="stall-watch").start()
+
+    def step_done(self, step: int) -> None:
+        now = time.monotonic()
+        self.longest = max(self.longest, now - self.since) if self.step else 0.0
+        self.step, self.since, self.said = step, now, False
+
+    def _beats(self) -> list[int]:
+        return [int(self.store.add(f"glm5f/beat/{r}", 0)) for r in range(self.world)]
+
+    def _watch(self) -> None:
+        try:
+            while True:
+                self.store.add(f"glm5f/beat/{self.rank}", 1)
+                time.sleep(self.beat_s)
+                waited = time.monotonic() - self.since
+                if self.said or not self.step or waited < max(self.timeout_s / 2, 3 * self.longest):
+                    continue
+                before = self._beats()
+                for _ in range(3):  # long enough for every live rank to beat at least once
+                    self.store.add(f"glm5f/beat/{self.rank}", 1)
+                    time.sleep(self.beat_s)
+                silent = [r for r, (a, b) in enumerate(zip(before, self._beats())) if a == b]
+                answering = [r for r in range(self.world) if r not in silent]
+                self.said = True
+                if answering and self.rank == min(answering) and time.monotonic() - self.since < self.timeout_s:
+                    who = (f"rank(s) {', '.join(map(str, silent))} stopped answering (hung, stopped or dead)" if silent
+                           else "every rank is alive (waiting in different collectives, or a step this slow)")
+                    print(f"warning: step {self.step + 1} has run {waited:.0f} s, more than half of "
+                          f"--parallel.timeout_s {self.timeout_s}: {who}; at {self.timeout_s} s of waiting the run "
+                          f"stops", file=sys.stderr, flush=True)
+        except Exception:  # the store went away (the run is ending): nothing left to watch
+            return
+
+
 def silent_ranks(grace_s: float = 5.0) -> tuple[list[int], list[int]] | None:
     """After a collective timed out in this rank (under torchrun, where no launcher of ours watches the ranks):
     (the ranks whose collective timed out too within `grace_s`, the others: those that stopped answering), told
@@ -361,22 +441,42 @@ def silent_ranks(grace_s: float = 5.0) -> tuple[list[int], list[int]] | None:
         return None
 
 
+def _reported_error(processes, report_dir: str, grace_s: float = 10.0) -> RankError | None:
+    """When a worker ended reporting an error (REPORTED_EXIT): the others get `grace_s` to end as well (they
+    usually meet the same error, or the collective of the one that left), then are killed; the RankError of the
+    lowest rank that reported. None when no worker reported one."""
+    if not any(p.exitcode == REPORTED_EXIT for p in processes):
+        return None
+    deadline = time.monotonic() + grace_s
+    for p in processes:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+    first = min(os.listdir(report_dir), key=int)
+    with open(os.path.join(report_dir, first)) as f:
+        return RankError(f.read())
+
+
 class WorkerFailure(RuntimeError):
     """A worker process of a multi-process run failed or died (the others were stopped)."""
 
 
 def spawn(fn, world: int, *args) -> None:
     """Run fn(*args) in `world` local processes joined into one process group. If any worker fails or dies,
-    the others are stopped and this raises with the worker's exit status."""
+    the others are stopped and this raises: a RankError with the message of a worker's ValueError (the lowest
+    rank's), a WorkerFailure with the worker's exit status otherwise. A SIGTERM to this process reaches the workers
+    as preempt.FORWARDED."""
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(_worker, args=(world, free_port(), fn, args, os.getpid()), nprocs=world, join=False,
-                             start_method="spawn")
+    report_dir = tempfile.mkdtemp(prefix="glm5f-errors-")
+    ctx = mp.start_processes(_worker, args=(world, free_port(), fn, args, os.getpid(), report_dir), nprocs=world,
+                             join=False, start_method="spawn")
 
     def forward(signum, frame):  # SIGTERM to the launcher: every worker finishes its step and saves
         for p in ctx.processes:
             if p.is_alive():
-                os.kill(p.pid, signum)
+                os.kill(p.pid, preempt.FORWARDED)
     before = signal.signal(signal.SIGTERM, forward) if threading.current_thread() is threading.main_thread() else None
     try:
         try:
@@ -388,6 +488,9 @@ def spawn(fn, world: int, *args) -> None:
             raise KeyboardInterrupt
         if stopped:  # every worker stopped on a signal, after one checkpoint (rank 0 said where): exit as they did
             raise SystemExit(stopped)
+        reported = _reported_error(ctx.processes, report_dir)
+        if reported is not None:
+            raise reported
         silent = _silent_after_timeout(ctx.processes)
         if silent:
             raise WorkerFailure(f"worker(s) {', '.join(map(str, silent))} stopped answering: the others' collective "
@@ -404,3 +507,4 @@ def spawn(fn, world: int, *args) -> None:
     finally:
         if before is not None:
             signal.signal(signal.SIGTERM, before)
+        shutil.rmtree(report_dir, ignore_errors=True)

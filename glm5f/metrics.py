@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -49,9 +50,14 @@ class MetricsLog:
         kept = [r for r in read_metrics(self.path, self.warn) if r["step"] <= self.resume_step] \
             if self.resume_step else []
         tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
-        os.replace(tmp, self.path)
+        try:
+            with open(tmp, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in kept)
+            os.replace(tmp, self.path)
+        except OSError:  # a full disk: no half-written copy left beside the file
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
         self.started = True
 
     def write(self, rec: dict) -> None:
@@ -114,6 +120,12 @@ def plot_losses(runs: dict[str, list[dict]], out_png: str, title: str = "loss") 
     if len(runs) > 1 or has_eval:
         ax.legend()
     fig.tight_layout()
-    fig.savefig(out_png, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(out_png, dpi=120)
+    except OSError:  # a full disk: no half-written PNG left
+        with contextlib.suppress(OSError):
+            os.remove(out_png)
+        raise
+    finally:
+        plt.close(fig)
     return True

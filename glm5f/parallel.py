@@ -44,6 +44,9 @@ class Layout:
         """Sum of a tensor over all ranks (here: itself), without autograd."""
         return t
 
+    def step_done(self, step: int) -> None:
+        """The train loop finished step `step` (a multi-process layout may watch for the steps that stall)."""
+
     # ---- the verbs the layers use (see glm5f.env.Env)
     def gather(self, tree: dict, prefix: str = "") -> dict:
         """Plain tensors for the forward, gradients flowing back to the stored (possibly sharded) leaves. `tree`

@@ -4,7 +4,9 @@ On Ctrl-C (SIGINT) every process stops at once, a save it interrupts removing it
 where the run can resume.
 
 The handler only sets a flag (`requested`); the train loop calls `should_stop(layout)` after each step, which
-agrees on it over all ranks (an all_reduce), so all ranks stop after the same step.
+agrees on it over all ranks (an all_reduce), so all ranks stop after the same step. The launcher of a multi-process
+run passes a SIGTERM it gets on to its workers as FORWARDED, so a SIGTERM to the whole process group (a scheduler's)
+reaches each worker once from each source, and counts as one.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ import threading
 import torch
 
 SIGNAL_EXIT = {signal.SIGTERM: 143, signal.SIGINT: 130}  # 128 + the signal's number, as a shell reports it
+FORWARDED = signal.SIGUSR2  # a launcher passing on the SIGTERM it got (glm5f.distributed.spawn)
 
-_state = {"signum": None, "grace_s": None, "sigint": False}
+# per source (a SIGTERM sent to this process, one its launcher passed on), how many SIGTERMs came
+_state = {"signum": None, "grace_s": None, "sigint": False, "stop_now": None, signal.SIGTERM: 0, FORWARDED: 0}
 
 
 class Preempted(Exception):
@@ -57,21 +61,41 @@ def resume_command(argv: list[str]) -> str:
 
 
 def _on_sigterm(signum, frame) -> None:
-    if _state["signum"] is not None:
-        raise StopNow("by a second SIGTERM")
-    _state["signum"] = signum
-    grace = _state["grace_s"]
-    if grace:
-        signal.signal(signal.SIGALRM, _on_alarm)
-        signal.setitimer(signal.ITIMER_REAL, grace)
+    """SIGTERM, sent to this process or passed on by its launcher (FORWARDED): the first asks to stop; a second from
+    the same source stops now. A SIGTERM to the process group reaches a worker from both sources: one request.
+    Once stopping now, later ones (the rest of a process group's, the launcher's copies) are ignored, so the
+    cleanup that started (a partial save removed) is not cut short."""
+    if _state["stop_now"] is not None:
+        return
+    _state[signum] += 1
+    if _state[signum] > 1:
+        _stop_now("by a second SIGTERM")
+    if _state["signum"] is None:
+        _state["signum"] = signal.SIGTERM
+        grace = _state["grace_s"]
+        if grace:
+            signal.signal(signal.SIGALRM, _on_alarm)
+            signal.setitimer(signal.ITIMER_REAL, grace)
+
+
+def _stop_now(why: str) -> None:
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    _state["stop_now"] = StopNow(why)
+    raise _state["stop_now"]
+
+
+def stopped_now() -> "StopNow | None":
+    """The StopNow this process raised inside `handling` (an error that follows is its consequence: a peer that
+    stopped on the same signals), or None."""
+    return _state["stop_now"]
 
 
 def _on_sigint(signum, frame) -> None:
     """Ctrl-C: KeyboardInterrupt once; further SIGINTs (a terminal's to every process of the run, the launcher's
     forwarded one) are ignored, so the cleanup it starts (a partial save removed) is not cut short."""
-    _state["sigint"] = True
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    raise KeyboardInterrupt
+    if not _state["sigint"]:
+        _state["sigint"] = True
+        raise KeyboardInterrupt
 
 
 def interrupted() -> bool:
@@ -81,29 +105,31 @@ def interrupted() -> bool:
 
 
 def _on_alarm(signum, frame) -> None:
-    raise StopNow(f"as the grace period after SIGTERM (--checkpoint.preempt_grace_s {_state['grace_s']}) ran out")
+    _stop_now(f"as the grace period after SIGTERM (--checkpoint.preempt_grace_s {_state['grace_s']}) ran out")
 
 
 @contextlib.contextmanager
-def handling(grace_s: float | None = None):
+def handling(grace_s: float | None = None, launched: bool = False):
     """Within it, SIGTERM sets the stop flag (see `should_stop`) instead of killing the process; a second SIGTERM,
     or `grace_s` seconds after the first, raise StopNow; the first SIGINT raises KeyboardInterrupt and later ones
-    are ignored. Restores the previous handlers on leaving. Outside the main thread (no signals there) it does
+    are ignored. `launched`: a worker of glm5f.distributed.spawn, whose launcher passes its SIGTERMs on as
+    FORWARDED. Restores the previous handlers on leaving. Outside the main thread (no signals there) it does
     nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    _state.update(signum=None, grace_s=grace_s, sigint=False)
-    before = signal.signal(signal.SIGTERM, _on_sigterm)
-    before_int = signal.signal(signal.SIGINT, _on_sigint)
+    _state.update({"signum": None, "grace_s": grace_s, "sigint": False, "stop_now": None, signal.SIGTERM: 0,
+                   FORWARDED: 0})
+    handlers = {signal.SIGTERM: _on_sigterm, signal.SIGINT: _on_sigint, **({FORWARDED: _on_sigterm} if launched else {})}
+    before = {signum: signal.signal(signum, handler) for signum, handler in handlers.items()}
     alarm = signal.getsignal(signal.SIGALRM)
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, alarm)
-        signal.signal(signal.SIGTERM, before)
-        signal.signal(signal.SIGINT, before_int)
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
         _state["signum"] = None
 
 

@@ -223,6 +223,15 @@ def die_on_rank_one() -> None:
     time.sleep(60)
 
 
+def bad_input_on_rank_one() -> None:
+    """Rank 1 meets bad input (a ValueError for the user) while rank 0 waits for it in a collective."""
+    init_process(torch.device("cpu"))
+    if dist.get_rank() == 1:
+        raise ValueError("data.jsonl:3: field 'response' must be a string, found null")
+    dist.all_reduce(torch.ones(1))
+    time.sleep(60)
+
+
 def ignore_sigint_and_wait(pid_dir: str) -> None:
     """A rank that cannot act on SIGINT (as one stuck in native code): records its pid, then waits."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)

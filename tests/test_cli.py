@@ -30,7 +30,8 @@ TINY = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", "--data.batch
         "--eval.every", "0", "--optim.warmup_steps", "2"]
 RUN_TINY = ["--model.preset", "glm5-tiny", "--data.batch_size", "2", "--data.seq_len", "32", "--train.steps", "2"]
 
-# train.py, with a real SIGTERM sent to the process that writes metrics (rank 0) once it has logged step `at`
+# train.py, with a real SIGTERM sent once step `at` is logged: to the process that writes metrics (rank 0), or to
+# the run's process group (the launcher and every rank), as a scheduler sends it
 SIGTERM_AT = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {root!r})
@@ -39,7 +40,10 @@ SIGTERM_AT = textwrap.dedent("""
     def write_then_sigterm(self, rec):
         write(self, rec)
         if rec["step"] == {at}:
-            os.kill(os.getpid(), signal.SIGTERM)
+            if {group}:
+                os.killpg(os.getpgrp(), signal.SIGTERM)
+            else:
+                os.kill(os.getpid(), signal.SIGTERM)
     metrics.MetricsLog.write = write_then_sigterm
     if __name__ == "__main__":
         from train import main
@@ -47,15 +51,15 @@ SIGTERM_AT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_sigterm_saves_one_checkpoint_that_resumes_bit_identically(tmp_path, ranks):
+@pytest.mark.parametrize("ranks,group", [(1, False), (2, False), (2, True)], ids=["1", "2", "2-group"])
+def test_sigterm_saves_one_checkpoint_that_resumes_bit_identically(tmp_path, ranks, group):
     script = tmp_path / "sigterm.py"
-    script.write_text(SIGTERM_AT.format(root=ROOT, at=3))
+    script.write_text(SIGTERM_AT.format(root=ROOT, at=3, group=group))
     args = TINY + ["--train.steps", "6", "--checkpoint.every", "0", "--parallel.dp_shard", str(ranks)]
     run = args + ["--checkpoint.dir", str(tmp_path / "run")]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, str(script), *run], cwd=ROOT, capture_output=True, text=True,
-                          timeout=240, env=env)
+                          timeout=240, env=env, start_new_session=True)
     assert proc.returncode == 143, proc.stderr
     saved = tmp_path / "run" / "checkpoints" / "step_00000003"
     assert proc.stderr.strip().splitlines()[-1] == (
@@ -92,6 +96,26 @@ def test_a_second_sigterm_or_the_grace_period_stops_without_saving():
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and preempt.requested() is None
 
 
+def test_a_sigterm_from_the_process_group_and_the_launcher_counts_once():
+    with preempt.handling(grace_s=None, launched=True):
+        os.kill(os.getpid(), signal.SIGTERM)  # the group's SIGTERM, then the launcher's copy of it
+        os.kill(os.getpid(), preempt.FORWARDED)
+        time.sleep(0.1)
+        assert preempt.requested() == signal.SIGTERM and preempt.stopped_now() is None
+        with pytest.raises(preempt.StopNow, match="a second SIGTERM"):  # the group's second
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        os.kill(os.getpid(), preempt.FORWARDED)  # the launcher's copy of it: stopping already, ignored
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+    with preempt.handling(grace_s=None, launched=True):
+        os.kill(os.getpid(), preempt.FORWARDED)  # SIGTERM to the launcher alone, twice
+        with pytest.raises(preempt.StopNow, match="a second SIGTERM"):
+            os.kill(os.getpid(), preempt.FORWARDED)
+            time.sleep(5)
+    assert signal.getsignal(preempt.FORWARDED) is signal.SIG_DFL
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
 def test_cuda_without_a_gpu_is_an_error_line(tmp_path, capsys):
     assert main(TINY + ["--train.steps", "1", "--train.device", "cuda", "--checkpoint.dir", str(tmp_path / "r")]) == 1
@@ -101,6 +125,16 @@ def test_cuda_without_a_gpu_is_an_error_line(tmp_path, capsys):
     assert main(TINY + ["--train.steps", "1", "--checkpoint.dir", str(tmp_path / "run")]) == 0
     assert generate.main([str(tmp_path / "run"), "--device", "cuda"]) == 1
     assert "error: --device cuda asks for a GPU, but " in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
+def test_cuda_without_a_gpu_stops_a_dp2_run_in_one_line(tmp_path):
+    run = TINY + ["--train.steps", "1", "--train.device", "cuda", "--parallel.dp_shard", "2", "--checkpoint.dir",
+                  str(tmp_path / "r")]
+    proc = subprocess.run([sys.executable, "train.py", *run], cwd=ROOT, capture_output=True, text=True, timeout=240,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 1
+    assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("error: --train.device cuda asks for a GPU")
 
 
 def test_generate_into_a_closed_pipe_exits_quietly(tmp_path):
@@ -145,6 +179,10 @@ def test_a_longer_resumed_run_says_the_lr_jumps_and_schedule_steps_keeps_the_sch
     assert lines == ["the learning-rate schedule now ends at step 8, not 4 as in the checkpoint's run, so the lr "
                      "jumps from 3.00e-04 to 2.33e-03 at step 5; pass --optim.schedule_steps 4 to keep the original "
                      "schedule"]
+    assert main(TINY + ["--checkpoint.dir", str(tmp_path / "b"), "--train.steps", "6", "--checkpoint.resume",
+                        "latest"]) == 0  # nothing to do: no schedule to speak of
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1] == "nothing to do: step 8 >= --train.steps 6" and "learning-rate" not in out
 
 
 def test_convert_keeps_the_umask_and_the_run_tokenizer(tmp_path, capsys):
@@ -202,6 +240,43 @@ def test_a_hung_rank_is_named_after_the_collective_timeout(tmp_path):
         f"for them, and they were still running (hung or stopped), so all 2 workers were stopped; no checkpoint was "
         f"written in {run}")
     assert "Traceback" not in proc.stderr
+
+
+# train.py whose rank 1 stops itself (SIGSTOP, as `kill -STOP` does) in its 4th step, past the first
+STOP_RANK_1 = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {root!r})
+    import train
+    real, calls = train.step_grads, []
+    def step_grads(*a, **k):
+        calls.append(1)
+        if os.environ.get("RANK") == "1" and len(calls) == 4:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return real(*a, **k)
+    train.step_grads = step_grads
+    if __name__ == "__main__":
+        sys.exit(train.main(sys.argv[1:]))
+""")
+
+
+def test_a_stopped_rank_is_named_before_the_collective_timeout(tmp_path):
+    script = tmp_path / "stop.py"
+    script.write_text(STOP_RANK_1.format(root=ROOT))
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(script), *TINY, "--train.steps", "10", "--parallel.dp_shard", "2",
+                           "--parallel.timeout_s", "10", "--checkpoint.every", "2", "--checkpoint.dir", str(run)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    warned = [i for i, line in enumerate(lines) if re.fullmatch(
+        r"warning: step 4 has run \d+ s, more than half of --parallel.timeout_s 10: rank\(s\) 1 stopped answering "
+        r"\(hung, stopped or dead\); at 10 s of waiting the run stops", line)]
+    assert len(warned) == 1, proc.stderr
+    assert lines[-1] == (
+        f"error: worker(s) 1 stopped answering: the others' collective timed out after --parallel.timeout_s waiting "
+        f"for them, and they were still running (hung or stopped), so all 2 workers were stopped; the last "
+        f"checkpoint is {run / 'checkpoints' / 'step_00000002'}: resume from it with --checkpoint.resume latest")
+    assert warned[0] < len(lines) - 1 and "Traceback" not in proc.stderr
 
 
 def test_invalid_run_configs_fail_before_any_work(tmp_path, capsys):

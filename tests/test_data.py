@@ -133,8 +133,35 @@ def test_resume_after_the_data_file_changed_is_an_error_unless_allowed(tmp_path,
     assert main(resume) == 1
     assert "d.jsonl has the same size" in capsys.readouterr().err
     assert main(resume + ["--data.allow_changed"]) == 0
-    assert "resuming at the saved position as it is (--data.allow_changed)" in capsys.readouterr().err
+    assert "resuming at the saved position as it is (--data.allow_changed: the same record numbers)" in \
+        capsys.readouterr().err
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3, 4]
+
+
+def test_allow_changed_resumes_a_changed_jsonl_at_the_same_record_numbers(tmp_path):
+    """Records put before the saved position move every byte offset; --data.allow_changed takes the position as
+    record numbers: the resumed source reads what a fresh one over the new file reads after as many batches (every
+    record 12 tokens long, so record numbers are the whole position)."""
+    data = tmp_path / "d.jsonl"
+    old = [{"input_ids": [1 + i % 9] * 12} for i in range(40)]
+    write_records(data, old)
+    kw = dict(vocab_size=512, batch_size=2, seq_len=16, shuffle_buffer=8, allow_changed=True, warn=lambda m: None)
+    saved = make_source("json_file", path=str(data), **kw)
+    for _ in range(5):
+        saved.next_batch()
+    state = saved.state_dict()
+    write_records(data, [{"input_ids": [300 + i] * 12} for i in range(3)] + old)
+    resumed, fresh = (make_source("json_file", path=str(data), **kw) for _ in range(2))
+    resumed.load_state_dict(state)
+    for _ in range(5):
+        fresh.next_batch()
+    for _ in range(6):  # past the end of the file: a second epoch
+        a, b = resumed.next_batch(), fresh.next_batch()
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    write_records(data, old[:4])  # now shorter than the position: the epoch ends there, the next one starts
+    short = make_source("json_file", path=str(data), **kw)
+    short.load_state_dict(state)
+    assert set(torch.cat([short.next_batch()["input_ids"] for _ in range(4)]).unique().tolist()) <= {1, 2, 3, 4}
 
 
 def test_bad_data_is_reported(tmp_path, capsys):
@@ -511,3 +538,14 @@ def test_memory_does_not_grow_with_the_corpus(tmp_path):
 @pytest.mark.slow
 def test_memory_does_not_grow_with_a_1gb_corpus(tmp_path):
     assert rss_growth(tmp_path, 1024) < 300 << 20
+
+
+def test_records_with_an_empty_text_are_counted_in_one_warning(tmp_path):
+    data = write_records(tmp_path / "d.jsonl", [{"text": "some words"}, {"text": ""}, {"text": " "},
+                                                {"prompt": "q", "response": ""}])
+    said = []
+    make_source("json_file", vocab_size=512, batch_size=2, seq_len=16, path=data, warn=said.append)
+    assert said == [f"2 of 4 records have an empty text (the first at {data}:2); each trains only on its "
+                    f"end-of-sequence token",
+                    f"1 of 4 records have an empty response (the first at {data}:4); each trains only on its "
+                    f"end-of-sequence token"]

@@ -73,6 +73,38 @@ def test_ctrl_c_to_a_dp2_run_during_a_save_is_one_line_and_leaves_nothing_half_w
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
 
 
+# train.py whose rank 0 sends SIGINT to the run's process group (Ctrl-C in a terminal) in its 3rd step, before the
+# step's forward and backward: every rank stops in the middle of a step
+CTRL_C_IN_STEP = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {root!r})
+    import train
+    real, calls = train.step_grads, []
+    def step_grads(*a, **k):
+        calls.append(1)
+        if os.environ.get("RANK") == "0" and len(calls) == 3:
+            os.killpg(os.getpgrp(), signal.SIGINT)
+        return real(*a, **k)
+    train.step_grads = step_grads
+    if __name__ == "__main__":
+        sys.exit(train.main(sys.argv[1:]))
+""")
+
+
+def test_ctrl_c_to_a_dp2_run_in_a_step_is_one_line(tmp_path):
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(CTRL_C_IN_STEP.format(root=ROOT))
+    run = tmp_path / "run"
+    args = TINY + ["--train.steps", "50", "--checkpoint.every", "2", "--parallel.dp_shard", "2",
+                   "--checkpoint.dir", str(run)]
+    proc = subprocess.run([sys.executable, str(script), *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=ENV, start_new_session=True)
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.splitlines() == [  # no teardown warning of the collective the stop left unwaited
+        f"stopped on Ctrl-C (SIGINT): the last checkpoint is {run / 'checkpoints' / 'step_00000002'}; resume with: "
+        f"python train.py {' '.join(args)} --checkpoint.resume latest"]
+
+
 def start_ranks(script_or_train: str, args: list[str], world: int = 2) -> list[subprocess.Popen]:
     """`world` processes joined as torchrun joins them (RANK, WORLD_SIZE, MASTER_ADDR/PORT), each as the only
     process of its node, so no launcher of ours (nor torchrun's agent) stops the others when one ends."""

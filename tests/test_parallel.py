@@ -13,7 +13,7 @@ import torch
 import dist_checks
 import glm5f
 from conftest import rel_err
-from glm5f.distributed import spawn
+from glm5f.distributed import RankError, spawn
 from glm5f.metrics import read_metrics
 from scripts.align import COMMON, LAYOUTS
 from train import main
@@ -177,6 +177,13 @@ def test_dead_worker_stops_the_others():
     assert time.perf_counter() - t < 30
 
 
+def test_a_workers_error_for_the_user_is_one_line_from_the_launcher(capfd):
+    with pytest.raises(RankError, match=r"^data.jsonl:3: field 'response' must be a string, found null$"):
+        spawn(dist_checks.bad_input_on_rank_one, 2)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "failed" not in err, err  # rank 0's broken collective is its consequence
+
+
 def test_torchrun_launch(tmp_path):
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                           "train.py", *COMMON, "--parallel.cp", "2", "--train.steps", "2",
@@ -243,7 +250,7 @@ def test_ranks_die_with_a_killed_launcher(tmp_path):
         started=lambda: metrics.exists() and metrics.read_text() != "")
 
 
-LAUNCH = ("import sys; sys.path[:0] = [{root!r}, {tests!r}]; import dist_checks; from glm5f.distributed import spawn; "
+LAUNCH = ("import sys; sys.path[:0] = [{root!r}, {tests!r}]; import dist_checks; from glm5f.distributed import RankError, spawn; "
           "spawn(dist_checks.ignore_sigint_and_wait, 2, {pids!r})")
 
 
@@ -306,7 +313,7 @@ def test_context_and_expert_parallel_mtp_equals_one_process(tmp_path):
     """cp2 x ep2 on packed text: the MTP inputs and targets are shifted on whole sequences before the CP split,
     so the MTP loss, every gradient and the MTP layer's expert counts are the one-process ones."""
     import dist_checks
-    from glm5f.distributed import spawn
+    from glm5f.distributed import RankError, spawn
 
     argv = ["--model.preset", "glm5-tiny", "--model.num_nextn_predict_layers", "1", "--data.type", "text",
             "--data.batch_size", "2", "--data.seq_len", "64", "--train.steps", "1"]

@@ -1,6 +1,7 @@
 """train.py's loop end to end: learning, bitwise resume (RNG states included), non-finite steps, warnings, export,
 held-out evaluation, the objectives it logs, and the resumes it refuses."""
 
+import errno
 import json
 import math
 import os
@@ -358,3 +359,38 @@ def test_eval_from_a_file_and_errors(tmp_path, capsys):
 def test_default_run_evaluates():
     cfg = with_data_type(cli())  # no --data.type and no --data.path: the embedded text
     assert cfg.data.type == "text" and 0 < cfg.eval.every <= cfg.train.steps
+
+
+def test_a_full_disk_while_writing_the_run_files_is_an_error_line(tmp_path, capsys, monkeypatch):
+    import configs
+    import glm5f.metrics as metrics
+    import train as train_mod
+    run = tmp_path / "run"
+    args = TINY + ["--train.steps", "3", "--checkpoint.every", "1", "--checkpoint.dir", str(run)]
+    write = metrics.MetricsLog.write
+
+    def full_at_step_3(self, rec):
+        if rec["step"] == 3:
+            raise OSError(errno.ENOSPC, "No space left on device", self.path)
+        write(self, rec)
+    monkeypatch.setattr(metrics.MetricsLog, "write", full_at_step_3)
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == (
+        f"error: could not write {run / 'metrics.jsonl'}: No space left on device (ENOSPC); free some space; the last "
+        f"checkpoint is {run / 'checkpoints' / 'step_00000002'}: resume from it with --checkpoint.resume latest")
+    monkeypatch.undo()
+
+    def full(cfg):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(configs, "config_yaml", full)  # config.yaml, written beside the first record
+    assert main(TINY + ["--train.steps", "1", "--checkpoint.dir", str(tmp_path / "r2")]) == 1
+    assert capsys.readouterr().err.splitlines()[-1].startswith(
+        f"error: could not write {tmp_path / 'r2' / 'config.yaml'}: No space left on device (ENOSPC); free some space")
+    assert sorted(os.listdir(tmp_path / "r2")) == ["metrics.jsonl"]  # no config.yaml.tmp left
+    monkeypatch.undo()
+
+    monkeypatch.setattr(train_mod, "plot_losses", lambda runs, png: full(None))  # the loss curve is not worth an error
+    assert main(TINY + ["--train.steps", "1", "--checkpoint.dir", str(tmp_path / "r3")]) == 0
+    assert (f"warning: no loss curve: could not write {tmp_path / 'r3' / 'loss.png'}: No space left on device "
+            f"(ENOSPC)") in capsys.readouterr().err
