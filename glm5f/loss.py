@@ -104,7 +104,8 @@ OBJECTIVES = {
 class Step:
     """What a training step computes and how: the Objectives and each one's weight, the activations' dtype, the
     dtype of the sums that make gradients (`--train.reduce_dtype`; None: the activations'), activation
-    checkpointing, micro-batches, the --train.trainable regex, and whether decoder layers run compiled."""
+    checkpointing, micro-batches, the --train.trainable regex, whether decoder layers run compiled, and the parts of
+    the queries sparse attention runs over (`--train.query_parts`)."""
 
     objectives: Objectives = Objectives()
     coeffs: dict = dataclasses.field(default_factory=lambda: {"loss": 1.0})
@@ -114,6 +115,7 @@ class Step:
     grad_accum: int = 1
     trainable: str | None = None
     compile: bool = False
+    query_parts: int = 1
 
     @classmethod
     def of(cls, train, model_cfg: GLM5Config) -> Step:
@@ -126,7 +128,8 @@ class Step:
                   for name, o in OBJECTIVES.items() if o.coeff is not None and o.on(objectives)}
         return cls(objectives, coeffs, getattr(torch, train.dtype),
                    getattr(torch, train.reduce_dtype) if train.reduce_dtype else None,
-                   train.activation_checkpointing, train.grad_accum, train.trainable, train.compile)
+                   train.activation_checkpointing, train.grad_accum, train.trainable, train.compile,
+                   train.query_parts)
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -180,7 +183,7 @@ def micro_loss(params: dict, batch: dict, denoms: dict, cfg: GLM5Config, layout:
     MoE layer's router bias path, the valid tokens of this rank routed to each expert (for the bias rule).
     """
     local, env = make_env(cfg, batch, step.dtype, layout, objectives=step.objectives, weight_dtype=step.weight_dtype,
-                          remat=step.remat, compile=step.compile)
+                          remat=step.remat, compile=step.compile, query_parts=step.query_parts)
     # the embedding, final norm and head now; each decoder layer as it runs (model.run_layer)
     top = env.weights({**params, "model": {k: v for k, v in params["model"].items() if k != "layers"}})
     compute = {**top, "model": {**top["model"], "layers": params["model"]["layers"]}}
