@@ -144,10 +144,11 @@ def sparse_mla(p: dict, q_nope_BxSxHxN: torch.Tensor, q_rot_BxSxHxP: torch.Tenso
     allowed_BxSxK, bias_BxSxK = mask.at(idx_BxSxK), mask.bias_at(idx_BxSxK)
     S = q_BxSxHxC.shape[1]
     bounds = [S * i // parts for i in range(parts + 1)]
-    out_BxSxHxR = torch.cat([kernels.sparse_attention(q_BxSxHxC[:, a:b], latent_BxTxC, idx_BxSxK[:, a:b],
-                                                      allowed_BxSxK[:, a:b], cfg.softmax_scale, cfg.kv_lora_rank,
-                                                      None if bias_BxSxK is None else bias_BxSxK[:, a:b])
-                             for a, b in zip(bounds, bounds[1:]) if b > a], dim=1)
+    outs = [kernels.sparse_attention(q_BxSxHxC[:, a:b], latent_BxTxC, idx_BxSxK[:, a:b], allowed_BxSxK[:, a:b],
+                                     cfg.softmax_scale, cfg.kv_lora_rank,
+                                     None if bias_BxSxK is None else bias_BxSxK[:, a:b])
+            for a, b in zip(bounds, bounds[1:]) if b > a]
+    out_BxSxHxR = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return torch.einsum("bshr,hvr->bshv", out_BxSxHxR.to(dt), w_v_HxVxR.to(dt)).to(act)
 
 
