@@ -21,6 +21,7 @@ import yaml
 
 import glm5f
 from glm5f.data import check_path_fits, infer_data_type, load_batches
+from glm5f.lora import DEFAULT_TARGETS, LoraSpec, target_modules
 from glm5f.optim import trained_paths
 
 @dataclass
@@ -238,11 +239,38 @@ class CheckpointConfig:
     export_hf: Optional[str] = None
     """Also write the final weights as a Transformers checkpoint to this directory (new, empty, or a previous
     export, which is replaced)."""
+    export_peft: Optional[str] = None
+    """LoRA runs: also write the final adapters as a PEFT adapter directory (adapter_config.json +
+    adapter_model.safetensors) to this directory, checked writable before step 1."""
     overwrite: bool = False
     """Start over in a run directory that holds a previous run: delete its checkpoints/, metrics.jsonl, loss.png."""
     preempt_grace_s: Optional[float] = None
     """After SIGTERM the ranks finish their step and save one checkpoint together; if that takes longer than this
     many seconds, stop without saving (as a second SIGTERM does). None: no limit."""
+
+
+@dataclass
+class LoraConfig:
+    """LoRA: low-rank adapters trained beside the frozen base (glm5f.lora); --lora.rank 0 trains the base."""
+
+    rank: int = 0
+    """Adapter rank r; 0: no adapters (every leaf the run trains is a base leaf)."""
+    alpha: float = 16.0
+    """The adapters' scale is alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input (torch's global RNG, restored on resume), not on kv_b_proj's (its adapter
+    is merged where MLA reads the matrix). With dropout > 0 the parallel layouts draw different masks, so their
+    losses differ."""
+    targets: str = DEFAULT_TARGETS
+    """Regex (re.search) over module paths of the weights to adapt, e.g. 'self_attn\\.(q_b_proj|o_proj)$',
+    'mlp\\.(gate|up|down)_proj$' (dense MLPs), 'shared_experts', 'mlp\\.experts\\.' (routed experts: [E, r, in]
+    and [E, out, r] adapters through the grouped GEMM). Default: the attention projections."""
+    base_dtype: Optional[Literal["float32", "bfloat16", "float64"]] = None
+    """Dtype the frozen base is stored in (it gets no gradient, no optimizer state, no master copy); bfloat16
+    halves it. Default: the master dtype (fp32; fp64 in fp64 runs)."""
+
+    def spec(self) -> LoraSpec | None:
+        return LoraSpec(self.rank, self.alpha, self.dropout, self.targets) if self.rank else None
 
 
 @dataclass
@@ -268,6 +296,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     plan: Optional[Literal["table", "json", "search"]] = None
     """Print the per-rank memory plan of this run instead of running it (table, json, or search: the smallest
     meshes that fit --parallel.device_memory_gb); allocates nothing, starts no process, writes nothing."""
@@ -343,7 +372,7 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         model = glm5f.GLM5Config.from_hf(cfg.model.init_from) if cfg.model.init_from else cfg.model.build()
     except (ValueError, TypeError, FileNotFoundError) as e:
         return errs + [f"the model config is invalid: {e}"]
-    return errs + _layout_errors(cfg, model) + _trainable_errors(cfg, model)
+    return errs + _layout_errors(cfg, model) + _trainable_errors(cfg, model) + _lora_errors(cfg, model)
 
 
 def _layout_errors(cfg: Config, model: glm5f.GLM5Config) -> list[str]:
@@ -388,6 +417,42 @@ def _trainable_errors(cfg: Config, model: glm5f.GLM5Config) -> list[str]:
             hint = " (the indexer's parameters are trained only with --train.indexer_loss dense or sparse)"
         errs.append(f"--train.trainable {t.trainable!r} matches none of the trained parameters{hint}; parameter "
                     f"paths look like model.layers.0.self_attn.indexer.wk.weight")
+    return errs
+
+
+def _lora_errors(cfg: Config, model: glm5f.GLM5Config) -> list[str]:
+    """What is wrong with the --lora flags for this model. LoRA trains the adapters only, so it excludes the flags
+    that choose other trained leaves (--train.trainable, --train.indexer_loss)."""
+    lo, errs = cfg.lora, []
+    if lo.rank < 0:
+        return [f"--lora.rank must be >= 0 (0: no adapters), got {lo.rank}"]
+    if not lo.rank:
+        if cfg.checkpoint.export_peft:
+            errs.append("--checkpoint.export_peft writes LoRA adapters: it needs --lora.rank >= 1")
+        if lo.base_dtype is not None:
+            errs.append(f"--lora.base_dtype {lo.base_dtype} needs --lora.rank >= 1 (without adapters the base is "
+                        f"what trains, in fp32 masters)")
+        return errs
+    if lo.alpha <= 0:
+        errs.append(f"--lora.alpha must be positive, got {lo.alpha}")
+    if not 0 <= lo.dropout < 1:
+        errs.append(f"--lora.dropout must lie in [0, 1), got {lo.dropout}")
+    if cfg.train.trainable is not None:
+        errs.append(f"--train.trainable {cfg.train.trainable!r} with --lora.rank {lo.rank}: a LoRA run trains the "
+                    f"adapters only (choose the adapted weights with --lora.targets); drop one of them")
+    if cfg.train.indexer_loss != "off":
+        errs.append(f"--train.indexer_loss {cfg.train.indexer_loss} with --lora.rank {lo.rank}: the indexer loss "
+                    f"trains the base's indexer, which LoRA keeps frozen; drop one of them")
+    if lo.base_dtype == "float64" and cfg.train.dtype != "float64":
+        errs.append(f"--lora.base_dtype float64 needs --train.dtype float64")
+    try:
+        re.compile(lo.targets)
+    except re.error as e:
+        return errs + [f"--lora.targets {lo.targets!r} is not a regular expression ({e})"]
+    try:
+        target_modules(glm5f.abstract_params(model), lo.targets)
+    except ValueError as e:
+        errs.append(str(e))
     return errs
 
 

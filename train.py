@@ -22,17 +22,18 @@ import torch.distributed as dist
 
 import glm5f
 from configs import CONFIG_FILE, Config, parse, validate, with_data_type, write_config
-from glm5f import checkpoint, preempt
+from glm5f import checkpoint, lora, preempt
 from glm5f.data import check_first_batch, make_eval_source, make_source, print_warning
 from glm5f.distributed import (TIMEOUT_EXIT, DistLayout, WorkerFailure, check_device, collective_timeout, init_process,
                                silent_ranks, spawn, under_torchrun)
-from glm5f.hf import check_export_dir, check_loaded_finite
+from glm5f.hf import check_export_dir, check_loaded_finite, save_peft
 from glm5f.loss import Step, eval_loss, step_grads
 from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
 from glm5f.model import check_input_ids
 from glm5f.optim import (adamw_init, adamw_update, balance_router_bias, clip_by_global_norm, lr_schedule, matches,
                          schedule_change, schedule_total)
 from glm5f.parallel import Layout, nonfinite_counts
+from glm5f.params import flatten, region_of
 
 
 class TrainingError(RuntimeError):
@@ -65,13 +66,18 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     prepare_run_dir(cfg, layout, say)
     torch.manual_seed(cfg.train.seed)
     model_cfg, params = init_params(cfg, layout)
-    step = Step.of(cfg.train, model_cfg)
-    opt_state = adamw_init(params, step.trained(params))
+    spec = cfg.lora.spec()
+    # a LoRA run trains its adapters (a flat tree of their own) and keeps the base frozen; else the params train
+    adapters = init_adapters(cfg, spec, params, layout) if spec else None
+    base = lora_base(cfg, params, layout) if spec else None
+    step = Step.of(cfg.train, model_cfg, spec)
+    opt_state = adamw_init(adapters, list(adapters)) if spec else adamw_init(params, step.trained(params))
     data, eval_batches = make_data(cfg, model_cfg, layout, say)
-    start, last_ckpt, params, opt_state = resume(cfg, model_cfg, params, opt_state, data, say)
+    start, last_ckpt, trained, opt_state = resume(cfg, model_cfg, params, adapters, base, opt_state, data, say)
+    params, adapters = (params, trained) if spec else (trained, None)
     if start >= cfg.train.steps:
         say(f"nothing to do: step {start} >= --train.steps {cfg.train.steps}")
-        export(cfg, model_cfg, params, layout, say)
+        export(cfg, model_cfg, params, adapters, layout, say)
         return read_metrics(cfg.checkpoint.dir)
     log = MetricsLog(cfg.checkpoint.dir, start, print_warning) if layout.is_main else None
     progress = Progress(cfg.train.steps, start, cfg.train.log_every) if layout.is_main else None
@@ -79,6 +85,10 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         f"{cfg.data.type} data, {cfg.data.batch_size}x{cfg.data.seq_len} tokens/step, {cfg.train.dtype} on "
         f"{layout.device} x{layout.world} (dp_shard {cfg.parallel.dp_shard} x cp {cfg.parallel.cp}, ep "
         f"{cfg.parallel.ep}), steps {start}->{cfg.train.steps}, run dir {cfg.checkpoint.dir}")
+    if spec:
+        say(f"LoRA: rank {spec.rank}, alpha {spec.alpha:g}, {len(adapters) // 2} adapted weights, "
+            f"{sum(t.numel() for t in adapters.values()):,} trained parameters; the base frozen in "
+            f"{str(next(iter(flatten(params).values())).dtype).replace('torch.', '')}")
     records = []
     for i in range(start, cfg.train.steps):
         t0 = time.perf_counter()
@@ -88,12 +98,16 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         if i == start:
             with user_errors():
                 check_first_batch(batch, i, cfg.data.path or cfg.data.type)
-        metrics, grads, counts = step_grads(params, batch, model_cfg, layout, step)
+        model = lora.attach(params, adapters) if spec else params
+        metrics, grads, counts = step_grads(model, batch, model_cfg, layout, step)
         grads, grad_norm = clip_by_global_norm(grads, cfg.optim.clip_norm)
         lr = lr_schedule(i, peak=cfg.optim.lr, warmup=cfg.optim.warmup_steps,
                          total=schedule_total(cfg.optim, cfg.train), min_ratio=cfg.optim.min_lr_ratio)
         skipped = check_step(cfg, i + 1, metrics["loss"], float(grad_norm), last_ckpt, say)
-        if not skipped:
+        if not skipped and spec:  # the adapters only: the base, router biases included, stays as it is
+            adapters, opt_state = adamw_update(adapters, grads, opt_state, lr, b1=cfg.optim.b1, b2=cfg.optim.b2,
+                                               eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
+        elif not skipped:
             params, opt_state = adamw_update(params, grads, opt_state, lr, b1=cfg.optim.b1, b2=cfg.optim.b2,
                                              eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
             params = balance_router_bias(params, {k: c for k, c in counts.items() if matches(cfg.train.trainable, k)},
@@ -104,7 +118,8 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         rec = {"step": i + 1, **metrics, "lr": lr, "grad_norm": float(grad_norm), "tokens": tokens,
                "tokens_per_s": tokens / dt, "step_time_s": dt, **({"skipped": True} if skipped else {})}
         if eval_batches and ((i + 1) % cfg.eval.every == 0 or i + 1 == cfg.train.steps):
-            rec["eval_loss"] = eval_loss(params, eval_batches, model_cfg, layout, step)
+            rec["eval_loss"] = eval_loss(lora.attach(params, adapters) if spec else params, eval_batches, model_cfg,
+                                         layout, step)
             rec["eval_ppl"] = math.exp(rec["eval_loss"]) if rec["eval_loss"] < 700 else math.inf
         records.append(rec)
         if layout.is_main:
@@ -114,15 +129,17 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
             progress.update(i + 1, rec)
         stop = preempt.should_stop(layout)  # SIGTERM on any rank: all save this step, then stop
         if stop or (cfg.checkpoint.every and (i + 1) % cfg.checkpoint.every == 0) or i + 1 == cfg.train.steps:
-            check_finite(params, layout, i + 1, last_ckpt)
+            check_finite(adapters if spec else params, layout, i + 1, last_ckpt)
+            state = {"adapters": adapters, "optim": opt_state} if spec else {"params": params, "optim": opt_state}
+            meta = {"model": model_cfg.to_hf(), "run": dataclasses.asdict(cfg)}
             last_ckpt = checkpoint.save(
-                cfg.checkpoint.dir, i + 1, {"params": params, "optim": opt_state},
+                cfg.checkpoint.dir, i + 1, state,
                 extra={"step": i + 1, "data": data.state_dict(), "rng": checkpoint.rng_state()},
-                meta={"model": model_cfg.to_hf(), "run": dataclasses.asdict(cfg)}, keep=cfg.checkpoint.keep)
+                meta={**meta, "lora_base": base} if spec else meta, keep=cfg.checkpoint.keep)
         if stop:
             raise preempt.Preempted(i + 1, last_ckpt)
     report(cfg, layout, say)
-    export(cfg, model_cfg, params, layout, say)
+    export(cfg, model_cfg, params, adapters, layout, say)
     return records
 
 
@@ -135,9 +152,10 @@ def prepare_run_dir(cfg: Config, layout: Layout, say) -> None:
     """A run directory holding a previous run is only continued (--checkpoint.resume) or, with
     --checkpoint.overwrite, emptied of what we wrote; anything else would mix two runs' metrics and checkpoints.
     An export directory is checked before any training."""
-    if cfg.checkpoint.export_hf:
-        with user_errors():
-            check_export_dir(cfg.checkpoint.export_hf, run_dir=cfg.checkpoint.dir)
+    for flag in ("export_hf", "export_peft"):
+        if getattr(cfg.checkpoint, flag):
+            with user_errors():
+                check_export_dir(getattr(cfg.checkpoint, flag), run_dir=cfg.checkpoint.dir, flag=f"--checkpoint.{flag}")
     run_dir = cfg.checkpoint.dir
     if cfg.checkpoint.resume or not os.path.isdir(run_dir):
         return
@@ -157,8 +175,11 @@ def prepare_run_dir(cfg: Config, layout: Layout, say) -> None:
 
 def init_params(cfg: Config, layout: Layout) -> tuple[glm5f.GLM5Config, dict]:
     """(model config, params as the layout stores them): a preset (with overrides) or a Transformers checkpoint;
-    fp32 master parameters (fp64 in fp64 runs); each rank makes or reads only its own shards."""
+    fp32 master parameters (fp64 in fp64 runs; a LoRA run's frozen base in --lora.base_dtype); each rank makes or
+    reads only its own shards."""
     master = torch.promote_types(getattr(torch, cfg.train.dtype), torch.float32)
+    if cfg.lora.rank and cfg.lora.base_dtype:
+        master = getattr(torch, cfg.lora.base_dtype)
     if not cfg.model.init_from:
         model_cfg = cfg.model.build()
         return model_cfg, layout.local_params(
@@ -175,6 +196,23 @@ def init_params(cfg: Config, layout: Layout) -> tuple[glm5f.GLM5Config, dict]:
         params = layout.local_params(load)
         check_loaded_finite(params, cfg.model.init_from, layout.sum)
     return loaded["cfg"], params
+
+
+def init_adapters(cfg: Config, spec: lora.LoraSpec, params: dict, layout: Layout) -> dict:
+    """A LoRA run's fresh adapters (`lora.init_adapters`, seeded by --train.seed) as the layout stores them, in
+    the master dtype (fp32, fp64 in fp64 runs), whatever the base's."""
+    master = torch.promote_types(getattr(torch, cfg.train.dtype), torch.float32)
+    with user_errors():
+        whole = lora.init_adapters(params, spec, cfg.train.seed, master)
+    return layout.local_params(lambda region: {p: t[region_of(region, p, tuple(t.shape))].to(layout.device)
+                                               for p, t in whole.items()})
+
+
+def lora_base(cfg: Config, params: dict, layout: Layout) -> dict:
+    """What names a LoRA run's frozen base in its checkpoints: where it comes from (--model.init_from, or the
+    preset and --train.seed of a fresh init) and the fingerprint of its values (checked on resume)."""
+    source = cfg.model.init_from or f"{cfg.model.preset} initialised with --train.seed {cfg.train.seed}"
+    return {"source": source, "fingerprint": checkpoint.fingerprint(params, layout.sum)}
 
 
 def make_data(cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout, say):
@@ -200,19 +238,22 @@ def make_data(cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout, say):
     return data, eval_batches
 
 
-def resume(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, opt_state: dict, data, say):
-    """(the step to start from, the checkpoint it comes from or None, params, optimizer state): with
-    --checkpoint.resume, the newest complete checkpoint's (checked against this run's model, data type and
-    trained leaves), with the data position and RNG states restored."""
+def resume(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, adapters: dict | None, base: dict | None,
+           opt_state: dict, data, say):
+    """(the step to start from, the checkpoint it comes from or None, the trained tree: params, or a LoRA run's
+    adapters, optimizer state): with --checkpoint.resume, the newest complete checkpoint's (checked against this
+    run's model, data type, trained leaves and a LoRA run's base), with the data position and RNG states
+    restored."""
+    trained = params if adapters is None else adapters
     if not cfg.checkpoint.resume:
-        return 0, None, params, opt_state
+        return 0, None, trained, opt_state
     with user_errors():
         ckpt, note = checkpoint.choose(cfg.checkpoint.dir, cfg.checkpoint.resume)
     if note:
         say(note)
     if ckpt is None:
         say(f"no checkpoint in {cfg.checkpoint.dir}/checkpoints: starting from step 0")
-        return 0, None, params, opt_state
+        return 0, None, trained, opt_state
     with user_errors():
         meta = checkpoint.read_meta(ckpt)
     if meta.get("model") != model_cfg.to_hf():
@@ -221,7 +262,8 @@ def resume(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, opt_state: di
     saved = meta.get("run") or {}
     check_same_data(cfg, saved, ckpt)
     check_same_trained(cfg, model_cfg, params, saved, ckpt)
-    state = {"params": params, "optim": opt_state}
+    check_same_lora(cfg, saved, meta.get("lora_base"), base, ckpt)
+    state = {"params" if adapters is None else "adapters": trained, "optim": opt_state}
     with user_errors():
         extra = checkpoint.load(ckpt, state)
     try:
@@ -235,7 +277,7 @@ def resume(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, opt_state: di
     note = schedule_change(saved, cfg.optim, cfg.train, extra["step"])
     if note:
         say(note)
-    return extra["step"], ckpt, state["params"], state["optim"]
+    return extra["step"], ckpt, state["params" if adapters is None else "adapters"], state["optim"]
 
 
 def check_same_data(cfg: Config, saved: dict, ckpt: str) -> None:
@@ -263,6 +305,24 @@ def check_same_trained(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, s
             f"optimizer state covers only the first set. Resume with its flags, or start the next stage from its "
             f"weights: export them (the same run with --checkpoint.export_hf DIR) and start a new run with "
             f"--model.init_from DIR")
+
+
+def check_same_lora(cfg: Config, saved: dict, saved_base: dict | None, base: dict | None, ckpt: str) -> None:
+    """A LoRA checkpoint holds adapters (of its rank and targets) for one base: resuming it needs the same LoRA
+    flags and a base whose fingerprint is the one it was trained on; a full checkpoint resumes without LoRA."""
+    then, now = saved.get("lora") or {}, cfg.lora
+    same = then.get("rank", 0) == now.rank and (
+        not now.rank or (then.get("alpha"), then.get("targets")) == (now.alpha, now.targets))
+    if not same:
+        raise TrainingError(f"{ckpt} was saved by a run with --lora.rank {then.get('rank', 0)} --lora.alpha "
+                            f"{then.get('alpha')} --lora.targets {then.get('targets')!r}; this run has --lora.rank "
+                            f"{cfg.lora.rank} --lora.alpha {cfg.lora.alpha} --lora.targets {cfg.lora.targets!r}. "
+                            f"Resume with its --lora flags")
+    if base is not None and saved_base is not None and saved_base["fingerprint"] != base["fingerprint"]:
+        raise TrainingError(f"{ckpt} holds adapters trained on the base {saved_base['source']} (fingerprint "
+                            f"{saved_base['fingerprint']}), but this run's base, {base['source']}, has fingerprint "
+                            f"{base['fingerprint']}: its weights (or --lora.base_dtype) changed. Resume on the base "
+                            f"it was trained on, or start a new run")
 
 
 def check_step(cfg: Config, step: int, loss: float, grad_norm: float, last_ckpt: str | None, say) -> bool:
@@ -309,13 +369,22 @@ def report(cfg: Config, layout: Layout, say) -> None:
             f"{evals[-1]['step']}")
 
 
-def export(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, layout: Layout, say) -> None:
-    """--checkpoint.export_hf: the weights as a Transformers checkpoint (collective: the ranks gather one leaf at
-    a time, rank 0 writes)."""
+def export(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, adapters: dict | None, layout: Layout,
+           say) -> None:
+    """--checkpoint.export_hf: the weights (a LoRA run's merged into the base) as a Transformers checkpoint
+    (collective: the ranks gather one leaf at a time, rank 0 writes). --checkpoint.export_peft: a LoRA run's
+    adapters as a PEFT adapter directory (`hf.save_peft`: the ranks gather them, rank 0 writes)."""
+    spec = cfg.lora.spec()
     if cfg.checkpoint.export_hf:
         with user_errors():
-            glm5f.save_hf(cfg.checkpoint.export_hf, model_cfg, params, write=layout.is_main)
-        say(f"exported Transformers checkpoint: {cfg.checkpoint.export_hf}")
+            weights = lora.merge(params, adapters, spec) if spec else params
+            glm5f.save_hf(cfg.checkpoint.export_hf, model_cfg, weights, write=layout.is_main)
+        say(f"exported Transformers checkpoint{' (adapters merged)' if spec else ''}: {cfg.checkpoint.export_hf}")
+    if cfg.checkpoint.export_peft:
+        with user_errors():
+            save_peft(cfg.checkpoint.export_peft, model_cfg, adapters, spec,
+                      base_model_name_or_path=cfg.model.init_from, write=layout.is_main)
+        say(f"exported PEFT adapter: {cfg.checkpoint.export_peft}")
 
 
 # ---- the command line ---------------------------------------------------------------------------------------------

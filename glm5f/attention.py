@@ -24,6 +24,7 @@ from einops import rearrange
 
 from glm5f import indexer_loss, kernels
 from glm5f.config import GLM5Config
+from glm5f.lora import merged
 from glm5f.env import Env, Mask
 from glm5f.ops import apply_rope, layer_norm, linear, rms_norm, wide
 
@@ -45,8 +46,8 @@ def mla_project(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, env: Env):
 
 
 def kv_b_heads(p: dict, cfg: GLM5Config) -> tuple[torch.Tensor, torch.Tensor]:
-    """kv_b_proj split per head into its key half [H, N, R] and value half [H, V, R]."""
-    w_Hx_xR = rearrange(p["kv_b_proj"]["weight"], "(h d) r -> h d r", d=cfg.qk_nope_head_dim + cfg.v_head_dim)
+    """kv_b_proj (its LoRA adapter merged) split per head into its key half [H, N, R] and value half [H, V, R]."""
+    w_Hx_xR = rearrange(merged(p["kv_b_proj"])["weight"], "(h d) r -> h d r", d=cfg.qk_nope_head_dim + cfg.v_head_dim)
     return w_Hx_xR.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)
 
 
@@ -156,7 +157,7 @@ def expand_latent(p: dict, latent_BxTxC: torch.Tensor, cfg: GLM5Config):
     """Per-head keys [B, H, T, N + P] and values [B, H, T, V] from latent rows (through kv_b_proj)."""
     N, V = cfg.qk_nope_head_dim, cfg.v_head_dim
     kv_BxTxR, k_rot_BxTxP = latent_BxTxC.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-    kv_BxHxTx_ = rearrange(linear(p["kv_b_proj"], kv_BxTxR), "b t (h d) -> b h t d", d=N + V)
+    kv_BxHxTx_ = rearrange(linear(merged(p["kv_b_proj"]), kv_BxTxR), "b t (h d) -> b h t d", d=N + V)
     k_nope_BxHxTxN, v_BxHxTxV = kv_BxHxTx_.split([N, V], dim=-1)
     k_rot_BxHxTxP = k_rot_BxTxP[:, None].expand(-1, kv_BxHxTx_.shape[1], -1, -1)
     k_BxHxTx_ = torch.cat([k_nope_BxHxTxN, k_rot_BxHxTxP], dim=-1)

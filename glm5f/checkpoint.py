@@ -13,6 +13,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import math
 import os
 import random
 import shutil
@@ -299,7 +300,8 @@ def read_meta(path: str) -> dict:
 
 def load_params(path: str) -> tuple[GLM5Config, dict]:
     """(model config, full params) of training checkpoint `path`, in this one process whatever layout saved it
-    (DCP reshards); the optimizer state is not read. Params keep the run's master dtype (fp32, fp64 in fp64 runs)."""
+    (DCP reshards); the optimizer state is not read. Params keep the run's master dtype (fp32, fp64 in fp64 runs).
+    A LoRA run's checkpoint: its base (`load_lora_base`, in the run's --lora.base_dtype) with the adapters merged."""
     meta = read_meta(path)
     if "model" not in meta:
         raise ValueError(f"{path}/meta.json has no model config: not a glm5f training checkpoint")
@@ -308,6 +310,12 @@ def load_params(path: str) -> tuple[GLM5Config, dict]:
         good = newest_complete(os.path.dirname(os.path.normpath(path)))
         raise ValueError(f"checkpoint {path} is damaged: {problem}" +
                          (f". The newest complete checkpoint beside it is {good}" if good else ""))
+    if "lora_base" in meta:
+        from glm5f.lora import merge
+
+        cfg, base = load_lora_base(path)
+        spec, adapters = load_adapters(path)
+        return cfg, merge(base, adapters, spec)
     cfg = GLM5Config.from_hf(meta["model"])
     master = torch.float64 if meta.get("run", {}).get("train", {}).get("dtype") == "float64" else torch.float32
     params = map_with_path(lambda p, t: torch.empty(t.shape, dtype=t.dtype), abstract_params(cfg, master))
@@ -327,6 +335,107 @@ def load(path: str, state: dict) -> dict:
         why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}".rstrip(": ")
         raise ValueError(f"cannot read checkpoint {path} ({why}); it may be damaged: resume from an older one in "
                          f"{os.path.dirname(os.path.normpath(path))}") from None
+
+
+# ---- LoRA: adapters beside a base named by path and fingerprint ---------------------------------------------------
+
+_MIX = (-7046029254386353131, -4658895280553007687)  # 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9 as int64
+
+
+def _leaf_fingerprint(t: torch.Tensor, block_elems: int = 1 << 22) -> torch.Tensor:
+    """int64 sum (wrapping, so its order does not matter) over this rank's elements of a leaf of (the element's
+    bits + 1) times a mix of its global flat index: a DTensor's shard counts at its global offset, a replica only
+    on the first rank holding it, so the sum over ranks is the whole leaf's whatever the layout."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset, local = tuple(t.shape), (0,) * t.ndim, t
+    if isinstance(t, DTensor):
+        coord = t.device_mesh.get_coordinate()
+        if any(isinstance(pl, Replicate) and c for pl, c in zip(t.placements, coord)):
+            return torch.zeros((), dtype=torch.int64, device=t.to_local().device)
+        _, offset = compute_local_shape_and_global_offset(shape, t.device_mesh, t.placements)
+        local = t.to_local()
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[local.element_size()]
+    flat = local.contiguous().view(bits).to(torch.int64)
+    total = torch.zeros((), dtype=torch.int64, device=local.device)
+    if flat.numel() == 0:
+        return total
+    strides = torch.empty(shape, device="meta").stride() if shape else ()
+    rows = max(1, block_elems // max(1, math.prod(flat.shape[1:]))) if flat.ndim else 1
+    for start in range(0, flat.shape[0] if flat.ndim else 1, rows):
+        part = flat[start:start + rows] if flat.ndim else flat
+        idx = torch.zeros(part.shape, dtype=torch.int64, device=part.device)
+        for d in range(part.ndim):
+            first = offset[d] + (start if d == 0 else 0)
+            pos = torch.arange(first, first + part.shape[d], dtype=torch.int64, device=part.device) * strides[d]
+            idx = idx + pos.view([-1 if e == d else 1 for e in range(part.ndim)])
+        h = (idx + 1) * _MIX[0]
+        h = (h ^ (h >> 31)) * _MIX[1]
+        total = total + ((part + 1) * h).sum()
+    return total
+
+
+def fingerprint(params: dict, total=lambda t: t) -> str:
+    """A hex digest of a params tree's paths, shapes, dtypes and values that does not depend on how its leaves are
+    sharded (each rank hashes its shards, `total`, Layout.sum, adds them over ranks); collective."""
+    flat = flatten(params)
+    sums = total(torch.stack([_leaf_fingerprint(t) for t in flat.values()])) if flat else torch.zeros(0)
+    head = "".join(f"{p}:{tuple(t.shape)}:{t.dtype};" for p, t in flat.items()).encode()
+    digest = zlib.crc32(sums.cpu().numpy().tobytes(), zlib.crc32(head))
+    return f"{digest:08x}-{len(flat)}"
+
+
+def load_adapters(path: str):
+    """(LoraSpec, flat adapters {"<module>.lora_A": tensor, ...}) of a LoRA run's checkpoint `path` (or a run
+    directory's latest), in this one process whatever layout saved it, in the run's master dtype."""
+    from glm5f.lora import LoraSpec, adapter_shapes
+
+    path = resolve(path)
+    meta = read_meta(path)
+    lo = (meta.get("run") or {}).get("lora") or {}
+    if not lo.get("rank") or "model" not in meta:
+        raise ValueError(f"{path} is not a checkpoint of a LoRA run (its meta.json has no lora.rank): convert it "
+                         f"without --peft / --merge-lora")
+    spec = LoraSpec(lo["rank"], float(lo["alpha"]), float(lo["dropout"]), lo["targets"])
+    cfg = GLM5Config.from_hf(meta["model"])
+    master = torch.float64 if meta["run"].get("train", {}).get("dtype") == "float64" else torch.float32
+    adapters = {p: torch.empty(shape, dtype=master) for p, shape in adapter_shapes(abstract_params(cfg), spec).items()}
+    _quiet_dcp(dcp.load, {"adapters": adapters}, checkpoint_id=path)
+    return spec, adapters
+
+
+
+def load_lora_base(path: str) -> tuple[GLM5Config, dict]:
+    """(model config, the frozen base) of a LoRA run's checkpoint `path`, rebuilt from what names it (the run's
+    --model.init_from, or its preset initialised with its --train.seed) in the dtype the run stored it in, and
+    checked against the fingerprint the checkpoint recorded (a ValueError when it changed)."""
+    from glm5f.hf import load_hf
+    from glm5f.params import init_params
+
+    path = resolve(path)
+    meta = read_meta(path)
+    run, recorded = meta.get("run") or {}, meta.get("lora_base")
+    if recorded is None:
+        raise ValueError(f"{path} is not a checkpoint of a LoRA run (its meta.json names no lora_base)")
+    train = run.get("train") or {}
+    master = torch.float64 if train.get("dtype") == "float64" else torch.float32
+    dtype = getattr(torch, (run.get("lora") or {}).get("base_dtype") or str(master).replace("torch.", ""))
+    init_from = (run.get("model") or {}).get("init_from")
+    cfg = GLM5Config.from_hf(meta["model"])
+    if init_from:
+        if not os.path.isdir(init_from):
+            raise FileNotFoundError(f"{path} holds adapters for the base {init_from}, which is not there now: "
+                                    f"convert where that checkpoint is")
+        _, base = load_hf(init_from, dtype=dtype)
+    else:
+        base = init_params(cfg, train.get("seed", 0), dtype)
+    found = fingerprint(base)
+    if found != recorded["fingerprint"]:
+        raise ValueError(f"{path} holds adapters trained on the base {recorded['source']} (fingerprint "
+                         f"{recorded['fingerprint']}), but that base now has fingerprint {found}: it changed since "
+                         f"the run, so the adapters do not belong to it")
+    return cfg, base
 
 
 # ---- the run directory --------------------------------------------------------------------------------------------
@@ -475,8 +584,8 @@ def _path_problem(path: str, what: str) -> str | None:
 
 def check_run_paths(cfg) -> None:
     """Before any training: a ValueError naming the path and what is wrong when the run directory
-    (--checkpoint.dir) or its checkpoints/ cannot be written, or the --checkpoint.export_hf directory cannot be
-    created beside its parent (a file in the way, read-only, under a file)."""
+    (--checkpoint.dir) or its checkpoints/ cannot be written, or the --checkpoint.export_hf (export_peft)
+    directory cannot be created beside its parent (a file in the way, read-only, under a file)."""
     run_dir, export = cfg.checkpoint.dir, cfg.checkpoint.export_hf
     problem = _path_problem(run_dir, "the run directory (--checkpoint.dir)")
     ckpts = os.path.join(run_dir, "checkpoints")
@@ -486,10 +595,11 @@ def check_run_paths(cfg) -> None:
                        f"away or pass another --checkpoint.dir")
         elif not os.access(ckpts, os.W_OK | os.X_OK):
             problem = f"{ckpts} is not writable (read-only or not yours); pass a writable --checkpoint.dir"
-    if problem is None and export:
-        export = export.rstrip("/") or export
-        problem = _path_problem(os.path.dirname(os.path.abspath(export)), "the directory of --checkpoint.export_hf")
-        if problem is None and os.path.isdir(export) and not os.access(export, os.W_OK | os.X_OK):
-            problem = f"--checkpoint.export_hf {export} is not writable (read-only or not yours); pass another"
+    for flag, export in (("export_hf", export), ("export_peft", getattr(cfg.checkpoint, "export_peft", None))):
+        if problem is None and export:
+            export = export.rstrip("/") or export
+            problem = _path_problem(os.path.dirname(os.path.abspath(export)), f"the directory of --checkpoint.{flag}")
+            if problem is None and os.path.isdir(export) and not os.access(export, os.W_OK | os.X_OK):
+                problem = f"--checkpoint.{flag} {export} is not writable (read-only or not yours); pass another"
     if problem:
         raise ValueError(problem)

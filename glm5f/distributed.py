@@ -44,6 +44,7 @@ MESH_RULES = {
     "vocab": ("fsdp",), "embed": ("fsdp",), "heads": ("fsdp",), "mlp": ("fsdp",), "router": ("fsdp",),
     "q_lora": ("fsdp",), "kv_lora": ("fsdp",), "latent": ("fsdp",),
     "index_heads": ("fsdp",), "index_dim": ("fsdp",),
+    "lora_rank": (),  # a LoRA factor's rank dim: small, replicated; its other dims shard as its weight's
 }
 GATHERED = ("fsdp",)  # the mesh axes a leaf is gathered over for the forward
 

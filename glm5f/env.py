@@ -14,6 +14,7 @@ from torch.utils import _pytree as pytree
 
 from glm5f.config import GLM5Config
 from glm5f.kernels import allowed_rows
+from glm5f.lora import LoraSpec, bind
 from glm5f.ops import rope_tables
 from glm5f.parallel import Layout
 from glm5f.params import leaf_dtype, map_with_path
@@ -109,8 +110,9 @@ class Env:
     weights: cast to weight_dtype, FSDP-gathered), `keys` (a layer's keys over all T positions: identity, a CP
     all-gather, a decode cache), `experts` (the routed experts over rows sorted by expert: local or EP
     all-to-all) and `seq_sum` (a sum over the ranks holding parts of this rank's sequences). `remat` recomputes
-    each decoder layer in the backward pass; `compile` runs decoder layers under torch.compile; `query_parts`: the
-    parts of the queries sparse attention runs over (`attention.sparse_mla`)."""
+    each decoder layer in the backward pass; `compile` runs decoder layers under torch.compile; `lora`: the LoRA
+    spec (scale, dropout) of the adapters in the params, None without; `query_parts`: the parts of the queries
+    sparse attention runs over (`attention.sparse_mla`)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -121,6 +123,7 @@ class Env:
     weight_dtype: torch.dtype | None = None
     remat: bool = False
     compile: bool = False
+    lora: LoraSpec | None = None
     query_parts: int = 1
 
     @property
@@ -130,11 +133,12 @@ class Env:
 
     def weights(self, tree: dict, prefix: str = "") -> dict:
         """The compute weights of the subtree at dotted path `prefix`: cast to weight_dtype (the fp32 leaves of
-        `params.LEAF_KINDS` stay wide), gathered where the layout shards them."""
+        `params.LEAF_KINDS` stay wide), gathered where the layout shards them, with the run's LoRA spec beside each
+        adapter (`lora.bind`)."""
         if self.weight_dtype is not None:
             tree = map_with_path(lambda p, t: t.to(leaf_dtype(f"{prefix}.{p}" if prefix else p, self.weight_dtype)),
                                  tree)
-        return self.layout.gather(tree, prefix)
+        return bind(self.layout.gather(tree, prefix), self.lora)
 
     def keys(self, layer: int, name: str, local: torch.Tensor) -> torch.Tensor:
         return self.layout.keys(layer, name, local)
@@ -211,7 +215,8 @@ def split_tokens(batch: dict, rows: slice, positions: torch.Tensor | None) -> di
 
 def make_env(cfg: GLM5Config, batch: dict, dtype: torch.dtype, layout: Layout | None = None, *,
              objectives: Objectives = Objectives(), weight_dtype: torch.dtype | None = None,
-             remat: bool = False, compile: bool = False, query_parts: int = 1) -> tuple[dict, Env]:
+             remat: bool = False, compile: bool = False, lora: LoraSpec | None = None,
+             query_parts: int = 1) -> tuple[dict, Env]:
     """(this rank's share of a global batch, the Env its layers run in). The batch holds [B, S] "input_ids" and
     "position_ids", optionally "attention_mask" (2D or 4D, see `make_mask`), "valid" and any other per-token
     tensors (split alike); the layout says which rows and positions are this rank's."""
@@ -225,5 +230,5 @@ def make_env(cfg: GLM5Config, batch: dict, dtype: torch.dtype, layout: Layout | 
     mask = batch.get("attention_mask")
     mask = make_mask(None if mask is None else mask[rows], position_ids[rows], positions, packed)
     cos, sin = rope_tables(cfg, local["position_ids"], dtype)
-    return local, Env(cos, sin, mask, layout, objectives, local.get("valid"), weight_dtype, remat, compile,
+    return local, Env(cos, sin, mask, layout, objectives, local.get("valid"), weight_dtype, remat, compile, lora,
                       query_parts)

@@ -4,6 +4,10 @@ An adapted weight W [out, in] (routed experts: [E, out, in]) gets A [r, in] and 
 [E, out, r]); its layer computes x W^T + scale * (x A^T) B^T, scale = alpha / rank. B starts at zero, so a fresh
 adapter changes nothing. The adapter tree is flat, {dotted path: tensor}, with paths `<module>.lora_A` and
 `<module>.lora_B` beside the module's `<module>.weight`; `attach` puts them into the params tree for a forward.
+
+Where weights are used: the Env's `weights` (cast, FSDP gather) `bind`s the run's spec beside each adapter, and
+ops.linear and moe.expert_linear add the adapter's product unmerged; kv_b_proj, which MLA reads as a matrix
+(absorbed into queries, or expanding latents), is read `merged` (W + delta, no dropout).
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ import zlib
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from glm5f.ops import wide_dtype
+from glm5f.parallel import full_tensor
 from glm5f.params import flatten
 
 # GLM-5's LoRA recipe: the attention projections (the DSA indexer's own projections are not adapted).
@@ -53,6 +59,18 @@ def target_modules(params: dict, targets: str) -> dict[str, tuple[int, ...]]:
                          f"module paths such as 'model.layers.0.self_attn.q_b_proj' or "
                          f"'model.layers.1.mlp.experts.gate_proj'")
     return found
+
+
+def adapter_shapes(params: dict, spec: LoraSpec) -> dict[str, tuple[int, ...]]:
+    """{"<module>.lora_A": (.., r, in), "<module>.lora_B": (.., out, r)} for the weights spec.targets selects
+    (`params` may be abstract: meta tensors)."""
+    if spec.rank < 1:
+        raise ValueError(f"--lora.rank must be at least 1, got {spec.rank}")
+    shapes = {}
+    for module, (*experts, out_features, in_features) in target_modules(params, spec.targets).items():
+        shapes[f"{module}.lora_A"] = (*experts, spec.rank, in_features)
+        shapes[f"{module}.lora_B"] = (*experts, out_features, spec.rank)
+    return shapes
 
 
 def init_adapters(params: dict, spec: LoraSpec, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
@@ -97,6 +115,40 @@ def attach(params: dict, adapters: dict) -> dict:
     return nest({**flatten(params), **adapters})
 
 
+ADAPTER_LEAVES = ("lora_A", "lora_B")
+
+
+def is_adapter(path: str) -> bool:
+    """Whether the leaf at dotted `path` is a LoRA factor."""
+    return path.rpartition(".")[2] in ADAPTER_LEAVES
+
+
+def bind(tree, spec: LoraSpec | None):
+    """The compute tree with `spec` (its scale and dropout) beside each adapter's factors, under "lora", for the
+    layers (ops.linear, moe.expert_linear) to read; a ValueError when the tree holds adapters and spec is None."""
+    if isinstance(tree, list):
+        return [bind(t, spec) for t in tree]
+    if not isinstance(tree, dict):
+        return tree
+    if "lora_A" in tree:
+        if spec is None:
+            raise ValueError("the params hold LoRA adapters (lora_A / lora_B) but no LoraSpec was given: pass the "
+                             "spec they were trained with (checkpoint.load_adapters returns it)")
+        return {**tree, "lora": spec}
+    return {k: bind(v, spec) for k, v in tree.items()}
+
+
+def merged(p: dict) -> dict:
+    """A module's compute params with its adapter merged: {"weight": W + scale * B @ A (added in fp32, in W's
+    dtype), "bias" if any}; the module's params as they are without one."""
+    if "lora_A" not in p:
+        return p
+    w = p["weight"]
+    out = {k: v for k, v in p.items() if k not in (*ADAPTER_LEAVES, "lora")}
+    out["weight"] = (w.to(wide_dtype(w.dtype)) + delta(p["lora_A"], p["lora_B"], p["lora"].scale)).to(w.dtype)
+    return out
+
+
 def delta(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     """scale * B @ A in fp32 (fp64 for fp64 factors): the change an adapter makes to its weight."""
     dt = wide_dtype(torch.promote_types(a.dtype, b.dtype))
@@ -104,11 +156,14 @@ def delta(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 def merge(params: dict, adapters: dict, spec: LoraSpec) -> dict:
-    """The base params with every adapter merged into its weight (W + scale * B @ A in fp32, cast to W's dtype)."""
+    """The base params with every adapter merged into its weight (W + scale * B @ A in fp32, cast to W's dtype).
+    Sharded (DTensor) leaves of a parallel run: each adapter is gathered whole and its delta laid out as its
+    weight (collective: every rank calls it)."""
     flat = flatten(params)
-    for module in {p.rpartition(".")[0] for p in adapters}:
+    for module in dict.fromkeys(p.rpartition(".")[0] for p in adapters):  # one order on every rank
         w = flat[f"{module}.weight"]
-        w_wide = w.to(wide_dtype(w.dtype)) + delta(adapters[f"{module}.lora_A"], adapters[f"{module}.lora_B"],
-                                                  spec.scale)
-        flat[f"{module}.weight"] = w_wide.to(w.dtype)
+        d = delta(full_tensor(adapters[f"{module}.lora_A"]), full_tensor(adapters[f"{module}.lora_B"]), spec.scale)
+        if isinstance(w, DTensor):
+            d = distribute_tensor(d.to(w.device), w.device_mesh, w.placements)
+        flat[f"{module}.weight"] = (w.to(wide_dtype(w.dtype)) + d).to(w.dtype)
     return nest(flat)

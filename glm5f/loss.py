@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 from glm5f.config import GLM5Config
 from glm5f.data import IGNORE_INDEX
 from glm5f.env import INDEXER_LOSSES, Objectives, make_env, packed_segments
+from glm5f.lora import LoraSpec
 from glm5f.model import apply, mtp_apply
 from glm5f.ops import wide, wide_dtype
 from glm5f.optim import trained_paths, value_and_grad
@@ -104,8 +105,9 @@ OBJECTIVES = {
 class Step:
     """What a training step computes and how: the Objectives and each one's weight, the activations' dtype, the
     dtype of the sums that make gradients (`--train.reduce_dtype`; None: the activations'), activation
-    checkpointing, micro-batches, the --train.trainable regex, whether decoder layers run compiled, and the parts of
-    the queries sparse attention runs over (`--train.query_parts`)."""
+    checkpointing, micro-batches, the --train.trainable regex, whether decoder layers run compiled, the LoRA spec
+    (None: no adapters; with one, the params hold them, `lora.attach`, and only they are trained), and the parts
+    of the queries sparse attention runs over (`--train.query_parts`)."""
 
     objectives: Objectives = Objectives()
     coeffs: dict = dataclasses.field(default_factory=lambda: {"loss": 1.0})
@@ -115,11 +117,13 @@ class Step:
     grad_accum: int = 1
     trainable: str | None = None
     compile: bool = False
+    lora: LoraSpec | None = None
     query_parts: int = 1
 
     @classmethod
-    def of(cls, train, model_cfg: GLM5Config) -> Step:
-        """The Step of a run's TrainConfig (`train`) for a model of model_cfg."""
+    def of(cls, train, model_cfg: GLM5Config, lora: LoraSpec | None = None) -> Step:
+        """The Step of a run's TrainConfig (`train`) for a model of model_cfg, training the adapters of `lora`
+        (the run's LoraSpec) when given."""
         if train.indexer_loss not in INDEXER_LOSSES:
             raise ValueError(f"--train.indexer_loss must be one of {INDEXER_LOSSES}, got {train.indexer_loss!r}")
         objectives = Objectives(train.indexer_loss, train.indexer_target, train.seq_aux_loss_coeff > 0,
@@ -128,7 +132,7 @@ class Step:
                   for name, o in OBJECTIVES.items() if o.coeff is not None and o.on(objectives)}
         return cls(objectives, coeffs, getattr(torch, train.dtype),
                    getattr(torch, train.reduce_dtype) if train.reduce_dtype else None,
-                   train.activation_checkpointing, train.grad_accum, train.trainable, train.compile,
+                   train.activation_checkpointing, train.grad_accum, train.trainable, train.compile, lora,
                    train.query_parts)
 
     @property
@@ -136,8 +140,9 @@ class Step:
         return self.reduce_dtype or self.dtype
 
     def trained(self, params: dict) -> list[str]:
-        """Paths of the leaves this step trains (the indexer's only with its loss on)."""
-        return trained_paths(params, self.trainable, indexer=self.objectives.indexer_loss != "off")
+        """Paths of the leaves this step trains (the indexer's only with its loss on; with LoRA the adapters')."""
+        return trained_paths(params, self.trainable, indexer=self.objectives.indexer_loss != "off",
+                             lora=self.lora is not None)
 
 
 def with_targets(batch: dict, mtp_depths: int = 0) -> dict:
@@ -183,7 +188,7 @@ def micro_loss(params: dict, batch: dict, denoms: dict, cfg: GLM5Config, layout:
     MoE layer's router bias path, the valid tokens of this rank routed to each expert (for the bias rule).
     """
     local, env = make_env(cfg, batch, step.dtype, layout, objectives=step.objectives, weight_dtype=step.weight_dtype,
-                          remat=step.remat, compile=step.compile, query_parts=step.query_parts)
+                          remat=step.remat, compile=step.compile, lora=step.lora, query_parts=step.query_parts)
     # the embedding, final norm and head now; each decoder layer as it runs (model.run_layer)
     top = env.weights({**params, "model": {k: v for k, v in params["model"].items() if k != "layers"}})
     compute = {**top, "model": {**top["model"], "layers": params["model"]["layers"]}}
@@ -248,7 +253,8 @@ def device_step(params: dict, batch: dict, cfg: GLM5Config, layout: Layout, step
 def eval_loss(params: dict, batches: list[dict], cfg: GLM5Config, layout: Layout, step: Step) -> float:
     """Token-weighted mean LM loss of `params` over the held-out batches: every batch cut into micro-batches and
     rank shares as a training step's, the loss sums added over all of them and divided by all their targets."""
-    lm = dataclasses.replace(step, objectives=Objectives(), coeffs={"loss": 1.0}, remat=False)
+    lm = dataclasses.replace(step, objectives=Objectives(), coeffs={"loss": 1.0}, remat=False,
+                             lora=step.lora and dataclasses.replace(step.lora, dropout=0.0))
     one = {"targets": torch.ones((), device=layout.device)}
     loss_sum, n_targets = torch.zeros((), dtype=torch.float64, device=layout.device), 0
     for batch in batches:

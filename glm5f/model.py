@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -12,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 from glm5f.attention import Selection, attention
 from glm5f.config import GLM5Config
 from glm5f.env import Env, make_env
+from glm5f.lora import LoraSpec
 from glm5f.moe import moe
 from glm5f.ops import linear, rms_norm, swiglu_mlp
 
@@ -126,19 +128,21 @@ def mtp_layer(params: dict, cfg: GLM5Config, depth: int, h_BxSxD: torch.Tensor, 
 
 
 def forward(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
-            position_ids: torch.Tensor | None = None) -> torch.Tensor:
+            position_ids: torch.Tensor | None = None, lora: LoraSpec | None = None) -> torch.Tensor:
     """Logits [B, S, V] of the causal LM, as `GlmMoeDsaForCausalLM` computes them.
 
     attention_mask: None (causal), 2D [B, S] padding mask (1 keep, 0 pad), or a 4D [B, 1, S, S] mask, boolean
     (True attends) or additive float (0 attends, dtype-min masks), used as given. position_ids [B, S] or [1, S]
     (default 0..S-1); with no attention_mask, positions that restart mark packed documents, and attention stays
-    within each document.
+    within each document. `lora`: the spec of the LoRA adapters `params` holds (`lora.attach`), applied unmerged
+    (without dropout).
     """
     check_input_ids(input_ids, cfg)
     batch = {"input_ids": input_ids, "position_ids": position_ids}
     if attention_mask is not None:
         batch["attention_mask"] = attention_mask
-    local, env = make_env(cfg, batch, params["model"]["embed_tokens"]["weight"].dtype)
+    spec = None if lora is None else dataclasses.replace(lora, dropout=0.0)
+    local, env = make_env(cfg, batch, params["model"]["embed_tokens"]["weight"].dtype, lora=spec)
     return apply(params, cfg, local["input_ids"], env)[0]
 
 

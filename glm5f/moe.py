@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
 from glm5f.config import GLM5Config
-from glm5f.ops import linear, swiglu_mlp, wide
+from glm5f.ops import adapter_input, linear, swiglu_mlp, wide
 
 if TYPE_CHECKING:
     from glm5f.env import Env
@@ -125,11 +125,21 @@ def _grouped_mm_autograd(ctx, dy_MxOut):
 grouped_mm.register_autograd(_grouped_mm_autograd, setup_context=_grouped_mm_setup_context)
 
 
+def expert_linear(p: dict, x_MxIn: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """Each expert's projection of its block of rows: x W_e^T, plus with a LoRA adapter (p's "lora_A" [E, r, In],
+    "lora_B" [E, Out, r], spec "lora") scale * (dropout(x) A_e^T) B_e^T, both through the grouped GEMM."""
+    y_MxOut = grouped_matmul(x_MxIn, p["weight"], counts_E)
+    if "lora_A" not in p:
+        return y_MxOut
+    h_MxR = grouped_matmul(adapter_input(p, x_MxIn), p["lora_A"], counts_E)
+    return y_MxOut + grouped_matmul(h_MxR, p["lora_B"], counts_E) * p["lora"].scale
+
+
 def expert_ffn(p: dict, x_MxD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
     """SwiGLU of each expert over its block of rows (rows sorted by expert)."""
-    gate = grouped_matmul(x_MxD, p["gate_proj"]["weight"], counts_E)
-    up = grouped_matmul(x_MxD, p["up_proj"]["weight"], counts_E)
-    return grouped_matmul(F.silu(gate) * up, p["down_proj"]["weight"], counts_E)
+    gate = expert_linear(p["gate_proj"], x_MxD, counts_E)
+    up = expert_linear(p["up_proj"], x_MxD, counts_E)
+    return expert_linear(p["down_proj"], F.silu(gate) * up, counts_E)
 
 
 def sort_by_expert(idx_NxK: torch.Tensor, num_experts: int):

@@ -25,10 +25,22 @@ def wide(x: torch.Tensor) -> torch.Tensor:
 # every weight-gradient sum over tokens) accumulates in fp64, and each result is rounded to fp32.
 
 def linear(p: dict, x: torch.Tensor) -> torch.Tensor:
-    """x @ W^T (+ b) for a params dict {"weight": [out, in], optional "bias": [out]}."""
+    """x @ W^T (+ b) for a params dict {"weight": [out, in], optional "bias": [out]}; with a LoRA adapter beside
+    the weight ("lora_A" [r, in], "lora_B" [out, r] and its spec "lora", see glm5f.lora), plus
+    scale * (dropout(x) @ A^T) @ B^T, the [out, in] delta never formed."""
     w, b = p["weight"], p.get("bias")
     dt = torch.promote_types(x.dtype, w.dtype)
-    return F.linear(x.to(dt), w.to(dt), None if b is None else b.to(dt)).to(x.dtype)
+    y = F.linear(x.to(dt), w.to(dt), None if b is None else b.to(dt))
+    if "lora_A" in p:
+        h = adapter_input(p, x.to(dt))
+        y = y + F.linear(F.linear(h, p["lora_A"].to(dt)), p["lora_B"].to(dt)) * p["lora"].scale
+    return y.to(x.dtype)
+
+
+def adapter_input(p: dict, x: torch.Tensor) -> torch.Tensor:
+    """A LoRA adapter's input: x, through dropout (torch's global RNG) when its spec has one."""
+    dropout = p["lora"].dropout
+    return F.dropout(x, dropout) if dropout else x
 
 
 def rms_norm(weight: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -7,6 +7,7 @@ set further:
   no_decay  AdamW without weight decay    norm scales and biases (1-D)
   frozen    untouched                     the DSA indexer, unless trained by its own loss (--train.indexer_loss)
   balance   bias += rate * sign(mean load - load), no gradient    the router's e_score_correction_bias
+A LoRA run (--lora.rank) trains the adapters' factors only: the base is frozen, router biases included.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils import _pytree as pytree
 
+from glm5f.lora import is_adapter
 from glm5f.ops import wide_dtype
 from glm5f.parallel import full_tensor
 from glm5f.params import flatten, leaf_kind, unflatten
@@ -40,11 +42,12 @@ def matches(pattern: str | None, path: str) -> bool:
     return pattern is None or re.search(pattern, path) is not None
 
 
-def trained_paths(params: dict, trainable: str | None = None, indexer: bool = False) -> list[str]:
+def trained_paths(params: dict, trainable: str | None = None, indexer: bool = False, lora: bool = False) -> list[str]:
     """Paths of the leaves AdamW updates (rule decay or no_decay, matched by the `trainable` regex), in tree
-    order."""
+    order; with `lora`, the LoRA adapters' factors only (the base frozen)."""
     return [p for p, t in flatten(params).items()
-            if leaf_rule(p, t.ndim, indexer) in ("decay", "no_decay") and matches(trainable, p)]
+            if leaf_rule(p, t.ndim, indexer) in ("decay", "no_decay") and matches(trainable, p)
+            and (not lora or is_adapter(p))]
 
 
 def value_and_grad(fn: Callable, has_aux: bool = False, paths: list[str] | None = None):

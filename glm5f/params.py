@@ -39,7 +39,8 @@ class LeafKind:
 # and the checkpoint keys (`hf`: one key per routed expert) all read it. As in the reference, the router and the
 # indexer's head stay fp32. Axes: vocab, embed (hidden size), heads (MLA heads), mlp (an MLP's hidden width),
 # experts (routed experts, stacked [E, out, in]), router (one row per expert), q_lora / kv_lora (the latent
-# ranks), latent (kv_lora + rope: a latent row), index_heads / index_dim (the indexer's).
+# ranks), latent (kv_lora + rope: a latent row), index_heads / index_dim (the indexer's), lora_rank (a LoRA
+# adapter's rank: the rows below the table).
 LEAF_KINDS = [(re.compile(pattern), kind) for pattern, kind in [
     (r"\.mlp\.gate\.e_score_correction_bias$", LeafKind(("router",), fp32=True, optim="balance")),
     (r"\.mlp\.gate\.weight$", LeafKind(("router", "embed"), fp32=True)),
@@ -63,6 +64,22 @@ LEAF_KINDS = [(re.compile(pattern), kind) for pattern, kind in [
     (r"\.eh_proj\.weight$", LeafKind(("embed", "embed"))),  # [D, 2D]: the MTP layer's embedding and hidden state
     (r"(norm\.weight|o_proj\.bias)$", LeafKind(("embed",))),
 ]]
+
+
+def _adapter_rows(rows: list) -> list:
+    """The LEAF_KINDS rows of LoRA factors (glm5f.lora), one pair per matrix row: `<module>.lora_A` [.., r, in]
+    and `<module>.lora_B` [.., out, r] take the axes of their weight's dims, with "lora_rank" (never sharded) for
+    r; trained by AdamW whatever their weight's rule."""
+    out = []
+    for pattern, kind in rows:
+        if pattern.pattern.endswith(r"\.weight$") and len(kind.axes) >= 2:
+            stem, (*lead, out_axis, in_axis) = pattern.pattern[:-len(r"\.weight$")], kind.axes
+            out.append((re.compile(stem + r"\.lora_A$"), LeafKind((*lead, "lora_rank", in_axis))))
+            out.append((re.compile(stem + r"\.lora_B$"), LeafKind((*lead, out_axis, "lora_rank"))))
+    return out
+
+
+LEAF_KINDS += _adapter_rows(LEAF_KINDS)
 
 
 @dataclass(frozen=True)

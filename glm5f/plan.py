@@ -31,8 +31,9 @@ from glm5f.loss import cross_entropy_sum, shift_labels
 from glm5f.model import decoder_layer, lm_head
 from glm5f.ops import wide_dtype
 from glm5f.optim import leaf_rule
+from glm5f.lora import DEFAULT_TARGETS, LoraSpec, adapter_shapes, is_adapter
 from glm5f.parallel import Layout
-from glm5f.params import Leaf, flatten, leaf_dtype, leaf_kind, map_with_path, param_layout
+from glm5f.params import Leaf, abstract_params, flatten, leaf_dtype, leaf_kind, map_with_path, param_layout
 
 GB = 10**9  # --parallel.device_memory_gb and the table count decimal gigabytes (an H200 has 141 GB)
 # Extra full-size copies of the trained leaves alive during the AdamW step: it updates params and moments in place
@@ -53,6 +54,13 @@ class RunShape:
     dtype: str = "float32"
     reduce_dtype: str | None = None
     remat: bool = False
+    lora_rank: int = 0
+    lora_targets: str = DEFAULT_TARGETS
+    base_dtype: str | None = None
+
+    @property
+    def lora(self) -> LoraSpec | None:
+        return LoraSpec(self.lora_rank, targets=self.lora_targets) if self.lora_rank else None
 
     @property
     def world(self) -> int:
@@ -73,8 +81,9 @@ class RunShape:
 def run_shape(cfg) -> RunShape:
     """The RunShape of a train.py `Config`."""
     p, t = cfg.parallel, cfg.train
+    lo = getattr(cfg, "lora", None)
     return RunShape(p.dp_shard, p.cp, p.ep, cfg.data.batch_size, cfg.data.seq_len, t.grad_accum, t.dtype,
-                    t.reduce_dtype, t.activation_checkpointing)
+                    t.reduce_dtype, t.activation_checkpointing, *((lo.rank, lo.targets, lo.base_dtype) if lo else ()))
 
 
 # ---- parameters, gradients, optimizer state -----------------------------------------------------------------------
@@ -99,18 +108,25 @@ def mesh_coords(rank: int, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(coords))
 
 
-def leaf_groups(cfg: GLM5Config) -> Counter:
-    """Counter of (shape, logical axes, stays fp32, trained, unit) -> how many leaves: the plan's unit of work (a
-    few dozen groups for the full GLM-5, whose 78 layers repeat the same shapes). unit is what the leaf is gathered
-    with: None for the leaves gathered once per micro-batch (embedding, final norm, head, MTP layers), else
-    (kind, n) for a decoder layer of one of the n layers sharing that kind's leaves (`apply` gathers one at a time).
+def leaf_groups(cfg: GLM5Config, lora: LoraSpec | None = None) -> Counter:
+    """Counter of (shape, logical axes, stays fp32, trained, base, unit) -> how many leaves: the plan's unit of
+    work (a few dozen groups for the full GLM-5, whose 78 layers repeat the same shapes). base: a leaf of a LoRA
+    run's frozen base (stored in --lora.base_dtype, never trained); with `lora` its adapters are leaves too (the
+    trained ones). unit is what the leaf is gathered with: None for the leaves gathered once per micro-batch
+    (embedding, final norm, head, MTP layers), else (kind, n) for a decoder layer of one of the n layers sharing
+    that kind's leaves (`apply` gathers one at a time).
     """
     layers: dict[int, list] = {}
     groups = Counter()
-    for path, leaf in flatten(param_layout(cfg), is_leaf=lambda x: isinstance(x, Leaf)).items():
+    shapes = {path: tuple(leaf.shape) for path, leaf in
+              flatten(param_layout(cfg), is_leaf=lambda x: isinstance(x, Leaf)).items()}
+    if lora is not None:
+        shapes.update(adapter_shapes(abstract_params(cfg), lora))
+    for path, shape in shapes.items():
         kind = leaf_kind(path)
-        trained = leaf_rule(path, len(leaf.shape)) in ("decay", "no_decay")
-        key = (tuple(leaf.shape), kind.axes, kind.fp32, trained)  # fp32: stays fp32 whatever the compute dtype
+        base = lora is not None and not is_adapter(path)
+        trained = not base and leaf_rule(path, len(shape)) in ("decay", "no_decay")
+        key = (shape, kind.axes, kind.fp32, trained, base)  # fp32: stays fp32 whatever the compute dtype
         parts = path.split(".")
         if parts[:2] == ["model", "layers"] and int(parts[2]) < cfg.num_hidden_layers:
             layers.setdefault(int(parts[2]), []).append(key)
@@ -124,20 +140,22 @@ def leaf_groups(cfg: GLM5Config) -> Counter:
 
 
 def state_bytes(cfg: GLM5Config, run: RunShape, rank: int = 0, groups: Counter | None = None) -> dict[str, int]:
-    """Bytes one rank holds of: "params" (the stored fp32 masters, every leaf), "trained" (its trained leaves, in
+    """Bytes one rank holds of: "params" (the stored fp32 masters, every leaf; a LoRA run's base in its
+    --lora.base_dtype), "trained" (its trained leaves, in
     the master dtype: what gradients and each AdamW moment take), "gathered" (the weights micro_loss builds for
     the forward, in their compute dtype: the full leaf, the ep share of routed experts; 0 in one process, where
     the forward reads the stored leaves, unless the compute dtype differs), "gathered_once" (its part gathered
     once per micro-batch), "largest_layer_gathered" (one decoder layer's, the largest) and "largest_gathered" (one
     leaf's).
     """
-    groups = leaf_groups(cfg) if groups is None else groups
+    groups = leaf_groups(cfg, run.lora) if groups is None else groups
     act, weight = run.dtypes
     master = torch.promote_types(act, torch.float32)
     shapes = mesh_shapes(run.dp_shard, run.cp, run.ep)
     out = dict(params=0, trained=0, gathered=0, gathered_once=0, largest_layer_gathered=0, largest_gathered=0)
     per_layer = Counter()
-    for (shape, axes, fp32, trained, unit), count in groups.items():
+    stored_base = getattr(torch, run.base_dtype) if run.lora_rank and run.base_dtype else master
+    for (shape, axes, fp32, trained, base, unit), count in groups.items():
         mesh, stored, gathered, _ = placements(axes)
         if run.world > 1:
             coords = mesh_coords(rank, shapes[mesh])
@@ -146,9 +164,10 @@ def state_bytes(cfg: GLM5Config, run: RunShape, rank: int = 0, groups: Counter |
         else:
             local = full = math.prod(shape)
         w_bytes = (wide_dtype(weight) if fp32 else weight).itemsize
-        out["params"] += count * local * master.itemsize
+        stored_dtype = stored_base if base else master
+        out["params"] += count * local * (wide_dtype(stored_dtype) if fp32 else stored_dtype).itemsize
         out["trained"] += count * local * master.itemsize * trained
-        entering = torch.promote_types(master, weight) if run.reduce_dtype else master  # what micro_loss gets
+        entering = torch.promote_types(stored_dtype, weight) if run.reduce_dtype else stored_dtype  # micro_loss's
         copy = run.world > 1 or w_bytes != (wide_dtype(entering) if fp32 else entering).itemsize
         out["gathered"] += count * full * w_bytes * copy
         if unit is None:
@@ -388,8 +407,10 @@ def format_table(p: dict, model_name: str, run: RunShape, limit_note: str) -> st
     """The plan as a table of lines, one per item, in GB (10^9 bytes)."""
     master = wide_dtype(run.dtypes[0])
     rows = [
-        (f"parameters ({str(master).replace('torch.', '')} master shards)", p["params_bytes"]),
-        ("gradients (trained leaves)", p["grads_bytes"]),
+        (f"parameters ({str(master).replace('torch.', '')} master shards)" if not run.lora_rank else
+         f"parameters (base {run.base_dtype or str(master).replace('torch.', '')} + LoRA r{run.lora_rank})",
+         p["params_bytes"]),
+        ("gradients (trained leaves)" if not run.lora_rank else "gradients (the adapters)", p["grads_bytes"]),
         ("optimizer (AdamW mu + nu)", p["optimizer_bytes"]),
         (f"gathered parameters ({'one layer at a time' if run.remat else 'all layers'})", p["gathered_bytes"]),
     ]
@@ -430,7 +451,7 @@ def search(cfg: GLM5Config, run: RunShape, device_bytes: int, runtime_bytes: int
     max_world, every cp (the sequence cut into 2 cp equal chunks), dp_shard = world / cp dividing the batch,
     every ep dividing the ranks and the experts; for each dp_shard x cp its ep of least memory, the `show` best
     by (world, total)."""
-    groups, cache = leaf_groups(cfg), {}
+    groups, cache = leaf_groups(cfg, run.lora), {}
     has_moe = "sparse" in cfg.mlp_layer_types
     found = []
     for world in _powers_of_two(max_world):

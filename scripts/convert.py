@@ -2,9 +2,15 @@
 
     python scripts/convert.py runs/default runs/default-hf            # the run's latest checkpoint
     python scripts/convert.py runs/default/checkpoints/step_00000100 out/hf
+    python scripts/convert.py runs/lora out/adapter --peft            # a LoRA run: its adapters, PEFT's format
+    python scripts/convert.py runs/lora out/merged --merge-lora       # a LoRA run: base + adapters merged
 
 Reads only the parameters (not the optimizer state) into this one process, then writes config.json and
-safetensors shards one at a time (glm5f.save_hf). OUT_DIR must be new, empty, or a previous export.
+safetensors shards one at a time (glm5f.save_hf). OUT_DIR must be new, empty, or a previous export. A LoRA run's
+checkpoint holds its adapters, not the base: --peft writes them as a PEFT adapter directory (glm5f.hf.save_peft);
+--merge-lora rebuilds the base from what the run named (its --model.init_from, or its preset and seed), checks
+its fingerprint, and writes W + scale * B @ A (merged in fp32, cast to the base's dtype) as a Transformers
+checkpoint.
 """
 
 from __future__ import annotations
@@ -17,9 +23,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import glm5f  # noqa: E402
-from glm5f import checkpoint  # noqa: E402
+from glm5f import checkpoint, lora  # noqa: E402
+from glm5f.config import GLM5Config  # noqa: E402
 from glm5f.data import make_tokenizer  # noqa: E402
-from glm5f.hf import check_export_dir  # noqa: E402
+from glm5f.hf import check_export_dir, save_peft  # noqa: E402
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -51,13 +58,39 @@ def convert(source: str, out_dir: str) -> str:
     return path
 
 
+def convert_lora(source: str, out_dir: str, merge: bool) -> str:
+    """A LoRA run's checkpoint `source`: its adapters as a PEFT directory, or (merge) base + adapters merged as a
+    Transformers checkpoint with the run's tokenizer ids and files; returns the checkpoint it read."""
+    path = checkpoint.resolve(source)
+    check_export_dir(out_dir)
+    if merge:
+        return convert(path, out_dir)  # load_params merges a LoRA run's adapters into its rebuilt base
+    spec, adapters = checkpoint.load_adapters(path)
+    meta = checkpoint.read_meta(path)
+    save_peft(out_dir, GLM5Config.from_hf(meta["model"]), adapters, spec,
+              base_model_name_or_path=(meta["run"].get("model") or {}).get("init_from"), flag="OUT_DIR")
+    return path
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", help="a run directory (its latest checkpoint) or a checkpoint directory")
     ap.add_argument("out_dir", help="the Transformers checkpoint directory to write")
+    how = ap.add_mutually_exclusive_group()
+    how.add_argument("--peft", action="store_true", help="a LoRA run: write its adapters as a PEFT adapter directory")
+    how.add_argument("--merge-lora", action="store_true",
+                     help="a LoRA run: write its base with the adapters merged as a Transformers checkpoint")
     args = ap.parse_args(argv)
     try:
-        path = convert(args.checkpoint, args.out_dir)
+        is_lora = "lora_base" in checkpoint.read_meta(checkpoint.resolve(args.checkpoint))
+        if is_lora and not (args.peft or args.merge_lora):
+            raise ValueError(f"{args.checkpoint} is a LoRA run's checkpoint (adapters, not the whole model): pass "
+                             f"--peft (the adapters, PEFT's format) or --merge-lora (base + adapters merged)")
+        if not is_lora and (args.peft or args.merge_lora):
+            raise ValueError(f"{args.checkpoint} is not a LoRA run's checkpoint: convert it without "
+                             f"{'--peft' if args.peft else '--merge-lora'}")
+        path = convert_lora(args.checkpoint, args.out_dir, args.merge_lora) if is_lora else \
+            convert(args.checkpoint, args.out_dir)
     except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -257,3 +257,19 @@ def load_export_growth(ckpt: str, export_dir: str, out: str, dp_shard: int) -> N
     growth["export"] = process_rss_bytes("VmHWM") - before
     with open(f"{out}.{layout.rank}", "w") as f:
         json.dump(growth, f)
+
+
+def lora_fingerprint_check(dp_shard: int, ep: int, out_path: str) -> None:
+    """The fingerprint of the rank-local (sharded) glm5-tiny init with its LoRA adapters attached, written by rank
+    0 (to compare with the one-process one)."""
+    from glm5f import lora
+    from glm5f.checkpoint import fingerprint
+
+    layout = DistLayout(dp_shard, 1, ep, init_process(torch.device("cpu")))
+    cfg = glm5f.preset("glm5-tiny")
+    params = layout.local_params(lambda region: glm5f.init_params(cfg, 0, region=region))
+    adapters = layout.shard_params(lora.init_adapters(params, lora.LoraSpec(4, targets=r"self_attn|mlp\."), 0))
+    found = fingerprint(lora.attach(params, adapters), layout.sum)
+    if layout.is_main:
+        with open(out_path, "w") as f:
+            f.write(found)

@@ -16,6 +16,7 @@ BENCHES = {
     "fsdp_memory": (["--model", "--model.preset glm5-tiny --model.num_hidden_layers 2 --model.index_topk_pattern FS",
                      "--run", "--data.type synthetic --data.batch_size 2 --data.seq_len 32", "--steps", "1"],
                     "dp_shard 2 / 1 process, checkpointing"),
+    "lora": (["--layers", "1", "--seq", "64", "--batch", "1", "--steps", "1"], "lora / full:"),
 }
 
 

@@ -259,3 +259,23 @@ def test_gathered_weights_alive_at_once_are_what_the_plan_counts(remat):
     assert layout.most_layers == (1 if remat else cfg.num_hidden_layers)  # at most two (the issue's bound)
     if not remat:
         assert layout.peak >= 0.95 * gathered, (layout.peak, gathered)
+
+
+def test_lora_plan_counts_the_adapters_and_a_frozen_base():
+    """A LoRA run (rank 8 on attention, dense, shared and routed experts; the base in bf16): over all ranks of
+    dp_shard 2 x ep 2 the params are the bytes of the real base tree (bf16, its fp32 leaves fp32) and the real
+    adapters (fp32), and gradients and AdamW count the adapters only."""
+    from glm5f import lora
+
+    cfg = glm5f.preset("glm5-tiny")
+    run = RunShape(dp_shard=2, ep=2, seq_len=64, batch_size=2, lora_rank=8, lora_targets=r"self_attn|mlp\.",
+                   base_dtype="bfloat16")
+    base = glm5f.init_params(cfg, 0, torch.bfloat16)
+    adapters = lora.init_adapters(base, run.lora, 0)
+    nbytes = lambda tree: sum(t.numel() * t.element_size() for t in flatten(tree).values())  # noqa: E731
+    per_rank = [state_bytes(cfg, run, rank) for rank in range(run.world)]
+    assert sum(s["params"] for s in per_rank) == nbytes(base) + nbytes(adapters)
+    assert sum(s["trained"] for s in per_rank) == nbytes(adapters)
+    p, full = plan(cfg, run), plan(cfg, dataclasses.replace(run, lora_rank=0, base_dtype=None))
+    assert p["grads_bytes"] == per_rank[0]["trained"] and p["optimizer_bytes"] == 2 * per_rank[0]["trained"]
+    assert full["grads_bytes"] > 3 * p["grads_bytes"] and full["params_bytes"] > p["params_bytes"]

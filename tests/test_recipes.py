@@ -29,8 +29,8 @@ def written(run_dir) -> dict:
 
 
 def test_every_shipped_recipe_is_covered_here():
-    assert sorted(os.listdir(RECIPES)) == ["chat-sft.yaml", "glm5-full-sft.yaml", "indexer-warmup.yaml",
-                                           "sparse-stage.yaml", "tiny.yaml"]
+    assert sorted(os.listdir(RECIPES)) == ["chat-sft.yaml", "glm5-full-sft.yaml", "glm5-lora-sft.yaml",
+                                           "indexer-warmup.yaml", "sparse-stage.yaml", "tiny.yaml"]
     for name in os.listdir(RECIPES):
         load_config(recipe(name))  # parses, every key known and of its type
 
@@ -85,6 +85,29 @@ def test_glm5_full_sft_recipe_plans_what_its_comment_says(capsys):
     assert len(fixed) >= 9 and all(line in table for line in fixed), [line for line in fixed if line not in table]
 
 
+def test_glm5_lora_sft_recipe_plans_what_its_comment_says_and_runs_at_toy_size(tmp_path, capsys):
+    """The GLM-5 LoRA recipe: its plan table is the one in its comment (half the ranks of full SFT), and the same
+    file trains glm5-tiny's adapters in one process (the model, mesh, data path and sizes overridden)."""
+    path = recipe("glm5-lora-sft.yaml")
+    assert main(["--config", path, "--plan", "json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert p["fits"] and p["world"] == 64 and p["optimizer_bytes"] < 1e-3 * p["params_bytes"]
+    assert main(["--config", path, "--plan", "table"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    comment = [line[4:].rstrip("\n") for line in open(path)
+               if line.startswith("#   ") and re.search(r"GB|memory plan", line)]
+    fixed = [line for line in comment if not re.search(r"runtime|peak|total|fits", line)]
+    assert len(fixed) >= 9 and all(line in table for line in fixed), [line for line in fixed if line not in table]
+    run = tmp_path / "run"
+    assert main(["--config", path, *TOY, "--model.preset", "glm5-tiny", "--data.path", "None", "--data.seq_len", "256",
+                 "--parallel.dp_shard", "1", "--parallel.ep", "1", "--checkpoint.export_peft", "None",
+                 "--checkpoint.dir", str(run)]) == 0
+    got = written(run)
+    assert got["lora"] == yaml.safe_load(open(path))["lora"] and [r["step"] for r in read_metrics(run)] == [1, 2]
+    spec, adapters = checkpoint.load_adapters(str(run))
+    assert (spec.rank, spec.alpha) == (8, 16.0) and all("self_attn" in p for p in adapters)
+
+
 def test_a_runs_config_yaml_repeats_it_bit_for_bit(tmp_path):
     mine = tmp_path / "mine.yaml"
     mine.write_text("# a recipe of my own\noptim: {lr: 1e-3, warmup_steps: 1}\ntrain: {seed: 5, steps: 50}\n"
@@ -113,7 +136,7 @@ def test_a_runs_config_yaml_repeats_it_bit_for_bit(tmp_path):
     ("train: {steps: 2, stpes: 3}\n", "unknown key 'train.stpes'; did you mean 'train.steps'? the valid keys of "
                                       "train are steps, grad_accum, dtype,"),
     ("steps: 2\n", "unknown key 'steps'; did you mean 'train.steps'? the valid keys of the file are model, data, "
-                   "optim, train, parallel, checkpoint, eval, plan"),
+                   "optim, train, parallel, checkpoint, eval, lora, plan"),
     ("train: {steps: many}\n", "train.steps must be an integer, found 'many' (str)"),
     ("train: {steps: 2.5}\n", "train.steps must be an integer, found 2.5 (float)"),
     ("optim: {lr: fast}\n", "optim.lr must be a number, found 'fast' (str)"),
@@ -122,7 +145,7 @@ def test_a_runs_config_yaml_repeats_it_bit_for_bit(tmp_path):
                             "null, found 'csv' (str)"),
     ("model: {preset: null}\n", "model.preset must be a string, found null"),
     ("data: 3\n", "data must be a mapping of type, path, split,"),
-    ("- train\n", "the file must be a mapping of model, data, optim, train, parallel, checkpoint, eval, plan, "
+    ("- train\n", "the file must be a mapping of model, data, optim, train, parallel, checkpoint, eval, lora, plan, "
                   "found ['train'] (list)"),
     ("train: {steps: [\n", "not valid YAML (while parsing a flow"),
 ])
