@@ -163,6 +163,10 @@ class TrainConfig:
     """Total optimizer steps (a resumed run continues up to this)."""
     grad_accum: int = 1
     """Micro-batches per step; data.batch_size must divide by grad_accum (and by the data-parallel ranks)."""
+    query_parts: int = 1
+    """Sparse attention runs over this many contiguous parts of the queries, each part's latent-row gradients
+    summed apart and then added, as CP ranks sum theirs: the same numbers in the forward, the key gradients
+    rounded as a CP run rounds them (scripts/align.py's CP noise floor). 1: all queries at once."""
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"
     """Compute dtype; parameters and optimizer state stay fp32 (fp64 with float64, for exactness checks)."""
     reduce_dtype: Optional[Literal["float32", "float64"]] = None
@@ -322,6 +326,7 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
                              ("--checkpoint.every", cfg.checkpoint.every, 0), ("--checkpoint.keep", cfg.checkpoint.keep, 0),
                              ("--optim.warmup_steps", cfg.optim.warmup_steps, 0),
                              ("--train.log_every", cfg.train.log_every, 1),
+                             ("--train.query_parts", cfg.train.query_parts, 1),
                              ("--eval.every", cfg.eval.every, 0), ("--eval.batches", cfg.eval.batches, 1),
                              ("--optim.schedule_steps", cfg.optim.schedule_steps or 0, 0),
                              ("--parallel.timeout_s", cfg.parallel.timeout_s, 1),

@@ -117,31 +117,39 @@ def select(ip: dict, x_BxSxD: torch.Tensor, q_BxSxQ: torch.Tensor, cfg: GLM5Conf
 # ---- the MLA core -------------------------------------------------------------------------------------------------
 
 def mla_core(p: dict, q_nope_BxSxHxN: torch.Tensor, q_rot_BxSxHxP: torch.Tensor, latent_BxTxC: torch.Tensor,
-             topk_BxSxK: torch.Tensor | None, mask: Mask, cfg: GLM5Config) -> torch.Tensor:
+             topk_BxSxK: torch.Tensor | None, mask: Mask, cfg: GLM5Config, parts: int = 1) -> torch.Tensor:
     """Attention of each query over its keys -> [B, S, H, V]: over every allowed key when no top-k narrows them
-    (`dense_mla`), else over its selected latent rows (`sparse_mla`)."""
+    (`dense_mla`), else over its selected latent rows (`sparse_mla`, in `parts` parts of the queries)."""
     B, S = q_nope_BxSxHxN.shape[:2]
     if topk_BxSxK is None and S > 1:
         return dense_mla(p, q_nope_BxSxHxN, q_rot_BxSxHxP, latent_BxTxC, mask, cfg)
     if topk_BxSxK is None:  # one query (decoding) over at most index_topk keys: all of them
         T = latent_BxTxC.shape[1]
         topk_BxSxK = torch.arange(T, device=latent_BxTxC.device).expand(B, S, T)
-    return sparse_mla(p, q_nope_BxSxHxN, q_rot_BxSxHxP, latent_BxTxC, topk_BxSxK, mask, cfg)
+    return sparse_mla(p, q_nope_BxSxHxN, q_rot_BxSxHxP, latent_BxTxC, topk_BxSxK, mask, cfg, parts)
 
 
 def sparse_mla(p: dict, q_nope_BxSxHxN: torch.Tensor, q_rot_BxSxHxP: torch.Tensor, latent_BxTxC: torch.Tensor,
-               idx_BxSxK: torch.Tensor, mask: Mask, cfg: GLM5Config) -> torch.Tensor:
+               idx_BxSxK: torch.Tensor, mask: Mask, cfg: GLM5Config, parts: int = 1) -> torch.Tensor:
     """MLA over the selected keys, in latent space: q_nope absorbs W_k, the latent output passes W_v. -> [B,S,H,V]
 
     The contractions with kv_b compute in the latent's dtype (kv_b's; wider than the queries' under
-    --train.reduce_dtype), attention itself in the queries'.
+    --train.reduce_dtype), attention itself in the queries'. With `parts` > 1 the kernel runs once per contiguous
+    part of the queries: each query's output is the same, but a latent row's gradient is summed over each part's
+    queries apart and the parts' sums are then added, as CP ranks sum theirs (`--train.query_parts`).
     """
     dt, act = latent_BxTxC.dtype, q_nope_BxSxHxN.dtype
     w_k_HxNxR, w_v_HxVxR = kv_b_heads(p, cfg)
     q_abs_BxSxHxR = torch.einsum("bshn,hnr->bshr", q_nope_BxSxHxN.to(dt), w_k_HxNxR.to(dt)).to(act)
     q_BxSxHxC = torch.cat([q_abs_BxSxHxR, q_rot_BxSxHxP], dim=-1)
-    out_BxSxHxR = kernels.sparse_attention(q_BxSxHxC, latent_BxTxC, idx_BxSxK, mask.at(idx_BxSxK), cfg.softmax_scale,
-                                           cfg.kv_lora_rank, mask.bias_at(idx_BxSxK))
+    allowed_BxSxK, bias_BxSxK = mask.at(idx_BxSxK), mask.bias_at(idx_BxSxK)
+    S = q_BxSxHxC.shape[1]
+    bounds = [S * i // parts for i in range(parts + 1)]
+    outs = [kernels.sparse_attention(q_BxSxHxC[:, a:b], latent_BxTxC, idx_BxSxK[:, a:b], allowed_BxSxK[:, a:b],
+                                     cfg.softmax_scale, cfg.kv_lora_rank,
+                                     None if bias_BxSxK is None else bias_BxSxK[:, a:b])
+            for a, b in zip(bounds, bounds[1:]) if b > a]
+    out_BxSxHxR = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return torch.einsum("bshr,hvr->bshv", out_BxSxHxR.to(dt), w_v_HxVxR.to(dt)).to(act)
 
 
@@ -204,7 +212,7 @@ def attention(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, env: 
     latent_BxTxC = env.keys(layer, "latent", latent_BxSxC.to(latent_dtype))
     if "indexer" in p:
         carry = select(p["indexer"], x_BxSxD, q_BxSxQ, cfg, layer, env, latent_BxTxC.shape[1])
-    out_BxSxHxV = mla_core(p, q_nope, q_rot, latent_BxTxC, carry.topk, env.mask, cfg)
+    out_BxSxHxV = mla_core(p, q_nope, q_rot, latent_BxTxC, carry.topk, env.mask, cfg, env.query_parts)
     out_BxSxD = linear(p["o_proj"], rearrange(out_BxSxHxV, "b s h v -> b s (h v)"))
     if carry.student is None:
         return out_BxSxD, carry, {}

@@ -111,7 +111,8 @@ class Env:
     all-gather, a decode cache), `experts` (the routed experts over rows sorted by expert: local or EP
     all-to-all) and `seq_sum` (a sum over the ranks holding parts of this rank's sequences). `remat` recomputes
     each decoder layer in the backward pass; `compile` runs decoder layers under torch.compile; `lora`: the LoRA
-    spec (scale, dropout) of the adapters in the params, None without."""
+    spec (scale, dropout) of the adapters in the params, None without; `query_parts`: the parts of the queries
+    sparse attention runs over (`attention.sparse_mla`)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -123,6 +124,7 @@ class Env:
     remat: bool = False
     compile: bool = False
     lora: LoraSpec | None = None
+    query_parts: int = 1
 
     @property
     def dtype(self) -> torch.dtype:
@@ -213,7 +215,8 @@ def split_tokens(batch: dict, rows: slice, positions: torch.Tensor | None) -> di
 
 def make_env(cfg: GLM5Config, batch: dict, dtype: torch.dtype, layout: Layout | None = None, *,
              objectives: Objectives = Objectives(), weight_dtype: torch.dtype | None = None,
-             remat: bool = False, compile: bool = False, lora: LoraSpec | None = None) -> tuple[dict, Env]:
+             remat: bool = False, compile: bool = False, lora: LoraSpec | None = None,
+             query_parts: int = 1) -> tuple[dict, Env]:
     """(this rank's share of a global batch, the Env its layers run in). The batch holds [B, S] "input_ids" and
     "position_ids", optionally "attention_mask" (2D or 4D, see `make_mask`), "valid" and any other per-token
     tensors (split alike); the layout says which rows and positions are this rank's."""
@@ -227,4 +230,5 @@ def make_env(cfg: GLM5Config, batch: dict, dtype: torch.dtype, layout: Layout | 
     mask = batch.get("attention_mask")
     mask = make_mask(None if mask is None else mask[rows], position_ids[rows], positions, packed)
     cos, sin = rope_tables(cfg, local["position_ids"], dtype)
-    return local, Env(cos, sin, mask, layout, objectives, local.get("valid"), weight_dtype, remat, compile, lora)
+    return local, Env(cos, sin, mask, layout, objectives, local.get("valid"), weight_dtype, remat, compile, lora,
+                      query_parts)

@@ -105,8 +105,9 @@ OBJECTIVES = {
 class Step:
     """What a training step computes and how: the Objectives and each one's weight, the activations' dtype, the
     dtype of the sums that make gradients (`--train.reduce_dtype`; None: the activations'), activation
-    checkpointing, micro-batches, the --train.trainable regex, whether decoder layers run compiled, and the LoRA
-    spec (None: no adapters; with one, the params hold them, `lora.attach`, and only they are trained)."""
+    checkpointing, micro-batches, the --train.trainable regex, whether decoder layers run compiled, the LoRA spec
+    (None: no adapters; with one, the params hold them, `lora.attach`, and only they are trained), and the parts
+    of the queries sparse attention runs over (`--train.query_parts`)."""
 
     objectives: Objectives = Objectives()
     coeffs: dict = dataclasses.field(default_factory=lambda: {"loss": 1.0})
@@ -117,6 +118,7 @@ class Step:
     trainable: str | None = None
     compile: bool = False
     lora: LoraSpec | None = None
+    query_parts: int = 1
 
     @classmethod
     def of(cls, train, model_cfg: GLM5Config, lora: LoraSpec | None = None) -> Step:
@@ -130,7 +132,8 @@ class Step:
                   for name, o in OBJECTIVES.items() if o.coeff is not None and o.on(objectives)}
         return cls(objectives, coeffs, getattr(torch, train.dtype),
                    getattr(torch, train.reduce_dtype) if train.reduce_dtype else None,
-                   train.activation_checkpointing, train.grad_accum, train.trainable, train.compile, lora)
+                   train.activation_checkpointing, train.grad_accum, train.trainable, train.compile, lora,
+                   train.query_parts)
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -185,7 +188,7 @@ def micro_loss(params: dict, batch: dict, denoms: dict, cfg: GLM5Config, layout:
     MoE layer's router bias path, the valid tokens of this rank routed to each expert (for the bias rule).
     """
     local, env = make_env(cfg, batch, step.dtype, layout, objectives=step.objectives, weight_dtype=step.weight_dtype,
-                          remat=step.remat, compile=step.compile, lora=step.lora)
+                          remat=step.remat, compile=step.compile, lora=step.lora, query_parts=step.query_parts)
     # the embedding, final norm and head now; each decoder layer as it runs (model.run_layer)
     top = env.weights({**params, "model": {k: v for k, v in params["model"].items() if k != "layers"}})
     compute = {**top, "model": {**top["model"], "layers": params["model"]["layers"]}}

@@ -65,6 +65,28 @@ def test_sparse_attention_equals_masked_dense_oracle(case):
         assert torch.allclose(a, b, atol=1e-10, rtol=1e-9)
 
 
+def test_sparse_attention_in_query_parts_sums_each_parts_key_gradients_apart():
+    """parts=2 (--train.query_parts): every output as with all queries at once, bit for bit; each latent row's
+    gradient is the sum of the two halves' gradients, each taken over its own queries alone (as CP ranks take
+    theirs), which in fp32 rounds differently from the one sum over all queries."""
+    cfg = small_cfg(num_attention_heads=2, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4,
+                    index_topk=8)
+    B, T = 2, 48
+    q_nope, q_rot, latent, kv_b, mask, idx = random_inputs(cfg, B, T, 7, False)
+    q_nope, q_rot, latent = (t.float().requires_grad_() for t in (q_nope, q_rot, latent))
+    kv_b = {"kv_b_proj": {"weight": kv_b["kv_b_proj"]["weight"].float()}}
+    weight = torch.randn(B, T, cfg.num_attention_heads, cfg.v_head_dim, generator=torch.Generator().manual_seed(1))
+    whole = sparse_mla(kv_b, q_nope, q_rot, latent, idx, mask, cfg)
+    split = sparse_mla(kv_b, q_nope, q_rot, latent, idx, mask, cfg, parts=2)
+    assert torch.equal(split, whole)
+    g_split = torch.autograd.grad((split * weight).sum(), latent)[0]
+    g_whole = torch.autograd.grad((whole * weight).sum(), latent, retain_graph=True)[0]
+    g_halves = [torch.autograd.grad((whole * weight)[:, a:a + T // 2].sum(), latent, retain_graph=True)[0]
+                for a in (0, T // 2)]
+    assert torch.equal(g_split, g_halves[0] + g_halves[1])
+    assert not torch.equal(g_split, g_whole) and torch.allclose(g_split, g_whole, rtol=1e-5, atol=1e-6)
+
+
 def naive_mla(p, x, cfg, layer, ctx, prev_topk):
     """Plain causal MLA from the definition: per-head keys and values, a causal softmax, no DSA at all."""
     B, S, _ = x.shape
