@@ -351,6 +351,11 @@ def _stop_workers(processes, signum: int, wait_s: float = 60.0) -> None:
         if p.is_alive():
             with contextlib.suppress(ProcessLookupError):  # it ended just now
                 os.kill(p.pid, signum)
+    _join_or_kill(processes, wait_s)
+
+
+def _join_or_kill(processes, wait_s: float) -> None:
+    """Wait up to `wait_s` in all for the processes to end; SIGKILL the ones that do not."""
     deadline = time.monotonic() + wait_s
     for p in processes:
         p.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -447,12 +452,7 @@ def _reported_error(processes, report_dir: str, grace_s: float = 10.0) -> RankEr
     lowest rank that reported. None when no worker reported one."""
     if not any(p.exitcode == REPORTED_EXIT for p in processes):
         return None
-    deadline = time.monotonic() + grace_s
-    for p in processes:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join()
+    _join_or_kill(processes, grace_s)
     first = min(os.listdir(report_dir), key=int)
     with open(os.path.join(report_dir, first)) as f:
         return RankError(f.read())

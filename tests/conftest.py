@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import textwrap
 
 import pytest
 import torch
@@ -219,3 +220,29 @@ def forward_by_layers(params: dict, cfg: glm5f.GLM5Config, input_ids_BxS: torch.
         else:
             x_BxSxD = x_BxSxD + swiglu_mlp(p["mlp"], h_BxSxD)
     return lm_head(params, cfg, x_BxSxD)
+
+
+# train.py whose rank `rank` runs `action` (one Python statement; os, signal, time imported) in its `at`-th step,
+# before the step's forward and backward: a hung, stopped or interrupting rank, in a real process.
+STEP_HOOK = textwrap.dedent("""
+    import os, signal, sys, time
+    sys.path.insert(0, {root!r})
+    import train
+    real, calls = train.step_grads, []
+    def step_grads(*a, **k):
+        calls.append(1)
+        if os.environ.get("RANK") == "{rank}" and len(calls) == {at}:
+            {action}
+        return real(*a, **k)
+    train.step_grads = step_grads
+    if __name__ == "__main__":
+        sys.exit(train.main(sys.argv[1:]))
+""")
+
+
+def step_hook_script(tmp_path, rank: int, at: int, action: str) -> str:
+    """The path of a train.py wrapper (STEP_HOOK) whose rank `rank` runs `action` in its `at`-th step."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = tmp_path / f"hook_rank{rank}_step{at}.py"
+    path.write_text(STEP_HOOK.format(root=root, rank=rank, at=at, action=action))
+    return str(path)

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 import glm5f
 from configs import Config, validate
-from conftest import bpe_tokenizer, cli
+from conftest import bpe_tokenizer, cli, step_hook_script
 from glm5f import checkpoint, preempt
 from glm5f.data import ByteTokenizer
 from glm5f.metrics import read_metrics
@@ -210,25 +210,8 @@ def test_convert_keeps_the_umask_and_the_run_tokenizer(tmp_path, capsys):
     assert tokenizer.bos_id == 1
 
 
-# train.py whose rank 1 hangs in its first step (as a SIGSTOPped or deadlocked worker would)
-HANG = textwrap.dedent("""
-    import os, sys, time
-    sys.path.insert(0, {root!r})
-    import train
-    real = train.step_grads
-    def step_grads(*a, **k):
-        if os.environ.get("RANK") == "1":
-            time.sleep(600)
-        return real(*a, **k)
-    train.step_grads = step_grads
-    if __name__ == "__main__":
-        sys.exit(train.main(sys.argv[1:]))
-""")
-
-
 def test_a_hung_rank_is_named_after_the_collective_timeout(tmp_path):
-    script = tmp_path / "hang.py"
-    script.write_text(HANG.format(root=ROOT))
+    script = step_hook_script(tmp_path, rank=1, at=1, action="time.sleep(600)")  # rank 1 hangs in its first step
     run = tmp_path / "run"
     proc = subprocess.run([sys.executable, str(script), *TINY, "--train.steps", "3", "--parallel.dp_shard", "2",
                            "--parallel.timeout_s", "5", "--checkpoint.dir", str(run)], cwd=ROOT, capture_output=True,
@@ -242,26 +225,9 @@ def test_a_hung_rank_is_named_after_the_collective_timeout(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-# train.py whose rank 1 stops itself (SIGSTOP, as `kill -STOP` does) in its 4th step, past the first
-STOP_RANK_1 = textwrap.dedent("""
-    import os, signal, sys
-    sys.path.insert(0, {root!r})
-    import train
-    real, calls = train.step_grads, []
-    def step_grads(*a, **k):
-        calls.append(1)
-        if os.environ.get("RANK") == "1" and len(calls) == 4:
-            os.kill(os.getpid(), signal.SIGSTOP)
-        return real(*a, **k)
-    train.step_grads = step_grads
-    if __name__ == "__main__":
-        sys.exit(train.main(sys.argv[1:]))
-""")
-
-
 def test_a_stopped_rank_is_named_before_the_collective_timeout(tmp_path):
-    script = tmp_path / "stop.py"
-    script.write_text(STOP_RANK_1.format(root=ROOT))
+    # rank 1 stops itself (as `kill -STOP` does) in its 4th step, past the first
+    script = step_hook_script(tmp_path, rank=1, at=4, action="os.kill(os.getpid(), signal.SIGSTOP)")
     run = tmp_path / "run"
     proc = subprocess.run([sys.executable, str(script), *TINY, "--train.steps", "10", "--parallel.dp_shard", "2",
                            "--parallel.timeout_s", "10", "--checkpoint.every", "2", "--checkpoint.dir", str(run)],

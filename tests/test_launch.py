@@ -11,10 +11,10 @@ import time
 
 import pytest
 
+from conftest import step_hook_script
 from glm5f import checkpoint
 from glm5f.distributed import TIMEOUT_EXIT, free_port
 from glm5f.metrics import read_metrics
-from tests.test_cli import HANG
 from train import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,12 +51,11 @@ CTRL_C_IN_SAVE = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("group", [True, False], ids=["terminal", "launcher-only"])
-def test_ctrl_c_to_a_dp2_run_during_a_save_is_one_line_and_leaves_nothing_half_written(tmp_path, group):
-    script = tmp_path / "ctrl_c.py"
-    script.write_text(CTRL_C_IN_SAVE.format(root=ROOT, at=3, group=group))
-    run = tmp_path / "run"
-    args = TINY + ["--train.steps", "50", "--checkpoint.every", "1", "--parallel.dp_shard", "2",
+def ctrl_c_run(script, run, every: int) -> list[str]:
+    """Run the DP2 wrapper `script` (whose rank 0 sends the Ctrl-C) into `run`; assert it stopped with exit 130 and
+    exactly the one line naming checkpoint 2 and the resume command (no teardown warning of a collective the stop
+    left unwaited); returns the run's flags."""
+    args = TINY + ["--train.steps", "50", "--checkpoint.every", str(every), "--parallel.dp_shard", "2",
                    "--checkpoint.dir", str(run)]
     proc = subprocess.run([sys.executable, str(script), *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env=ENV, start_new_session=True)
@@ -64,6 +63,15 @@ def test_ctrl_c_to_a_dp2_run_during_a_save_is_one_line_and_leaves_nothing_half_w
     assert proc.stderr.splitlines() == [
         f"stopped on Ctrl-C (SIGINT): the last checkpoint is {run / 'checkpoints' / 'step_00000002'}; resume with: "
         f"python train.py {' '.join(args)} --checkpoint.resume latest"]
+    return args
+
+
+@pytest.mark.parametrize("group", [True, False], ids=["terminal", "launcher-only"])
+def test_ctrl_c_to_a_dp2_run_during_a_save_is_one_line_and_leaves_nothing_half_written(tmp_path, group):
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(CTRL_C_IN_SAVE.format(root=ROOT, at=3, group=group))
+    run = tmp_path / "run"
+    ctrl_c_run(script, run, every=1)
     ckpts = run / "checkpoints"
     assert sorted(os.listdir(ckpts)) == ["latest", "step_00000001", "step_00000002"]  # no .tmp-step_00000003
     assert all(checkpoint.verify(str(ckpts / n)) is None for n in ("step_00000001", "step_00000002"))
@@ -73,36 +81,10 @@ def test_ctrl_c_to_a_dp2_run_during_a_save_is_one_line_and_leaves_nothing_half_w
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
 
 
-# train.py whose rank 0 sends SIGINT to the run's process group (Ctrl-C in a terminal) in its 3rd step, before the
-# step's forward and backward: every rank stops in the middle of a step
-CTRL_C_IN_STEP = textwrap.dedent("""
-    import os, signal, sys
-    sys.path.insert(0, {root!r})
-    import train
-    real, calls = train.step_grads, []
-    def step_grads(*a, **k):
-        calls.append(1)
-        if os.environ.get("RANK") == "0" and len(calls) == 3:
-            os.killpg(os.getpgrp(), signal.SIGINT)
-        return real(*a, **k)
-    train.step_grads = step_grads
-    if __name__ == "__main__":
-        sys.exit(train.main(sys.argv[1:]))
-""")
-
-
 def test_ctrl_c_to_a_dp2_run_in_a_step_is_one_line(tmp_path):
-    script = tmp_path / "ctrl_c.py"
-    script.write_text(CTRL_C_IN_STEP.format(root=ROOT))
-    run = tmp_path / "run"
-    args = TINY + ["--train.steps", "50", "--checkpoint.every", "2", "--parallel.dp_shard", "2",
-                   "--checkpoint.dir", str(run)]
-    proc = subprocess.run([sys.executable, str(script), *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env=ENV, start_new_session=True)
-    assert proc.returncode == 130, proc.stderr
-    assert proc.stderr.splitlines() == [  # no teardown warning of the collective the stop left unwaited
-        f"stopped on Ctrl-C (SIGINT): the last checkpoint is {run / 'checkpoints' / 'step_00000002'}; resume with: "
-        f"python train.py {' '.join(args)} --checkpoint.resume latest"]
+    # rank 0 sends SIGINT to the process group (Ctrl-C in a terminal) in its 3rd step: every rank stops mid-step
+    script = step_hook_script(tmp_path, rank=0, at=3, action="os.killpg(os.getpgrp(), signal.SIGINT)")
+    ctrl_c_run(script, tmp_path / "run", every=2)
 
 
 def start_ranks(script_or_train: str, args: list[str], world: int = 2) -> list[subprocess.Popen]:
@@ -136,11 +118,8 @@ def test_a_locked_run_dir_stops_every_torchrun_rank_at_once(tmp_path):
     assert not run.exists()
 
 
-
-
 def test_a_hung_torchrun_rank_is_named_in_one_line(tmp_path):
-    script = tmp_path / "hang.py"
-    script.write_text(HANG.format(root=ROOT))
+    script = step_hook_script(tmp_path, rank=1, at=1, action="time.sleep(600)")  # rank 1 hangs in its first step
     run = tmp_path / "run"
     ranks = start_ranks(str(script), TINY + ["--train.steps", "3", "--parallel.dp_shard", "2",
                                              "--parallel.timeout_s", "5", "--checkpoint.dir", str(run)])

@@ -61,6 +61,17 @@ def test_indexer_warmup_then_sparse_stage(tmp_path):
     assert got["model"]["init_from"] == str(warm / "hf") and got["train"]["indexer_loss"] == "sparse"
 
 
+def assert_plan_is_the_comment(path: str, capsys) -> None:
+    """The recipe's `--plan table`, line by line, is the table in its comment (less the lines that depend on the
+    machine that printed it: the measured runtime and the peaks and totals it enters)."""
+    assert main(["--config", path, "--plan", "table"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    comment = [line[4:].rstrip("\n") for line in open(path)
+               if line.startswith("#   ") and re.search(r"GB|memory plan", line)]
+    fixed = [line for line in comment if not re.search(r"runtime|peak|total|fits", line)]
+    assert len(fixed) >= 9 and all(line in table for line in fixed), [line for line in fixed if line not in table]
+
+
 def test_glm5_full_sft_recipe_plans_what_its_comment_says(capsys):
     """The GLM-5 recipe's plan (shapes only) is the plan of the same run given as flags, and the table in its
     comment is what `--plan table` prints (but for the measured runtime and the totals that include it)."""
@@ -77,12 +88,7 @@ def test_glm5_full_sft_recipe_plans_what_its_comment_says(capsys):
                 "activations_bytes", "device_bytes"):
         assert from_file[key] == from_flags[key], key
     assert from_file["fits"] and from_file["world"] == 128
-    assert main(["--config", path, "--plan", "table"]) == 0
-    table = capsys.readouterr().out.splitlines()
-    comment = [line[4:].rstrip("\n") for line in open(path)
-               if line.startswith("#   ") and re.search(r"GB|memory plan", line)]
-    fixed = [line for line in comment if not re.search(r"runtime|peak|total|fits", line)]
-    assert len(fixed) >= 9 and all(line in table for line in fixed), [line for line in fixed if line not in table]
+    assert_plan_is_the_comment(path, capsys)
 
 
 def test_glm5_lora_sft_recipe_plans_what_its_comment_says_and_runs_at_toy_size(tmp_path, capsys):
@@ -92,12 +98,7 @@ def test_glm5_lora_sft_recipe_plans_what_its_comment_says_and_runs_at_toy_size(t
     assert main(["--config", path, "--plan", "json"]) == 0
     p = json.loads(capsys.readouterr().out)
     assert p["fits"] and p["world"] == 64 and p["optimizer_bytes"] < 1e-3 * p["params_bytes"]
-    assert main(["--config", path, "--plan", "table"]) == 0
-    table = capsys.readouterr().out.splitlines()
-    comment = [line[4:].rstrip("\n") for line in open(path)
-               if line.startswith("#   ") and re.search(r"GB|memory plan", line)]
-    fixed = [line for line in comment if not re.search(r"runtime|peak|total|fits", line)]
-    assert len(fixed) >= 9 and all(line in table for line in fixed), [line for line in fixed if line not in table]
+    assert_plan_is_the_comment(path, capsys)
     run = tmp_path / "run"
     assert main(["--config", path, *TOY, "--model.preset", "glm5-tiny", "--data.path", "None", "--data.seq_len", "256",
                  "--parallel.dp_shard", "1", "--parallel.ep", "1", "--checkpoint.export_peft", "None",
