@@ -135,7 +135,7 @@ def test_a_runs_config_yaml_repeats_it_bit_for_bit(tmp_path):
 
 @pytest.mark.parametrize("text, message", [
     ("train: {steps: 2, stpes: 3}\n", "unknown key 'train.stpes'; did you mean 'train.steps'? the valid keys of "
-                                      "train are steps, grad_accum, dtype,"),
+                                      "train are steps, grad_accum, query_parts, dtype,"),
     ("steps: 2\n", "unknown key 'steps'; did you mean 'train.steps'? the valid keys of the file are model, data, "
                    "optim, train, parallel, checkpoint, eval, lora, plan"),
     ("train: {steps: many}\n", "train.steps must be an integer, found 'many' (str)"),
