@@ -422,8 +422,8 @@ def run_rank(argv: list[str], torchrun: bool = False) -> None:
         try:
             with checkpoint.shared_run_lock(cfg.checkpoint.dir) if torchrun else contextlib.nullcontext():
                 layout = DistLayout(p.dp_shard, p.cp, p.ep, device)
-                layout.stall_watch = StallWatch(cfg.parallel.timeout_s)
-                train(cfg, layout)
+                with StallWatch(cfg.parallel.timeout_s) as layout.stall_watch:
+                    train(cfg, layout)
         except (preempt.Preempted, preempt.StopNow) as e:  # every rank stops here; rank 0 says where
             stopped(e, cfg, argv)
         except Exception as e:

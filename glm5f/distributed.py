@@ -384,14 +384,25 @@ class StallWatch:
     `beat_s` seconds (2, or a 20th of the timeout); when this rank's step has run longer than half of `timeout_s`
     (the collective timeout) and three times its longest step so far, the lowest rank still beating prints one
     line naming the ranks whose beat stopped (a rank hung, stopped or dead makes the others' collectives wait for
-    it), before the timeout stops the run. The first step (compiling, warming up) is not watched."""
+    it), before the timeout stops the run. The first step (compiling, warming up) is not watched. A context
+    manager: the thread ends and is joined on exit, before the process group (and its store) is destroyed; a
+    thread still inside a store call then would abort the process."""
 
     def __init__(self, timeout_s: float):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.store = dist.distributed_c10d._get_default_store()
         self.timeout_s, self.beat_s = timeout_s, min(2.0, timeout_s / 20)
         self.step, self.since, self.longest, self.said = 0, time.monotonic(), 0.0, False
-        threading.Thread(target=self._watch, daemon=True, name="stall-watch").start()
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True, name="stall-watch")
+
+    def __enter__(self) -> "StallWatch":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=self.beat_s + 30)  # a store call in flight ends within the store's own timeout
 
     def step_done(self, step: int) -> None:
         now = time.monotonic()
@@ -403,16 +414,18 @@ class StallWatch:
 
     def _watch(self) -> None:
         try:
-            while True:
+            while not self.stopping.is_set():
                 self.store.add(f"glm5f/beat/{self.rank}", 1)
-                time.sleep(self.beat_s)
+                if self.stopping.wait(self.beat_s):
+                    return
                 waited = time.monotonic() - self.since
                 if self.said or not self.step or waited < max(self.timeout_s / 2, 3 * self.longest):
                     continue
                 before = self._beats()
                 for _ in range(3):  # long enough for every live rank to beat at least once
                     self.store.add(f"glm5f/beat/{self.rank}", 1)
-                    time.sleep(self.beat_s)
+                    if self.stopping.wait(self.beat_s):
+                        return
                 silent = [r for r, (a, b) in enumerate(zip(before, self._beats())) if a == b]
                 answering = [r for r in range(self.world) if r not in silent]
                 self.said = True
