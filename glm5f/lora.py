@@ -76,16 +76,14 @@ def adapter_shapes(params: dict, spec: LoraSpec) -> dict[str, tuple[int, ...]]:
 def init_adapters(params: dict, spec: LoraSpec, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
     """Fresh adapters for the weights of `params` that spec.targets selects: A uniform in +-1/sqrt(in) (the
     Kaiming-uniform bound PEFT draws from), B zeros. Each A draws from a generator seeded by (seed, path)."""
-    if spec.rank < 1:
-        raise ValueError(f"--lora.rank must be at least 1, got {spec.rank}")
     adapters = {}
-    for module, shape in target_modules(params, spec.targets).items():
-        *experts, out_features, in_features = shape
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(f"{module}.lora_A".encode()))
-        bound = 1.0 / math.sqrt(in_features)
-        a = torch.rand((*experts, spec.rank, in_features), generator=gen, dtype=torch.float64) * 2 - 1
-        adapters[f"{module}.lora_A"] = (a * bound).to(dtype)
-        adapters[f"{module}.lora_B"] = torch.zeros((*experts, out_features, spec.rank), dtype=dtype)
+    for path, shape in adapter_shapes(params, spec).items():
+        if path.endswith(".lora_B"):
+            adapters[path] = torch.zeros(shape, dtype=dtype)
+            continue
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(path.encode()))
+        a = torch.rand(shape, generator=gen, dtype=torch.float64) * 2 - 1
+        adapters[path] = (a * (1.0 / math.sqrt(shape[-1]))).to(dtype)  # the Kaiming-uniform bound
     return adapters
 
 
