@@ -11,7 +11,7 @@ import torch
 from glm5f.config import GLM5Config
 from glm5f.env import Env, Mask, make_env
 from glm5f.loss import mtp_inputs
-from glm5f.model import apply, check_input_ids, mtp_layer
+from glm5f.model import apply, check_input_ids, head_logits, mtp_layer
 from glm5f.ops import rope_tables
 from glm5f.parallel import Layout
 
@@ -172,8 +172,9 @@ def mtp_propose(params: dict, cfg: GLM5Config, tokens_BxM: torch.Tensor, hidden_
     _, env = make_env(cfg, batch, hidden_BxNxD.dtype)
     seq_BxT, h_BxNxD = tokens_BxM, hidden_BxNxD
     for d in range(1, n + 1):
-        logits_BxNxV, h_BxNxD, _ = mtp_layer(params, cfg, d, h_BxNxD, mtp_inputs(seq_BxT, d)[:, :N], env)
-        seq_BxT = torch.cat([seq_BxT, logits_BxNxV[:, -1].argmax(-1, keepdim=True)], dim=1)
+        h_BxNxD, head, _ = mtp_layer(params, cfg, d, h_BxNxD, mtp_inputs(seq_BxT, d)[:, :N], env)
+        logits_BxV = head_logits(head, h_BxNxD[:, -1], cfg.rms_norm_eps)
+        seq_BxT = torch.cat([seq_BxT, logits_BxV.argmax(-1, keepdim=True)], dim=1)
     return seq_BxT[:, tokens_BxM.shape[1]:]
 
 

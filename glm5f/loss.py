@@ -18,8 +18,8 @@ from glm5f.config import GLM5Config
 from glm5f.data import IGNORE_INDEX
 from glm5f.env import INDEXER_LOSSES, Objectives, make_env, packed_segments
 from glm5f.lora import LoraSpec
-from glm5f.model import apply, mtp_apply
-from glm5f.ops import wide, wide_dtype
+from glm5f.model import head_logits, hidden_states, main_head, mtp_states
+from glm5f.ops import rms_norm, wide, wide_dtype
 from glm5f.optim import trained_paths, value_and_grad
 from glm5f.parallel import Layout
 from glm5f.params import flatten
@@ -38,9 +38,86 @@ def cross_entropy_sum(logits_BxSxV: torch.Tensor, targets_BxS: torch.Tensor) -> 
     The sum is taken in fp64, so a loss summed over ranks or micro-batches does not depend on how the tokens were
     split (the gradient is the same as of an fp32 sum).
     """
-    loss_N = F.cross_entropy(wide(logits_BxSxV.flatten(0, 1)), targets_BxS.flatten(), ignore_index=IGNORE_INDEX,
-                             reduction="none")
+    loss_N = token_losses(logits_BxSxV.flatten(0, 1), targets_BxS.flatten())
     return loss_N.sum(dtype=torch.float64), (targets_BxS != IGNORE_INDEX).sum()
+
+
+def token_losses(logits_NxV: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy [N] of each token in fp32 (fp64 for fp64 logits), 0 where the target is IGNORE_INDEX."""
+    return F.cross_entropy(wide(logits_NxV), targets_N, ignore_index=IGNORE_INDEX, reduction="none")
+
+
+# Logits per chunk of the LM head and its cross-entropy (`head_loss_sum`): 2^25, 216 tokens of GLM-5's 154,880-word
+# vocabulary. A chunk's logits, their fp32 copy, log-probabilities and gradients then take at most about 0.7 GB (bf16
+# activations), whatever the tokens per rank; a GEMM of 216 rows still keeps an accelerator busy.
+HEAD_CHUNK_ELEMS = 2**25
+
+
+def head_chunk_rows(vocab_size: int, chunk_elems: int | None = None) -> int:
+    """Tokens per chunk of `head_loss_sum` for a vocabulary of vocab_size (chunk_elems logits, default
+    HEAD_CHUNK_ELEMS)."""
+    return max(1, (HEAD_CHUNK_ELEMS if chunk_elems is None else chunk_elems) // vocab_size)
+
+
+def head_loss_sum(head: dict, x_BxSxD: torch.Tensor, targets_BxS: torch.Tensor, eps: float,
+                  chunk_elems: int | None = None) -> torch.Tensor:
+    """`cross_entropy_sum` (its fp64 sum) of the logits of hidden states x [B, S, D] through `head` (the final norm
+    and LM head, `model.main_head`; an MTP depth's), computed over chunks of tokens (`HeadLosses`) so that the
+    [tokens, vocab] logits are never held whole. Each token's loss is the one `model.head_logits` then
+    `cross_entropy_sum` give."""
+    rows = head_chunk_rows(head["weight"].shape[0], chunk_elems)
+    loss_N = HeadLosses.apply(x_BxSxD.flatten(0, 1), head["norm"], head["weight"], targets_BxS.flatten(), eps, rows)
+    return loss_N.sum(dtype=torch.float64)
+
+
+class HeadLosses(torch.autograd.Function):
+    """Token cross-entropies [N] of hidden states x [N, D] through a norm [D] and an LM head [V, D]
+    (`model.head_logits`, then `token_losses`), `rows` tokens at a time. The forward keeps x (and no logits); the
+    backward recomputes each chunk's logits, takes their gradient through the cross-entropy by autograd, and makes
+    the head's gradient with one in-place GEMM per chunk into a single [V, D] buffer, x's and the norm's by
+    autograd through the norm: the same operations as autograd through the whole logits, one chunk at a time."""
+
+    @staticmethod
+    def forward(ctx, x_NxD, norm_D, head_VxD, targets_N, eps, rows):
+        ctx.save_for_backward(x_NxD, norm_D, head_VxD, targets_N)
+        ctx.eps, ctx.rows = eps, rows
+        head = {"norm": norm_D, "weight": head_VxD}
+        return torch.cat([token_losses(head_logits(head, x_NxD[i:i + rows], eps), targets_N[i:i + rows])
+                          for i in range(0, max(len(x_NxD), 1), rows)])
+
+    @staticmethod
+    def backward(ctx, grad_N):
+        x_NxD, norm_D, head_VxD, targets_N = ctx.saved_tensors
+        need_x, need_norm, need_head = ctx.needs_input_grad[:3]
+        rows, eps = ctx.rows, ctx.eps
+        dt = torch.promote_types(x_NxD.dtype, head_VxD.dtype)  # the dtype `linear` computes in
+        w_VxD = head_VxD.detach().to(dt)
+        norm = norm_D.detach().requires_grad_(need_norm)
+        grad_x = torch.empty_like(x_NxD) if need_x else None
+        grad_norm = grad_head = None
+        for i in range(0, len(x_NxD), rows):
+            with torch.enable_grad():
+                x_RxD = x_NxD[i:i + rows].detach().requires_grad_(need_x)
+                xn_RxD = rms_norm(norm, x_RxD, eps).to(dt)
+                logits_RxV = F.linear(xn_RxD.detach(), w_VxD).requires_grad_()
+                loss_R = token_losses(logits_RxV.to(x_NxD.dtype), targets_N[i:i + rows])
+                (dlogits_RxV,) = torch.autograd.grad(loss_R, logits_RxV, grad_N[i:i + rows])
+            del logits_RxV, loss_R
+            if need_head:
+                xn = xn_RxD.detach()
+                grad_head = dlogits_RxV.T @ xn if grad_head is None else grad_head.addmm_(dlogits_RxV.T, xn)
+            if need_x or need_norm:
+                inputs = [t for t in (x_RxD, norm) if t.requires_grad]
+                grads = list(torch.autograd.grad(xn_RxD, inputs, dlogits_RxV @ w_VxD))
+                if need_x:
+                    grad_x[i:i + rows] = grads.pop(0)
+                if need_norm:
+                    grad_norm = grads[0] if grad_norm is None else grad_norm + grads[0]
+        if need_head and grad_head is None:  # no tokens
+            grad_head = torch.zeros_like(head_VxD)
+        if need_norm and grad_norm is None:
+            grad_norm = torch.zeros_like(norm_D)
+        return (grad_x, grad_norm, None if grad_head is None else grad_head.to(head_VxD.dtype), None, None, None)
 
 
 def causal_lm_loss(logits_BxSxV: torch.Tensor, labels_BxS: torch.Tensor) -> torch.Tensor:
@@ -192,15 +269,15 @@ def micro_loss(params: dict, batch: dict, denoms: dict, cfg: GLM5Config, layout:
     # the embedding, final norm and head now; each decoder layer as it runs (model.run_layer)
     top = env.weights({**params, "model": {k: v for k, v in params["model"].items() if k != "layers"}})
     compute = {**top, "model": {**top["model"], "layers": params["model"]["layers"]}}
-    logits, aux = apply(compute, cfg, local["input_ids"], env)
-    layers = aux["layers"]
-    sums = {"loss": cross_entropy_sum(logits, local["targets"])[0]}
+    hidden_BxSxD, aux = hidden_states(compute, cfg, local["input_ids"], env)
+    layers, eps = aux["layers"], cfg.rms_norm_eps
+    sums = {"loss": head_loss_sum(main_head(compute, cfg), hidden_BxSxD, local["targets"], eps)}
     if step.objectives.mtp_depths:
-        mtp_logits, mtp_aux = mtp_apply(compute, cfg, aux["hidden"], local["mtp_input_ids"], env)
-        sums["mtp_loss"] = sum(cross_entropy_sum(lg, t)[0] / n
-                               for lg, t, n in zip(mtp_logits, local["mtp_targets"], denoms["mtp_targets"]))
+        states, mtp_aux = mtp_states(compute, cfg, hidden_BxSxD, local["mtp_input_ids"], env)
+        sums["mtp_loss"] = sum(head_loss_sum(head, h_BxSxD, t, eps) / n
+                               for (h_BxSxD, head), t, n in zip(states, local["mtp_targets"], denoms["mtp_targets"]))
         layers = layers + mtp_aux["layers"]
-    zero = torch.zeros((), dtype=torch.float64, device=logits.device)
+    zero = torch.zeros((), dtype=torch.float64, device=hidden_BxSxD.device)
     for name, o in OBJECTIVES.items():
         if o.source == "layers" and o.on(step.objectives):
             sums[name] = sum((a[name] for a in layers if name in a), zero)

@@ -69,48 +69,78 @@ def apply(params: dict, cfg: GLM5Config, input_ids_BxS: torch.Tensor, env: Env) 
     """(logits [B, S, V], aux) of this rank's tokens. `params` holds compute weights except its decoder layers,
     which each make theirs as they run (`run_layer`). aux: "layers", each layer's aux dict (see `decoder_layer`);
     "hidden", the last layer's output [B, S, D] before the final norm."""
+    hidden_BxSxD, aux = hidden_states(params, cfg, input_ids_BxS, env)
+    return lm_head(params, cfg, hidden_BxSxD), aux
+
+
+def hidden_states(params: dict, cfg: GLM5Config, input_ids_BxS: torch.Tensor, env: Env) -> tuple[torch.Tensor, dict]:
+    """`apply` without the final norm and head: (the last layer's output [B, S, D], aux)."""
     x_BxSxD = F.embedding(input_ids_BxS, params["model"]["embed_tokens"]["weight"]).to(env.dtype)
-    return apply_embeds(params, cfg, x_BxSxD, env)
+    return run_layers(params, cfg, x_BxSxD, env)
 
 
 def apply_embeds(params: dict, cfg: GLM5Config, x_BxSxD: torch.Tensor, env: Env) -> tuple[torch.Tensor, dict]:
     """`apply` from input embeddings [B, S, D] instead of token ids."""
+    hidden_BxSxD, aux = run_layers(params, cfg, x_BxSxD, env)
+    return lm_head(params, cfg, hidden_BxSxD), aux
+
+
+def run_layers(params: dict, cfg: GLM5Config, x_BxSxD: torch.Tensor, env: Env) -> tuple[torch.Tensor, dict]:
+    """The main decoder layers on input embeddings [B, S, D]: (their output [B, S, D], aux as `apply`'s)."""
     carry, layers = None, []
     for i, p_layer in enumerate(params["model"]["layers"][:cfg.num_hidden_layers]):
         x_BxSxD, carry, aux = run_layer(p_layer, x_BxSxD, cfg, i, env, carry)
         layers.append(aux)
-    return lm_head(params, cfg, x_BxSxD), {"layers": layers, "hidden": x_BxSxD}
+    return x_BxSxD, {"layers": layers, "hidden": x_BxSxD}
+
+
+def main_head(params: dict, cfg: GLM5Config) -> dict:
+    """The main model's head: {"norm": the final norm's weight [D], "weight": the LM head's [V, D] (the
+    embedding when tied)}, as `head_logits` and `loss.head_loss_sum` take it."""
+    head = params["model"]["embed_tokens"] if cfg.tie_word_embeddings else params["lm_head"]
+    return {"norm": params["model"]["norm"]["weight"], "weight": head["weight"]}
+
+
+def head_logits(head: dict, x_BxSxD: torch.Tensor, eps: float) -> torch.Tensor:
+    """Logits [B, S, V] of hidden states through a head (`main_head`, `mtp_layer`'s): its norm, then its weight."""
+    return linear({"weight": head["weight"]}, rms_norm(head["norm"], x_BxSxD, eps))
 
 
 def lm_head(params: dict, cfg: GLM5Config, x_BxSxD: torch.Tensor) -> torch.Tensor:
     """Logits [B, S, V] of hidden states: the final norm, then the LM head (the embedding when tied)."""
-    x_BxSxD = rms_norm(params["model"]["norm"]["weight"], x_BxSxD, cfg.rms_norm_eps)
-    head = params["model"]["embed_tokens"] if cfg.tie_word_embeddings else params["lm_head"]
-    return linear(head, x_BxSxD)
+    return head_logits(main_head(params, cfg), x_BxSxD, cfg.rms_norm_eps)
 
 
 def mtp_apply(params: dict, cfg: GLM5Config, hidden_BxSxD: torch.Tensor, mtp_input_ids: list[torch.Tensor],
               env: Env) -> tuple[list[torch.Tensor], dict]:
     """(logits [B, S, V] of each MTP depth, aux) from the main model's last hidden state (aux["hidden"] of
-    `apply`, before the final norm) and each depth's input ids (`loss.mtp_inputs`: depth d holds t_{i+d} at i).
+    `apply`, before the final norm) and each depth's input ids (`loss.mtp_inputs`: depth d holds t_{i+d} at i);
+    `mtp_states` through each depth's head."""
+    states, aux = mtp_states(params, cfg, hidden_BxSxD, mtp_input_ids, env)
+    return [head_logits(head, h_BxSxD, cfg.rms_norm_eps) for h_BxSxD, head in states], aux
+
+
+def mtp_states(params: dict, cfg: GLM5Config, hidden_BxSxD: torch.Tensor, mtp_input_ids: list[torch.Tensor],
+               env: Env) -> tuple[list[tuple[torch.Tensor, dict]], dict]:
+    """([(output h^d [B, S, D], head) of each MTP depth d], aux), the arguments as `mtp_apply`'s.
 
     Depth d at position i: h = eh_proj(cat[enorm(embed(t_{i+d})), hnorm(h_i^{d-1})]) through its decoder layer
-    (h^0 the main model's), then shared_head.norm and the LM head; it predicts t_{i+d+1}. aux: "layers", each MTP
-    decoder layer's aux; "hidden", the last depth's output.
+    (h^0 the main model's); its head (shared_head.norm and the LM head) predicts t_{i+d+1}. aux: "layers", each
+    MTP decoder layer's aux; "hidden", the last depth's output.
     """
-    h_BxSxD, logits, layers = hidden_BxSxD, [], []
+    h_BxSxD, states, layers = hidden_BxSxD, [], []
     for d, ids_BxS in enumerate(mtp_input_ids[:cfg.num_nextn_predict_layers]):
-        lg, h_BxSxD, aux = mtp_layer(params, cfg, d + 1, h_BxSxD, ids_BxS, env)
-        logits.append(lg)
+        h_BxSxD, head, aux = mtp_layer(params, cfg, d + 1, h_BxSxD, ids_BxS, env)
+        states.append((h_BxSxD, head))
         layers.append(aux)
-    return logits, {"layers": layers, "hidden": h_BxSxD}
+    return states, {"layers": layers, "hidden": h_BxSxD}
 
 
 def mtp_layer(params: dict, cfg: GLM5Config, depth: int, h_BxSxD: torch.Tensor, input_ids_BxS: torch.Tensor,
-              env: Env) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """MTP depth `depth` (1-based): (logits [B, S, V], its output h^depth [B, S, D], the decoder layer's aux).
-    The embedding and head are the main model's unless the layer holds its own copies (params.MTP_COPIES). The
-    whole MTP layer's weights are made once (env.weights), outside activation checkpointing."""
+              env: Env) -> tuple[torch.Tensor, dict, dict]:
+    """MTP depth `depth` (1-based): (its output h^depth [B, S, D], its head as `main_head`'s, the decoder layer's
+    aux). The embedding and head are the main model's unless the layer holds its own copies (params.MTP_COPIES).
+    The whole MTP layer's weights are made once (env.weights), outside activation checkpointing."""
     layer, eps = cfg.num_hidden_layers + depth - 1, cfg.rms_norm_eps
     p = env.weights(params["model"]["layers"][layer], f"model.layers.{layer}")
     embed = p.get("embed_tokens", params["model"]["embed_tokens"])["weight"]
@@ -121,10 +151,9 @@ def mtp_layer(params: dict, cfg: GLM5Config, depth: int, h_BxSxD: torch.Tensor, 
         h_BxSxD, _, aux = checkpoint(layer_fn(env), p, x_BxSxD, cfg, layer, env, None, use_reentrant=False)
     else:
         h_BxSxD, _, aux = layer_fn(env)(p, x_BxSxD, cfg, layer, env, None)
-    head = p["shared_head"].get("head")
-    if head is None:
-        head = params["model"]["embed_tokens"] if cfg.tie_word_embeddings else params["lm_head"]
-    return linear(head, rms_norm(p["shared_head"]["norm"]["weight"], h_BxSxD, eps)), h_BxSxD, aux
+    own = p["shared_head"].get("head")
+    head = main_head(params, cfg) if own is None else {"weight": own["weight"]}
+    return h_BxSxD, {**head, "norm": p["shared_head"]["norm"]["weight"]}, aux
 
 
 def forward(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,

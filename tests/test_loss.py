@@ -7,6 +7,7 @@ as the student), its gradient against autograd through that implementation.
 """
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -18,8 +19,8 @@ from configs import Config, validate
 from conftest import cli, env_of, forward_by_layers, naive_seq_aux, rel_err, run_step
 from glm5f.attention import LATENT_NORM_EPS, attention
 from glm5f.kernels import topk_as_mask
-from glm5f.loss import Step, cross_entropy_sum, mtp_targets, step_grads, with_targets
-from glm5f.model import apply
+from glm5f.loss import Step, cross_entropy_sum, head_loss_sum, mtp_targets, step_grads, with_targets
+from glm5f.model import apply, head_logits
 from glm5f.ops import apply_rope, layer_norm, rms_norm
 from glm5f.optim import value_and_grad
 from glm5f.parallel import Layout
@@ -351,3 +352,119 @@ def test_mtp_weight_scales_the_gradient_the_main_model_gets():
     mtp_part = grads[1.0][k] - grads[0.0][k]
     assert mtp_part.abs().max() > 0
     assert rel_err(grads[0.5][k] - grads[0.0][k], 0.5 * mtp_part) <= 1e-4
+
+
+# ---- the LM head and its cross-entropy in chunks (loss.head_loss_sum) ---------------------------------------------
+
+def whole_logits_loss_sum(head, x_BxSxD, targets_BxS, eps, chunk_elems=None):
+    """`head_loss_sum` as it was before chunks: autograd through the whole [tokens, vocab] logits."""
+    return cross_entropy_sum(head_logits(head, x_BxSxD, eps), targets_BxS)[0]
+
+
+def head_inputs(dtype, weight_dtype=None, V=96, D=24, B=2, S=23, seed=0):
+    """(head, hidden states [B, S, D], targets with some IGNORE_INDEX) drawn in fp64 and cast, leaves requiring
+    grad; the norm's scale perturbed around 1."""
+    g = torch.Generator().manual_seed(seed)
+    weight_dtype = weight_dtype or dtype
+    head = {"norm": (1 + 0.1 * torch.randn(D, generator=g, dtype=torch.float64)).to(weight_dtype).requires_grad_(),
+            "weight": (0.3 * torch.randn(V, D, generator=g, dtype=torch.float64)).to(weight_dtype).requires_grad_()}
+    x = torch.randn(B, S, D, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    targets = torch.randint(0, V, (B, S), generator=g)
+    targets[torch.rand(B, S, generator=g) < 0.2] = glm5f.IGNORE_INDEX
+    return head, x, targets
+
+
+def head_grads(fn, head, x, targets, **kw):
+    value = fn(head, x, targets, 1e-5, **kw)
+    return value.detach(), torch.autograd.grad(value, [x, head["norm"], head["weight"]])
+
+
+@pytest.mark.parametrize("rows", [1, 5, 46, 1000])
+def test_head_loss_in_chunks_equals_the_whole_logits_in_fp64(rows):
+    """fp64: the loss and the gradients of the hidden states, the norm and the head of chunks of 1, 5 (the last
+    one short), 46 (all tokens) and more rows equal autograd through the whole logits within 1e-12."""
+    head, x, targets = head_inputs(torch.float64)
+    want, want_g = head_grads(whole_logits_loss_sum, head, x, targets)
+    got, got_g = head_grads(head_loss_sum, head, x, targets, chunk_elems=rows * 96)
+    assert abs(float(got - want)) <= 1e-12 * abs(float(want))
+    for name, g, w in zip(("x", "norm", "head"), got_g, want_g):
+        assert rel_err(g, w) <= 1e-12, f"{name}: {rel_err(g, w):.2e}"
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, None), (torch.float32, torch.float64),
+                                    (torch.bfloat16, torch.float32)])
+def test_head_loss_in_chunks_is_as_close_to_fp64_as_the_whole_logits(dtypes):
+    """fp32 and bf16 activations (with fp64 / fp32 weights as --train.reduce_dtype makes them): chunks of 5 rows
+    are within twice the whole-logits path's own error of the fp64 values (loss and every gradient), and one
+    chunk holding every token gives the whole-logits values bit for bit."""
+    dtype, weight_dtype = dtypes
+    ref_head, ref_x, targets = head_inputs(torch.float64)
+    ref, ref_g = head_grads(whole_logits_loss_sum, ref_head, ref_x, targets)
+    head, x, _ = head_inputs(dtype, weight_dtype)
+    whole, whole_g = head_grads(whole_logits_loss_sum, head, x, targets)
+    got, got_g = head_grads(head_loss_sum, head, x, targets, chunk_elems=5 * 96)
+    floor = abs(float(whole - ref)) / abs(float(ref))
+    assert abs(float(got - ref)) / abs(float(ref)) <= 2 * floor + 2 * torch.finfo(dtype).eps
+    for name, g, w, r in zip(("x", "norm", "head"), got_g, whole_g, ref_g):
+        floor = rel_err(w.double(), r)
+        assert 0 < floor < 0.05
+        assert rel_err(g.double(), r) <= 2 * floor, f"{name}: {rel_err(g.double(), r):.2e} vs floor {floor:.2e}"
+    one, one_g = head_grads(head_loss_sum, head, x, targets, chunk_elems=1000 * 96)
+    assert torch.equal(one, whole) and all(torch.equal(a, b) for a, b in zip(one_g, whole_g))
+
+
+def test_head_loss_in_chunks_gives_only_the_gradients_asked_for():
+    """A frozen head (LoRA runs) and frozen hidden states: the gradients of what requires grad are the
+    whole-logits ones, and nothing is made for the rest (the head's [V, D] gradient not at all)."""
+    head, x, targets = head_inputs(torch.float64)
+    head["weight"].requires_grad_(False)
+    want = torch.autograd.grad(whole_logits_loss_sum(head, x, targets, 1e-5), [x, head["norm"]])
+    got = torch.autograd.grad(head_loss_sum(head, x, targets, 1e-5, chunk_elems=5 * 96), [x, head["norm"]])
+    assert all(rel_err(g, w) <= 1e-12 for g, w in zip(got, want))
+    x.requires_grad_(False)
+    (g_norm,) = torch.autograd.grad(head_loss_sum(head, x, targets, 1e-5, chunk_elems=5 * 96), [head["norm"]])
+    (w_norm,) = torch.autograd.grad(whole_logits_loss_sum(head, x, targets, 1e-5), [head["norm"]])
+    assert rel_err(g_norm, w_norm) <= 1e-12
+
+
+def step_with_head(monkeypatch, head_fn, params, batch, run, model_cfg, spec=None, adapters=None):
+    """`step_grads` with micro_loss's head loss `head_fn`; LoRA's adapters trained when given."""
+    monkeypatch.setattr(glm5f.loss, "head_loss_sum", head_fn)
+    model = glm5f.lora.attach(params, adapters) if adapters else params
+    return step_grads(model, batch, model_cfg, Layout(torch.device("cpu")), Step.of(run.train, model_cfg, spec))
+
+
+@pytest.mark.parametrize("variant", ["untied", "tied", "lora"])
+def test_step_with_head_chunks_equals_the_whole_logits(variant, monkeypatch):
+    """A training step (the main head and an MTP depth, two micro-batches, padding) with heads of 3-token chunks:
+    its metrics and gradients equal those of the whole-logits head within 1e-12 in fp64, tied embeddings (the
+    head's gradient meets the embedding's) and LoRA (a frozen head) included; in fp32 within twice the
+    whole-logits step's own error of the fp64 one."""
+    args = ["--model.num_nextn_predict_layers", "1", "--train.grad_accum", "2", "--train.mtp_loss_weight", "0.5"]
+    args += ["--model.tie_word_embeddings", "True"] if variant == "tied" else []
+    args += ["--lora.rank", "4"] if variant == "lora" else []
+    steps = {}
+    for dtype in ("float64", "float32"):
+        run = cli(*args, "--train.dtype", dtype)
+        model_cfg, spec = run.model.build(), run.lora.spec()
+        params = glm5f.init_params(model_cfg, seed=1, dtype=getattr(torch, dtype))
+        adapters = None
+        if spec:
+            g = torch.Generator().manual_seed(2)
+            adapters = {k: (t + 0.1 * torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.dtype))
+                        for k, t in glm5f.lora.init_adapters(params, spec, 0, getattr(torch, dtype)).items()}
+        batch = padded_batch(model_cfg)
+        chunked = functools.partial(glm5f.loss.head_loss_sum, chunk_elems=3 * model_cfg.vocab_size)
+        for name, fn in (("chunks", chunked), ("whole", whole_logits_loss_sum)):
+            steps[dtype, name] = step_with_head(monkeypatch, fn, params, batch, run, model_cfg, spec, adapters)
+    (m, g, _), (wm, wg, _) = steps["float64", "chunks"], steps["float64", "whole"]
+    assert m.keys() == wm.keys() == {"loss", "mtp_loss"} and g.keys() == wg.keys()
+    assert all(abs(m[k] - wm[k]) <= 1e-12 * abs(wm[k]) for k in m)
+    assert ("lm_head.weight" in g) == (variant == "untied")
+    for k in g:
+        assert rel_err(g[k], wg[k]) <= 1e-12, f"{k}: {rel_err(g[k], wg[k]):.2e}"
+    (_, g32, _), (_, wg32, _) = steps["float32", "chunks"], steps["float32", "whole"]
+    for k in g:
+        if float(wg[k].norm()) > 0:
+            floor = rel_err(wg32[k].double(), wg[k])
+            assert rel_err(g32[k].double(), wg[k]) <= 2 * floor + 1e-7, k
