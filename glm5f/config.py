@@ -79,6 +79,9 @@ class GLM5Config:
     # Multi-token-prediction (MTP) layers after the main ones: model.layers.{num_hidden_layers + d}. Trained by
     # the MTP loss and used as a speculative draft; `forward` (the main model's logits) never runs them.
     num_nextn_predict_layers: int = 0
+    # MTP depths sharing one layer's parameters (GLM-5 trains 3): the one MTP layer applied mtp_shared_depths times,
+    # depth d reading depth d-1's output and t_{i+d}. 0: each MTP layer is one depth. Needs num_nextn_predict_layers 1.
+    mtp_shared_depths: int = 0
     pad_token_id: int | None = None
     bos_token_id: int | None = 0
     eos_token_id: int | tuple[int, ...] | None = 1
@@ -110,6 +113,16 @@ class GLM5Config:
             m = yarn_mscale(rope["factor"], rope["mscale_all_dim"])
             scale = scale * m * m
         return scale
+
+    @property
+    def mtp_depths(self) -> int:
+        """The MTP depths a training step runs and a speculative step drafts: mtp_shared_depths through the one MTP
+        layer, else one per MTP layer."""
+        return self.mtp_shared_depths or self.num_nextn_predict_layers
+
+    def mtp_layer(self, depth: int) -> int:
+        """The index in model.layers of the layer MTP depth `depth` (1-based) runs."""
+        return self.num_hidden_layers + (0 if self.mtp_shared_depths else depth - 1)
 
     def is_moe(self, layer: int) -> bool:
         """Whether `layer` has a MoE MLP. MTP layers (layer >= num_hidden_layers) are MoE when the last main
@@ -166,6 +179,8 @@ class GLM5Config:
                  architectures=["GlmMoeDsaForCausalLM"])
         if isinstance(self.eos_token_id, tuple):
             d["eos_token_id"] = list(self.eos_token_id)
+        if not self.mtp_shared_depths:  # glm5f's own field, written only where it is used
+            del d["mtp_shared_depths"]
         return d
 
 
@@ -236,6 +251,10 @@ def _validate(c: GLM5Config) -> None:
                  "num_experts_per_tok", "n_group", "topk_group", "max_position_embeddings"):
         need(getattr(c, name) > 0, f"{name} must be positive, got {getattr(c, name)}")
     need(c.num_nextn_predict_layers >= 0, f"num_nextn_predict_layers must be >= 0, got {c.num_nextn_predict_layers}")
+    need(c.mtp_shared_depths >= 0, f"mtp_shared_depths must be >= 0, got {c.mtp_shared_depths}")
+    need(not c.mtp_shared_depths or c.num_nextn_predict_layers == 1,
+         f"mtp_shared_depths ({c.mtp_shared_depths}) applies one MTP layer several times: it needs "
+         f"num_nextn_predict_layers 1, got {c.num_nextn_predict_layers}")
     need(c.n_shared_experts >= 0, f"n_shared_experts must be >= 0, got {c.n_shared_experts}")
     need(c.qk_rope_head_dim % 2 == 0, f"qk_rope_head_dim must be even (RoPE rotates pairs), got {c.qk_rope_head_dim}")
     need(c.index_head_dim >= c.qk_rope_head_dim,

@@ -143,9 +143,11 @@ def generate(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, max_new_tok
     attention_mask [B, S] marks left padding of the prompts (positions then count real tokens only). Rows that
     produced eos_token_id keep emitting it; decoding stops early once every row has.
 
-    draft="mtp" (greedy only): the MTP layers draft num_nextn_predict_layers tokens per step, the main model
-    checks them in one pass; the output is the greedy one. A `stats` dict is filled with "proposed" and
-    "accepted" draft tokens (summed over rows) and "acceptance_rate" (accepted / proposed; 0.0 if none was).
+    draft="mtp" (greedy only): the MTP layers draft cfg.mtp_depths tokens per step (one per MTP layer, or
+    mtp_shared_depths through the one shared layer), the main model checks them in one pass; the output is the
+    greedy one. A `stats` dict is filled with "proposed" and "accepted" draft tokens (summed over rows),
+    "acceptance_rate" (accepted / proposed; 0.0 if none was), "steps" (main-model passes after the prompt's)
+    and "tokens_per_step" (new tokens per such pass: 1 + the accepted drafts).
     """
     if draft is not None:
         if draft != "mtp":
@@ -188,14 +190,14 @@ def speculative(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, max_new_
     drafts against the cache, and the leading drafts that equal its greedy choices (in every row) are kept with
     its next token; the cache drops the rest. So each step adds 1 to k + 1 tokens, all of them greedy."""
     valid, positions = prompt_positions(input_ids, cfg, attention_mask, max_new_tokens)
-    depths = cfg.num_nextn_predict_layers
-    if depths < 1 or len(params["model"]["layers"]) < cfg.num_hidden_layers + depths:
-        raise ValueError(f"draft='mtp' needs MTP layers: the config has num_nextn_predict_layers={depths} and the "
+    depths, layers = cfg.mtp_depths, cfg.num_nextn_predict_layers
+    if depths < 1 or len(params["model"]["layers"]) < cfg.num_hidden_layers + layers:
+        raise ValueError(f"draft='mtp' needs MTP layers: the config has num_nextn_predict_layers={layers} and the "
                          f"params {len(params['model']['layers']) - cfg.num_hidden_layers} past the main layers")
     B, S = input_ids.shape
     device, dtype = input_ids.device, params["model"]["embed_tokens"]["weight"].dtype
     capacity = S + max_new_tokens
-    proposed = accepted = 0
+    proposed = accepted = steps = 0
     tokens = input_ids
     if max_new_tokens:
         cache = init_cache(cfg, B, capacity, dtype, device)
@@ -215,9 +217,10 @@ def speculative(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, max_new_
         tokens = torch.cat([tokens, greedy[:, :a + 1]], dim=1)
         hidden = torch.cat([hidden, new_hidden[:, :a + 1]], dim=1)
         cache.length = M + a  # keep token M-1 and the a accepted drafts
-        proposed, accepted = proposed + B * k, accepted + B * a
+        proposed, accepted, steps = proposed + B * k, accepted + B * a, steps + 1
     if stats is not None:
-        stats.update(proposed=proposed, accepted=accepted, acceptance_rate=accepted / proposed if proposed else 0.0)
+        stats.update(proposed=proposed, accepted=accepted, acceptance_rate=accepted / proposed if proposed else 0.0,
+                     steps=steps, tokens_per_step=(steps + accepted / B) / steps if steps else 0.0)
     new = tokens[:, S:]
     if eos_token_id is not None and new.shape[1]:  # as `stream`: eos repeats once emitted, stop when all did
         done = (new == eos_token_id).long().cummax(-1).values.bool()

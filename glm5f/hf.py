@@ -300,7 +300,7 @@ def load_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None, device
         warnings.warn(f"{path}: config.json has num_nextn_predict_layers={cfg.num_nextn_predict_layers} but the "
                       f"weights hold no model.layers.{L}.* tensors; loading without the MTP layers",
                       stacklevel=2)
-        cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0)
+        cfg = dataclasses.replace(cfg, num_nextn_predict_layers=0, mtp_shared_depths=0)
     copies = tuple(name for name in MTP_COPIES if cfg.num_nextn_predict_layers and
                    all(f"model.layers.{L + d}.{name}.weight" in inv for d in range(cfg.num_nextn_predict_layers)))
     plan, mtp = _plan(cfg, inv, copies)

@@ -204,7 +204,7 @@ class Step:
         if train.indexer_loss not in INDEXER_LOSSES:
             raise ValueError(f"--train.indexer_loss must be one of {INDEXER_LOSSES}, got {train.indexer_loss!r}")
         objectives = Objectives(train.indexer_loss, train.indexer_target, train.seq_aux_loss_coeff > 0,
-                                model_cfg.num_nextn_predict_layers)
+                                model_cfg.mtp_depths)
         coeffs = {name: o.coeff if isinstance(o.coeff, float) else getattr(train, o.coeff)
                   for name, o in OBJECTIVES.items() if o.coeff is not None and o.on(objectives)}
         return cls(objectives, coeffs, getattr(torch, train.dtype),

@@ -129,7 +129,7 @@ def mtp_states(params: dict, cfg: GLM5Config, hidden_BxSxD: torch.Tensor, mtp_in
     MTP decoder layer's aux; "hidden", the last depth's output.
     """
     h_BxSxD, states, layers = hidden_BxSxD, [], []
-    for d, ids_BxS in enumerate(mtp_input_ids[:cfg.num_nextn_predict_layers]):
+    for d, ids_BxS in enumerate(mtp_input_ids[:cfg.mtp_depths]):
         h_BxSxD, head, aux = mtp_layer(params, cfg, d + 1, h_BxSxD, ids_BxS, env)
         states.append((h_BxSxD, head))
         layers.append(aux)
@@ -141,7 +141,7 @@ def mtp_layer(params: dict, cfg: GLM5Config, depth: int, h_BxSxD: torch.Tensor, 
     """MTP depth `depth` (1-based): (its output h^depth [B, S, D], its head as `main_head`'s, the decoder layer's
     aux). The embedding and head are the main model's unless the layer holds its own copies (params.MTP_COPIES).
     The whole MTP layer's weights are made once (env.weights), outside activation checkpointing."""
-    layer, eps = cfg.num_hidden_layers + depth - 1, cfg.rms_norm_eps
+    layer, eps = cfg.mtp_layer(depth), cfg.rms_norm_eps
     p = env.weights(params["model"]["layers"][layer], f"model.layers.{layer}")
     embed = p.get("embed_tokens", params["model"]["embed_tokens"])["weight"]
     e_BxSxD = F.embedding(input_ids_BxS, embed).to(env.dtype)

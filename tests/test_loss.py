@@ -468,3 +468,47 @@ def test_step_with_head_chunks_equals_the_whole_logits(variant, monkeypatch):
         if float(wg[k].norm()) > 0:
             floor = rel_err(wg32[k].double(), wg[k])
             assert rel_err(g32[k].double(), wg[k]) <= 2 * floor + 1e-7, k
+
+
+# ---- MTP depths sharing one layer (--model.mtp_shared_depths) ------------------------------------------------------
+
+def test_shared_mtp_depths_equal_a_naive_loop_over_one_layer():
+    """Three MTP depths through the one MTP layer (fp64, padded batch, two micro-batches): the step's mtp_loss
+    and the gradients of every leaf equal autograd of a plain loop that runs the layer's decoder layer three times,
+    depth d on depth d-1's output and the embedding of t_{i+d}, each depth's token mean weighted equally within
+    --train.mtp_loss_weight. The checkpoint's tree holds one MTP layer."""
+    w = 0.5
+    run = cli("--model.num_nextn_predict_layers", "1", "--model.mtp_shared_depths", "3", "--train.dtype", "float64",
+              "--train.grad_accum", "2", "--train.mtp_loss_weight", str(w))
+    cfg = run.model.build()
+    L, eps = cfg.num_hidden_layers, cfg.rms_norm_eps
+    params = glm5f.init_params(cfg, seed=3, dtype=torch.float64)
+    assert len(params["model"]["layers"]) == L + 1 and cfg.mtp_depths == 3
+    batch = padded_batch(cfg, S=20)
+    metrics, grads, _ = run_step(params, batch, run, cfg)
+    full = with_targets(batch)
+
+    def objective(params):
+        ctx = env_of(cfg, full["input_ids"].shape, full["attention_mask"], full["position_ids"], torch.float64)
+        logits, aux = apply(params, cfg, full["input_ids"], ctx)
+        ce, n = cross_entropy_sum(logits, full["targets"])
+        p = params["model"]["layers"][L]
+        h, depth_means = aux["hidden"], []
+        for d in (1, 2, 3):
+            ids = torch.nn.functional.pad(full["input_ids"][:, d:], (0, d))
+            e = params["model"]["embed_tokens"]["weight"][ids]
+            x = torch.cat([rms_norm(p["enorm"]["weight"], e, eps), rms_norm(p["hnorm"]["weight"], h, eps)], -1)
+            h = glm5f.decoder_layer(p, x @ p["eh_proj"]["weight"].T, cfg, L, ctx, None)[0]
+            lg = rms_norm(p["shared_head"]["norm"]["weight"], h, eps) @ params["lm_head"]["weight"].T
+            t = mtp_targets(full["labels"], d, full["position_ids"], full["valid"])
+            s, m = cross_entropy_sum(lg, t)
+            depth_means.append(s / m)
+        mtp = sum(depth_means) / 3
+        return ce / n + w * mtp, mtp
+
+    (_, mtp), want = value_and_grad(objective, has_aux=True)(params)
+    assert abs(metrics["mtp_loss"] - float(mtp)) <= 1e-12 * float(mtp)
+    assert grads.keys() == want.keys()
+    for k, g in want.items():
+        assert rel_err(grads[k], g) <= 1e-10, f"{k}: relative gradient error {rel_err(grads[k], g):.2e}"
+    assert float(want[f"model.layers.{L}.eh_proj.weight"].norm()) > 0
