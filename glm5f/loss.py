@@ -285,10 +285,13 @@ def micro_loss(params: dict, batch: dict, denoms: dict, cfg: GLM5Config, layout:
                 if name in step.coeffs)
     with torch.no_grad():
         valid = local["valid"].flatten().to(torch.float32)
-        counts = {f"model.layers.{i}.mlp.gate.e_score_correction_bias":
-                  valid.new_zeros(cfg.n_routed_experts).index_add_(
-                      0, a["expert_idx"].flatten(), valid.repeat_interleave(a["expert_idx"].shape[1]))
-                  for i, a in enumerate(layers) if "expert_idx" in a}
+        counts = {}  # an MTP layer that several depths share counts the tokens of all of them
+        index = list(range(cfg.num_hidden_layers)) + [cfg.mtp_layer(d) for d in range(1, cfg.mtp_depths + 1)]
+        for i, a in zip(index, layers):
+            if "expert_idx" in a:
+                path = f"model.layers.{i}.mlp.gate.e_score_correction_bias"
+                counts[path] = counts.get(path, 0) + valid.new_zeros(cfg.n_routed_experts).index_add_(
+                    0, a["expert_idx"].flatten(), valid.repeat_interleave(a["expert_idx"].shape[1]))
     return value, (sums, counts)
 
 

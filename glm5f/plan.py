@@ -27,8 +27,8 @@ from glm5f.config import GLM5Config
 from glm5f.distributed import cp_positions, mesh_shapes, placements
 from glm5f.env import make_env
 from glm5f.kernels import INDEXER_QUERY_CHUNK_ELEMS, sparse_block_size
-from glm5f.loss import cross_entropy_sum, shift_labels
-from glm5f.model import decoder_layer, lm_head
+from glm5f.loss import head_chunk_rows, head_loss_sum, shift_labels
+from glm5f.model import decoder_layer, main_head
 from glm5f.ops import wide_dtype
 from glm5f.optim import leaf_rule
 from glm5f.lora import DEFAULT_TARGETS, LoraSpec, adapter_shapes, is_adapter
@@ -247,10 +247,12 @@ def trace(cfg: GLM5Config, run: RunShape, B: int) -> dict[object, list[int]]:
             return torch.empty(*local["input_ids"].shape, cfg.hidden_size, dtype=act, requires_grad=True)
 
         out, carry = {"rope": [env.cos.nbytes + env.sin.nbytes]}, None
-        for i in range(cfg.num_hidden_layers):
+        mtp = [cfg.mtp_layer(d) for d in range(1, cfg.mtp_depths + 1)]
+        for i in list(range(cfg.num_hidden_layers)) + mtp:  # an MTP layer runs as a decoder layer of its kind
             kind = (cfg.is_moe(i), cfg.has_indexer(i))
             if kind in out:
                 continue
+            carry = None if i in mtp else carry
             p, x_BxSxD = weights(layout["model"]["layers"][i]), hidden()
             (_, selection, _), saved = saved_bytes(lambda: decoder_layer(p, x_BxSxD, cfg, i, env, carry), outside)
             passed = selection.topk.nbytes if selection is not carry and selection.topk is not None else 0
@@ -258,8 +260,8 @@ def trace(cfg: GLM5Config, run: RunShape, B: int) -> dict[object, list[int]]:
             carry = selection
         top = weights({**layout, "model": {k: v for k, v in layout["model"].items() if k != "layers"}})
         x_BxSxD = hidden()
-        out["head"] = saved_bytes(lambda: cross_entropy_sum(lm_head(top, cfg, x_BxSxD),
-                                                            shift_labels(local["input_ids"])), outside)[1]
+        out["head"] = saved_bytes(lambda: head_loss_sum(main_head(top, cfg), x_BxSxD, shift_labels(local["input_ids"]),
+                                                        cfg.rms_norm_eps), outside)[1]
     return out
 
 
@@ -308,26 +310,33 @@ def layer_transient(cfg: GLM5Config, layer: int, B: int, S: int, T: int, run: Ru
 
 
 def activation_bytes(cfg: GLM5Config, run: RunShape, remat: bool | None = None, cache: dict | None = None) -> dict:
-    """Peak activation bytes of one micro-batch on one rank: "layers" (what the decoder layers keep for the
-    backward, with the rope tables), "logits" (what the final norm, head and cross-entropy keep), "transient" (the
-    largest short-lived buffers on top) and "peak" (their sum). With `remat` (default: the run's) a layer keeps
-    only its input and top-k, and one layer at a time is recomputed in the backward. `cache`: see
-    `traced_activations`."""
+    """Peak activation bytes of one micro-batch on one rank: "layers" (what the decoder layers and MTP depths keep
+    for the backward, with the rope tables), "logits" (what the final norm, head and cross-entropy keep: each
+    head's hidden states, its logits made in chunks by `loss.head_loss_sum`), "transient" (the largest
+    short-lived buffers on top), "peak" (their sum) and "logits_transient" (the heads' transient: one chunk's).
+    With `remat` (default: the run's) a layer keeps only its input and top-k, and one layer at a time is
+    recomputed in the backward. `cache`: see `traced_activations`."""
     remat = run.remat if remat is None else remat
     traced = traced_activations(cfg, run, cache)
     B = run.micro_batch
     S, T = run.seq_len // run.cp, run.seq_len
-    per_layer = []  # (saved, transient, kept when checkpointed) of each decoder layer
-    for i in range(cfg.num_hidden_layers):
+    per_layer = []  # (saved, transient, kept when checkpointed) of each decoder layer, then of each MTP depth's
+    for i in list(range(cfg.num_hidden_layers)) + [cfg.mtp_layer(d) for d in range(1, cfg.mtp_depths + 1)]:
         *saved, x, passed = traced[cfg.is_moe(i), cfg.has_indexer(i)]
         per_layer.append((sum(saved), layer_transient(cfg, i, B, S, T, run, max(saved)), x + passed))
-    rope, logits = sum(traced["rope"]), sum(traced["head"])
-    a, nV = run.dtypes[0].itemsize, B * S * cfg.vocab_size  # the logits, their fp32 copy and gradient
-    logits_transient = max(nV * a + (nV * 4 if a < 4 else 0), 2 * nV * 4 + (nV * a if a < 4 else 0))
+    # each head (the main one, each MTP depth's) keeps its hidden states; one chunk of logits is alive at a time
+    rope, logits = sum(traced["rope"]), sum(traced["head"]) * (1 + cfg.mtp_depths)
+    act, weight = run.dtypes
+    a, w, lat = act.itemsize, wide_dtype(act).itemsize, torch.promote_types(act, weight).itemsize
+    # the backward of a chunk (`loss.HeadLosses`): its logits (and their cast to the activations' dtype), the
+    # log-probabilities the cross-entropy saved, the gradients of the loss and of the log-softmax, in fp32
+    chunk = min(B * S, head_chunk_rows(cfg.vocab_size)) * cfg.vocab_size
+    logits_transient = chunk * (lat + (a if a < lat else 0) + 3 * w)
     # checkpointed, a layer keeps its input and top-k, and its saved tensors come back in the backward one at a time
     layers = sum(kept if remat else saved for saved, _, kept in per_layer)
     transient = max([tr + (saved if remat else 0) for saved, tr, _ in per_layer] + [logits_transient])
-    return dict(layers=layers + rope, logits=logits, transient=transient, peak=layers + rope + logits + transient)
+    return dict(layers=layers + rope, logits=logits, transient=transient, peak=layers + rope + logits + transient,
+                logits_transient=logits_transient)
 
 
 # ---- the plan -----------------------------------------------------------------------------------------------------
@@ -368,6 +377,7 @@ def plan(cfg: GLM5Config, run: RunShape, runtime_bytes: int = 0, device_bytes: i
                 reduce_copy_bytes=reduce_extra, activations_bytes=acts["peak"],
                 activations_remat_bytes=with_remat["peak"], activations_no_remat_bytes=without_remat["peak"],
                 activation_layers_bytes=acts["layers"], activation_logits_bytes=acts["logits"],
+                activation_logits_transient_bytes=acts["logits_transient"],
                 activation_transient_bytes=acts["transient"], adamw_update_transient_bytes=update,
                 runtime_bytes=runtime_bytes, forward_backward_bytes=runtime_bytes + fwd_bwd,
                 update_bytes=runtime_bytes + step_end, peak_phase="forward/backward" if fwd_bwd >= step_end else
@@ -421,6 +431,7 @@ def format_table(p: dict, model_name: str, run: RunShape, limit_note: str) -> st
         ("  decoder layers (kept for backward)", p["activation_layers_bytes"]),
         ("  final norm + logits + cross-entropy", p["activation_logits_bytes"]),
         ("  largest transient", p["activation_transient_bytes"]),
+        ("    (the head's chunk of logits)", p["activation_logits_transient_bytes"]),
         (f"  (activations {'without' if run.remat else 'with'} checkpointing)",
          p["activations_no_remat_bytes" if run.remat else "activations_remat_bytes"]),
         (f"AdamW update transient ({ADAMW_UPDATE_COPIES} cop{'y' if ADAMW_UPDATE_COPIES == 1 else 'ies'})",

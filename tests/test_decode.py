@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 import glm5f
 from glm5f import decode
 from glm5f.decode import extend, generate, init_cache, sample
+from glm5f.loss import mtp_inputs
+from glm5f.model import head_logits
 
 MTP_CFG = glm5f.preset("glm5-tiny", num_nextn_predict_layers=1)  # the MTP layer is MoE with a full indexer
 
@@ -168,3 +170,29 @@ def test_top_p_keeps_the_smallest_likely_set():
     assert set(int(sample(logits_1xV, 1.0, 0.01, g)) for _ in range(50)) == {0}
     assert set(int(sample(logits_1xV, 1.0, 0.75, g)) for _ in range(200)) == {0, 1}
     assert int(sample(logits_1xV, 0.0)) == 0
+
+
+def test_shared_mtp_depths_draft_through_one_layer():
+    """--model.mtp_shared_depths 3: the drafts are those of a loop running the one MTP layer three times (depth d
+    on depth d-1's output and the tokens so far plus the drafts before it); decoding with them stays greedy, each
+    step proposes up to 3 tokens, and tokens_per_step counts the new tokens per main-model pass."""
+    one = dataclasses.replace(MTP_CFG, num_nextn_predict_layers=1)
+    cfg = dataclasses.replace(one, mtp_shared_depths=3)
+    params = glm5f.init_params(one, seed=7)
+    prompt = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    B, N = prompt.shape[0], prompt.shape[1] - 1
+    _, hidden = extend(params, cfg, init_cache(cfg, B, N), prompt[:, :N], torch.arange(N).expand(B, N),
+                       with_hidden=True)
+    positions = torch.arange(N).expand(B, N)
+    drafts = decode.mtp_propose(params, cfg, prompt, hidden, positions, None, 3)
+    _, env = glm5f.make_env(one, {"input_ids": prompt[:, :N], "position_ids": positions}, hidden.dtype)
+    seq, h = prompt, hidden
+    for d in (1, 2, 3):
+        h, head, _ = glm5f.model.mtp_layer(params, one, 1, h, mtp_inputs(seq, d)[:, :N], env)
+        seq = torch.cat([seq, head_logits(head, h, one.rms_norm_eps)[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(drafts, seq[:, -3:])
+    stats, n = {}, 14
+    out = glm5f.generate(params, cfg, prompt, n, draft="mtp", stats=stats)
+    assert torch.equal(out, glm5f.generate(params, cfg, prompt, n))
+    assert stats["proposed"] <= B * 3 * stats["steps"] and stats["steps"] >= math.ceil((n - 1) / 4)
+    assert stats["tokens_per_step"] == pytest.approx((n - 1) / stats["steps"])

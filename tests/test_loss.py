@@ -485,8 +485,11 @@ def test_shared_mtp_depths_equal_a_naive_loop_over_one_layer():
     params = glm5f.init_params(cfg, seed=3, dtype=torch.float64)
     assert len(params["model"]["layers"]) == L + 1 and cfg.mtp_depths == 3
     batch = padded_batch(cfg, S=20)
-    metrics, grads, _ = run_step(params, batch, run, cfg)
+    metrics, grads, counts = run_step(params, batch, run, cfg)
     full = with_targets(batch)
+    # the shared layer's router bias balances over the tokens of all three depths
+    routed = counts[f"model.layers.{L}.mlp.gate.e_score_correction_bias"].sum()
+    assert float(routed) == 3 * int(full["valid"].sum()) * cfg.num_experts_per_tok
 
     def objective(params):
         ctx = env_of(cfg, full["input_ids"].shape, full["attention_mask"], full["position_ids"], torch.float64)

@@ -20,8 +20,8 @@ import glm5f
 from configs import Config
 from conftest import env_of
 from glm5f.distributed import mesh_shapes, placements
-from glm5f.loss import cross_entropy_sum, shift_labels
-from glm5f.model import apply
+from glm5f.loss import head_loss_sum, shift_labels
+from glm5f.model import hidden_states, main_head
 from glm5f.params import flatten
 from glm5f.plan import (GB, RunShape, activation_bytes, leaf_groups, local_shape, mesh_coords, plan, search,
                         state_bytes, trace, traced_activations)
@@ -67,8 +67,8 @@ def test_local_shapes_tile_the_tensor_as_torch_chunk_does(size, chunks, second):
     (2, 128, 2, "FS", "float32", None), (2, 48, 2, "FS", "float32", None), (1, 128, 4, "FFSF", "float32", None),
     (2, 128, 2, "FS", "bfloat16", None), (2, 128, 2, "FS", "float32", "float64")])
 def test_saved_activations_match_what_autograd_saves(B, S, layers, pattern, dtype, reduce):
-    """The plan's kept activations (decoder layers + logits, no transients) against the unique storages autograd
-    saves in a real forward (parameters excluded): sparse layers (S > index_topk), the dense path (S = 48), and
+    """The plan's kept activations (decoder layers + the head, no transients) against the unique storages autograd
+    saves in a real forward and head loss (parameters excluded): sparse layers (S > index_topk), the dense path (S = 48), and
     bf16 activations (fp32 norms and router, as micro_loss casts the weights), fp64 weights of --train.reduce_dtype."""
     cfg = glm5f.preset("glm5-scaled-moe", num_hidden_layers=layers, index_topk_pattern=pattern)
     params = glm5f.init_params(cfg, dtype=getattr(torch, reduce or dtype))
@@ -85,12 +85,14 @@ def test_saved_activations_match_what_autograd_saves(B, S, layers, pattern, dtyp
 
     ids = torch.randint(0, cfg.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logits, _ = apply(params, cfg, ids, env_of(cfg, ids.shape, dtype=getattr(torch, dtype)))
-        cross_entropy_sum(logits, shift_labels(ids))
+        hidden, _ = hidden_states(params, cfg, ids, env_of(cfg, ids.shape, dtype=getattr(torch, dtype)))
+        head_loss_sum(main_head(params, cfg), hidden, shift_labels(ids), cfg.rms_norm_eps)
     plan_acts = activation_bytes(cfg, RunShape(batch_size=B, seq_len=S, dtype=dtype, reduce_dtype=reduce), remat=False)
     measured = sum(saved.values())
-    assert abs(plan_acts["layers"] + plan_acts["logits"] - measured) <= 0.1 * measured
-    if reduce is None:  # traced: within 2% (fp64 experts take the fallback, whose width depends on the routing)
+    # fp64 experts take the fallback, whose width depends on the routing: within 15% (the layers' own error, which
+    # the whole logits diluted to within 10% before the head kept only its hidden states)
+    assert abs(plan_acts["layers"] + plan_acts["logits"] - measured) <= 0.15 * measured
+    if reduce is None:  # traced: within 2%
         assert abs(plan_acts["layers"] + plan_acts["logits"] - measured) <= 0.02 * measured
     remat = activation_bytes(cfg, RunShape(batch_size=B, seq_len=S, dtype=dtype, reduce_dtype=reduce), remat=True)
     assert remat["layers"] < plan_acts["layers"] / 5
