@@ -3,17 +3,22 @@
     python scripts/generate.py runs/default --prompt "The module"          # a run's latest checkpoint, greedy
     python scripts/generate.py runs/default-hf --prompt "The module" --temperature 0.8 --top-p 0.9 --seed 1
     python scripts/generate.py runs/chat --chat --prompt "What is the capital of Peru?"   # a chat turn
+    python scripts/generate.py runs/mtp --prompt "The module" --draft-depths 3   # greedy, 3 MTP drafts a step
 
 The model is a train.py run directory (its latest checkpoint), one of its checkpoints, or a Transformers
 checkpoint directory. The tokenizer is the run's (--model.tokenizer_path, else the byte tokenizer); for a
 Transformers directory its tokenizer.json if it has one, else the byte tokenizer; --tokenizer overrides both.
 With --chat the prompt is a user turn rendered by the chat template (--chat-template, else the tokenizer's, else
 glm5f's GLM-5-style one) with the generation prompt, and the answer stops at the template's stop tokens.
+With --draft-depths N the model's MTP layers draft N tokens a step that the main model checks (self-speculative,
+greedy: the same text); a model with one MTP layer applies it N times (--model.mtp_shared_depths). The tokens per
+main-model pass and the drafts accepted are printed after the text.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -25,7 +30,7 @@ import glm5f  # noqa: E402
 from glm5f import checkpoint  # noqa: E402
 from glm5f.chat import ChatFormat  # noqa: E402
 from glm5f.data import make_tokenizer  # noqa: E402
-from glm5f.decode import stream  # noqa: E402
+from glm5f.decode import speculative, stream  # noqa: E402
 from glm5f.distributed import check_device  # noqa: E402
 
 
@@ -86,6 +91,17 @@ def print_stream(tok, tokens, out=None, stops=None) -> list[int]:
     return ids
 
 
+def draft_config(cfg: glm5f.GLM5Config, depths: int) -> glm5f.GLM5Config:
+    """The config whose speculative decoding drafts `depths` tokens a step: its one MTP layer applied `depths`
+    times, or the first `depths` of its MTP layers."""
+    if cfg.num_nextn_predict_layers == 1:
+        return dataclasses.replace(cfg, mtp_shared_depths=depths)
+    if not 1 <= depths <= cfg.num_nextn_predict_layers:
+        raise ValueError(f"--draft-depths {depths}: the model has {cfg.num_nextn_predict_layers} MTP layers; pass "
+                         f"1 to {cfg.num_nextn_predict_layers} (any number with one MTP layer, which the depths share)")
+    return dataclasses.replace(cfg, num_nextn_predict_layers=depths)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help="a run directory, a checkpoint directory, or a Transformers checkpoint directory")
@@ -98,14 +114,20 @@ def main(argv=None) -> int:
     ap.add_argument("--chat", action="store_true", help="the prompt is a user turn of a chat (see above)")
     ap.add_argument("--chat-template", help="a jinja chat template file for --chat instead of the tokenizer's")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda, ...")
+    ap.add_argument("--draft-depths", type=int, default=0,
+                    help="greedy self-speculative decoding with this many MTP drafts a step (see above); 0: off")
     args = ap.parse_args(argv)
     try:
         if args.max_tokens < 0 or not 0 < args.top_p <= 1 or args.temperature < 0:
             raise ValueError("--max-tokens must be >= 0, --temperature >= 0 and --top-p in (0, 1]")
+        if args.draft_depths and args.temperature > 0:
+            raise ValueError(f"--draft-depths verifies greedy tokens: pass --temperature 0, got {args.temperature}")
         if args.chat_template and not args.chat:
             raise ValueError("--chat-template is used only with --chat")
         check_device(torch.device(args.device), "--device")
         cfg, params, tok, tok_path = load(args.model, args.tokenizer, args.device)
+        if args.draft_depths:
+            cfg = draft_config(cfg, args.draft_depths)
         stops = None
         if args.chat:
             fmt, ids = chat_prompt(tok_path, args.chat_template, args.prompt, cfg.vocab_size)
@@ -120,10 +142,19 @@ def main(argv=None) -> int:
     try:
         if not args.chat:
             sys.stdout.write(args.prompt)
-        new = stream(params, cfg, ids_1xS, args.max_tokens, eos_token_id=None if args.chat else tok.eos_id,
-                     temperature=args.temperature, top_p=args.top_p, generator=generator)
-        tokens = (int(t[0]) for t in new)
+        eos = None if args.chat else tok.eos_id
+        stats = {}
+        if args.draft_depths:  # the whole answer at once, then printed as a stream is
+            new = speculative(params, cfg, ids_1xS, args.max_tokens, eos_token_id=eos, stats=stats)[0]
+        else:
+            new = stream(params, cfg, ids_1xS, args.max_tokens, eos_token_id=eos, temperature=args.temperature,
+                         top_p=args.top_p, generator=generator)
+        tokens = (int(t[0]) if t.ndim else int(t) for t in new)
         print_stream(tok, tokens) if stops is None else print_stream(tok, tokens, stops=stops)
+        if stats:
+            print(f"\ndraft: {args.draft_depths} MTP depth(s), {stats['tokens_per_step']:.2f} tokens per step "
+                  f"({stats['steps']} steps; {stats['accepted']} of {stats['proposed']} drafts accepted, "
+                  f"{stats['acceptance_rate']:.1%})", file=sys.stderr)
     except BrokenPipeError:  # the reader went away (`generate.py ... | head`): stop quietly
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not fail again
