@@ -281,3 +281,17 @@ def test_lora_plan_counts_the_adapters_and_a_frozen_base():
     p, full = plan(cfg, run), plan(cfg, dataclasses.replace(run, lora_rank=0, base_dtype=None))
     assert p["grads_bytes"] == per_rank[0]["trained"] and p["optimizer_bytes"] == 2 * per_rank[0]["trained"]
     assert full["grads_bytes"] > 3 * p["grads_bytes"] and full["params_bytes"] > p["params_bytes"]
+
+
+def test_glm5_heads_keep_their_hidden_states_and_one_chunk_of_logits():
+    """The issue's GLM-5 plan (256 ranks, ep 64, bf16, checkpointing, 4096 tokens a rank, one MTP layer): each of
+    the two heads keeps its bf16 hidden states and int64 targets, no logits, and the heads' transient is one
+    chunk of logits, so logits and their transient take under 1 GB a rank (9.1 GB with whole logits)."""
+    cfg = glm5f.preset("glm5")
+    run = RunShape(dp_shard=256, ep=64, batch_size=256, seq_len=4096, dtype="bfloat16", remat=True)
+    p = plan(cfg, run)
+    tokens = run.micro_batch * run.seq_len
+    assert p["activation_logits_bytes"] == 2 * tokens * (cfg.hidden_size * 2 + 8)
+    whole = tokens * cfg.vocab_size * 2  # the bf16 logits alone, before their fp32 copy and gradient
+    assert p["activation_logits_transient_bytes"] < whole / 10
+    assert p["activation_logits_bytes"] + p["activation_logits_transient_bytes"] < 1 * GB
