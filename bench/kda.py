@@ -6,7 +6,7 @@ fallback: fla's kernels need CUDA).
 Each side runs in its own subprocess (so each peak RSS is that side's alone) on the same weights and inputs, at
 a scaled GLM-5.3 KDA layer: hidden 256, 4 heads of dim 128 (GLM-5.3's head dim; its q/k/v width is twice the
 hidden size, as here), short convolution 4, lower bound -5. Prints seconds (median of --steps after one warm-up
-step), peak RSS and the RSS growth during the steps (peak less the RSS before the first step). The Transformers
+step; and the CPU time of a step: the machine may be shared), peak RSS and the RSS growth during the steps (peak less the RSS before the first step). The Transformers
 side runs under --ref-mem-gb of address space and --ref-timeout seconds; a side past either is reported as such.
 """
 
@@ -18,6 +18,8 @@ import resource
 import subprocess
 import sys
 import json
+import statistics
+import time
 
 import torch
 
@@ -81,9 +83,17 @@ def run_side(side: str, seq: int, steps: int) -> dict:
             xg = x.detach().requires_grad_()
             layer(xg).square().mean().backward()
     base = peak_memory_gb("cpu")
-    seconds = median_seconds(step, steps, "cpu")
+    cpu = []
+
+    def timed():
+        t = time.process_time()
+        step()
+        cpu.append(time.process_time() - t)
+
+    seconds = median_seconds(timed, steps, "cpu")
     peak = peak_memory_gb("cpu")
-    return {"side": side, "seq": seq, "seconds": seconds, "peak_rss_gb": peak, "growth_gb": peak - base}
+    return {"side": side, "seq": seq, "seconds": seconds, "cpu_seconds": statistics.median(cpu[1:]),
+            "peak_rss_gb": peak, "growth_gb": peak - base}
 
 
 def child(args, side: str, seq: int) -> dict:
@@ -110,7 +120,7 @@ def child(args, side: str, seq: int) -> dict:
 def show(r: dict) -> str:
     if "failed" in r:
         return f"  {r['side']:12s} T={r['seq']:6d}  not measured: {r['failed']}"
-    return (f"  {r['side']:12s} T={r['seq']:6d}  {r['seconds']:8.2f} s  peak {r['peak_rss_gb']:6.2f} GB  "
+    return (f"  {r['side']:12s} T={r['seq']:6d}  {r['seconds']:8.2f} s ({r['cpu_seconds']:8.2f} s CPU)  peak {r['peak_rss_gb']:6.2f} GB  "
             f"(+{r['growth_gb']:5.2f} GB during the steps)")
 
 
@@ -136,7 +146,8 @@ def main():
             if r:
                 print(show(r), flush=True)
         if ref and "failed" not in ref:
-            print(f"  ratio        T={seq:6d}  {ref['seconds'] / ours['seconds']:8.2f}x faster, "
+            print(f"  ratio        T={seq:6d}  {ref['seconds'] / ours['seconds']:8.2f}x faster "
+                  f"({ref['cpu_seconds'] / ours['cpu_seconds']:.2f}x in CPU time), "
                   f"{ours['peak_rss_gb'] / ref['peak_rss_gb']:.3f} of the peak RSS, "
                   f"{ours['growth_gb'] / max(ref['growth_gb'], 1e-9):.3f} of the RSS growth", flush=True)
 

@@ -69,6 +69,24 @@ def kda_recurrent(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxK, beta_BxTxH, scale:
 # earlier E, r = G at E's last position), P[L, E] = (a_L exp(G_L - r)) (b_E exp(r - G_E))^T, both factors <= 1
 # since G does not increase (g <= 0); the diagonal is a . b. log2(C) levels, each a batched matmul.
 
+def _tiny(dtype) -> float:
+    """The square root of the dtype's smallest normal number (1e-19 in fp32, 1e-154 in fp64)."""
+    return torch.finfo(dtype).tiny ** 0.5
+
+
+def _exp(x):
+    """exp(x) of a decay exponent (<= 0), 0 below `_tiny`: a decay below it is zero to every sum, and the products
+    of such factors would be subnormal, which slows CPU matmuls by an order of magnitude."""
+    floor = math.log(_tiny(x.dtype))
+    return x.clamp_min(floor).exp_().masked_fill_(x < floor, 0)  # exp is slow where it would underflow
+
+
+def _flush(x):
+    """x with its entries below `_tiny` in magnitude set to 0 (for the products of unit-norm keys and queries with
+    decays: 12 orders of magnitude below fp32's resolution; the triangular solve makes subnormals of them)."""
+    return x.masked_fill_(x.abs() < _tiny(x.dtype), 0)
+
+
 def _levels(C: int):
     h = C // 2
     while h >= 1:
@@ -90,31 +108,32 @@ def _block_view(P, h):
     return P6.diagonal(dim1=-6, dim2=-3)[..., 1, :, 0, :, :].movedim(-1, -3)
 
 
-def _level_factors(G, h):
-    """(exp(G_L - r), exp(r - G_E)) of the sibling blocks of size h."""
-    GL, GE = _halves(G, h)
-    r = GE[..., -1:, :]
-    return (GL - r).exp(), (r - GE).exp()
-
-
-def _decayed_scores(a, b, G):
-    """P [..., C, C] (zero above the diagonal) of a, b, G [..., C, d]."""
-    P = torch.diag_embed((a * b).sum(-1))
+def _level_factors(G):
+    """(h, exp(G_L - r), exp(r - G_E)) of the sibling blocks of each size h."""
+    out = []
     for h in _levels(G.shape[-2]):
-        eL, eE = _level_factors(G, h)
+        GL, GE = _halves(G, h)
+        r = GE[..., -1:, :]
+        out.append((h, _exp(GL - r), _exp(r - GE)))
+    return out
+
+
+def _decayed_scores(a, b, factors):
+    """P [..., C, C] (zero above the diagonal) of a, b [..., C, d] and the `_level_factors` of G."""
+    P = torch.diag_embed((a * b).sum(-1))
+    for h, eL, eE in factors:
         aL, _ = _halves(a, h)
         _, bE = _halves(b, h)
         _block_view(P, h).copy_((aL * eL) @ (bE * eE).mT)
     return P
 
 
-def _decayed_scores_backward(dP, a, b, G):
+def _decayed_scores_backward(dP, a, b, factors):
     """(da, db, dG) of `_decayed_scores` for dP [..., C, C] (its entries above the diagonal are ignored)."""
     dP = dP.contiguous()
     diag = dP.diagonal(dim1=-2, dim2=-1)[..., None]
     da, db = diag * b, diag * a
-    for h in _levels(G.shape[-2]):
-        eL, eE = _level_factors(G, h)
+    for h, eL, eE in factors:
         aL, _ = _halves(a, h)
         _, bE = _halves(b, h)
         dPb = _block_view(dP, h)
@@ -170,33 +189,36 @@ class _Block:
             self.lower, self.strict = tril & same, strict & same
         self.G = g.cumsum(-2)
         GC = self.G[..., -1:, :]
-        self.E0 = self.G.exp()  # exp(G), zero where the incoming state does not reach
-        self.eK = (GC - self.G).exp()  # exp(G_C - G), zero where the token does not reach the outgoing state
-        self.gC = GC[..., 0, :].exp()
+        self.E0 = _exp(self.G)  # exp(G), zero where the incoming state does not reach
+        self.eK = _exp(GC - self.G)  # exp(G_C - G), zero where the token does not reach the outgoing state
+        self.gC = _exp(GC[..., 0, :])
         if masks is not None:
             self.E0 = self.E0 * self.m0[..., None]
             self.eK = self.eK * self.mend[..., None]
             self.gC = self.gC * self.mall[..., None]
-        self.Pkk = _decayed_scores(k, k, self.G).masked_fill(~self.strict, 0)
+        self.factors = _level_factors(self.G)
+        self.Pkk = _flush(_decayed_scores(k, k, self.factors).masked_fill_(~self.strict, 0))
         self.Akk = beta[..., None] * self.Pkk
-        self.Aqk = scale * _decayed_scores(q, k, self.G).masked_fill(~self.lower, 0)
+        self.Aqk = _flush(scale * _decayed_scores(q, k, self.factors).masked_fill_(~self.lower, 0))
         self.Rw = beta[..., None] * k * self.E0
         self.Qg = scale * q * self.E0
         self.Kd = k * self.eK
         R = torch.cat([beta[..., None] * v, self.Rw], -1)
-        self.X = torch.linalg.solve_triangular(self.Akk, R, upper=False, unitriangular=True)
-        self.U, self.W = self.X.split([v.shape[-1], k.shape[-1]], -1)
+        eye = torch.eye(C, dtype=R.dtype, device=R.device).expand_as(self.Akk)
+        self.inv = _flush(torch.linalg.solve_triangular(self.Akk, eye, upper=False, unitriangular=True))
+        self.X = self.inv @ R  # (I + Akk)^-1 R
+        self.U, self.W = (x.contiguous() for x in self.X.split([v.shape[-1], k.shape[-1]], -1))
 
     def backward(self, dU, dW, dQg, dAqk, dKd, dgC):
         """(dq, dk, dv, dg, dbeta) from the gradients of the per-chunk matrices."""
         dV = self.v.shape[-1]
-        dR = torch.linalg.solve_triangular(self.Akk.mT, torch.cat([dU, dW], -1), upper=True, unitriangular=True)
+        dR = self.inv.mT @ torch.cat([dU, dW], -1)
         dAkk = -(dR @ self.X.mT).masked_fill(~self.strict, 0)
         dRu, dRw = dR.split([dV, dR.shape[-1] - dV], -1)
         beta = self.beta[..., None]
-        dkk, dkk2, dGkk = _decayed_scores_backward(beta * dAkk, self.k, self.k, self.G)
+        dkk, dkk2, dGkk = _decayed_scores_backward(beta * dAkk, self.k, self.k, self.factors)
         dqk, dkq, dGqk = _decayed_scores_backward(self.scale * dAqk.masked_fill(~self.lower, 0), self.q, self.k,
-                                                  self.G)
+                                                  self.factors)
         dv = beta * dRu
         dbeta = (self.v * dRu).sum(-1) + (self.k * self.E0 * dRw).sum(-1) + (dAkk * self.Pkk).sum(-1)
         dk = beta * self.E0 * dRw + self.eK * dKd + dkk + dkk2 + dkq
