@@ -14,7 +14,7 @@ from glm5f.ops import linear, wide_dtype
 
 # Tokens x heads of one block of chunks: the op prepares (WY matrices, triangular solve) this many at a time, so its
 # workspace is bounded whatever T is; across blocks only the [d_k, d_v] state per sequence and head travels.
-BLOCK_ELEMS = 2**15
+BLOCK_ELEMS = 2**13
 
 
 @dataclass(frozen=True)
@@ -401,75 +401,133 @@ def kda(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxK, beta_BxTxH, scale: float | N
 
 
 # ---- the KDA attention block --------------------------------------------------------------------------------------
+# Three autograd Functions that save only their inputs and recompute the elementwise rest in the backward, so a
+# layer keeps about as many [T, H, d] tensors as the delta rule needs (the layer's memory is linear in T, with a
+# small constant).
 
 class _ShortConv(torch.autograd.Function):
-    """silu(causal depthwise convolution) of x [B, S, C] with weight [C, 1, K], taps not crossing a document start;
-    computed in the wider of fp32, x's and the weight's dtype, returned in x's. Saves only x (recomputes)."""
+    """silu(causal depthwise convolution) of x [B, S, H * d] with weight [H * d, 1, W], taps not crossing a document
+    start (docs [B, S] or None), computed in the wider of fp32, x's and the weight's dtype and rounded to x's; with
+    `normalize`, then L2-normalised per head in fp32 (or wider): y / sqrt(|y|^2 + 1e-6), returned [B, S, H, d]."""
+
+    @staticmethod
+    def _valid(docs, W):
+        """valid[i - 1] [B, S - i]: token t and t - i are in one document."""
+        return None if docs is None else [docs[:, i:] == docs[:, :-i] for i in range(1, min(W, docs.shape[1]))]
 
     @staticmethod
     def _pre(x, w, valid):
-        K = w.shape[-1]
-        pre = x * w[:, 0, K - 1]
-        for i in range(1, min(K, x.shape[1])):
-            tap = x[:, :-i] * w[:, 0, K - 1 - i]
+        W = w.shape[-1]
+        pre = x * w[:, 0, W - 1]
+        for i in range(1, min(W, x.shape[1])):
+            tap = x[:, :-i] * w[:, 0, W - 1 - i]
             pre[:, i:] += tap if valid is None else tap * valid[i - 1][:, :, None]
         return pre
 
     @staticmethod
-    def _valid(docs, K):
-        """valid[i - 1] [B, S - i]: token t and t - i are in one document."""
-        return None if docs is None else [docs[:, i:] == docs[:, :-i] for i in range(1, min(K, docs.shape[1]))]
-
-    @staticmethod
-    def forward(ctx, x, w, docs):
+    def forward(ctx, x, w, docs, head_dim: int, normalize: bool):
         dt = wide_dtype(torch.promote_types(x.dtype, w.dtype))
         ctx.save_for_backward(x, w, docs)
-        return F.silu(_ShortConv._pre(x.to(dt), w.to(dt), _ShortConv._valid(docs, w.shape[-1]))).to(x.dtype)
+        ctx.head_dim, ctx.normalize = head_dim, normalize
+        y = F.silu(_ShortConv._pre(x.to(dt), w.to(dt), _ShortConv._valid(docs, w.shape[-1]))).to(x.dtype)
+        y = y.unflatten(-1, (-1, head_dim))
+        if normalize:
+            y = y.to(wide_dtype(y.dtype))
+            y = y * torch.rsqrt((y * y).sum(-1, keepdim=True) + 1e-6)
+        return y
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, w, docs = ctx.saved_tensors
+        dt = wide_dtype(torch.promote_types(x.dtype, w.dtype))
+        xw, ww, W = x.to(dt), w.to(dt), w.shape[-1]
+        valid = _ShortConv._valid(docs, W)
+        pre = _ShortConv._pre(xw, ww, valid)
+        s = torch.sigmoid(pre)
+        dy = dout.to(dt).flatten(-2)
+        if ctx.normalize:
+            y = (pre * s).to(x.dtype).to(dt).unflatten(-1, (-1, ctx.head_dim))
+            r = torch.rsqrt((y * y).sum(-1, keepdim=True) + 1e-6)
+            out = y * r
+            dy = (r * (dout.to(dt) - out * (dout.to(dt) * out).sum(-1, keepdim=True))).flatten(-2)
+            del y, r, out
+        dpre = dy * s * (1 + pre * (1 - s))
+        del pre, s, dy
+        dx = dpre * ww[:, 0, W - 1]
+        dw = torch.zeros_like(ww)
+        dw[:, 0, W - 1] = (dpre * xw).sum((0, 1))
+        for i in range(1, min(W, x.shape[1])):
+            dp = dpre[:, i:] if valid is None else dpre[:, i:] * valid[i - 1][:, :, None]
+            dx[:, :-i] += dp * ww[:, 0, W - 1 - i]
+            dw[:, 0, W - 1 - i] = (dp * xw[:, :-i]).sum((0, 1))
+        return dx.to(x.dtype), dw.to(w.dtype), None, None, None
+
+
+class _ForgetGate(torch.autograd.Function):
+    """The per-channel log decay g [B, S, H, d] <= 0 from f [B, S, H * d] (f_b(f_a(x))), dt_bias [H * d] and A_log
+    [H], in the wider of fp32, f's and dt_bias's dtype: with z = f + dt_bias and rate = exp(A_log),
+    lower_bound * sigmoid(rate * z), or -rate * softplus(z) (threshold 20) without a lower bound."""
+
+    @staticmethod
+    def _z(f, dt_bias, A_log, head_dim):
+        dt = wide_dtype(torch.promote_types(f.dtype, dt_bias.dtype))
+        z = (f.to(dt) + dt_bias.to(dt)).unflatten(-1, (-1, head_dim))
+        return z, A_log.to(dt).exp()[:, None]
+
+    @staticmethod
+    def forward(ctx, f, dt_bias, A_log, head_dim: int, lower_bound):
+        ctx.save_for_backward(f, dt_bias, A_log)
+        ctx.head_dim, ctx.lower_bound = head_dim, lower_bound
+        z, rate = _ForgetGate._z(f, dt_bias, A_log, head_dim)
+        if lower_bound is not None:
+            return lower_bound * torch.sigmoid(rate * z)
+        return -rate * F.softplus(z, threshold=20.0)
+
+    @staticmethod
+    def backward(ctx, dg):
+        f, dt_bias, A_log = ctx.saved_tensors
+        z, rate = _ForgetGate._z(f, dt_bias, A_log, ctx.head_dim)
+        dg = dg.to(z.dtype)
+        if ctx.lower_bound is not None:
+            s = torch.sigmoid(rate * z)
+            du = dg * ctx.lower_bound * s * (1 - s)  # the gradient of u = rate * z
+            dz, drate = du * rate, (du * z).sum((0, 1, 3))
+        else:
+            dz = -dg * rate * torch.where(z > 20.0, 1.0, torch.sigmoid(z))
+            drate = -(dg * F.softplus(z, threshold=20.0)).sum((0, 1, 3))
+        dz = dz.flatten(-2)
+        return (dz.to(f.dtype), dz.sum((0, 1)).to(dt_bias.dtype), (drate * rate[:, 0]).to(A_log.dtype), None,
+                None)
+
+
+class _GatedNorm(torch.autograd.Function):
+    """weight * RMSNorm(o) * sigmoid(gate) over the last dim, in the wider of fp32, o's and the weight's dtype,
+    returned in o's."""
+
+    @staticmethod
+    def _parts(o, gate, weight, eps):
+        dt = wide_dtype(torch.promote_types(o.dtype, weight.dtype))
+        o32 = o.to(dt)
+        r = torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + eps)
+        return o32 * r, r, torch.sigmoid(gate.to(dt)), weight.to(dt)
+
+    @staticmethod
+    def forward(ctx, o, gate, weight, eps: float):
+        ctx.save_for_backward(o, gate, weight)
+        ctx.eps = eps
+        n, _, sg, w = _GatedNorm._parts(o, gate, weight, eps)
+        return (w * n * sg).to(o.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        x, w, docs = ctx.saved_tensors
-        dt = wide_dtype(torch.promote_types(x.dtype, w.dtype))
-        xw, ww, K = x.to(dt), w.to(dt), w.shape[-1]
-        valid = _ShortConv._valid(docs, K)
-        pre = _ShortConv._pre(xw, ww, valid)
-        s = torch.sigmoid(pre)
-        dpre = dy.to(dt) * s * (1 + pre * (1 - s))
-        del pre, s
-        dx = dpre * ww[:, 0, K - 1]
-        dw = torch.zeros_like(ww)
-        dw[:, 0, K - 1] = (dpre * xw).sum((0, 1))
-        for i in range(1, min(K, x.shape[1])):
-            dp = dpre[:, i:] if valid is None else dpre[:, i:] * valid[i - 1][:, :, None]
-            dx[:, :-i] += dp * ww[:, 0, K - 1 - i]
-            dw[:, 0, K - 1 - i] = (dp * xw[:, :-i]).sum((0, 1))
-        return dx.to(x.dtype), dw.to(w.dtype), None
-
-
-def _l2norm(x):
-    """x / sqrt(|x|^2 + 1e-6) over the last dim, in the wider of fp32 and x's dtype."""
-    x = x.to(wide_dtype(x.dtype))
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
-
-
-def forget_gate(p: dict, x_BxSxD: torch.Tensor, cfg) -> torch.Tensor:
-    """The per-channel log decay g [B, S, H, d_k] <= 0 (fp32 or wider): lower_bound * sigmoid(exp(A_log) * f) with
-    a lower bound, else -exp(A_log) * softplus(f), f = f_b(f_a(x)) + dt_bias."""
-    f = linear(p["f_b_proj"], linear(p["f_a_proj"], x_BxSxD))
-    dt = wide_dtype(torch.promote_types(f.dtype, p["dt_bias"].dtype))
-    f = (f.to(dt) + p["dt_bias"].to(dt)).unflatten(-1, (cfg.linear_num_heads, cfg.linear_head_dim))
-    rate = p["A_log"].to(dt).exp()[:, None]
-    if cfg.linear_lower_bound is not None:
-        return cfg.linear_lower_bound * torch.sigmoid(rate * f)
-    return -rate * F.softplus(f, threshold=20.0)
-
-
-def gated_rms_norm(weight: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim times sigmoid(gate), all in fp32 (or wider), returned in x's dtype."""
-    dt = wide_dtype(torch.promote_types(x.dtype, weight.dtype))
-    x32 = x.to(dt)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight.to(dt) * x32 * torch.sigmoid(gate.to(dt))).to(x.dtype)
+        o, gate, weight = ctx.saved_tensors
+        n, r, sg, w = _GatedNorm._parts(o, gate, weight, ctx.eps)
+        dy = dy.to(n.dtype)
+        dwn = dy * sg  # the gradient of w * n
+        dn = dwn * w
+        do = r * (dn - n * (dn * n).mean(-1, keepdim=True))
+        dgate = dy * w * n * sg * (1 - sg)
+        return (do.to(o.dtype), dgate.to(gate.dtype), (dwn * n).flatten(0, -2).sum(0).to(weight.dtype), None)
 
 
 def kda_attention(p: dict, x_BxSxD: torch.Tensor, cfg, segment_BxS: torch.Tensor | None = None,
@@ -479,13 +537,14 @@ def kda_attention(p: dict, x_BxSxD: torch.Tensor, cfg, segment_BxS: torch.Tensor
     q, k, v projections, a causal depthwise short convolution with SiLU, L2-normalised q and k, the forget gate,
     beta = sigmoid(b_proj(x)), the delta rule (`kda`), a gated per-head RMSNorm and o_proj. cfg: a `KDAConfig`
     or any config with its fields. segment_BxS: document ids of packed rows (state and convolution restart)."""
-    H, K = cfg.linear_num_heads, cfg.linear_head_dim
+    K = cfg.linear_head_dim
     docs = None if segment_BxS is None else document_ids(segment_BxS)
-    q, k, v = (_ShortConv.apply(linear(p[f"{n}_proj"], x_BxSxD), p[f"{n}_conv1d"]["weight"], docs).unflatten(-1, (H, K))
+    q, k, v = (_ShortConv.apply(linear(p[f"{n}_proj"], x_BxSxD), p[f"{n}_conv1d"]["weight"], docs, K, n != "v")
                for n in "qkv")
-    g = forget_gate(p, x_BxSxD, cfg)
+    f = linear(p["f_b_proj"], linear(p["f_a_proj"], x_BxSxD))
+    g = _ForgetGate.apply(f, p["dt_bias"], p["A_log"], K, cfg.linear_lower_bound)
     beta = torch.sigmoid(linear(p["b_proj"], x_BxSxD))
-    o, _ = kda(_l2norm(q), _l2norm(k), v, g, beta, K ** -0.5, None, segment_BxS, chunk)
-    gate = linear(p["g_b_proj"], linear(p["g_a_proj"], x_BxSxD)).unflatten(-1, (H, K))
-    o = gated_rms_norm(p["o_norm"]["weight"], o.to(x_BxSxD.dtype), gate, cfg.rms_norm_eps)
+    o, _ = kda(q, k, v, g, beta, K ** -0.5, None, segment_BxS, chunk)
+    gate = linear(p["g_b_proj"], linear(p["g_a_proj"], x_BxSxD)).unflatten(-1, (-1, K))
+    o = _GatedNorm.apply(o.to(x_BxSxD.dtype), gate, p["o_norm"]["weight"], cfg.rms_norm_eps)
     return linear(p["o_proj"], o.flatten(-2))

@@ -139,7 +139,10 @@ def transformers_layer(lower_bound, seed, hidden=32, heads=2, head_dim=16, kerne
 def params_of(layer):
     """The layer's weights under the checkpoint's names (before Transformers' renames: forget_gate.* one level up,
     conv1d split into q/k/v_conv1d)."""
-    w = dict(layer.named_parameters())
+    return params_of_dict(dict(layer.named_parameters()))
+
+
+def params_of_dict(w):
     p = {n: {"weight": w[f"{n}.weight"]} for n in ("q_proj", "k_proj", "v_proj", "b_proj", "g_a_proj", "g_b_proj",
                                                     "o_norm", "o_proj")}
     p |= {n: {"weight": w[f"forget_gate.{n}.weight"]} for n in ("f_a_proj", "f_b_proj")}
@@ -184,3 +187,21 @@ def test_kda_attention_packed_equals_each_document_in_transformers():
     for a, b in zip(bounds, bounds[1:]):
         y_doc = layer(x[:, a:b])
         assert (y[:, a:b] - y_doc).abs().max() < 1e-5 * y_doc.abs().max(), f"document {a}:{b}"
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_kda_attention_gradcheck_fp64(lower_bound):
+    """The block's hand-written backwards (short convolution with the L2 norm, forget gate, gated norm) against
+    finite differences, over packed documents."""
+    layer, cfg = transformers_layer(lower_bound, seed=4, hidden=8, heads=2, head_dim=4, kernel=3)
+    leaves = [w.detach().double().requires_grad_() for w in layer.parameters()]
+    names = [n for n, _ in layer.named_parameters()]
+    segment = torch.tensor([[0, 0, 0, 1, 2, 2, 2, 2, 2, 2, 2]])
+    x = torch.randn(1, 11, 8, dtype=F64, requires_grad=True)
+
+    def block(x, *ws):
+        q = dict(zip(names, ws))
+        p = params_of_dict(q)
+        return kda_attention(p, x, cfg, segment, chunk=4)
+
+    assert torch.autograd.gradcheck(block, (x, *leaves), fast_mode=True)
