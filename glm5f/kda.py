@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from glm5f.ops import linear, wide_dtype
 
@@ -246,7 +247,7 @@ def _unchunk(x, length):
 
 
 def _blocks(B, T, H, C):
-    """(first chunk, first token, end token) of each block of chunks."""
+    """(first chunk, first token, end token) of each block of chunks (a function of the shapes only)."""
     per = max(1, BLOCK_ELEMS // (B * H * C))
     N = -(-T // C)
     return [(c0, c0 * C, min((c0 + per) * C, T)) for c0 in range(0, N, per)]
@@ -257,22 +258,31 @@ def _block(q, k, v, g, beta, docs, t0, t1, C, dt, scale):
     return _Block(*(_chunked(x, t0, t1, C, dt) for x in (q, k, v, g, beta)), masks, scale)
 
 
+def _scan(blk, S):
+    """The state through a block's chunks from S -> (the state entering each chunk [B, H, n, d_k, d_v], delta,
+    the state leaving the block)."""
+    S_n = blk.U.new_empty(*S.shape[:2], blk.U.shape[2], *S.shape[2:])
+    delta = torch.empty_like(blk.U)
+    for i in range(blk.U.shape[2]):  # the state crosses the chunks one by one
+        S_n[:, :, i] = S
+        delta[:, :, i] = blk.U[:, :, i] - blk.W[:, :, i] @ S
+        S = blk.gC[:, :, i, :, None] * S + blk.Kd[:, :, i].mT @ delta[:, :, i]
+    return S_n, delta, S
+
+
 def _kda_forward(q, k, v, g, beta, initial_state, segment, scale, chunk):
     B, T, H, K = k.shape
     dt = _compute_dtype(q, k, v, g, beta)
     docs = None if segment is None else document_ids(segment)
     o = q.new_empty(B, T, H, v.shape[-1])
-    states = q.new_empty(B, H, -(-T // chunk), K, v.shape[-1], dtype=dt)
+    blocks = _blocks(B, T, H, chunk)
+    states = q.new_empty(B, H, len(blocks), K, v.shape[-1], dtype=dt)
     S = q.new_zeros(B, H, K, v.shape[-1], dtype=dt) if initial_state is None else initial_state.to(dt)
-    for c0, t0, t1 in _blocks(B, T, H, chunk):
+    for b, (c0, t0, t1) in enumerate(blocks):
         blk = _block(q, k, v, g, beta, docs, t0, t1, chunk, dt, scale)
-        n = blk.U.shape[2]
-        delta = torch.empty_like(blk.U)
-        for i in range(n):  # the state crosses the chunks one by one
-            states[:, :, c0 + i] = S
-            delta[:, :, i] = blk.U[:, :, i] - blk.W[:, :, i] @ S
-            S = blk.gC[:, :, i, :, None] * S + blk.Kd[:, :, i].mT @ delta[:, :, i]
-        o[:, t0:t1] = _unchunk(blk.Qg @ states[:, :, c0:c0 + n] + blk.Aqk @ delta, t1 - t0)
+        states[:, :, b] = S
+        S_n, delta, S = _scan(blk, S)
+        o[:, t0:t1] = _unchunk(blk.Qg @ S_n + blk.Aqk @ delta, t1 - t0)
     return o, S, states
 
 
@@ -282,12 +292,13 @@ def _kda_backward(do, dstate, q, k, v, g, beta, initial_state, segment, states, 
     docs = None if segment is None else document_ids(segment)
     grads = [torch.empty_like(x) for x in (q, k, v, g, beta)]
     dS = dstate.to(dt)
-    for c0, t0, t1 in reversed(_blocks(B, T, H, chunk)):
+    blocks = _blocks(B, T, H, chunk)
+    for b in reversed(range(len(blocks))):
+        c0, t0, t1 = blocks[b]
         blk = _block(q, k, v, g, beta, docs, t0, t1, chunk, dt, scale)
         n = blk.U.shape[2]
-        S_n = states[:, :, c0:c0 + n]
+        S_n, delta, _ = _scan(blk, states[:, :, b])
         dO = _chunked(do, t0, t1, chunk, dt)
-        delta = blk.U - blk.W @ S_n
         from_o, from_o_state = blk.Aqk.mT @ dO, blk.Qg.mT @ dO
         dS_after = torch.empty_like(S_n)  # the gradient of the state leaving each chunk
         ddelta = torch.empty_like(delta)
@@ -323,8 +334,8 @@ def kda_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
            initial_state: torch.Tensor | None, segment: torch.Tensor | None, scale: float,
            chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The chunked delta rule of `kda_recurrent` -> (o [B, T, H, d_v] in q's dtype, final state [B, H, d_k, d_v],
-    the state entering each chunk [B, H, T / chunk, d_k, d_v] (what the backward starts from; not
-    differentiable)); state and arithmetic in the wider of fp32 and the inputs' dtype."""
+    the state entering each block of chunks [B, H, blocks, d_k, d_v] (the backward recomputes the chunks' from
+    them; not differentiable)); state and arithmetic in the wider of fp32 and the inputs' dtype."""
     _check_kda(q, k, v, g, beta, initial_state, segment, chunk)
     return _kda_forward(q, k, v, g, beta, initial_state, segment, scale, chunk)
 
@@ -335,7 +346,7 @@ def _(q, k, v, g, beta, initial_state, segment, scale, chunk):
     B, T, H, K = k.shape
     V, dt = v.shape[-1], _compute_dtype(q, k, v, g, beta)
     return (q.new_empty(B, T, H, V), q.new_empty(B, H, K, V, dtype=dt),
-            q.new_empty(B, H, -(-T // chunk), K, V, dtype=dt))
+            q.new_empty(B, H, len(_blocks(B, T, H, chunk)), K, V, dtype=dt))
 
 
 @torch.library.custom_op("glm5f::kda_backward", mutates_args=())
@@ -539,12 +550,24 @@ def kda_attention(p: dict, x_BxSxD: torch.Tensor, cfg, segment_BxS: torch.Tensor
     or any config with its fields. segment_BxS: document ids of packed rows (state and convolution restart)."""
     K = cfg.linear_head_dim
     docs = None if segment_BxS is None else document_ids(segment_BxS)
-    q, k, v = (_ShortConv.apply(linear(p[f"{n}_proj"], x_BxSxD), p[f"{n}_conv1d"]["weight"], docs, K, n != "v")
-               for n in "qkv")
-    f = linear(p["f_b_proj"], linear(p["f_a_proj"], x_BxSxD))
-    g = _ForgetGate.apply(f, p["dt_bias"], p["A_log"], K, cfg.linear_lower_bound)
+
+    # Each branch from x is recomputed in the backward (checkpoint): the layer keeps x, the delta rule's inputs
+    # and states and its output, whatever the branches make on the way.
+    def qkv(name):
+        return _ShortConv.apply(linear(p[f"{name}_proj"], x_BxSxD), p[f"{name}_conv1d"]["weight"], docs, K,
+                                name != "v")
+
+    def gate_log_decay():
+        f = linear(p["f_b_proj"], linear(p["f_a_proj"], x_BxSxD))
+        return _ForgetGate.apply(f, p["dt_bias"], p["A_log"], K, cfg.linear_lower_bound)
+
+    def out(o):
+        gate = linear(p["g_b_proj"], linear(p["g_a_proj"], x_BxSxD)).unflatten(-1, (-1, K))
+        return linear(p["o_proj"], _GatedNorm.apply(o.to(x_BxSxD.dtype), gate, p["o_norm"]["weight"],
+                                                    cfg.rms_norm_eps).flatten(-2))
+
+    q, k, v = (checkpoint(qkv, name, use_reentrant=False) for name in "qkv")
+    g = checkpoint(gate_log_decay, use_reentrant=False)
     beta = torch.sigmoid(linear(p["b_proj"], x_BxSxD))
     o, _ = kda(q, k, v, g, beta, K ** -0.5, None, segment_BxS, chunk)
-    gate = linear(p["g_b_proj"], linear(p["g_a_proj"], x_BxSxD)).unflatten(-1, (-1, K))
-    o = _GatedNorm.apply(o.to(x_BxSxD.dtype), gate, p["o_norm"]["weight"], cfg.rms_norm_eps)
-    return linear(p["o_proj"], o.flatten(-2))
+    return checkpoint(out, o, use_reentrant=False)

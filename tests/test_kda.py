@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import glm5f.kda
 from glm5f.kda import KDAConfig, kda, kda_attention, kda_op, kda_backward_op, kda_recurrent
 
 SETTINGS = settings(max_examples=15, deadline=None, derandomize=True)
@@ -48,8 +49,12 @@ def assert_chunked_equals_recurrent(B, T, H, K, V, chunk, seed, segment=None, to
     return err
 
 
-@pytest.mark.parametrize("T,chunk", [(1, 64), (37, 8), (64, 64), (150, 64), (150, 16)])
-def test_chunked_equals_recurrent_fp64(T, chunk):
+@pytest.mark.parametrize("T,chunk,per_block", [(1, 64, 0), (37, 8, 0), (64, 64, 0), (150, 64, 0), (150, 16, 0),
+                                               (150, 16, 1), (150, 8, 3)])
+def test_chunked_equals_recurrent_fp64(T, chunk, per_block, monkeypatch):
+    """per_block: chunks per block of chunks (0: the default, one block here)."""
+    if per_block:
+        monkeypatch.setattr(glm5f.kda, "BLOCK_ELEMS", 2 * 3 * chunk * per_block)
     assert_chunked_equals_recurrent(2, T, 3, 16, 8, chunk, seed=T + chunk)
 
 
@@ -75,10 +80,14 @@ def packed_case(draw):
 def test_chunked_equals_recurrent_packed(case):
     """Any T (not a multiple of the chunk, 1-token documents) and document starts; the same starts in every row."""
     B, T, H, chunk, starts, seed = case
+    glm5f.kda.BLOCK_ELEMS, default = B * H * chunk * 2, glm5f.kda.BLOCK_ELEMS  # blocks of two chunks
     segment = torch.zeros(B, T, dtype=torch.long)
     for s in starts:
         segment[:, s:] += 1
-    assert_chunked_equals_recurrent(B, T, H, 4, 3, chunk, seed, segment)
+    try:
+        assert_chunked_equals_recurrent(B, T, H, 4, 3, chunk, seed, segment)
+    finally:
+        glm5f.kda.BLOCK_ELEMS = default
 
 
 def test_packed_documents_equal_each_document_alone():
