@@ -90,9 +90,9 @@ class ModelConfig:
     """Multi-token-prediction (MTP) layers after the main ones, trained with --train.mtp_loss_weight (overrides the
     preset's value: 1 in glm5, else 0)."""
     mtp_shared_depths: Optional[int] = None
-    """MTP depths that share the one MTP layer's parameters (GLM-5 trains 3): the layer applied this many times,
-    each depth's loss in --train.mtp_loss_weight's mean; speculative decoding drafts as many tokens. Needs
-    --model.num_nextn_predict_layers 1; 0 (default): one depth per MTP layer."""
+    """MTP depths that share the one MTP layer's parameters (GLM-5 trains 3): the layer applied this many times, each
+    depth's loss weighted equally in the --train.mtp_loss_weight mean; speculative decoding drafts as many tokens.
+    It needs one MTP layer (--model.num_nextn_predict_layers 1); 0 (default): one depth per MTP layer."""
 
     def overrides(self) -> dict:
         """The model fields set on the command line."""
