@@ -68,8 +68,9 @@ def test_local_shapes_tile_the_tensor_as_torch_chunk_does(size, chunks, second):
     (2, 128, 2, "FS", "bfloat16", None), (2, 128, 2, "FS", "float32", "float64")])
 def test_saved_activations_match_what_autograd_saves(B, S, layers, pattern, dtype, reduce):
     """The plan's kept activations (decoder layers + the head, no transients) against the unique storages autograd
-    saves in a real forward and head loss (parameters excluded): sparse layers (S > index_topk), the dense path (S = 48), and
-    bf16 activations (fp32 norms and router, as micro_loss casts the weights), fp64 weights of --train.reduce_dtype."""
+    saves in a real forward and head loss (parameters excluded): sparse layers (S > index_topk), the dense path
+    (S = 48), and bf16 activations (fp32 norms and router, as micro_loss casts the weights), fp64 weights of
+    --train.reduce_dtype."""
     cfg = glm5f.preset("glm5-scaled-moe", num_hidden_layers=layers, index_topk_pattern=pattern)
     params = glm5f.init_params(cfg, dtype=getattr(torch, reduce or dtype))
     leaves = list(flatten(params).values())
