@@ -1,5 +1,5 @@
-"""Ahead-of-time fitness of glm5f's Triton kernels (glm5f/triton_dsa.py), without a GPU: each kernel compiled for
-sm_90a and sm_100a, ptxas' registers, spills and shared memory, and its FLOPs and bytes per call against H100's roofline.
+"""Ahead-of-time fitness of glm5f's Triton kernels (glm5f/triton_dsa.py) without a GPU: each compiled for sm_90a and
+sm_100a, ptxas' registers, spills and shared memory, and its FLOPs and bytes per call against H100's roofline.
 
     python bench/kernels.py                                        # every kernel, arch, dtype and shape
     python bench/kernels.py --shapes tiny --archs sm_90a           # a subset
@@ -99,7 +99,7 @@ def mla_launches(dtype: torch.dtype, B, S, T, H, R, P, K, block_h=None, block_k=
     out = []
 
     c = triton_dsa.mla_constants("forward", dtype, H, R, C, False, block_h, block_k)
-    bh, bk, br, bp = c["BLOCK_H"], c["BLOCK_K"], c["BLOCK_R"], c["BLOCK_P"]
+    bh, bk, br, bp = c["BLOCK_H"], c["BLOCK_K"], c["BLOCK_R"], c["BLOCK_P"] if P else 0  # no rope: no dot
     blocks, kp = math.ceil(H / bh), math.ceil(K / bk) * bk
     out.append(Launch(
         "sparse_mla_fwd", triton_dsa._sparse_mla_fwd_kernel, dict(common, out_ptr=dt, lse_ptr="*fp32"), c,
@@ -108,7 +108,7 @@ def mla_launches(dtype: torch.dtype, B, S, T, H, R, P, K, block_h=None, block_k=
         tensor_cores=c.get("DOT_PRECISION", "ieee") != "ieee", rows_per_query=blocks))
 
     c = triton_dsa.mla_constants("dq", dtype, H, R, C, False, block_h, block_k)
-    bh, bk, br, bp = c["BLOCK_H"], c["BLOCK_K"], c["BLOCK_R"], c["BLOCK_P"]
+    bh, bk, br, bp = c["BLOCK_H"], c["BLOCK_K"], c["BLOCK_R"], c["BLOCK_P"] if P else 0  # no rope: no dot
     blocks, kp = math.ceil(H / bh), math.ceil(K / bk) * bk
     per_query = H * (2 * C + R) * e + H * 8  # q, dout, dq; lse and delta
     out.append(Launch(
@@ -119,7 +119,7 @@ def mla_launches(dtype: torch.dtype, B, S, T, H, R, P, K, block_h=None, block_k=
         tensor_cores=c.get("DOT_PRECISION", "ieee") != "ieee", rows_per_query=blocks))
 
     c = triton_dsa.mla_constants("rows", dtype, H, R, C, False, block_h, block_k)
-    bh, bk, br, bp = c["BLOCK_H"], c["BLOCK_K"], c["BLOCK_R"], c["BLOCK_P"]
+    bh, bk, br, bp = c["BLOCK_H"], c["BLOCK_K"], c["BLOCK_R"], c["BLOCK_P"] if P else 0  # no rope: no dot
     tiles, hp = math.ceil(K / bk), math.ceil(H / bh) * bh
     heads = H * (C + R) * e + H * 8  # q, dout, lse and delta of all heads: every tile of the query loads them
     out.append(Launch(

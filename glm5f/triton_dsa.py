@@ -69,10 +69,12 @@ def _load_selections(latent_ptr, idx_ptr, allowed_ptr, bias_ptr, query, S, T, K,
 
 
 @triton.jit
-def _masked_scores(q_r, q_p, v, kp, allowed, k_ok, bias, scale, DOT_PRECISION: tl.constexpr):
-    """Scores [heads, k] in fp32: (q . row) * scale + bias, finfo.min where not allowed, -inf past K."""
+def _masked_scores(q_r, q_p, v, kp, allowed, k_ok, bias, scale, ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Scores [heads, k] in fp32: (q . row) * scale + bias, finfo.min where not allowed, -inf past K. Without
+    ROPE (C = R: GLM-5.3's latent) the rope half is empty and not multiplied."""
     s = tl.dot(q_r, tl.trans(v), input_precision=DOT_PRECISION)
-    s += tl.dot(q_p, tl.trans(kp), input_precision=DOT_PRECISION)
+    if ROPE:
+        s += tl.dot(q_p, tl.trans(kp), input_precision=DOT_PRECISION)
     s = s * scale + bias[None, :]
     s = tl.where(allowed[None, :], s, FP32_MIN)
     return tl.where(k_ok[None, :], s, float("-inf"))
@@ -95,7 +97,7 @@ def _sparse_mla_fwd_kernel(q_ptr, latent_ptr, idx_ptr, allowed_ptr, bias_ptr, ou
         k_ok, allowed, bias, v, kp = _load_selections(latent_ptr, idx_ptr, allowed_ptr, bias_ptr, query, S, T, K, C,
                                                       k, r, r_ok, c, c_ok, HAS_BIAS)
         v, kp = v.to(dtype), kp.to(dtype)
-        s = _masked_scores(q_r, q_p, v, kp, allowed, k_ok, bias, scale, DOT_PRECISION)
+        s = _masked_scores(q_r, q_p, v, kp, allowed, k_ok, bias, scale, C > R, DOT_PRECISION)
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp(m - m_new)
         prob = tl.exp(s - m_new[:, None])
@@ -127,14 +129,17 @@ def _sparse_mla_bwd_dq_kernel(q_ptr, latent_ptr, idx_ptr, allowed_ptr, bias_ptr,
         k_ok, allowed, bias, v, kp = _load_selections(latent_ptr, idx_ptr, allowed_ptr, bias_ptr, query, S, T, K, C,
                                                       k, r, r_ok, c, c_ok, HAS_BIAS)
         v, kp = v.to(dtype), kp.to(dtype)
-        prob = tl.exp(_masked_scores(q_r, q_p, v, kp, allowed, k_ok, bias, scale, DOT_PRECISION) - lse[:, None])
+        s = _masked_scores(q_r, q_p, v, kp, allowed, k_ok, bias, scale, C > R, DOT_PRECISION)
+        prob = tl.exp(s - lse[:, None])
         dprob = tl.dot(dout, tl.trans(v), input_precision=DOT_PRECISION)
         dscore = tl.where(allowed[None, :] & k_ok[None, :], prob * (dprob - delta[:, None]), 0.0) * scale
         dq_r += tl.dot(dscore.to(dtype), v, input_precision=DOT_PRECISION)
-        dq_p += tl.dot(dscore.to(dtype), kp, input_precision=DOT_PRECISION)
+        if C > R:
+            dq_p += tl.dot(dscore.to(dtype), kp, input_precision=DOT_PRECISION)
     dq_ptrs = dq_ptr + query * (H * C) + h[:, None] * C
     tl.store(dq_ptrs + r[None, :], dq_r.to(dtype), mask=h_ok[:, None] & r_ok[None, :])
-    tl.store(dq_ptrs + c[None, :], dq_p.to(dtype), mask=h_ok[:, None] & c_ok[None, :])
+    if C > R:
+        tl.store(dq_ptrs + c[None, :], dq_p.to(dtype), mask=h_ok[:, None] & c_ok[None, :])
 
 
 @triton.jit
@@ -170,17 +175,20 @@ def _sparse_mla_bwd_rows_kernel(q_ptr, latent_ptr, idx_ptr, allowed_ptr, bias_pt
                        other=0.0)
         lse = tl.load(lse_ptr + query * H + h, mask=h_ok, other=0.0)
         delta = tl.load(delta_ptr + query * H + h, mask=h_ok, other=0.0)
-        prob = tl.exp(_masked_scores(q_r, q_p, v, kp, allowed, k_ok, bias, scale, DOT_PRECISION) - lse[:, None])
+        s = _masked_scores(q_r, q_p, v, kp, allowed, k_ok, bias, scale, C > R, DOT_PRECISION)
+        prob = tl.exp(s - lse[:, None])
         prob = tl.where(h_ok[:, None], tl.where(has_key, prob, uniform[None, :]), 0.0)
         dprob = tl.dot(dout, tl.trans(v), input_precision=DOT_PRECISION)
         dscore = tl.where(allowed[None, :] & k_ok[None, :], prob * (dprob - delta[:, None]), 0.0) * scale
         dscore_t = tl.trans(dscore.to(dtype))
         drow_r += tl.dot(dscore_t, q_r, input_precision=DOT_PRECISION)
         drow_r += tl.dot(tl.trans(prob.to(dtype)), dout, input_precision=DOT_PRECISION)
-        drow_p += tl.dot(dscore_t, q_p, input_precision=DOT_PRECISION)
+        if C > R:
+            drow_p += tl.dot(dscore_t, q_p, input_precision=DOT_PRECISION)
     drow_ptrs = drow_ptr + (query - first_query) * K * C + k[:, None] * C
     tl.store(drow_ptrs + r[None, :], drow_r.to(dtype), mask=k_ok[:, None] & r_ok[None, :])
-    tl.store(drow_ptrs + c[None, :], drow_p.to(dtype), mask=k_ok[:, None] & c_ok[None, :])
+    if C > R:
+        tl.store(drow_ptrs + c[None, :], drow_p.to(dtype), mask=k_ok[:, None] & c_ok[None, :])
 
 
 @triton.jit
