@@ -223,6 +223,8 @@ def check_kernel_fitness(rows, device):
     for r in table:
         us = measured.get(r["dtype"], {}).get(r["kernel"])
         print(report.format_row(r, "" if us is None else f"{us:>13.1f}"))
+    for r in table:
+        us = measured.get(r["dtype"], {}).get(r["kernel"])
         setting = f"{r['kernel']} {r['dtype']} {arch} {r['shape']}"
         row(rows, "kernel spill bytes", setting, r["spills"], None, ok=r["error"] is None)
         if us is not None:

@@ -256,7 +256,7 @@ def _blocks(consts: dict) -> str:
 
 
 HEADER = (f"{'kernel':<20}{'arch':<8}{'dtype':<6}{'shape':<7}{'blocks':<19}{'regs':>5}{'spill':>7}{'smem KB':>8}"
-          f"{'GFLOP':>9}{'MB':>9}{'bound us':>10}{'issued GFLOP':>13}{'MB':>9}{'est us':>9}{'est/bound':>10}"
+          f"{'GFLOP':>10}{'MB':>9}{'bound us':>10}{'issued GFLOP':>14}{'MB':>9}{'est us':>9}{'est/bound':>10}"
           f"{'reads/q':>8}")
 
 
@@ -265,8 +265,8 @@ def format_row(r: dict, measured: str = "") -> str:
         return f"{r['kernel']:<20}{r['arch']:<8}{r['dtype']:<6}{r['shape']:<7}COMPILE ERROR {r['error']}"
     flag = "" if r["ok"] else "  <- " + ("spills" if r["spills"] else "shared memory over 227 KB")
     return (f"{r['kernel']:<20}{r['arch']:<8}{r['dtype']:<6}{r['shape']:<7}{r['blocks']:<19}{r['regs']:>5}"
-            f"{r['spills']:>7}{r['shared'] / 1024:>8.0f}{r['gflop']:>9.4g}{r['mbytes']:>9.1f}{r['bound_us']:>10.1f}"
-            f"{r['issued_gflop']:>13.4g}{r['issued_mbytes']:>9.1f}{r['estimate_us']:>9.1f}"
+            f"{r['spills']:>7}{r['shared'] / 1024:>8.0f}{r['gflop']:>10.4g}{r['mbytes']:>9.1f}{r['bound_us']:>10.1f}"
+            f"{r['issued_gflop']:>14.4g}{r['issued_mbytes']:>9.1f}{r['estimate_us']:>9.1f}"
             f"{r['estimate_us'] / max(r['bound_us'], 1e-12):>10.2f}{r['rows_per_query'] or '':>8}{measured}{flag}")
 
 
