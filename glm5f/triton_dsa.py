@@ -147,40 +147,48 @@ def _sparse_mla_bwd_rows_kernel(q_ptr, latent_ptr, idx_ptr, allowed_ptr, bias_pt
                                 has_key_ptr, drow_ptr, first_query, S, T, K, scale, H: tl.constexpr, R: tl.constexpr,
                                 C: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                                 BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One block of heads' part of each selection's row gradient [k, C] (summed over queries and head blocks by the
-    segment sum): dscores^T @ q, plus prob^T @ dout on the value channels, over the query's K selections in tiles,
-    so its q and dout are read once. Computed transposed ([channels, k]: the wide side is the tensor cores' M). A
-    query with no allowed key averaged its K rows."""
-    rel, h, r, c, h_ok, r_ok, c_ok, q_r, q_p = _load_query(q_ptr + first_query * (H * C), H, R, C, BLOCK_H, BLOCK_R,
-                                                           BLOCK_P)
-    query = first_query + rel
-    dtype = q_r.dtype
-    dout = tl.load(dout_ptr + query * (H * R) + (h[:, None] * R + r[None, :]), mask=h_ok[:, None] & r_ok[None, :],
-                   other=0.0)
-    lse = tl.load(lse_ptr + query * H + h, mask=h_ok, other=0.0)
-    delta = tl.load(delta_ptr + query * H + h, mask=h_ok, other=0.0)
+    """Each selection's row gradient [k, C] (not yet summed over queries), over all heads in blocks of BLOCK_H:
+    dscores^T @ q, plus prob^T @ dout on the value channels. A query with no allowed key averaged its K rows.
+    A query's tiles are neighbouring programs, so its q and dout come from L2 after the first tile reads them."""
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    query = first_query + tl.program_id(0).to(tl.int64) // k_blocks
+    k = (tl.program_id(0) % k_blocks) * BLOCK_K + tl.arange(0, BLOCK_K)
+    r = tl.arange(0, BLOCK_R)
+    c = R + tl.arange(0, BLOCK_P)
+    r_ok, c_ok = _below(r, R, BLOCK_R), _below(c - R, C - R, BLOCK_P)
+    k_ok, allowed, bias, v, kp = _load_selections(latent_ptr, idx_ptr, allowed_ptr, bias_ptr, query, S, T, K, C,
+                                                  k, r, r_ok, c, c_ok, HAS_BIAS)
+    dtype = q_ptr.dtype.element_ty
+    v, kp = v.to(dtype), kp.to(dtype)
     has_key = tl.load(has_key_ptr + query) != 0
-    drow_ptrs = drow_ptr + tl.program_id(0).to(tl.int64) * K * C  # this head block's [K, C] of the chunk's drow
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok, allowed, bias, v, kp = _load_selections(latent_ptr, idx_ptr, allowed_ptr, bias_ptr, query, S, T, K, C,
-                                                      k, r, r_ok, c, c_ok, HAS_BIAS)
-        v, kp = v.to(dtype), kp.to(dtype)
+    uniform = tl.where(k_ok, 1.0 / K, 0.0)
+
+    drow_r = tl.zeros([BLOCK_K, BLOCK_R], tl.float32)
+    drow_p = tl.zeros([BLOCK_K, BLOCK_P], tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        h_ok = _below(h, H, BLOCK_H)
+        q_ptrs = q_ptr + query * (H * C) + h[:, None] * C
+        q_r = tl.load(q_ptrs + r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+        q_p = tl.load(q_ptrs + c[None, :], mask=h_ok[:, None] & c_ok[None, :], other=0.0)
+        dout = tl.load(dout_ptr + query * (H * R) + (h[:, None] * R + r[None, :]), mask=h_ok[:, None] & r_ok[None, :],
+                       other=0.0)
+        lse = tl.load(lse_ptr + query * H + h, mask=h_ok, other=0.0)
+        delta = tl.load(delta_ptr + query * H + h, mask=h_ok, other=0.0)
         s = _masked_scores(q_r, q_p, v, kp, allowed, k_ok, bias, scale, C > R, DOT_PRECISION)
         prob = tl.exp(s - lse[:, None])
-        uniform = tl.where(k_ok, 1.0 / K, 0.0)
         prob = tl.where(h_ok[:, None], tl.where(has_key, prob, uniform[None, :]), 0.0)
         dprob = tl.dot(dout, tl.trans(v), input_precision=DOT_PRECISION)
-        dscore = (tl.where(allowed[None, :] & k_ok[None, :], prob * (dprob - delta[:, None]), 0.0) * scale).to(dtype)
-        drow_r = tl.dot(tl.trans(dout), prob.to(dtype), input_precision=DOT_PRECISION)
-        drow_r = tl.dot(tl.trans(q_r), dscore, drow_r, input_precision=DOT_PRECISION)
-        tile = tl.arange(0, BLOCK_K)[:, None] * C
-        tl.store(drow_ptrs + k0 * C + tile + r[None, :], tl.trans(drow_r.to(dtype)),
-                 mask=k_ok[:, None] & r_ok[None, :])
+        dscore = tl.where(allowed[None, :] & k_ok[None, :], prob * (dprob - delta[:, None]), 0.0) * scale
+        dscore_t = tl.trans(dscore.to(dtype))
+        drow_r += tl.dot(dscore_t, q_r, input_precision=DOT_PRECISION)
+        drow_r += tl.dot(tl.trans(prob.to(dtype)), dout, input_precision=DOT_PRECISION)
         if C > R:
-            drow_p = tl.dot(tl.trans(q_p), dscore, input_precision=DOT_PRECISION)
-            tl.store(drow_ptrs + k0 * C + tile + c[None, :], tl.trans(drow_p.to(dtype)),
-                     mask=k_ok[:, None] & c_ok[None, :])
+            drow_p += tl.dot(dscore_t, q_p, input_precision=DOT_PRECISION)
+    drow_ptrs = drow_ptr + (query - first_query) * K * C + k[:, None] * C
+    tl.store(drow_ptrs + r[None, :], drow_r.to(dtype), mask=k_ok[:, None] & r_ok[None, :])
+    if C > R:
+        tl.store(drow_ptrs + c[None, :], drow_p.to(dtype), mask=k_ok[:, None] & c_ok[None, :])
 
 
 @triton.jit
@@ -223,7 +231,7 @@ def _check_selections(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_Bx
 MLA_BLOCKS = {
     "forward": {"half": (64, 16, 8, 2), "fp32": (32, 16, 16, 2)},
     "dq": {"half": (32, 16, 8, 2), "fp32": (16, 16, 8, 2)},
-    "rows": {"half": (64, 16, 8, 2), "fp32": (16, 16, 8, 2)},
+    "rows": {"half": (32, 32, 8, 2), "fp32": (16, 16, 8, 2)},
 }
 
 
@@ -290,16 +298,14 @@ def sparse_mla_backward(dout_BxSxHxR: torch.Tensor, q_BxSxHxC: torch.Tensor, lat
     rows = (idx_BxSxK + T * torch.arange(B, device=idx_BxSxK.device)[:, None, None]).flatten()
     dlatent = torch.zeros(B * T, C, dtype=latent_BxTxC.dtype, device=latent_BxTxC.device)
     all_rows = torch.arange(B * T + 1, device=idx_BxSxK.device)
-    head_blocks = triton.cdiv(H, rows_consts["BLOCK_H"])
-    chunk = max(1, DSEL_CHUNK_ELEMS // (head_blocks * K * C))
+    chunk = max(1, DSEL_CHUNK_ELEMS // (K * C))
     sum_consts = segment_sum_constants(C)
     for first in range(0, B * S, chunk):
         n = min(B * S - first, chunk)
-        drow = q_BxSxHxC.new_empty(n * head_blocks * K, C)  # [query, head block, k] of the chunk
-        _sparse_mla_bwd_rows_kernel[(n * head_blocks,)](
+        drow = q_BxSxHxC.new_empty(n * K, C)
+        _sparse_mla_bwd_rows_kernel[(n * triton.cdiv(K, rows_consts["BLOCK_K"]),)](
             *operands, dout, lse_BxSxH, delta_BxSxH, has_key_BxS, drow, first, *sizes, scale, **rows_consts)
-        drow_rows = rows[first * K:(first + n) * K].view(n, 1, K).expand(n, head_blocks, K).flatten()
-        sorted_rows, order = torch.sort(drow_rows, stable=True)
+        sorted_rows, order = torch.sort(rows[first * K:(first + n) * K], stable=True)
         starts = torch.searchsorted(sorted_rows, all_rows)
         _segment_sum_kernel[(B * T, triton.cdiv(C, sum_consts["BLOCK_C"]))](drow, order, starts, dlatent, C,
                                                                             **sum_consts)
