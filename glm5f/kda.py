@@ -1,6 +1,5 @@
-"""Kimi Delta Attention (GLM-5.3's linear-attention layers): the chunked delta rule as the `glm5f::kda` op with its
-own backward, the naive recurrence it is checked against, and the whole KDA attention block over its parameters.
-"""
+"""Kimi Delta Attention (GLM-5.3's linear layers): the chunked delta rule as the `glm5f::kda` op with its own backward,
+the naive recurrence it is checked against, and the KDA attention block over a layer's checkpoint-named params."""
 
 from __future__ import annotations
 
