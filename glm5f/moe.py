@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
 from glm5f.config import GLM5Config
-from glm5f.ops import adapter_input, linear, swiglu_mlp, wide
+from glm5f.ops import adapter_input, linear, swiglu, swiglu_mlp, wide
 
 if TYPE_CHECKING:
     from glm5f.env import Env
@@ -135,11 +135,11 @@ def expert_linear(p: dict, x_MxIn: torch.Tensor, counts_E: torch.Tensor) -> torc
     return y_MxOut + grouped_matmul(h_MxR, p["lora_B"], counts_E) * p["lora"].scale
 
 
-def expert_ffn(p: dict, x_MxD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of each expert over its block of rows (rows sorted by expert)."""
+def expert_ffn(p: dict, x_MxD: torch.Tensor, counts_E: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """SwiGLU of each expert over its block of rows (rows sorted by expert), with GLM-5.3's clamp at `limit`."""
     gate = expert_linear(p["gate_proj"], x_MxD, counts_E)
     up = expert_linear(p["up_proj"], x_MxD, counts_E)
-    return expert_linear(p["down_proj"], F.silu(gate) * up, counts_E)
+    return expert_linear(p["down_proj"], swiglu(gate, up, limit), counts_E)
 
 
 def sort_by_expert(idx_NxK: torch.Tensor, num_experts: int):
