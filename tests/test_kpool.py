@@ -134,3 +134,57 @@ def test_equal_pool_scores_go_to_the_lower_pool():
         want = torch.zeros(T, dtype=torch.bool)
         want[:min(complete, topk // kpool) * kpool] = True
         assert torch.equal(sets[s], want), s
+
+
+def nested(flat: dict) -> dict:
+    """{"a.b.c": t} -> {"a": {"b": {"c": t}}}."""
+    out = {}
+    for key, t in flat.items():
+        *head, last = key.split(".")
+        node = out
+        for h in head:
+            node = node.setdefault(h, {})
+        node[last] = t
+    return out
+
+
+@pytest.mark.parametrize("kpool,tail", [(1, False), (2, True), (4, True), (2, False), (4, False)])
+@pytest.mark.parametrize("padded", [False, True])
+def test_dsa_layer_matches_transformers_eager(kpool, tail, padded):
+    """NoPE MLA over the pooled selection (sparse_mla with the selection's own allowed mask) against Transformers'
+    attention module in eager mode. Without the tail, a query before its document's first complete pool has no
+    key: Transformers' eager softmax then spreads it over every position (its sdpa path gives NaN); here it
+    attends to nothing (zero output), and only the queries with a key are compared."""
+    import glm5f
+    from glm5f.attention import attention
+    from glm5f.env import make_env
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextAttention
+
+    cfg = glm5f.preset("glm53-tiny", index_kpool=kpool, index_kpool_always_select_tail=tail, index_topk=8,
+                       index_n_heads=8)
+    from transformers import Glm5NextConfig
+    text = Glm5NextConfig(**cfg.to_hf()).text_config
+    text._attn_implementation = "eager"
+    torch.manual_seed(kpool)
+    module = Glm5NextTextAttention(text, 1).eval()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, 0.3)
+    B, T = 3, 27
+    x = torch.randn(B, T, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    attention_mask = padding(B, T) if padded else torch.ones(B, T, dtype=torch.bool)
+    with torch.no_grad(), stable_topk():
+        ref = module(x, attention_mask)[0]
+    p = nested({k: v.detach() for k, v in module.state_dict().items()})
+    batch = {"input_ids": torch.zeros(B, T, dtype=torch.long)}
+    if padded:
+        batch["attention_mask"] = attention_mask.long()
+    _, env = make_env(cfg, batch, torch.float32)
+    with torch.no_grad():
+        ours, _, _ = attention(p, x, cfg, 1, env, None)
+        idx, allowed = pooled_indexer(p["indexer"], x, module.q_a_layernorm(module.q_a_proj(x)),
+                                      index_key_and_gate(p["indexer"], x), env.mask, 8, kpool, tail)
+    has_key = allowed.any(-1) & attention_mask
+    assert (ours - ref)[has_key].abs().max() <= 1e-6, (ours - ref)[has_key].abs().max()
+    assert (ours[~allowed.any(-1)] == 0).all()
+    assert has_key.sum() < attention_mask.sum() if not tail and kpool > 1 else torch.equal(has_key, attention_mask)
