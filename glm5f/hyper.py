@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from glm5f.ops import linear, wide
+from glm5f.ops import linear, rms_norm, wide
 
 
 def hc_streams(x_BxSxD: torch.Tensor, n: int) -> torch.Tensor:
@@ -71,3 +71,38 @@ def hc_block(p: dict, streams_BxSxNxD: torch.Tensor, block, rms_eps: float, hc_e
     pre, post, comb = hc_weights(p, streams_BxSxNxD, rms_eps, hc_eps, sinkhorn_iters)
     out_BxSxD, extra = block(hc_collapse(pre, streams_BxSxNxD))
     return hc_expand(post, comb, out_BxSxD, streams_BxSxNxD), extra
+
+
+def hc_params(p: dict, block: str) -> dict:
+    """A layer's hyper-connection around `block` ("attn" or "ffn") as `hc_weights` takes it, from the layer's
+    checkpoint-named leaves hc_{block}_fn, hc_{block}_base and hc_{block}_scale."""
+    return {part: p[f"hc_{block}_{part}"] for part in ("fn", "base", "scale")}
+
+
+def hyper_residual(p: dict, streams_BxSxNxD: torch.Tensor, cfg, layer: int, env, carry, attention, mlp):
+    """GLM-5.3's decoder layer around its attention and MLP functions: pre-norm attention, then pre-norm MLP, each
+    in a hyper-connection over the hc_mult streams [B, S, N, D] (which the layer takes and returns in place of
+    the residual stream). Returns (streams, the attention's carry, the layer's aux)."""
+    hc = (cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+
+    def attend(x_BxSxD):
+        out_BxSxD, next_carry, aux = attention(p["self_attn"], rms_norm(p["input_layernorm"]["weight"], x_BxSxD,
+                                                                        cfg.rms_norm_eps), cfg, layer, env, carry)
+        return out_BxSxD, (next_carry, aux)
+
+    def feed_forward(x_BxSxD):
+        return mlp(p["mlp"], rms_norm(p["post_attention_layernorm"]["weight"], x_BxSxD, cfg.rms_norm_eps), cfg, env)
+
+    streams_BxSxNxD, (carry, aux) = hc_block(hc_params(p, "attn"), streams_BxSxNxD, attend, *hc)
+    streams_BxSxNxD, mlp_aux = hc_block(hc_params(p, "ffn"), streams_BxSxNxD, feed_forward, *hc)
+    return streams_BxSxNxD, carry, {**aux, **mlp_aux}
+
+
+def hc_leaves(c, leaf) -> dict:
+    """The Leaf tree (shapes and inits, `leaf(shape, init)`) of a layer's two hyper-connections, as the checkpoint
+    names them: fn [W, N D] (normal), base [W] (zeros), scale [3] (ones)."""
+    N, D = c.hc_mult, c.hidden_size
+    W = (2 + N) * N
+    return {f"hc_{block}_{part}": leaf(shape, init) for block in ("attn", "ffn")
+            for part, shape, init in (("fn", (W, N * D), "normal"), ("base", (W,), "zeros"),
+                                      ("scale", (3,), "ones"))}
