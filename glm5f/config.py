@@ -171,6 +171,9 @@ class GLM5Config:
                              f"{model_type!r}")
         else:
             d["model_type"] = MODEL_TYPE
+            if set(d.pop("layer_types", None) or ()) - {"full_attention", "indexed_attention"}:
+                raise ValueError(f"a {MODEL_TYPE} config's layer_types must all be attention layers, got "
+                                 f"{sorted(set(source['layer_types']))}")
         if d.get("num_experts") is not None:
             d["n_routed_experts"] = d.pop("num_experts")
         rope = dict(d.pop("rope_parameters", None) or d.pop("rope_scaling", None) or {})
