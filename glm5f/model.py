@@ -13,6 +13,8 @@ from torch.utils.checkpoint import checkpoint
 from glm5f.attention import Selection, attention
 from glm5f.config import GLM5Config
 from glm5f.env import Env, make_env
+from glm5f.hyper import hc_head, hc_streams, hyper_residual
+from glm5f.kda import kda_attention
 from glm5f.lora import LoraSpec
 from glm5f.moe import moe
 from glm5f.ops import linear, rms_norm, swiglu_mlp
@@ -27,6 +29,9 @@ def decoder_layer(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, e
     asks for, as fp64 sums of this rank's share ("indexer_loss" and "indexer_recall", see `attention`;
     "seq_aux_loss", see `moe`).
     """
+    if cfg.is_glm53:
+        attend = kda_block if cfg.attention_kind(layer) == "linear_attention" else attention
+        return hyper_residual(p, x_BxSxD, cfg, layer, env, carry, attend, moe_mlp if cfg.is_moe(layer) else dense_mlp)
     x_norm_BxSxD = rms_norm(p["input_layernorm"]["weight"], x_BxSxD, cfg.rms_norm_eps)
     a_BxSxD, carry, aux = attention(p["self_attn"], x_norm_BxSxD, cfg, layer, env, carry)
     x_BxSxD = x_BxSxD + a_BxSxD
@@ -37,6 +42,26 @@ def decoder_layer(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, e
     else:
         m_BxSxD = swiglu_mlp(p["mlp"], h_BxSxD)
     return x_BxSxD + m_BxSxD, carry, aux
+
+
+def dense_mlp(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, env: Env) -> tuple[torch.Tensor, dict]:
+    return swiglu_mlp(p, x_BxSxD, cfg.swiglu_limit), {}
+
+
+def moe_mlp(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, env: Env) -> tuple[torch.Tensor, dict]:
+    y_BxSxD, expert_idx_NxK, aux = moe(p, x_BxSxD, cfg, env)
+    return y_BxSxD, {"expert_idx": expert_idx_NxK, **aux}
+
+
+def kda_block(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, env: Env, carry: Selection | None):
+    """A GLM-5.3 linear-attention layer (`kda.kda_attention`): padding tokens' inputs zeroed (as the reference
+    does), packed documents restart its state and convolution. It passes no top-k on (the reference neither)."""
+    if env.mask.dense is not None:
+        raise ValueError("GLM-5.3's KDA layers take a 2D padding mask or packed position_ids, not a 4D mask")
+    if env.mask.q_index.numel() != env.mask.num_keys:
+        raise ValueError("GLM-5.3's KDA layers do not run under context parallelism yet: use --parallel.cp 1")
+    x_BxSxD = x_BxSxD * env.mask.query_valid(x_BxSxD.shape[0])[..., None].to(x_BxSxD.dtype)
+    return kda_attention(p, x_BxSxD, cfg, env.mask.q_segment), None, {}
 
 
 @functools.cache
@@ -76,9 +101,13 @@ def apply(params: dict, cfg: GLM5Config, input_ids_BxS: torch.Tensor, env: Env) 
 def apply_embeds(params: dict, cfg: GLM5Config, x_BxSxD: torch.Tensor, env: Env) -> tuple[torch.Tensor, dict]:
     """`apply` from input embeddings [B, S, D] instead of token ids."""
     carry, layers = None, []
+    if cfg.is_glm53:  # hc_mult streams between the layers, their mean after them
+        x_BxSxD = hc_streams(x_BxSxD, cfg.hc_mult)
     for i, p_layer in enumerate(params["model"]["layers"][:cfg.num_hidden_layers]):
         x_BxSxD, carry, aux = run_layer(p_layer, x_BxSxD, cfg, i, env, carry)
         layers.append(aux)
+    if cfg.is_glm53:
+        x_BxSxD = hc_head(x_BxSxD)
     return lm_head(params, cfg, x_BxSxD), {"layers": layers, "hidden": x_BxSxD}
 
 

@@ -6,6 +6,7 @@ M = N * K routed rows.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -191,9 +192,10 @@ def moe(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, env: Env):
     x_NxD = x_BxSxD.reshape(-1, x_BxSxD.shape[-1])
     scores_NxE = router_scores(p["gate"], x_NxD)
     idx_NxK, w_NxK = select_experts(p["gate"], scores_NxE, cfg)
-    y_NxD = routed_experts(p["experts"], x_NxD, idx_NxK, w_NxK, cfg.n_routed_experts, env.experts)
+    ffn = env.experts if cfg.swiglu_limit is None else functools.partial(expert_ffn, limit=cfg.swiglu_limit)
+    y_NxD = routed_experts(p["experts"], x_NxD, idx_NxK, w_NxK, cfg.n_routed_experts, ffn)
     if "shared_experts" in p:
-        y_NxD = y_NxD + swiglu_mlp(p["shared_experts"], x_NxD)
+        y_NxD = y_NxD + swiglu_mlp(p["shared_experts"], x_NxD, cfg.swiglu_limit)
     aux = {}
     if env.objectives.seq_aux:
         B, S = x_BxSxD.shape[:2]

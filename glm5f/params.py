@@ -18,6 +18,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from glm5f.config import GLM5Config
+from glm5f.hyper import hc_leaves
 from glm5f.ops import wide_dtype
 
 
@@ -49,6 +50,17 @@ LEAF_KINDS = [(re.compile(pattern), kind) for pattern, kind in [
     (r"\.(gate|up)_proj\.weight$", LeafKind(("mlp", "embed"))),
     (r"\.down_proj\.weight$", LeafKind(("embed", "mlp"))),
     (r"\.indexer\.weights_proj\.weight$", LeafKind(("index_heads", "embed"), fp32=True, optim="indexer")),
+    (r"\.indexer\.index_kpool_compress_ape$", LeafKind(("pool", "index_dim"), optim="indexer")),
+    (r"\.indexer\.index_kpool_compress_gate$", LeafKind(("index_dim", "embed"), optim="indexer")),
+    (r"\.hc_(attn|ffn)_fn$", LeafKind(("hc", "embed"))),
+    (r"\.hc_(attn|ffn)_(base|scale)$", LeafKind(("hc",), fp32=True)),
+    (r"\.self_attn\.[qkv]_proj\.weight$", LeafKind(("linear_heads", "embed"))),
+    (r"\.self_attn\.[qkv]_conv1d\.weight$", LeafKind(("linear_heads", "conv", "conv"), fp32=True)),
+    (r"\.self_attn\.[fg]_a_proj\.weight$", LeafKind(("linear_dim", "embed"))),
+    (r"\.self_attn\.[fg]_b_proj\.weight$", LeafKind(("linear_heads", "linear_dim"))),
+    (r"\.self_attn\.(dt_bias|A_log)$", LeafKind(("linear_heads",), fp32=True)),
+    (r"\.self_attn\.b_proj\.weight$", LeafKind(("linear_heads", "embed"))),
+    (r"\.self_attn\.o_norm\.weight$", LeafKind(("linear_dim",))),
     (r"\.indexer\.wq_b\.weight$", LeafKind(("index_heads", "q_lora"), optim="indexer")),
     (r"\.indexer\.wk\.weight$", LeafKind(("index_dim", "embed"), optim="indexer")),
     (r"\.indexer\.k_norm\.(weight|bias)$", LeafKind(("index_dim",), optim="indexer")),
@@ -143,7 +155,26 @@ def _moe(c: GLM5Config) -> dict:
 MTP_COPIES = ("embed_tokens", "shared_head.head")  # an MTP layer's own embedding / head, where a checkpoint has them
 
 
+def _kda(c: GLM5Config) -> dict:
+    """A GLM-5.3 linear-attention (KDA) layer's self_attn, as its checkpoint names it."""
+    H, K, D, HK = c.linear_num_heads, c.linear_head_dim, c.hidden_size, c.linear_num_heads * c.linear_head_dim
+    p = {f"{n}_proj": _linear(HK, D) for n in "qkv"}
+    p.update({f"{n}_conv1d": {"weight": Leaf((HK, 1, c.linear_conv_kernel_dim), "normal")} for n in "qkv"})
+    p.update(f_a_proj=_linear(K, D), f_b_proj=_linear(HK, K), dt_bias=Leaf((HK,), "zeros"), A_log=Leaf((H,), "zeros"),
+             b_proj=_linear(H, D), g_a_proj=_linear(K, D), g_b_proj=_linear(HK, K), o_norm=_norm(K),
+             o_proj=_linear(D, HK))
+    return p
+
+
 def _decoder_layer(c: GLM5Config, i: int) -> dict:
+    if c.is_glm53:
+        attention = _kda(c) if c.attention_kind(i) == "linear_attention" else _attention(c, i)
+        if "indexer" in attention:
+            attention["indexer"].update(index_kpool_compress_ape=Leaf((c.index_kpool, c.index_head_dim), "zeros"),
+                                        index_kpool_compress_gate=Leaf((c.index_head_dim, c.hidden_size), "ones"))
+        return {"self_attn": attention, "mlp": _moe(c) if c.is_moe(i) else _mlp(c.hidden_size, c.intermediate_size),
+                "input_layernorm": _norm(c.hidden_size), "post_attention_layernorm": _norm(c.hidden_size),
+                **hc_leaves(c, Leaf)}
     return {
         "self_attn": _attention(c, i),
         "mlp": _moe(c) if c.is_moe(i) else _mlp(c.hidden_size, c.intermediate_size),
