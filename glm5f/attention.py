@@ -26,6 +26,7 @@ from glm5f import indexer_loss, kernels, kpool
 from glm5f.config import GLM5Config
 from glm5f.lora import merged
 from glm5f.env import Env, Mask
+from glm5f.layers import layer_spec
 from glm5f.ops import apply_rope, layer_norm, linear, rms_norm, wide
 
 LATENT_NORM_EPS = 1e-6  # GLM-5's q_a_layernorm and kv_a_layernorm use 1e-6, not rms_norm_eps (GLM-5.3's do)
@@ -232,17 +233,18 @@ def target_queries(p: dict, q_nope_BxSxHxN: torch.Tensor, q_rot_BxSxHxP: torch.T
 
 def attention(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, env: Env, carry: Selection | None,
               kl_block_elems: int = indexer_loss.INDEXER_LOSS_BLOCK_ELEMS) -> tuple[torch.Tensor, Selection, dict]:
-    """MLA + DSA for one layer -> (output [B, S, D], the Selection the next layer may reuse, aux). A full layer
-    ("indexer" in p) selects its own keys; a shared layer attends to `carry`'s. With env.objectives.indexer_loss
-    on, the aux of a group's last layer (with target "own", every full layer) holds the indexer loss's fp64 sums
-    "indexer_loss" and "indexer_recall" (`indexer_loss.kl`)."""
+    """MLA + DSA for one layer -> (output [B, S, D], the Selection the next layer may reuse, aux). A layer with its
+    own indexer (`layers.layer_spec`: "full", or GLM-5.3's "pooled") selects its own keys; a shared layer attends
+    to `carry`'s. With env.objectives.indexer_loss on, the aux of a group's last layer (with target "own", every
+    full layer) holds the indexer loss's fp64 sums "indexer_loss" and "indexer_recall" (`indexer_loss.kl`)."""
     q_nope, q_rot, q_BxSxQ, latent_BxSxC = mla_project(p, x_BxSxD, cfg, env)
     # the latent rows are gathered (and their gradients summed over queries and CP ranks) in kv_b's dtype
     latent_dtype = torch.promote_types(latent_BxSxC.dtype, p["kv_b_proj"]["weight"].dtype)
     latent_BxTxC = env.keys(layer, "latent", latent_BxSxC.to(latent_dtype))
-    if "indexer" in p and cfg.is_glm53:
+    indexer = layer_spec(cfg, layer).indexer
+    if indexer == "pooled":
         carry = select_pooled(p["indexer"], x_BxSxD, q_BxSxQ, cfg, layer, env)
-    elif "indexer" in p:
+    elif indexer == "full":
         carry = select(p["indexer"], x_BxSxD, q_BxSxQ, cfg, layer, env, latent_BxTxC.shape[1])
     out_BxSxHxV = mla_core(p, q_nope, q_rot, latent_BxTxC, carry.topk, env.mask, cfg, env.query_parts,
                            carry.allowed)
@@ -251,9 +253,8 @@ def attention(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, env: 
         return out_BxSxD, carry, {}
     target = (target_queries(p, q_nope.detach(), q_rot.detach(), latent_BxTxC.detach(), cfg), latent_BxTxC.detach())
     carry = dataclasses.replace(carry, targets=carry.targets + (target,))
-    last = (env.objectives.indexer_target == "own" or layer + 1 >= cfg.num_hidden_layers
-            or cfg.has_indexer(layer + 1))
+    last = env.objectives.indexer_target == "own" or layer_spec(cfg, layer + 1).indexer != "shared"
     if not last:
         return out_BxSxD, carry, {}
-    loss, recall = indexer_loss.kl(carry, cfg, env, kl_block_elems)
+    loss, recall = indexer_loss.kl(*carry.student, carry.targets, carry.topk, cfg, env, kl_block_elems)
     return out_BxSxD, Selection(carry.topk), {"indexer_loss": loss, "indexer_recall": recall}

@@ -135,21 +135,10 @@ class GLM5Config:
             scale = scale * m * m
         return scale
 
-    def attention_kind(self, layer: int) -> str:
-        """Transformers' layer_types entry of `layer`: "linear_attention" (KDA) or "indexed_attention" (MLA + DSA,
-        every layer of GLM-5); MTP layers are DSA."""
-        if not self.layer_types or layer >= self.num_hidden_layers:
-            return "indexed_attention"
-        return self.layer_types[layer]
-
     def is_moe(self, layer: int) -> bool:
-        """Whether `layer` has a MoE MLP. MTP layers (layer >= num_hidden_layers) are MoE when the last main
-        layer is (as in GLM-5 and DeepSeek-V3)."""
+        """Whether `layer`'s MLP is MoE by mlp_layer_types; MTP layers (layer >= num_hidden_layers) read the last
+        main layer's entry. What a layer is, is `layers.layer_spec`'s to say; this reads the schedule it uses."""
         return self.mlp_layer_types[min(layer, self.num_hidden_layers - 1)] == "sparse"
-
-    def has_indexer(self, layer: int) -> bool:
-        """Whether `layer` runs its own DSA indexer; MTP layers always do (they have no earlier layer to share)."""
-        return layer >= self.num_hidden_layers or self.indexer_types[layer] == "full"
 
     # Transformers interop.
     @classmethod

@@ -15,6 +15,7 @@ from glm5f.config import GLM5Config
 from glm5f.env import Env, make_env
 from glm5f.hyper import hc_head, hc_streams, hyper_residual
 from glm5f.kda import kda_attention
+from glm5f.layers import layer_spec
 from glm5f.lora import LoraSpec
 from glm5f.moe import moe
 from glm5f.ops import linear, rms_norm, swiglu_mlp
@@ -22,26 +23,27 @@ from glm5f.ops import linear, rms_norm, swiglu_mlp
 
 def decoder_layer(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, env: Env,
                   carry: Selection | None) -> tuple[torch.Tensor, Selection, dict]:
-    """Pre-norm attention and MLP (dense SwiGLU or MoE) with residuals.
+    """Layer `layer` as its kinds make it (`layers.layer_spec`): its residual's function around its attention's and
+    its MLP's (ATTENTION, MLP, RESIDUAL below).
 
     Returns (x [B, S, D], the Selection the next layer may reuse, aux): aux is a dict of this layer's extra
     outputs: "expert_idx" [N, K] for MoE layers (the experts each token chose); the objectives env.objectives
     asks for, as fp64 sums of this rank's share ("indexer_loss" and "indexer_recall", see `attention`;
     "seq_aux_loss", see `moe`).
     """
-    if cfg.is_glm53:
-        attend = kda_block if cfg.attention_kind(layer) == "linear_attention" else attention
-        return hyper_residual(p, x_BxSxD, cfg, layer, env, carry, attend, moe_mlp if cfg.is_moe(layer) else dense_mlp)
+    spec = layer_spec(cfg, layer)
+    return RESIDUAL[spec.residual](p, x_BxSxD, cfg, layer, env, carry, ATTENTION[spec.attention], MLP[spec.mlp])
+
+
+def plain_residual(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, env: Env, carry: Selection | None,
+                   attend, mlp) -> tuple[torch.Tensor, Selection, dict]:
+    """Pre-norm attention and MLP, each added to the residual stream."""
     x_norm_BxSxD = rms_norm(p["input_layernorm"]["weight"], x_BxSxD, cfg.rms_norm_eps)
-    a_BxSxD, carry, aux = attention(p["self_attn"], x_norm_BxSxD, cfg, layer, env, carry)
+    a_BxSxD, carry, aux = attend(p["self_attn"], x_norm_BxSxD, cfg, layer, env, carry)
     x_BxSxD = x_BxSxD + a_BxSxD
     h_BxSxD = rms_norm(p["post_attention_layernorm"]["weight"], x_BxSxD, cfg.rms_norm_eps)
-    if cfg.is_moe(layer):
-        m_BxSxD, aux["expert_idx"], moe_aux = moe(p["mlp"], h_BxSxD, cfg, env)
-        aux.update(moe_aux)
-    else:
-        m_BxSxD = swiglu_mlp(p["mlp"], h_BxSxD)
-    return x_BxSxD + m_BxSxD, carry, aux
+    m_BxSxD, mlp_aux = mlp(p["mlp"], h_BxSxD, cfg, env)
+    return x_BxSxD + m_BxSxD, carry, {**aux, **mlp_aux}
 
 
 def dense_mlp(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, env: Env) -> tuple[torch.Tensor, dict]:
@@ -62,6 +64,14 @@ def kda_block(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, env: 
         raise ValueError("GLM-5.3's KDA layers do not run under context parallelism yet: use --parallel.cp 1")
     x_BxSxD = x_BxSxD * env.mask.query_valid(x_BxSxD.shape[0])[..., None].to(x_BxSxD.dtype)
     return kda_attention(p, x_BxSxD, cfg, env.mask.q_segment), None, {}
+
+
+# The function of each kind of glm5f.layers, by its name there (its parameters, decode cache, FLOPs and memory-plan
+# entries are there). attention(p, x, cfg, layer, env, carry) -> (out, carry, aux); mlp(p, x, cfg, env) -> (out,
+# aux); residual(p, x, cfg, layer, env, carry, attention, mlp) -> (x, carry, aux).
+ATTENTION = {"mla_dsa": attention, "kda": kda_block}
+MLP = {"dense": dense_mlp, "moe": moe_mlp}
+RESIDUAL = {"plain": plain_residual, "hyper": hyper_residual}
 
 
 @functools.cache
@@ -101,12 +111,13 @@ def apply(params: dict, cfg: GLM5Config, input_ids_BxS: torch.Tensor, env: Env) 
 def apply_embeds(params: dict, cfg: GLM5Config, x_BxSxD: torch.Tensor, env: Env) -> tuple[torch.Tensor, dict]:
     """`apply` from input embeddings [B, S, D] instead of token ids."""
     carry, layers = None, []
-    if cfg.is_glm53:  # hc_mult streams between the layers, their mean after them
+    hyper = layer_spec(cfg, 0).residual == "hyper"
+    if hyper:  # hc_mult streams between the layers, their mean after them
         x_BxSxD = hc_streams(x_BxSxD, cfg.hc_mult)
     for i, p_layer in enumerate(params["model"]["layers"][:cfg.num_hidden_layers]):
         x_BxSxD, carry, aux = run_layer(p_layer, x_BxSxD, cfg, i, env, carry)
         layers.append(aux)
-    if cfg.is_glm53:
+    if hyper:
         x_BxSxD = hc_head(x_BxSxD)
     return lm_head(params, cfg, x_BxSxD), {"layers": layers, "hidden": x_BxSxD}
 
