@@ -233,18 +233,17 @@ def target_queries(p: dict, q_nope_BxSxHxN: torch.Tensor, q_rot_BxSxHxP: torch.T
 
 def attention(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, env: Env, carry: Selection | None,
               kl_block_elems: int = indexer_loss.INDEXER_LOSS_BLOCK_ELEMS) -> tuple[torch.Tensor, Selection, dict]:
-    """MLA + DSA for one layer -> (output [B, S, D], the Selection the next layer may reuse, aux). A layer with its
-    own indexer (`layers.layer_spec`: "full", or GLM-5.3's "pooled") selects its own keys; a shared layer attends
-    to `carry`'s. With env.objectives.indexer_loss on, the aux of a group's last layer (with target "own", every
+    """MLA + DSA for one layer -> (output [B, S, D], the Selection the next layer may reuse, aux). A full layer
+    ("indexer" in p; GLM-5.3's through its pooled indexer, `layers.layer_spec`) selects its own keys; a shared
+    layer attends to `carry`'s. With env.objectives.indexer_loss on, the aux of a group's last layer (with target "own", every
     full layer) holds the indexer loss's fp64 sums "indexer_loss" and "indexer_recall" (`indexer_loss.kl`)."""
     q_nope, q_rot, q_BxSxQ, latent_BxSxC = mla_project(p, x_BxSxD, cfg, env)
     # the latent rows are gathered (and their gradients summed over queries and CP ranks) in kv_b's dtype
     latent_dtype = torch.promote_types(latent_BxSxC.dtype, p["kv_b_proj"]["weight"].dtype)
     latent_BxTxC = env.keys(layer, "latent", latent_BxSxC.to(latent_dtype))
-    indexer = layer_spec(cfg, layer).indexer
-    if indexer == "pooled":
+    if "indexer" in p and layer_spec(cfg, layer).indexer == "pooled":
         carry = select_pooled(p["indexer"], x_BxSxD, q_BxSxQ, cfg, layer, env)
-    elif indexer == "full":
+    elif "indexer" in p:
         carry = select(p["indexer"], x_BxSxD, q_BxSxQ, cfg, layer, env, latent_BxTxC.shape[1])
     out_BxSxHxV = mla_core(p, q_nope, q_rot, latent_BxTxC, carry.topk, env.mask, cfg, env.query_parts,
                            carry.allowed)
