@@ -13,11 +13,11 @@ side runs under --ref-mem-gb of address space and --ref-timeout seconds; a side 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import subprocess
 import sys
-import json
 import statistics
 import time
 
@@ -130,7 +130,7 @@ def main():
     ap.add_argument("--sweep", default="", help="comma-separated sequence lengths (overrides --seq)")
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--ref-max-seq", type=int, default=16384, help="longest T the Transformers side runs at")
-    ap.add_argument("--ref-mem-gb", type=float, default=12.0, help="address-space cap of the Transformers side")
+    ap.add_argument("--ref-mem-gb", type=float, default=8.0, help="address-space cap of the Transformers side")
     ap.add_argument("--ref-timeout", type=float, default=1200.0, help="seconds cap of the Transformers side")
     add_run_flags(ap)
     args = ap.parse_args()

@@ -1,6 +1,5 @@
-"""Kimi Delta Attention (GLM-5.3's linear-attention layers): the chunked delta rule as the `glm5f::kda` op with its
-own backward, the naive recurrence it is checked against, and the whole KDA attention block over its parameters.
-"""
+"""Kimi Delta Attention (GLM-5.3's linear layers): the chunked delta rule as the `glm5f::kda` op with its own backward,
+the naive recurrence it is checked against, and the KDA attention block over a layer's checkpoint-named params."""
 
 from __future__ import annotations
 
@@ -416,15 +415,22 @@ def kda(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxK, beta_BxTxH, scale: float | N
 # layer keeps about as many [T, H, d] tensors as the delta rule needs (the layer's memory is linear in T, with a
 # small constant).
 
+def _heads(n_channels: int, head_dim: int):
+    """The channel slice of each head: the Functions below work one head at a time, so their temporaries are one
+    head's."""
+    return [slice(h, h + head_dim) for h in range(0, n_channels, head_dim)]
+
+
 class _ShortConv(torch.autograd.Function):
     """silu(causal depthwise convolution) of x [B, S, H * d] with weight [H * d, 1, W], taps not crossing a document
     start (docs [B, S] or None), computed in the wider of fp32, x's and the weight's dtype and rounded to x's; with
-    `normalize`, then L2-normalised per head in fp32 (or wider): y / sqrt(|y|^2 + 1e-6), returned [B, S, H, d]."""
+    `normalize`, then L2-normalised per head in fp32 (or wider): y / sqrt(|y|^2 + 1e-6). Returns [B, S, H, d]."""
 
     @staticmethod
     def _valid(docs, W):
-        """valid[i - 1] [B, S - i]: token t and t - i are in one document."""
-        return None if docs is None else [docs[:, i:] == docs[:, :-i] for i in range(1, min(W, docs.shape[1]))]
+        """valid[i - 1] [B, S - i, 1]: token t and t - i are in one document."""
+        return None if docs is None else [(docs[:, i:] == docs[:, :-i])[:, :, None]
+                                          for i in range(1, min(W, docs.shape[1]))]
 
     @staticmethod
     def _pre(x, w, valid):
@@ -432,46 +438,54 @@ class _ShortConv(torch.autograd.Function):
         pre = x * w[:, 0, W - 1]
         for i in range(1, min(W, x.shape[1])):
             tap = x[:, :-i] * w[:, 0, W - 1 - i]
-            pre[:, i:] += tap if valid is None else tap * valid[i - 1][:, :, None]
+            pre[:, i:] += tap if valid is None else tap * valid[i - 1]
         return pre
 
     @staticmethod
     def forward(ctx, x, w, docs, head_dim: int, normalize: bool):
-        dt = wide_dtype(torch.promote_types(x.dtype, w.dtype))
         ctx.save_for_backward(x, w, docs)
         ctx.head_dim, ctx.normalize = head_dim, normalize
-        y = F.silu(_ShortConv._pre(x.to(dt), w.to(dt), _ShortConv._valid(docs, w.shape[-1]))).to(x.dtype)
-        y = y.unflatten(-1, (-1, head_dim))
-        if normalize:
-            y = y.to(wide_dtype(y.dtype))
-            y = y * torch.rsqrt((y * y).sum(-1, keepdim=True) + 1e-6)
-        return y
+        dt = wide_dtype(torch.promote_types(x.dtype, w.dtype))
+        valid = _ShortConv._valid(docs, w.shape[-1])
+        out = x.new_empty(*x.shape[:2], x.shape[-1] // head_dim, head_dim,
+                          dtype=wide_dtype(x.dtype) if normalize else x.dtype)
+        for h, sl in enumerate(_heads(x.shape[-1], head_dim)):
+            y = F.silu(_ShortConv._pre(x[..., sl].to(dt), w[sl].to(dt), valid), inplace=True).to(x.dtype)
+            if normalize:
+                y = y.to(out.dtype)
+                y = y * torch.rsqrt((y * y).sum(-1, keepdim=True) + 1e-6)
+            out[:, :, h] = y
+        return out
 
     @staticmethod
     def backward(ctx, dout):
         x, w, docs = ctx.saved_tensors
         dt = wide_dtype(torch.promote_types(x.dtype, w.dtype))
-        xw, ww, W = x.to(dt), w.to(dt), w.shape[-1]
+        W = w.shape[-1]
         valid = _ShortConv._valid(docs, W)
-        pre = _ShortConv._pre(xw, ww, valid)
-        s = torch.sigmoid(pre)
-        dy = dout.to(dt).flatten(-2)
-        if ctx.normalize:
-            y = (pre * s).to(x.dtype).to(dt).unflatten(-1, (-1, ctx.head_dim))
-            r = torch.rsqrt((y * y).sum(-1, keepdim=True) + 1e-6)
-            out = y * r
-            dy = (r * (dout.to(dt) - out * (dout.to(dt) * out).sum(-1, keepdim=True))).flatten(-2)
-            del y, r, out
-        dpre = dy * s * (1 + pre * (1 - s))
-        del pre, s, dy
-        dx = dpre * ww[:, 0, W - 1]
-        dw = torch.zeros_like(ww)
-        dw[:, 0, W - 1] = (dpre * xw).sum((0, 1))
-        for i in range(1, min(W, x.shape[1])):
-            dp = dpre[:, i:] if valid is None else dpre[:, i:] * valid[i - 1][:, :, None]
-            dx[:, :-i] += dp * ww[:, 0, W - 1 - i]
-            dw[:, 0, W - 1 - i] = (dp * xw[:, :-i]).sum((0, 1))
-        return dx.to(x.dtype), dw.to(w.dtype), None, None, None
+        dx, dw = torch.empty_like(x), torch.empty_like(w)
+        for h, sl in enumerate(_heads(x.shape[-1], ctx.head_dim)):
+            xs, ws = x[..., sl].to(dt), w[sl].to(dt)
+            pre = _ShortConv._pre(xs, ws, valid)
+            s = torch.sigmoid(pre)
+            dy = dout[:, :, h].to(dt)
+            if ctx.normalize:
+                y = (pre * s).to(x.dtype).to(dt)
+                r = torch.rsqrt((y * y).sum(-1, keepdim=True) + 1e-6)
+                y *= r
+                dy = r * (dy - y * (dy * y).sum(-1, keepdim=True))
+                del y, r
+            dpre = dy * s * (1 + pre * (1 - s))
+            del pre, s, dy
+            dxs = dpre * ws[:, 0, W - 1]
+            dws = torch.zeros_like(ws)
+            dws[:, 0, W - 1] = (dpre * xs).sum((0, 1))
+            for i in range(1, min(W, x.shape[1])):
+                dp = dpre[:, i:] if valid is None else dpre[:, i:] * valid[i - 1]
+                dxs[:, :-i] += dp * ws[:, 0, W - 1 - i]
+                dws[:, 0, W - 1 - i] = (dp * xs[:, :-i]).sum((0, 1))
+            dx[..., sl], dw[sl] = dxs, dws
+        return dx, dw, None, None, None
 
 
 class _ForgetGate(torch.autograd.Function):
@@ -480,65 +494,77 @@ class _ForgetGate(torch.autograd.Function):
     lower_bound * sigmoid(rate * z), or -rate * softplus(z) (threshold 20) without a lower bound."""
 
     @staticmethod
-    def _z(f, dt_bias, A_log, head_dim):
+    def _z(f, dt_bias, A_log, h, sl):
         dt = wide_dtype(torch.promote_types(f.dtype, dt_bias.dtype))
-        z = (f.to(dt) + dt_bias.to(dt)).unflatten(-1, (-1, head_dim))
-        return z, A_log.to(dt).exp()[:, None]
+        return f[..., sl].to(dt) + dt_bias[sl].to(dt), A_log[h].to(dt).exp()
 
     @staticmethod
     def forward(ctx, f, dt_bias, A_log, head_dim: int, lower_bound):
         ctx.save_for_backward(f, dt_bias, A_log)
         ctx.head_dim, ctx.lower_bound = head_dim, lower_bound
-        z, rate = _ForgetGate._z(f, dt_bias, A_log, head_dim)
-        if lower_bound is not None:
-            return lower_bound * torch.sigmoid(rate * z)
-        return -rate * F.softplus(z, threshold=20.0)
+        g = f.new_empty(*f.shape[:2], f.shape[-1] // head_dim, head_dim,
+                        dtype=wide_dtype(torch.promote_types(f.dtype, dt_bias.dtype)))
+        for h, sl in enumerate(_heads(f.shape[-1], head_dim)):
+            z, rate = _ForgetGate._z(f, dt_bias, A_log, h, sl)
+            if lower_bound is not None:
+                g[:, :, h] = lower_bound * torch.sigmoid(rate * z)
+            else:
+                g[:, :, h] = -rate * F.softplus(z, threshold=20.0)
+        return g
 
     @staticmethod
     def backward(ctx, dg):
         f, dt_bias, A_log = ctx.saved_tensors
-        z, rate = _ForgetGate._z(f, dt_bias, A_log, ctx.head_dim)
-        dg = dg.to(z.dtype)
-        if ctx.lower_bound is not None:
-            s = torch.sigmoid(rate * z)
-            du = dg * ctx.lower_bound * s * (1 - s)  # the gradient of u = rate * z
-            dz, drate = du * rate, (du * z).sum((0, 1, 3))
-        else:
-            dz = -dg * rate * torch.where(z > 20.0, 1.0, torch.sigmoid(z))
-            drate = -(dg * F.softplus(z, threshold=20.0)).sum((0, 1, 3))
-        dz = dz.flatten(-2)
-        return (dz.to(f.dtype), dz.sum((0, 1)).to(dt_bias.dtype), (drate * rate[:, 0]).to(A_log.dtype), None,
-                None)
+        df, ddt, dA = torch.empty_like(f), torch.empty_like(dt_bias), torch.empty_like(A_log)
+        for h, sl in enumerate(_heads(f.shape[-1], ctx.head_dim)):
+            z, rate = _ForgetGate._z(f, dt_bias, A_log, h, sl)
+            dgh = dg[:, :, h].to(z.dtype)
+            if ctx.lower_bound is not None:
+                s = torch.sigmoid(rate * z)
+                du = dgh * ctx.lower_bound * s * (1 - s)  # the gradient of u = rate * z
+                dz, drate = du * rate, (du * z).sum()
+            else:
+                dz = -dgh * rate * torch.where(z > 20.0, 1.0, torch.sigmoid(z))
+                drate = -(dgh * F.softplus(z, threshold=20.0)).sum()
+            df[..., sl], ddt[sl], dA[h] = dz, dz.sum((0, 1)), drate * rate
+        return df, ddt, dA, None, None
 
 
 class _GatedNorm(torch.autograd.Function):
-    """weight * RMSNorm(o) * sigmoid(gate) over the last dim, in the wider of fp32, o's and the weight's dtype,
-    returned in o's."""
+    """weight * RMSNorm(o) * sigmoid(gate) over the last dim of o, gate [B, S, H, d], in the wider of fp32, o's and
+    the weight's dtype, returned in o's."""
 
     @staticmethod
-    def _parts(o, gate, weight, eps):
+    def _parts(o, gate, weight, eps, h):
         dt = wide_dtype(torch.promote_types(o.dtype, weight.dtype))
-        o32 = o.to(dt)
+        o32 = o[:, :, h].to(dt)
         r = torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + eps)
-        return o32 * r, r, torch.sigmoid(gate.to(dt)), weight.to(dt)
+        return o32 * r, r, torch.sigmoid(gate[:, :, h].to(dt)), weight.to(dt)
 
     @staticmethod
     def forward(ctx, o, gate, weight, eps: float):
         ctx.save_for_backward(o, gate, weight)
         ctx.eps = eps
-        n, _, sg, w = _GatedNorm._parts(o, gate, weight, eps)
-        return (w * n * sg).to(o.dtype)
+        out = torch.empty_like(o)
+        for h in range(o.shape[2]):
+            n, _, sg, w = _GatedNorm._parts(o, gate, weight, eps, h)
+            out[:, :, h] = w * n * sg
+        return out
 
     @staticmethod
     def backward(ctx, dy):
         o, gate, weight = ctx.saved_tensors
-        n, r, sg, w = _GatedNorm._parts(o, gate, weight, ctx.eps)
-        dy = dy.to(n.dtype)
-        dwn = dy * sg  # the gradient of w * n
-        dn = dwn * w
-        do = r * (dn - n * (dn * n).mean(-1, keepdim=True))
-        dgate = dy * w * n * sg * (1 - sg)
-        return (do.to(o.dtype), dgate.to(gate.dtype), (dwn * n).flatten(0, -2).sum(0).to(weight.dtype), None)
+        do, dgate = torch.empty_like(o), torch.empty_like(gate)
+        dweight = 0
+        for h in range(o.shape[2]):
+            n, r, sg, w = _GatedNorm._parts(o, gate, weight, ctx.eps, h)
+            dyh = dy[:, :, h].to(n.dtype)
+            dwn = dyh * sg  # the gradient of w * n
+            dweight = dweight + (dwn * n).flatten(0, -2).sum(0)
+            dn = dwn * w
+            do[:, :, h] = r * (dn - n * (dn * n).mean(-1, keepdim=True))
+            dgate[:, :, h] = dyh * w * n * sg * (1 - sg)
+        return do, dgate, dweight.to(weight.dtype), None
 
 
 def kda_attention(p: dict, x_BxSxD: torch.Tensor, cfg, segment_BxS: torch.Tensor | None = None,
