@@ -392,13 +392,15 @@ def report(cfg: Config, layout: Layout, say) -> None:
 def export(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, adapters: dict | None, layout: Layout,
            say) -> None:
     """--checkpoint.export_hf: the weights (a LoRA run's merged into the base) as a Transformers checkpoint
-    (collective: the ranks gather one leaf at a time, rank 0 writes). --checkpoint.export_peft: a LoRA run's
+    (collective: the ranks gather one leaf at a time, rank 0 writes; a GLM-5.3 run copies the tensors of
+    --model.init_from that are not its text model's). --checkpoint.export_peft: a LoRA run's
     adapters as a PEFT adapter directory (`hf.save_peft`: the ranks gather them, rank 0 writes)."""
     spec = cfg.lora.spec()
     if cfg.checkpoint.export_hf:
         with user_errors(), writing(cfg.checkpoint.export_hf, cfg.checkpoint.dir):
             weights = lora.merge(params, adapters, spec) if spec else params
-            glm5f.save_hf(cfg.checkpoint.export_hf, model_cfg, weights, write=layout.is_main)
+            glm5f.save_hf(cfg.checkpoint.export_hf, model_cfg, weights, write=layout.is_main,
+                          source=cfg.model.init_from)  # GLM-5.3: its vision tower and MTP layer travel along
         say(f"exported Transformers checkpoint{' (adapters merged)' if spec else ''}: {cfg.checkpoint.export_hf}")
     if cfg.checkpoint.export_peft:
         with user_errors(), writing(cfg.checkpoint.export_peft, cfg.checkpoint.dir):

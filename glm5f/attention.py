@@ -22,26 +22,31 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from glm5f import indexer_loss, kernels
+from glm5f import indexer_loss, kernels, kpool
 from glm5f.config import GLM5Config
 from glm5f.lora import merged
 from glm5f.env import Env, Mask
 from glm5f.layers import layer_spec
 from glm5f.ops import apply_rope, layer_norm, linear, rms_norm, wide
 
-LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm use 1e-6, not rms_norm_eps
+LATENT_NORM_EPS = 1e-6  # GLM-5's q_a_layernorm and kv_a_layernorm use 1e-6, not rms_norm_eps (GLM-5.3's do)
+
+
+def latent_norm_eps(cfg: GLM5Config) -> float:
+    return cfg.rms_norm_eps if cfg.is_glm53 else LATENT_NORM_EPS
 
 
 # ---- MLA projections ----------------------------------------------------------------------------------------------
 
 def mla_project(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, env: Env):
     """Queries (nope and rotated parts, plus the q latent the indexer reuses) and this rank's latent rows."""
-    q_BxSxQ = rms_norm(p["q_a_layernorm"]["weight"], linear(p["q_a_proj"], x_BxSxD), LATENT_NORM_EPS)
+    eps = latent_norm_eps(cfg)
+    q_BxSxQ = rms_norm(p["q_a_layernorm"]["weight"], linear(p["q_a_proj"], x_BxSxD), eps)
     q_BxSxHx_ = rearrange(linear(p["q_b_proj"], q_BxSxQ), "b s (h d) -> b s h d", d=cfg.qk_head_dim)
     q_nope_BxSxHxN, q_rot_BxSxHxP = q_BxSxHx_.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
     kv_BxSxC = linear(p["kv_a_proj_with_mqa"], x_BxSxD)
     kv_BxSxR, k_rot_BxSxP = kv_BxSxC.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-    latent_BxSxC = torch.cat([rms_norm(p["kv_a_layernorm"]["weight"], kv_BxSxR, LATENT_NORM_EPS),
+    latent_BxSxC = torch.cat([rms_norm(p["kv_a_layernorm"]["weight"], kv_BxSxR, eps),
                               apply_rope(k_rot_BxSxP, env.cos, env.sin)], dim=-1)
     return q_nope_BxSxHxN, apply_rope(q_rot_BxSxHxP, env.cos, env.sin), q_BxSxQ, latent_BxSxC
 
@@ -90,11 +95,13 @@ class Selection:
     (None: every key). With the indexer loss on, also what it needs: `student`, the full layer's index queries
     [B, S, I, J], head weights [B, S, I] and index keys [B, T, J], with their graph to the indexer's leaves;
     `targets`, per layer of the group so far, its detached absorbed queries [B, S, H, C] and latent rows
-    [B, T, C] (O(S H C) each: the target distributions are made per query block in `indexer_loss.kl`)."""
+    [B, T, C] (O(S H C) each: the target distributions are made per query block in `indexer_loss.kl`).
+    `allowed`: GLM-5.3's pooled selection says itself which of its token slots count (`kpool`)."""
 
     topk: torch.Tensor | None
     student: tuple | None = None
     targets: tuple = ()
+    allowed: torch.Tensor | None = None  # [B, S, K]: which selections count (None: those the mask allows)
 
 
 def select(ip: dict, x_BxSxD: torch.Tensor, q_BxSxQ: torch.Tensor, cfg: GLM5Config, layer: int, env: Env,
@@ -115,23 +122,41 @@ def select(ip: dict, x_BxSxD: torch.Tensor, q_BxSxQ: torch.Tensor, cfg: GLM5Conf
     return Selection(topk, (q_BxSxIxJ, w_BxSxI, keys_BxTxJ) if train else None)
 
 
+def select_pooled(ip: dict, x_BxSxD: torch.Tensor, q_BxSxQ: torch.Tensor, cfg: GLM5Config, layer: int,
+                  env: Env) -> Selection:
+    """A GLM-5.3 DSA layer's Selection: the pooled indexer's tokens and which of them count (`kpool`). Not
+    differentiated, as in the reference; the pooled indexer has no training objective here yet."""
+    if env.objectives.indexer_loss != "off":
+        raise ValueError("--train.indexer_loss is not defined for GLM-5.3's pooled indexer yet: run with "
+                         "--train.indexer_loss off")
+    key_dtype = torch.promote_types(x_BxSxD.dtype, ip["wk"]["weight"].dtype)
+    with torch.no_grad():
+        keys_BxTx_ = env.keys(layer, "index_keys", kpool.index_key_and_gate(ip, x_BxSxD).to(key_dtype))
+        idx_BxSxW, allowed_BxSxW = kpool.pooled_indexer(ip, x_BxSxD, q_BxSxQ, keys_BxTx_, env.mask, cfg.index_topk,
+                                                        cfg.index_kpool, cfg.index_kpool_always_select_tail)
+    return Selection(idx_BxSxW, allowed=allowed_BxSxW)
+
+
 # ---- the MLA core -------------------------------------------------------------------------------------------------
 
 def mla_core(p: dict, q_nope_BxSxHxN: torch.Tensor, q_rot_BxSxHxP: torch.Tensor, latent_BxTxC: torch.Tensor,
-             topk_BxSxK: torch.Tensor | None, mask: Mask, cfg: GLM5Config, parts: int = 1) -> torch.Tensor:
+             topk_BxSxK: torch.Tensor | None, mask: Mask, cfg: GLM5Config, parts: int = 1,
+             allowed_BxSxK: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of each query over its keys -> [B, S, H, V]: over every allowed key when no top-k narrows them
-    (`dense_mla`), else over its selected latent rows (`sparse_mla`, in `parts` parts of the queries)."""
+    (`dense_mla`), else over its selected latent rows (`sparse_mla`, in `parts` parts of the queries; with
+    `allowed_BxSxK`, over those it marks)."""
     B, S = q_nope_BxSxHxN.shape[:2]
     if topk_BxSxK is None and S > 1:
         return dense_mla(p, q_nope_BxSxHxN, q_rot_BxSxHxP, latent_BxTxC, mask, cfg)
     if topk_BxSxK is None:  # one query (decoding) over at most index_topk keys: all of them
         T = latent_BxTxC.shape[1]
         topk_BxSxK = torch.arange(T, device=latent_BxTxC.device).expand(B, S, T)
-    return sparse_mla(p, q_nope_BxSxHxN, q_rot_BxSxHxP, latent_BxTxC, topk_BxSxK, mask, cfg, parts)
+    return sparse_mla(p, q_nope_BxSxHxN, q_rot_BxSxHxP, latent_BxTxC, topk_BxSxK, mask, cfg, parts, allowed_BxSxK)
 
 
 def sparse_mla(p: dict, q_nope_BxSxHxN: torch.Tensor, q_rot_BxSxHxP: torch.Tensor, latent_BxTxC: torch.Tensor,
-               idx_BxSxK: torch.Tensor, mask: Mask, cfg: GLM5Config, parts: int = 1) -> torch.Tensor:
+               idx_BxSxK: torch.Tensor, mask: Mask, cfg: GLM5Config, parts: int = 1,
+               allowed_BxSxK: torch.Tensor | None = None) -> torch.Tensor:
     """MLA over the selected keys, in latent space: q_nope absorbs W_k, the latent output passes W_v. -> [B,S,H,V]
 
     The contractions with kv_b compute in the latent's dtype (kv_b's; wider than the queries' under
@@ -143,7 +168,10 @@ def sparse_mla(p: dict, q_nope_BxSxHxN: torch.Tensor, q_rot_BxSxHxP: torch.Tenso
     w_k_HxNxR, w_v_HxVxR = kv_b_heads(p, cfg)
     q_abs_BxSxHxR = torch.einsum("bshn,hnr->bshr", q_nope_BxSxHxN.to(dt), w_k_HxNxR.to(dt)).to(act)
     q_BxSxHxC = torch.cat([q_abs_BxSxHxR, q_rot_BxSxHxP], dim=-1)
-    allowed_BxSxK, bias_BxSxK = mask.at(idx_BxSxK), mask.bias_at(idx_BxSxK)
+    explicit = allowed_BxSxK is not None
+    if not explicit:
+        allowed_BxSxK = mask.at(idx_BxSxK)
+    bias_BxSxK = mask.bias_at(idx_BxSxK)
     S = q_BxSxHxC.shape[1]
     bounds = [S * i // parts for i in range(parts + 1)]
     outs = [kernels.sparse_attention(q_BxSxHxC[:, a:b], latent_BxTxC, idx_BxSxK[:, a:b], allowed_BxSxK[:, a:b],
@@ -151,6 +179,8 @@ def sparse_mla(p: dict, q_nope_BxSxHxN: torch.Tensor, q_rot_BxSxHxP: torch.Tenso
                                      None if bias_BxSxK is None else bias_BxSxK[:, a:b])
             for a, b in zip(bounds, bounds[1:]) if b > a]
     out_BxSxHxR = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    if explicit:
+        out_BxSxHxR = out_BxSxHxR * allowed_BxSxK.any(-1)[..., None, None]
     return torch.einsum("bshr,hvr->bshv", out_BxSxHxR.to(dt), w_v_HxVxR.to(dt)).to(act)
 
 
@@ -204,16 +234,19 @@ def target_queries(p: dict, q_nope_BxSxHxN: torch.Tensor, q_rot_BxSxHxP: torch.T
 def attention(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, env: Env, carry: Selection | None,
               kl_block_elems: int = indexer_loss.INDEXER_LOSS_BLOCK_ELEMS) -> tuple[torch.Tensor, Selection, dict]:
     """MLA + DSA for one layer -> (output [B, S, D], the Selection the next layer may reuse, aux). A full layer
-    ("indexer" in p) selects its own keys; a shared layer attends to `carry`'s. With env.objectives.indexer_loss
-    on, the aux of a group's last layer (with target "own", every full layer) holds the indexer loss's fp64 sums
-    "indexer_loss" and "indexer_recall" (`indexer_loss.kl`)."""
+    ("indexer" in p; GLM-5.3's through its pooled indexer, `layers.layer_spec`) selects its own keys; a shared
+    layer attends to `carry`'s. With env.objectives.indexer_loss on, the aux of a group's last layer (with target "own", every
+    full layer) holds the indexer loss's fp64 sums "indexer_loss" and "indexer_recall" (`indexer_loss.kl`)."""
     q_nope, q_rot, q_BxSxQ, latent_BxSxC = mla_project(p, x_BxSxD, cfg, env)
     # the latent rows are gathered (and their gradients summed over queries and CP ranks) in kv_b's dtype
     latent_dtype = torch.promote_types(latent_BxSxC.dtype, p["kv_b_proj"]["weight"].dtype)
     latent_BxTxC = env.keys(layer, "latent", latent_BxSxC.to(latent_dtype))
-    if "indexer" in p:
+    if "indexer" in p and layer_spec(cfg, layer).indexer == "pooled":
+        carry = select_pooled(p["indexer"], x_BxSxD, q_BxSxQ, cfg, layer, env)
+    elif "indexer" in p:
         carry = select(p["indexer"], x_BxSxD, q_BxSxQ, cfg, layer, env, latent_BxTxC.shape[1])
-    out_BxSxHxV = mla_core(p, q_nope, q_rot, latent_BxTxC, carry.topk, env.mask, cfg, env.query_parts)
+    out_BxSxHxV = mla_core(p, q_nope, q_rot, latent_BxTxC, carry.topk, env.mask, cfg, env.query_parts,
+                           carry.allowed)
     out_BxSxD = linear(p["o_proj"], rearrange(out_BxSxHxV, "b s h v -> b s (h v)"))
     if carry.student is None:
         return out_BxSxD, carry, {}

@@ -1,4 +1,5 @@
-"""GLM5Config: the model's hyper-parameters, with Transformers' `glm_moe_dsa` field names and meanings.
+"""GLM5Config: the model's hyper-parameters, with Transformers' field names and meanings: `glm_moe_dsa` (GLM-5,
+5.1, 5.2) and `glm5_next` (GLM-5.3: KDA and pooled-DSA layers, mHC streams, the SwiGLU clamp).
 
 Also the named presets (`preset("glm5-tiny")`) and conversion to and from a Transformers config.json.
 """
@@ -13,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MODEL_TYPE = "glm_moe_dsa"
+GLM53 = "glm5_next"  # GLM-5.3's Transformers model_type (its text model's config: "glm5_next_text")
+MODEL_TYPES = (MODEL_TYPE, GLM53)
 
 # Keys a Transformers config.json carries that say nothing about the network itself.
 _HF_BOOKKEEPING = {
@@ -21,6 +24,9 @@ _HF_BOOKKEEPING = {
     "is_encoder_decoder", "id2label", "label2id", "problem_type", "_name_or_path", "layer_types", "head_dim",
     "qk_head_dim", "num_local_experts", "quantization_config", "auto_map", "tokenizer_class",
 }
+# ... and those a glm5_next text config carries beside (the router's aux loss weight is a --train flag here).
+_HF_BOOKKEEPING_53 = (_HF_BOOKKEEPING - {"layer_types"}) | {"router_aux_loss_coef", "max_window_layers",
+                                                            "base_config_key"}
 
 
 def read_json(path: str, expected: str) -> dict:
@@ -85,6 +91,19 @@ class GLM5Config:
     pad_token_id: int | None = None
     bos_token_id: int | None = 0
     eos_token_id: int | tuple[int, ...] | None = 1
+    # GLM-5.3 (model_type "glm5_next"); a glm_moe_dsa config keeps these at their defaults, which mean "absent".
+    model_type: str = MODEL_TYPE
+    layer_types: tuple[str, ...] = ()  # glm5_next, per layer: "linear_attention" (KDA) or "indexed_attention" (DSA)
+    linear_num_heads: int = 64  # KDA heads and their q/k/v head dim
+    linear_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4  # KDA's causal depthwise short convolution
+    linear_lower_bound: float | None = -5.0  # KDA's forget gate: lower_bound * sigmoid(..), None: -exp(A) softplus
+    hc_mult: int = 4  # mHC residual streams
+    hc_eps: float = 1e-6
+    hc_sinkhorn_iters: int = 20
+    swiglu_limit: float | None = None  # gate clamped to <= limit, up to [-limit, limit]; None: no clamp
+    index_kpool: int = 1  # the indexer scores pools of this many keys (1: single keys, GLM-5)
+    index_kpool_always_select_tail: bool = True  # a query also attends its own incomplete pool
 
     def __post_init__(self):
         _validate(self)
@@ -105,11 +124,16 @@ class GLM5Config:
         return rope
 
     @property
+    def is_glm53(self) -> bool:
+        return self.model_type == GLM53
+
+    @property
     def softmax_scale(self) -> float:
-        """MLA's softmax scale: qk_head_dim^-0.5, times the yarn mscale squared where `mscale_all_dim` is set."""
+        """MLA's softmax scale: qk_head_dim^-0.5, times the yarn mscale squared where `mscale_all_dim` is set
+        (GLM-5.3 has no rope: no mscale)."""
         scale = self.qk_head_dim ** -0.5
         rope = self.rope
-        if rope["rope_type"] != "default" and rope.get("mscale_all_dim"):
+        if not self.is_glm53 and rope["rope_type"] != "default" and rope.get("mscale_all_dim"):
             m = yarn_mscale(rope["factor"], rope["mscale_all_dim"])
             scale = scale * m * m
         return scale
@@ -142,33 +166,48 @@ class GLM5Config:
             source = read_json(path, "a Transformers config.json (a JSON object of the model's fields)")
         d = dict(source)
         model_type = d.get("model_type", MODEL_TYPE)
-        if model_type != MODEL_TYPE:
-            raise ValueError(f"expected a config of model_type {MODEL_TYPE!r} (GLM-5), found {model_type!r}")
+        if model_type in (GLM53, GLM53 + "_text"):
+            d = _glm53_text_fields(d)
+        elif model_type != MODEL_TYPE:
+            raise ValueError(f"expected a config of model_type {MODEL_TYPE!r} (GLM-5) or {GLM53!r} (GLM-5.3), found "
+                             f"{model_type!r}")
+        else:
+            d["model_type"] = MODEL_TYPE
+            if set(d.pop("layer_types", None) or ()) - {"full_attention", "indexed_attention"}:
+                raise ValueError(f"a {MODEL_TYPE} config's layer_types must all be attention layers, got "
+                                 f"{sorted(set(source['layer_types']))}")
         if d.get("num_experts") is not None:
             d["n_routed_experts"] = d.pop("num_experts")
         rope = dict(d.pop("rope_parameters", None) or d.pop("rope_scaling", None) or {})
         if "rope_theta" in d:
             rope.setdefault("rope_theta", d.pop("rope_theta"))
-        d["rope_parameters"] = rope
+        if d["model_type"] == MODEL_TYPE:  # GLM-5.3 has no rope
+            d["rope_parameters"] = rope
         for name, value in FIXED.items():  # Transformers fields GLM-5 has one value of
             if name in d and d.pop(name) != value:
-                raise ValueError(f"config has {name}={source[name]!r}; GLM-5 (MLA, SwiGLU, no dropout) needs {value!r}")
+                raise ValueError(f"config has {name}={d.get(name, source.get(name))!r}; GLM-5 (MLA, SwiGLU, no "
+                                 f"dropout) needs {value!r}")
         if "num_key_value_heads" in d and d.pop("num_key_value_heads") != d.get("num_attention_heads"):
             raise ValueError(f"MLA expands one latent into every head: num_key_value_heads must equal "
-                             f"num_attention_heads ({d.get('num_attention_heads')}), got {source['num_key_value_heads']}")
+                             f"num_attention_heads ({d.get('num_attention_heads')}), got "
+                             f"{source.get('num_key_value_heads', d.get('num_key_value_heads'))}")
         if isinstance(d.get("eos_token_id"), list):
             d["eos_token_id"] = tuple(d["eos_token_id"])
         d.update(layer_types(d.get("num_hidden_layers", cls.num_hidden_layers), **{
             k: d.pop(k) for k in SCHEDULE if k in d}))
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(k for k in d if k not in names and k not in _HF_BOOKKEEPING)
+        known = _HF_BOOKKEEPING_53 if d["model_type"] == GLM53 else _HF_BOOKKEEPING
+        unknown = sorted(k for k in d if k not in names and k not in known)
         if unknown:
             raise ValueError(f"config has fields GLM5Config does not know: {unknown}. Remove them or check that "
-                             f"this is a {MODEL_TYPE} config")
+                             f"this is a {d['model_type']} config")
+        if isinstance(d.get("layer_types"), list):
+            d["layer_types"] = tuple(d["layer_types"])
         return cls(**{k: v for k, v in d.items() if k in names})
 
     def to_hf(self) -> dict[str, Any]:
-        """A dict that `transformers.GlmMoeDsaConfig(**d)` and config.json accept."""
+        """A dict that `transformers.GlmMoeDsaConfig(**d)` (GLM-5) or `transformers.Glm5NextConfig(**d)` (GLM-5.3:
+        the fields in its text_config, no vision_config: the caller adds one) and config.json accept."""
         d = dataclasses.asdict(self)
         d.update(FIXED, num_key_value_heads=self.num_attention_heads, indexer_types=list(self.indexer_types),
                  mlp_layer_types=list(self.mlp_layer_types), rope_parameters=self.rope, model_type=MODEL_TYPE,
@@ -177,7 +216,72 @@ class GLM5Config:
             d["eos_token_id"] = list(self.eos_token_id)
         if not self.mtp_shared_depths:  # glm5f's own field, written only where it is used
             del d["mtp_shared_depths"]
-        return d
+        if not self.is_glm53:
+            return {k: v for k, v in d.items() if k not in GLM53_ONLY}
+        for name in ("rope_parameters", "mlp_bias", "num_nextn_predict_layers"):
+            d.pop(name)
+        text = {**d, "layer_types": list(self.layer_types), "model_type": GLM53 + "_text"}
+        text.pop("architectures")
+        return {"model_type": GLM53, "architectures": ["Glm5NextForConditionalGeneration"], "text_config": text,
+                "tie_word_embeddings": self.tie_word_embeddings}
+
+
+# The fields of a GLM-5 config; the others are GLM-5.3's (to_hf writes them for glm5_next only).
+_GLM5_FIELDS = {
+    "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    "index_topk", "index_n_heads", "index_head_dim", "indexer_types", "mlp_layer_types", "n_routed_experts",
+    "n_shared_experts", "num_experts_per_tok", "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor",
+    "rope_parameters", "max_position_embeddings", "rms_norm_eps", "attention_bias", "tie_word_embeddings",
+    "initializer_range", "num_nextn_predict_layers", "mtp_shared_depths", "pad_token_id", "bos_token_id",
+    "eos_token_id"}
+
+# Transformers' Glm5NextTextConfig defaults (the GLM-5.3-Flash text model): what a glm5_next config.json means by
+# the fields it leaves out. `layer_types` and the schedules are derived as Transformers derives them.
+GLM53_DEFAULTS: dict[str, Any] = dict(
+    model_type=GLM53, vocab_size=154880, hidden_size=4096, intermediate_size=12288, moe_intermediate_size=2048,
+    num_hidden_layers=45, num_attention_heads=64, n_shared_experts=1, n_routed_experts=288,
+    routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=0, v_head_dim=256,
+    qk_nope_head_dim=256, n_group=1, topk_group=1, num_experts_per_tok=8, norm_topk_prob=True,
+    max_position_embeddings=1048576, initializer_range=0.02, rms_norm_eps=1e-5, pad_token_id=154820,
+    bos_token_id=None, eos_token_id=None, tie_word_embeddings=False, attention_bias=False, index_topk=2048,
+    index_head_dim=128, index_n_heads=32, swiglu_limit=10.0, linear_head_dim=128, linear_num_heads=64,
+    linear_conv_kernel_dim=4, linear_lower_bound=-5.0, hc_mult=4, hc_eps=1e-6, hc_sinkhorn_iters=20, index_kpool=16,
+    index_kpool_always_select_tail=True)
+GLM53_ONLY = {f.name for f in dataclasses.fields(GLM5Config)} - _GLM5_FIELDS - {"model_type"}
+# glm5_next config keys about the vision tower and the multimodal tokens: not the text model's.
+_GLM53_MULTIMODAL = {"vision_config", "image_token_id", "video_token_id", "image_start_token_id",
+                     "image_end_token_id", "video_start_token_id", "video_end_token_id"}
+
+
+def glm53_layer_types(num_hidden_layers: int) -> tuple[str, ...]:
+    """Transformers' default GLM-5.3 schedule: every fourth layer (3, 7, ...) DSA, the others KDA."""
+    return tuple("indexed_attention" if i % 4 == 3 else "linear_attention" for i in range(num_hidden_layers))
+
+
+def _glm53_text_fields(d: dict) -> dict:
+    """A glm5_next config.json (its text_config, or the text fields at the top level of a flat one) as GLM5Config
+    fields with Transformers' defaults for those left out; layer_types' "full_attention" read as
+    "indexed_attention", a `linear_attn_config` dict as the linear_* fields. The MTP layer (Transformers has no
+    forward for it) is not part of the model: num_nextn_predict_layers is dropped."""
+    text = d.get("text_config")
+    if isinstance(text, dict):
+        d = dict(text)
+    d = {k: v for k, v in d.items() if k not in _GLM53_MULTIMODAL and k != "text_config"}
+    linear = d.pop("linear_attn_config", None)
+    if isinstance(linear, dict):
+        for ours, theirs in (("linear_head_dim", "head_dim"), ("linear_num_heads", "num_heads"),
+                             ("linear_conv_kernel_dim", "short_conv_kernel_size"),
+                             ("linear_lower_bound", "gate_lower_bound")):
+            if theirs in linear:
+                d[ours] = linear[theirs]
+        if linear.get("safe_gate", True) and d.get("linear_lower_bound", -5.0) is None:
+            d["linear_lower_bound"] = -5.0
+    d = {**GLM53_DEFAULTS, **d, "model_type": GLM53}
+    d.pop("num_nextn_predict_layers", None)
+    types = d.get("layer_types") or glm53_layer_types(d["num_hidden_layers"])
+    d["layer_types"] = tuple("indexed_attention" if t == "full_attention" else t for t in types)
+    return d
 
 
 # Transformers fields that GLM-5 holds at one value (written by to_hf, checked by from_hf).
@@ -242,10 +346,17 @@ def _validate(c: GLM5Config) -> None:
             problems.append(msg)
 
     for name in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
-                 "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                 "v_head_dim", "index_topk", "index_n_heads", "index_head_dim", "n_routed_experts",
-                 "num_experts_per_tok", "n_group", "topk_group", "max_position_embeddings"):
+                 "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "index_topk",
+                 "index_n_heads", "index_head_dim", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group",
+                 "max_position_embeddings") + (() if c.is_glm53 else ("qk_rope_head_dim",)):
         need(getattr(c, name) > 0, f"{name} must be positive, got {getattr(c, name)}")
+    need(c.model_type in MODEL_TYPES, f"model_type must be one of {MODEL_TYPES}, got {c.model_type!r}")
+    if c.is_glm53:
+        _validate_glm53(c, need)
+    else:
+        for name in ("layer_types", "swiglu_limit", "index_kpool"):
+            need(getattr(c, name) == GLM5_ABSENT[name], f"{name}={getattr(c, name)!r} is a GLM-5.3 field: set "
+                                                        f"model_type={GLM53!r} for it (GLM-5 has {GLM5_ABSENT[name]!r})")
     need(c.num_nextn_predict_layers >= 0, f"num_nextn_predict_layers must be >= 0, got {c.num_nextn_predict_layers}")
     need(c.mtp_shared_depths >= 0, f"mtp_shared_depths must be >= 0, got {c.mtp_shared_depths}")
     need(not c.mtp_shared_depths or c.num_nextn_predict_layers == 1,
@@ -260,7 +371,9 @@ def _validate(c: GLM5Config) -> None:
     need(len(c.indexer_types) == n, f"indexer_types has {len(c.indexer_types)} entries for {n} layers (set one per "
                                     f"layer, e.g. with --model.index_topk_pattern)")
     need(set(c.indexer_types) <= {"full", "shared"}, f"indexer_types may hold 'full'/'shared', got {c.indexer_types}")
-    need(not c.indexer_types or c.indexer_types[0] == "full",
+    kinds = c.layer_types if len(c.layer_types) == n else ("indexed_attention",) * n
+    first_dsa = kinds.index("indexed_attention") if "indexed_attention" in kinds else None
+    need(first_dsa is None or len(c.indexer_types) <= first_dsa or c.indexer_types[first_dsa] == "full",
          "the first layer's indexer must be 'full': a 'shared' layer reuses the top-k of an earlier full layer")
     need(len(c.mlp_layer_types) == n, f"mlp_layer_types has {len(c.mlp_layer_types)} entries for {n} layers (set "
                                       f"one per layer, e.g. with --model.first_k_dense_replace)")
@@ -285,6 +398,37 @@ def _validate(c: GLM5Config) -> None:
         raise ValueError("invalid GLM5Config:\n  - " + "\n  - ".join(problems))
 
 
+# The values of the GLM-5.3 fields that mean "absent" in a GLM-5 config.
+GLM5_ABSENT = {"layer_types": (), "swiglu_limit": None, "index_kpool": 1}
+
+
+def _validate_glm53(c: GLM5Config, need) -> None:
+    n = c.num_hidden_layers
+    need(c.qk_rope_head_dim == 0, f"GLM-5.3's attention has no rope: qk_rope_head_dim must be 0, got "
+                                  f"{c.qk_rope_head_dim}")
+    need(len(c.layer_types) == n, f"layer_types has {len(c.layer_types)} entries for {n} layers (one per layer: "
+                                  f"'linear_attention' or 'indexed_attention')")
+    need(set(c.layer_types) <= {"linear_attention", "indexed_attention"},
+         f"layer_types may hold 'linear_attention'/'indexed_attention', got {sorted(set(c.layer_types))}")
+    for name in ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim", "hc_mult", "hc_sinkhorn_iters",
+                 "index_kpool"):
+        need(getattr(c, name) > 0, f"{name} must be positive, got {getattr(c, name)}")
+    need(c.hc_eps >= 0, f"hc_eps must be >= 0, got {c.hc_eps}")
+    need(c.swiglu_limit is None or c.swiglu_limit > 0, f"swiglu_limit must be positive or None, got "
+                                                       f"{c.swiglu_limit}")
+    need(c.index_kpool <= 0 or c.index_topk % c.index_kpool == 0,
+         f"index_topk ({c.index_topk}) must be divisible by index_kpool ({c.index_kpool}): it selects "
+         f"index_topk / index_kpool pools")
+    need(c.num_nextn_predict_layers == 0, "GLM-5.3's MTP layer is not trained here (Transformers has no forward "
+                                          "for it; save_hf copies its tensors): num_nextn_predict_layers must be 0")
+    if len(c.layer_types) == n and len(c.indexer_types) == n:
+        for i in range(1, n):
+            if c.layer_types[i] == "indexed_attention" and c.indexer_types[i] == "shared":
+                need(c.layer_types[i - 1] == "indexed_attention",
+                     f"layer {i} shares the top-k of the layer before it (indexer_types 'shared'), which is a "
+                     f"{c.layer_types[i - 1]} layer: a shared DSA layer must directly follow a DSA layer")
+
+
 # The sizes of the two scaled presets: a few hundred hidden units, four layers, DSA sparse below 64 keys.
 _SCALED = dict(vocab_size=4096, hidden_size=256, intermediate_size=704, moe_intermediate_size=128, num_hidden_layers=4,
                num_attention_heads=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
@@ -306,6 +450,25 @@ PRESETS: dict[str, dict[str, Any]] = {
         first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
         topk_group=1, index_topk_pattern="FFS", max_position_embeddings=2048,
     ),
+    # GLM-5.3-Flash's text model (Transformers' glm5_next defaults); its MTP layer is not trained here.
+    "glm53": dict(GLM53_DEFAULTS),
+    # GLM-5.3 at CPU bench size: three KDA layers and a DSA layer (the release's ratio), 16 pools of 8 selected.
+    "glm53-scaled": dict(GLM53_DEFAULTS, **{**_SCALED, "qk_rope_head_dim": 0, "index_topk": 128,
+                                            "max_position_embeddings": 65536}, index_kpool=8, layer_types=glm53_layer_types(4), first_k_dense_replace=1,
+                         n_routed_experts=16, num_experts_per_tok=4, linear_num_heads=4, linear_head_dim=64,
+                         pad_token_id=None, bos_token_id=0, eos_token_id=1),
+    # Toy size, every GLM-5.3 part on: KDA and DSA layers, four mHC streams, a dense layer and MoE layers with
+    # groups, the clamp, pools of 2 with the tail, index_topk << sequence.
+    "glm53-tiny": dict(
+        GLM53_DEFAULTS, vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=4, layer_types=("linear_attention", "indexed_attention", "linear_attention",
+                                          "indexed_attention"),
+        num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16,
+        index_topk=8, index_kpool=2, index_n_heads=4, index_head_dim=16, first_k_dense_replace=1,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+        linear_num_heads=2, linear_head_dim=16, max_position_embeddings=2048, pad_token_id=None, bos_token_id=0,
+        eos_token_id=1,
+    ),
 }
 
 
@@ -319,4 +482,7 @@ def preset(name: str, **overrides) -> GLM5Config:
     if "num_hidden_layers" in overrides and "index_topk_pattern" in schedule and "index_topk_pattern" not in overrides:
         del schedule["index_topk_pattern"]  # the preset's pattern is for its own depth: use the default schedule
     n = fields.get("num_hidden_layers", GLM5Config.num_hidden_layers)
+    if fields.get("model_type") == GLM53 and ("layer_types" not in fields or (
+            "num_hidden_layers" in overrides and "layer_types" not in overrides)):
+        fields["layer_types"] = glm53_layer_types(n)  # the preset's schedule is for its own depth
     return GLM5Config(**fields, **layer_types(n, **schedule))

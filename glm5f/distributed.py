@@ -46,6 +46,9 @@ MESH_RULES = {
     "q_lora": ("fsdp",), "kv_lora": ("fsdp",), "latent": ("fsdp",),
     "index_heads": ("fsdp",), "index_dim": ("fsdp",),
     "lora_rank": (),  # a LoRA factor's rank dim: small, replicated; its other dims shard as its weight's
+    # GLM-5.3: KDA heads (x head dim) and head dim; the small mHC mixing rows, short-convolution taps and pool
+    # positions stay replicated
+    "linear_heads": ("fsdp",), "linear_dim": ("fsdp",), "hc": (), "conv": (), "pool": (),
 }
 GATHERED = ("fsdp",)  # the mesh axes a leaf is gathered over for the forward
 

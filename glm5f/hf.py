@@ -273,7 +273,8 @@ def _summarize_keys(keys: list[str]) -> list[str]:
 
 def load_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
             region: Region | None = None) -> tuple[GLM5Config, dict]:
-    """(cfg, params) from a Transformers GLM-5 checkpoint directory.
+    """(cfg, params) from a Transformers GLM-5 checkpoint directory, or a GLM-5.3 one (Glm5NextForConditionalGeneration:
+    its text model; the vision tower's and the MTP layer's tensors are left where they are, see `save_hf`).
 
     Reads the safetensors headers first and checks every key and shape (one error lists all problems; nothing is
     loaded then), then copies tensor by tensor into the params tree. dtype: None keeps the checkpoint's dtypes;
@@ -295,6 +296,8 @@ def load_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None, device
     cfg = GLM5Config.from_hf(path)
     inv = _inventory(checkpoint_files(path))
     scales, block = _fp8_scales(path, inv)
+    inv, _ = _text_model_keys(cfg, inv)
+    scales = {ours: scales[key] for ours, key in _text_model_keys(cfg, {k: k for k in scales})[0].items()}
     L = cfg.num_hidden_layers
     if cfg.num_nextn_predict_layers and not any(k.startswith(f"model.layers.{L}.") for k in inv):
         warnings.warn(f"{path}: config.json has num_nextn_predict_layers={cfg.num_nextn_predict_layers} but the "
@@ -359,13 +362,18 @@ def check_loaded_finite(params: dict, source: str, total=lambda t: t) -> None:
                          f"saved from a diverged run: load another checkpoint")
 
 
-def hf_state_dict(params: dict, *, fused_experts: bool = False) -> dict[str, torch.Tensor]:
+def hf_state_dict(params: dict, *, fused_experts: bool = False, cfg: GLM5Config | None = None
+                  ) -> dict[str, torch.Tensor]:
     """Our params as checkpoint tensors: per expert (default), or fused as Transformers holds them in memory.
 
     The per-expert tensors are views of the stacked leaves; differentiable, so a Transformers module driven by
     `torch.func.functional_call(model, hf_state_dict(params, fused_experts=True), ...)` yields gradients for our
-    leaves.
+    leaves. For GLM-5.3 (`cfg`), the keys are those of Glm5NextForConditionalGeneration: the text model's under
+    model.language_model, and with fused_experts its in-memory names (`_glm53_in_memory`).
     """
+    if cfg is not None and cfg.is_glm53:
+        out = {_checkpoint_key(cfg, k): t for k, t in hf_state_dict(params, fused_experts=fused_experts).items()}
+        return _glm53_in_memory(out) if fused_experts else out
     out = {}
     for path, t in flatten(params).items():
         m = _expert_leaf(path)
@@ -379,6 +387,60 @@ def hf_state_dict(params: dict, *, fused_experts: bool = False) -> dict[str, tor
             out[f"{prefix}.gate_up_proj"] = torch.cat([out.pop(f"{prefix}.gate_proj"), t], dim=1)
         else:
             out[f"{prefix}.gate_proj"] = t  # joined with up_proj (which follows in tree order)
+    return out
+
+
+# ---- GLM-5.3 (Glm5NextForConditionalGeneration) ---------------------------------------------------------------
+# Our paths are the text model's checkpoint keys without its `language_model.` level: `model.layers.3.hc_attn_fn`
+# is the checkpoint's `model.language_model.layers.3.hc_attn_fn` (`lm_head.weight` is the same). The checkpoint's
+# other tensors (the vision tower `model.visual.*`, the MTP layer `model.language_model.layers.{L}.*`, which
+# Transformers has no forward for) are not trained here; save_hf copies them from its `source` checkpoint.
+_GLM53_TEXT = "model.language_model."
+_GLM53_RENAMES = [(re.compile(a), b) for a, b in [  # checkpoint key -> Transformers' parameter (its conversion)
+    (r"\.self_attn\.(f_a_proj|f_b_proj|dt_bias|A_log)\b", r".self_attn.forget_gate.\1"),
+    (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"),
+]]
+
+
+def _checkpoint_key(cfg: GLM5Config, path: str) -> str:
+    """The checkpoint key of our path `path` (GLM-5: the same)."""
+    if cfg.is_glm53 and path.startswith("model."):
+        return _GLM53_TEXT + path[len("model."):]
+    return path
+
+
+def _text_model_keys(cfg: GLM5Config, inv: dict) -> tuple[dict, list[str]]:
+    """(inventory by our paths, the keys that are not the text model's) of a checkpoint's inventory. A GLM-5.3
+    checkpoint's text model lies under model.language_model (a text-only one's may lie under model)."""
+    if not cfg.is_glm53:
+        return inv, []
+    prefix = _GLM53_TEXT if any(k.startswith(_GLM53_TEXT) for k in inv) else "model."
+    ours, carried = {}, []
+    for key, entry in inv.items():
+        layer = re.match(re.escape(prefix) + r"layers\.(\d+)\.", key)
+        if key == "lm_head.weight" or (key.startswith(prefix) and not (layer and int(layer.group(1)) >=
+                                                                       cfg.num_hidden_layers)
+                                       and not key.startswith("model.visual.")):
+            ours["model." + key[len(prefix):] if key.startswith(prefix) else key] = entry
+        else:
+            carried.append(key)
+    return ours, carried
+
+
+def _glm53_in_memory(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors of a GLM-5.3 text model (fused experts) as Transformers' model names them after its
+    conversion mapping: forget_gate.*, {attn,ffn}_hc.*, and conv1d.weight, the q, k and v convolutions stacked."""
+    out = {}
+    for key, t in sd.items():
+        conv = re.match(r"^(.*\.self_attn\.)([qkv])_conv1d\.weight$", key)
+        if conv:
+            if conv.group(2) == "v":
+                out[conv.group(1) + "conv1d.weight"] = torch.cat(
+                    [sd[f"{conv.group(1)}{n}_conv1d.weight"] for n in "qkv"], dim=0)
+            continue
+        for pattern, repl in _GLM53_RENAMES:
+            key = pattern.sub(repl, key)
+        out[key] = t
     return out
 
 
@@ -413,7 +475,7 @@ def check_export_dir(path: str | os.PathLike, run_dir: str | os.PathLike | None 
 
 
 def save_hf(path: str | os.PathLike, cfg: GLM5Config, params: dict, *, max_shard_bytes: int = 5 << 30,
-            write: bool = True, extra_files: tuple[str, ...] = ()) -> None:
+            write: bool = True, extra_files: tuple[str, ...] = (), source: str | os.PathLike | None = None) -> None:
     """Write a Transformers checkpoint directory (config.json + safetensors, per-expert keys, sharded with an
     index above `max_shard_bytes`). Written into a temporary sibling and renamed, so `path` never holds half a
     checkpoint. `path` must be new, empty or a previous export (check_export_dir); that one is replaced.
@@ -422,17 +484,35 @@ def save_hf(path: str | os.PathLike, cfg: GLM5Config, params: dict, *, max_shard
     order, and only the one with write=True checks `path` and writes), so no rank holds more than one full leaf
     and one shard file's tensors. `extra_files` (e.g. the run's tokenizer.json) are copied in beside them. The
     directory gets the user's umask's permissions (not mkdtemp's 0700).
+
+    GLM-5.3: a Glm5NextForConditionalGeneration checkpoint. With `source` (the checkpoint the params were loaded
+    from), its tensors that are not the text model's (the vision tower, the MTP layer) are copied unchanged and
+    its config.json kept with our text_config in place of its own; without, config.json holds the text_config only
+    (Transformers then makes a vision tower of its default config).
     """
     path = os.fspath(path).rstrip("/")
     if write:
         check_export_dir(path)
     flat = flatten(params)
     # (checkpoint key, our leaf, expert index or None, the key's shape), in the order they are written
-    entries = [(key, leaf, e, tuple(t.shape[1:] if e is not None else t.shape))
+    entries = [(_checkpoint_key(cfg, key), leaf, e, tuple(t.shape[1:] if e is not None else t.shape))
                for leaf, t in flat.items() for key, e in _hf_keys(leaf, tuple(t.shape))]
+    source_cfg = None
+    if source is not None and cfg.is_glm53:
+        source_cfg = read_json(os.path.join(source, "config.json"), "a Transformers config.json")
+        src = _inventory(checkpoint_files(os.fspath(source)))
+        for key in _text_model_keys(cfg, src)[1]:  # a carried tensor is a "leaf" of (file, dtype, byte offset)
+            fn, shape, dt, begin = src[key]
+            if dt in _FP8 or key.endswith(SCALE_SUFFIX):
+                raise ValueError(f"save_hf: {source} holds FP8 tensors outside the text model ({key}); copying "
+                                 f"them beside a dequantized text model is not supported: export without source")
+            entries.append((key, (fn, _DTYPES[dt], begin), None, shape))
+
+    def dtype_of(entry) -> torch.dtype:
+        return entry[1][1] if isinstance(entry[1], tuple) else flat[entry[1]].dtype
 
     def nbytes(entry) -> int:
-        return math.prod(entry[3]) * flat[entry[1]].element_size()
+        return math.prod(entry[3]) * torch.empty((), dtype=dtype_of(entry)).element_size()
 
     shards, current, size = [], [], 0
     for entry in entries:
@@ -445,6 +525,12 @@ def save_hf(path: str | os.PathLike, cfg: GLM5Config, params: dict, *, max_shard
     held = {"leaf": None, "t": None}  # the one leaf gathered now
 
     def tensor(key, leaf, e, shape):
+        if isinstance(leaf, tuple):  # a tensor copied from the source checkpoint
+            fn, dt, begin = leaf
+            out = torch.empty(shape, dtype=dt)
+            with open(fn, "rb") as f:
+                _read_into(f, shape, begin, tuple(slice(0, n) for n in shape), out)
+            return out
         if held["leaf"] != leaf:
             held.update(leaf=leaf, t=None)
             held["t"] = _materialize(flat[leaf])
@@ -453,13 +539,16 @@ def save_hf(path: str | os.PathLike, cfg: GLM5Config, params: dict, *, max_shard
     if not write:  # take part in every gather, in the writer's order
         for shard in shards:
             for entry in shard:
-                tensor(*entry)
+                if not isinstance(entry[1], tuple):
+                    tensor(*entry)
         return
 
     def fill(tmp: str) -> None:
         for file in extra_files:
             shutil.copyfile(file, os.path.join(tmp, os.path.basename(file)))
         hf_cfg = cfg.to_hf()
+        if source_cfg is not None:  # its vision_config and token ids, our text_config
+            hf_cfg = {**source_cfg, **hf_cfg}
         hf_cfg["dtype"] = str(max({t.dtype for t in flat.values()},
                                   key=lambda d: torch.finfo(d).bits)).removeprefix("torch.")
         with open(os.path.join(tmp, "config.json"), "w") as f:
@@ -467,8 +556,7 @@ def save_hf(path: str | os.PathLike, cfg: GLM5Config, params: dict, *, max_shard
         names = (["model.safetensors"] if len(shards) == 1 else
                  [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
         for name, shard in zip(names, shards):
-            _write_safetensors(os.path.join(tmp, name),
-                               [(key, shape, flat[leaf].dtype) for key, leaf, _, shape in shard],
+            _write_safetensors(os.path.join(tmp, name), [(e[0], e[3], dtype_of(e)) for e in shard],
                                (tensor(*entry) for entry in shard))
         open(os.path.join(tmp, EXPORT_MARKER), "w").close()
         if len(shards) > 1:

@@ -13,15 +13,18 @@ from typing import Callable
 import torch
 
 from glm5f.config import GLM5Config
+from glm5f.hyper import hc_leaves
 from glm5f.kernels import INDEXER_QUERY_CHUNK_ELEMS, sparse_block_size
 from glm5f.ops import wide_dtype
 
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """What a decoder layer is. attention: "mla_dsa" (MLA with DeepSeek sparse attention). indexer: "full" (runs
-    its own DSA indexer), "shared" (reuses the top-k of the last full layer) or "none" (no top-k). mlp: "dense"
-    (SwiGLU) or "moe". residual: "plain" (pre-norm blocks added to one residual stream)."""
+    """What a decoder layer is. attention: "mla_dsa" (MLA with DeepSeek sparse attention) or "kda" (GLM-5.3's Kimi
+    delta attention). indexer: "full" (runs its own DSA indexer), "pooled" (its own GLM-5.3 pooled indexer,
+    `glm5f.kpool`), "shared" (reuses the top-k of the last full layer) or "none" (no top-k). mlp: "dense" (SwiGLU)
+    or "moe". residual: "plain" (pre-norm blocks added to one residual stream) or "hyper" (GLM-5.3's mHC
+    streams, `glm5f.hyper`)."""
 
     attention: str = "mla_dsa"
     indexer: str = "full"
@@ -33,7 +36,15 @@ def layer_spec(cfg: GLM5Config, layer: int) -> LayerSpec:
     """What layer `layer` of `cfg` is. MTP layers (layer >= num_hidden_layers) run their own indexer (they have no
     earlier layer to share) and have the last main layer's MLP kind (as in GLM-5 and DeepSeek-V3)."""
     indexer = "full" if layer >= cfg.num_hidden_layers else cfg.indexer_types[layer]
-    return LayerSpec("mla_dsa", indexer, "moe" if cfg.is_moe(layer) else "dense", "plain")
+    mlp = "moe" if cfg.is_moe(layer) else "dense"
+    if not cfg.is_glm53:
+        return LayerSpec("mla_dsa", indexer, mlp, "plain")
+    if cfg.layer_types[layer] == "linear_attention":
+        return LayerSpec("kda", "none", mlp, "hyper")
+    return LayerSpec("mla_dsa", "pooled" if indexer == "full" else indexer, mlp, "hyper")
+
+
+OWN_INDEXERS = ("full", "pooled")  # the indexer kinds that select (and hold an indexer's parameters)
 
 
 # ---- the parameter layout ------------------------------------------------------------------------------------------
@@ -87,13 +98,29 @@ def _mla_dsa_params(c: GLM5Config, spec: LayerSpec) -> dict:
         "kv_b_proj": linear_leaves(H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
         "o_proj": linear_leaves(D, H * c.v_head_dim, c.attention_bias),
     }
-    if spec.indexer == "full":
+    if spec.indexer in OWN_INDEXERS:
         p["indexer"] = {
             "wq_b": linear_leaves(c.index_n_heads * c.index_head_dim, c.q_lora_rank),
             "wk": linear_leaves(c.index_head_dim, D),
             "k_norm": norm_leaves(c.index_head_dim, bias=True),
             "weights_proj": linear_leaves(c.index_n_heads, D),
         }
+    if spec.indexer == "pooled":  # the pool keys' softmax: a term per position in the pool, a gate projection
+        p["indexer"]["index_kpool_compress_ape"] = Leaf((c.index_kpool, c.index_head_dim), "zeros")
+        p["indexer"]["index_kpool_compress_gate"] = Leaf((c.index_head_dim, D), "ones")
+    return p
+
+
+def _kda_params(c: GLM5Config, spec: LayerSpec) -> dict:
+    """A KDA layer's self_attn as its checkpoint names it (`kda.kda_attention`): q, k, v projections [H d, D] and
+    their depthwise short convolutions [H d, 1, kernel], the forget gate (f_a [d, D], f_b [H d, d], dt_bias [H d],
+    A_log [H]), beta's b_proj [H, D], the output gate (g_a, g_b), the per-head o_norm [d] and o_proj [D, H d]."""
+    H, K, D = c.linear_num_heads, c.linear_head_dim, c.hidden_size
+    p = {f"{n}_proj": linear_leaves(H * K, D) for n in "qkv"}
+    p.update({f"{n}_conv1d": {"weight": Leaf((H * K, 1, c.linear_conv_kernel_dim), "normal")} for n in "qkv"})
+    p.update(f_a_proj=linear_leaves(K, D), f_b_proj=linear_leaves(H * K, K), dt_bias=Leaf((H * K,), "zeros"),
+             A_log=Leaf((H,), "zeros"), b_proj=linear_leaves(H, D), g_a_proj=linear_leaves(K, D),
+             g_b_proj=linear_leaves(H * K, K), o_norm=norm_leaves(K), o_proj=linear_leaves(D, H * K))
     return p
 
 
@@ -115,11 +142,19 @@ def _moe_params(c: GLM5Config, spec: LayerSpec) -> dict:
 def _mla_dsa_cache(c: GLM5Config, spec: LayerSpec, batch: int, capacity: int, dtype: torch.dtype,
                    device: torch.device | str) -> dict[str, torch.Tensor]:
     """"latent" [B, capacity, kv_lora_rank + qk_rope_head_dim]; with its own indexer "index_keys" [B, capacity,
-    index_head_dim] (the names `Layout.keys` is called with)."""
+    index_head_dim] (the names `Layout.keys` is called with; a pooled indexer's keys carry their gate logits
+    beside them, 2 index_head_dim)."""
     out = {"latent": torch.zeros(batch, capacity, c.kv_lora_rank + c.qk_rope_head_dim, dtype=dtype, device=device)}
-    if spec.indexer == "full":
-        out["index_keys"] = torch.zeros(batch, capacity, c.index_head_dim, dtype=dtype, device=device)
+    if spec.indexer in OWN_INDEXERS:
+        width = c.index_head_dim * (2 if spec.indexer == "pooled" else 1)
+        out["index_keys"] = torch.zeros(batch, capacity, width, dtype=dtype, device=device)
     return out
+
+
+def _kda_cache(c: GLM5Config, spec: LayerSpec, batch: int, capacity: int, dtype: torch.dtype,
+               device: torch.device | str) -> dict[str, torch.Tensor]:
+    raise ValueError("decoding GLM-5.3 needs a KDA recurrent and short-convolution cache, which glm5f does not have "
+                     "yet: generate with Transformers (save_hf, then Glm5NextForConditionalGeneration.generate)")
 
 
 # ---- FLOPs ---------------------------------------------------------------------------------------------------------
@@ -136,8 +171,25 @@ def _mla_dsa_macs(c: GLM5Config, spec: LayerSpec, seq: int) -> tuple[float, floa
     K = c.index_topk  # a query at s attends min(K, s + 1) keys
     attended = (K * (K + 1) // 2 + (seq - K) * K) / seq if seq > K else visible
     macs = D * Q + Q * H * (N + P) + D * (R + P) + R * H * (N + V) + H * V * D + attended * H * (N + P + V)
-    indexer = Q * I * J + D * J + D * I + visible * I * (J + 1) if spec.indexer == "full" else 0.0
+    indexer = Q * I * J + D * J + D * I + visible * I * (J + 1) if spec.indexer in OWN_INDEXERS else 0.0
+    if spec.indexer == "pooled":  # the gate projection; the pool keys sit at T positions, scored like tokens
+        indexer += D * J
     return macs, indexer
+
+
+def _kda_macs(c: GLM5Config, spec: LayerSpec, seq: int) -> tuple[float, float]:
+    """The projections (q, k, v, forget gate, beta, output gate, o_proj), the short convolutions and the delta
+    rule per head as the chunked form computes it (64-token chunks: the state's read and update, 4 d^2, and the
+    causal half of the chunk's scores and values, 64 d)."""
+    H, K, D = c.linear_num_heads, c.linear_head_dim, c.hidden_size
+    proj = 4 * D * H * K + 2 * (D * K + K * H * K) + D * H
+    return proj + 3 * H * K * c.linear_conv_kernel_dim + H * (4 * K * K + 64 * K), 0.0
+
+
+def _hyper_macs(c: GLM5Config, spec: LayerSpec, seq: int) -> tuple[float, float]:
+    """Both hyper-connections: the mixing weights' projection of the N streams, the collapse, the expansion."""
+    N, D = c.hc_mult, c.hidden_size
+    return 2 * ((2 + N) * N * N * D + N * D + N * (N + 1) * D), 0.0
 
 
 def _moe_macs(c: GLM5Config, spec: LayerSpec, seq: int) -> tuple[float, float]:
@@ -157,7 +209,7 @@ def _mla_dsa_transient(c: GLM5Config, spec: LayerSpec, B: int, S: int, T: int, a
     H, C, K = c.num_attention_heads, c.kv_lora_rank + c.qk_rope_head_dim, min(c.index_topk, T)
     sparse = T > c.index_topk and S > 1
     fwd, bwd = 0, 0
-    if sparse and spec.indexer == "full":
+    if sparse and spec.indexer in OWN_INDEXERS:
         rows = min(S, max(1, INDEXER_QUERY_CHUNK_ELEMS // max(1, B * c.index_n_heads * T)))
         fwd = B * T * c.index_head_dim * a + B * rows * c.index_n_heads * T * w + B * rows * T * (w + 1 + 4 + 8)
     if sparse:
@@ -201,6 +253,8 @@ ATTENTION = {
         _mla_dsa_params,
         rows=(
             (r"\.indexer\.weights_proj\.weight$", LeafKind(("index_heads", "embed"), fp32=True, optim="indexer")),
+            (r"\.indexer\.index_kpool_compress_ape$", LeafKind(("pool", "index_dim"), optim="indexer")),
+            (r"\.indexer\.index_kpool_compress_gate$", LeafKind(("index_dim", "embed"), optim="indexer")),
             (r"\.indexer\.wq_b\.weight$", LeafKind(("index_heads", "q_lora"), optim="indexer")),
             (r"\.indexer\.wk\.weight$", LeafKind(("index_dim", "embed"), optim="indexer")),
             (r"\.indexer\.k_norm\.(weight|bias)$", LeafKind(("index_dim",), optim="indexer")),
@@ -215,6 +269,18 @@ ATTENTION = {
             (r"\.o_proj\.bias$", LeafKind(("embed",))),
         ),
         macs=_mla_dsa_macs, transient=_mla_dsa_transient, cache=_mla_dsa_cache),
+    "kda": Kind(
+        _kda_params,
+        rows=(  # as in the reference, the convolutions and the decay's parameters stay fp32
+            (r"\.self_attn\.[qkv]_proj\.weight$", LeafKind(("linear_heads", "embed"))),
+            (r"\.self_attn\.[qkv]_conv1d\.weight$", LeafKind(("linear_heads", "conv", "conv"), fp32=True)),
+            (r"\.self_attn\.[fg]_a_proj\.weight$", LeafKind(("linear_dim", "embed"))),
+            (r"\.self_attn\.[fg]_b_proj\.weight$", LeafKind(("linear_heads", "linear_dim"))),
+            (r"\.self_attn\.(dt_bias|A_log)$", LeafKind(("linear_heads",), fp32=True)),
+            (r"\.self_attn\.b_proj\.weight$", LeafKind(("linear_heads", "embed"))),
+            (r"\.self_attn\.o_norm\.weight$", LeafKind(("linear_dim",))),
+        ),
+        macs=_kda_macs, cache=_kda_cache),
 }
 MLP = {  # "moe" first: its experts' rows are more specific than the dense projections'
     "moe": Kind(
@@ -235,6 +301,12 @@ MLP = {  # "moe" first: its experts' rows are more specific than the dense proje
 RESIDUAL = {
     "plain": Kind(lambda c, spec: {"input_layernorm": norm_leaves(c.hidden_size),
                                    "post_attention_layernorm": norm_leaves(c.hidden_size)}),
+    "hyper": Kind(  # the two norms and both hyper-connections (their base and scale fp32, as in the reference)
+        lambda c, spec: {"input_layernorm": norm_leaves(c.hidden_size),
+                         "post_attention_layernorm": norm_leaves(c.hidden_size), **hc_leaves(c, Leaf)},
+        rows=((r"\.hc_(attn|ffn)_fn$", LeafKind(("hc", "embed"))),
+              (r"\.hc_(attn|ffn)_(base|scale)$", LeafKind(("hc",), fp32=True))),
+        macs=_hyper_macs),
 }
 # The leaves outside the decoder layers' kinds: embedding, head, the MTP projection, and every norm scale.
 MODEL_ROWS = (

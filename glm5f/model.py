@@ -13,6 +13,8 @@ from torch.utils.checkpoint import checkpoint
 from glm5f.attention import Selection, attention
 from glm5f.config import GLM5Config
 from glm5f.env import Env, make_env
+from glm5f.hyper import hc_head, hc_streams, hyper_residual
+from glm5f.kda import kda_attention
 from glm5f.layers import layer_spec
 from glm5f.lora import LoraSpec
 from glm5f.moe import moe
@@ -45,7 +47,7 @@ def plain_residual(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, 
 
 
 def dense_mlp(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, env: Env) -> tuple[torch.Tensor, dict]:
-    return swiglu_mlp(p, x_BxSxD), {}
+    return swiglu_mlp(p, x_BxSxD, cfg.swiglu_limit), {}
 
 
 def moe_mlp(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, env: Env) -> tuple[torch.Tensor, dict]:
@@ -53,12 +55,23 @@ def moe_mlp(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, env: Env) -> tuple[
     return y_BxSxD, {"expert_idx": expert_idx_NxK, **aux}
 
 
+def kda_block(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, env: Env, carry: Selection | None):
+    """A GLM-5.3 linear-attention layer (`kda.kda_attention`): padding tokens' inputs zeroed (as the reference
+    does), packed documents restart its state and convolution. It passes no top-k on (the reference neither)."""
+    if env.mask.dense is not None:
+        raise ValueError("GLM-5.3's KDA layers take a 2D padding mask or packed position_ids, not a 4D mask")
+    if env.mask.q_index.numel() != env.mask.num_keys:
+        raise ValueError("GLM-5.3's KDA layers do not run under context parallelism yet: use --parallel.cp 1")
+    x_BxSxD = x_BxSxD * env.mask.query_valid(x_BxSxD.shape[0])[..., None].to(x_BxSxD.dtype)
+    return kda_attention(p, x_BxSxD, cfg, env.mask.q_segment), None, {}
+
+
 # The function of each kind of glm5f.layers, by its name there (its parameters, decode cache, FLOPs and memory-plan
 # entries are there). attention(p, x, cfg, layer, env, carry) -> (out, carry, aux); mlp(p, x, cfg, env) -> (out,
 # aux); residual(p, x, cfg, layer, env, carry, attention, mlp) -> (x, carry, aux).
-ATTENTION = {"mla_dsa": attention}
+ATTENTION = {"mla_dsa": attention, "kda": kda_block}
 MLP = {"dense": dense_mlp, "moe": moe_mlp}
-RESIDUAL = {"plain": plain_residual}
+RESIDUAL = {"plain": plain_residual, "hyper": hyper_residual}
 
 
 @functools.cache
@@ -110,9 +123,14 @@ def apply_embeds(params: dict, cfg: GLM5Config, x_BxSxD: torch.Tensor, env: Env)
 def run_layers(params: dict, cfg: GLM5Config, x_BxSxD: torch.Tensor, env: Env) -> tuple[torch.Tensor, dict]:
     """The main decoder layers on input embeddings [B, S, D]: (their output [B, S, D], aux as `apply`'s)."""
     carry, layers = None, []
+    hyper = layer_spec(cfg, 0).residual == "hyper"
+    if hyper:  # hc_mult streams between the layers, their mean after them
+        x_BxSxD = hc_streams(x_BxSxD, cfg.hc_mult)
     for i, p_layer in enumerate(params["model"]["layers"][:cfg.num_hidden_layers]):
         x_BxSxD, carry, aux = run_layer(p_layer, x_BxSxD, cfg, i, env, carry)
         layers.append(aux)
+    if hyper:
+        x_BxSxD = hc_head(x_BxSxD)
     return x_BxSxD, {"layers": layers, "hidden": x_BxSxD}
 
 

@@ -6,6 +6,7 @@ M = N * K routed rows.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
 from glm5f.config import GLM5Config
-from glm5f.ops import adapter_input, linear, swiglu_mlp, wide
+from glm5f.ops import adapter_input, linear, swiglu, swiglu_mlp, wide
 
 if TYPE_CHECKING:
     from glm5f.env import Env
@@ -135,11 +136,11 @@ def expert_linear(p: dict, x_MxIn: torch.Tensor, counts_E: torch.Tensor) -> torc
     return y_MxOut + grouped_matmul(h_MxR, p["lora_B"], counts_E) * p["lora"].scale
 
 
-def expert_ffn(p: dict, x_MxD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of each expert over its block of rows (rows sorted by expert)."""
+def expert_ffn(p: dict, x_MxD: torch.Tensor, counts_E: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """SwiGLU of each expert over its block of rows (rows sorted by expert), with GLM-5.3's clamp at `limit`."""
     gate = expert_linear(p["gate_proj"], x_MxD, counts_E)
     up = expert_linear(p["up_proj"], x_MxD, counts_E)
-    return expert_linear(p["down_proj"], F.silu(gate) * up, counts_E)
+    return expert_linear(p["down_proj"], swiglu(gate, up, limit), counts_E)
 
 
 def sort_by_expert(idx_NxK: torch.Tensor, num_experts: int):
@@ -151,14 +152,15 @@ def sort_by_expert(idx_NxK: torch.Tensor, num_experts: int):
 
 
 def routed_experts(p: dict, x_NxD: torch.Tensor, idx_NxK: torch.Tensor, w_NxK: torch.Tensor, num_experts: int,
-                   experts: Callable | None = None) -> torch.Tensor:
-    """sum_k w[n, k] * expert_{idx[n, k]}(x[n]) -> [N, D]: rows sorted by expert, computed grouped by `expert_ffn`,
-    through `experts(p, rows [M, D], counts [E], expert_ffn) -> [M, D]` where given (the layout's `experts`, which
-    may send rows to the ranks owning their experts)."""
+                   experts: Callable | None = None, limit: float | None = None) -> torch.Tensor:
+    """sum_k w[n, k] * expert_{idx[n, k]}(x[n]) -> [N, D]: rows sorted by expert, computed grouped by `expert_ffn`
+    (with the SwiGLU clamp at `limit`), through `experts(p, rows [M, D], counts [E], ffn) -> [M, D]` where given
+    (the layout's `experts`, which may send rows to the ranks owning their experts)."""
     N, K = idx_NxK.shape
     order_M, counts_E = sort_by_expert(idx_NxK, num_experts)
     x_MxD = x_NxD.index_select(0, order_M // K)
-    y_MxD = expert_ffn(p, x_MxD, counts_E) if experts is None else experts(p, x_MxD, counts_E, expert_ffn)
+    ffn = expert_ffn if limit is None else functools.partial(expert_ffn, limit=limit)
+    y_MxD = ffn(p, x_MxD, counts_E) if experts is None else experts(p, x_MxD, counts_E, ffn)
     y_MxD = y_MxD * w_NxK.reshape(-1)[order_M, None]
     unsorted_MxD = torch.zeros_like(y_MxD).index_copy(0, order_M, y_MxD)
     return unsorted_MxD.view(N, K, x_NxD.shape[-1]).sum(1).to(x_NxD.dtype)
@@ -193,9 +195,9 @@ def moe(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, env: Env):
     x_NxD = x_BxSxD.reshape(-1, x_BxSxD.shape[-1])
     scores_NxE = router_scores(p["gate"], x_NxD)
     idx_NxK, w_NxK = select_experts(p["gate"], scores_NxE, cfg)
-    y_NxD = routed_experts(p["experts"], x_NxD, idx_NxK, w_NxK, cfg.n_routed_experts, env.experts)
+    y_NxD = routed_experts(p["experts"], x_NxD, idx_NxK, w_NxK, cfg.n_routed_experts, env.experts, cfg.swiglu_limit)
     if "shared_experts" in p:
-        y_NxD = y_NxD + swiglu_mlp(p["shared_experts"], x_NxD)
+        y_NxD = y_NxD + swiglu_mlp(p["shared_experts"], x_NxD, cfg.swiglu_limit)
     aux = {}
     if env.objectives.seq_aux:
         B, S = x_BxSxD.shape[:2]

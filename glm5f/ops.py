@@ -56,9 +56,17 @@ def layer_norm(p: dict, x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return F.layer_norm(x.to(dt), (x.shape[-1],), p["weight"].to(dt), p["bias"].to(dt), eps).to(x.dtype)
 
 
-def swiglu_mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate(x)) * up(x))."""
-    return linear(p["down_proj"], F.silu(linear(p["gate_proj"], x)) * linear(p["up_proj"], x))
+def swiglu_mlp(p: dict, x: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)), with `limit` (GLM-5.3's swiglu_limit) on the gate and up projections first."""
+    return linear(p["down_proj"], swiglu(linear(p["gate_proj"], x), linear(p["up_proj"], x), limit))
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """silu(gate) * up; with `limit`, the gate clamped to at most limit and up to [-limit, limit] before (as
+    GLM-5.3's reference clamps them: outside those ranges their gradients are zero)."""
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return F.silu(gate) * up
 
 
 # ---- RoPE ---------------------------------------------------------------------------------------------------------

@@ -123,7 +123,7 @@ def test_checkpoint_dtypes_follow_the_reference(tmp_path):
 def test_config_round_trip_with_transformers():
     from transformers import GlmMoeDsaConfig
 
-    for cfg in [glm5f.preset(n) for n in glm5f.PRESETS] + [MIXED]:
+    for cfg in [c for c in map(glm5f.preset, glm5f.PRESETS) if not c.is_glm53] + [MIXED]:  # GLM-5.3: test_glm53
         hf = GlmMoeDsaConfig(**cfg.to_hf())
         assert list(hf.indexer_types) == list(cfg.indexer_types)
         assert list(hf.mlp_layer_types) == list(cfg.mlp_layer_types)
