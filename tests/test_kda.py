@@ -50,7 +50,7 @@ def assert_chunked_equals_recurrent(B, T, H, K, V, chunk, seed, segment=None, to
 
 
 @pytest.mark.parametrize("T,chunk,per_block", [(1, 64, 0), (37, 8, 0), (64, 64, 0), (150, 64, 0), (150, 16, 0),
-                                               (150, 16, 1), (150, 8, 3)])
+                                               (70, 16, 1), (70, 8, 3)])
 def test_chunked_equals_recurrent_fp64(T, chunk, per_block, monkeypatch):
     """per_block: chunks per block of chunks (0: the default, one block here)."""
     if per_block:
@@ -171,7 +171,7 @@ def test_kda_attention_matches_transformers(lower_bound):
     """fp32 against fp32 (Transformers' torch fallback), with the fp64 run as the noise floor: glm5f in fp32 is as
     close to Transformers as Transformers is to glm5f in fp64."""
     layer, cfg = transformers_layer(lower_bound, seed=0)
-    x = torch.randn(2, 150, cfg.hidden_size, requires_grad=True)
+    x = torch.randn(2, 100, cfg.hidden_size, requires_grad=True)
     inputs = [x, *layer.parameters()]
     y_ref = layer(x)
     y = kda_attention(params_of(layer), x, cfg)
