@@ -238,7 +238,8 @@ class Kind:
     (pattern, LeafKind) rows of `params.LEAF_KINDS`. macs(cfg, spec, seq): (multiply-adds per token the backward
     also runs, forward-only ones) for `glm5f.flops`. transient(cfg, spec, B, S, T, act dtype, weight dtype): the
     (forward, backward) bytes of buffers inside custom ops that the memory plan cannot trace. cache(cfg, spec, B,
-    capacity, dtype, device): its decode cache, {name: buffer}, None where it keeps none.
+    capacity, dtype, device): its decode cache, {name: buffer}, None where it keeps none. cp: whether it runs under
+    context parallelism (the memory plan's search tries cp > 1 only where every layer's kinds do).
     """
 
     params: Callable[[GLM5Config, LayerSpec], dict]
@@ -246,6 +247,7 @@ class Kind:
     macs: Callable[[GLM5Config, LayerSpec, int], tuple[float, float]] = _no_macs
     transient: Callable = _no_transient
     cache: Callable | None = None
+    cp: bool = True
 
 
 ATTENTION = {
@@ -280,7 +282,7 @@ ATTENTION = {
             (r"\.self_attn\.b_proj\.weight$", LeafKind(("linear_heads", "embed"))),
             (r"\.self_attn\.o_norm\.weight$", LeafKind(("linear_dim",))),
         ),
-        macs=_kda_macs, cache=_kda_cache),
+        macs=_kda_macs, cache=_kda_cache, cp=False),
 }
 MLP = {  # "moe" first: its experts' rows are more specific than the dense projections'
     "moe": Kind(

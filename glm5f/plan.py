@@ -244,8 +244,9 @@ def trace(cfg: GLM5Config, run: RunShape, B: int) -> dict[object, list[int]]:
             outside.update(StorageWeakRef(t.untyped_storage()) for t in flatten(p).values())
             return p
 
-        def hidden() -> torch.Tensor:
-            return torch.empty(*local["input_ids"].shape, cfg.hidden_size, dtype=act, requires_grad=True)
+        def hidden(streams: int = 1) -> torch.Tensor:  # a layer's input: [B, S, D], or its residual's streams
+            shape = (*local["input_ids"].shape, *((streams,) if streams > 1 else ()), cfg.hidden_size)
+            return torch.empty(shape, dtype=act, requires_grad=True)
 
         out, carry = {"rope": [env.cos.nbytes + env.sin.nbytes]}, None
         mtp = [cfg.mtp_layer(d) for d in range(1, cfg.mtp_depths + 1)]
@@ -254,9 +255,9 @@ def trace(cfg: GLM5Config, run: RunShape, B: int) -> dict[object, list[int]]:
             if kind in out:
                 continue
             carry = None if i in mtp else carry
-            p, x_BxSxD = weights(layout["model"]["layers"][i]), hidden()
+            p, x_BxSxD = weights(layout["model"]["layers"][i]), hidden(cfg.hc_mult if kind.residual == "hyper" else 1)
             (_, selection, _), saved = saved_bytes(lambda: decoder_layer(p, x_BxSxD, cfg, i, env, carry), outside)
-            passed = selection.topk.nbytes if selection is not carry and selection.topk is not None else 0
+            passed = 0 if selection is None or selection is carry or selection.topk is None else selection.topk.nbytes
             out[kind] = saved + [x_BxSxD.nbytes, passed]
             carry = selection
         top = weights({**layout, "model": {k: v for k, v in layout["model"].items() if k != "layers"}})
@@ -272,7 +273,7 @@ def traced_activations(cfg: GLM5Config, run: RunShape, cache: dict | None = None
     B and S; the traces are kept in `cache`."""
     cache = {} if cache is None else cache
     B, T = run.micro_batch, run.seq_len
-    bs, cps = (1, 1) if B == 1 else (2, 3), (1, 2) if T % 4 == 0 else (1, 1)  # cp_positions cuts T in 2 cp chunks
+    bs, cps = (1, 1) if B == 1 else (2, 3), (1, 2) if T % 4 == 0 and run.cp > 1 else (1, 1)  # cp_positions: 2 chunks
     for b, cp in {(b, cp) for b in bs for cp in cps}:
         key = ("trace", T, run.dtype, run.reduce_dtype, b, cp)
         if key not in cache:
@@ -454,14 +455,16 @@ def _powers_of_two(limit: int) -> list[int]:
 def search(cfg: GLM5Config, run: RunShape, device_bytes: int, runtime_bytes: int = 0, max_world: int = 8192,
            show: int = 8) -> list[dict]:
     """Plans of the smallest meshes that fit `device_bytes` per rank: world sizes in powers of two up to
-    max_world, every cp (the sequence cut into 2 cp equal chunks), dp_shard = world / cp dividing the batch,
+    max_world, every cp (the sequence cut into 2 cp equal chunks; cp 1 where a layer kind runs without CP), dp_shard = world / cp dividing the batch,
     every ep dividing the ranks and the experts; for each dp_shard x cp its ep of least memory, the `show` best
     by (world, total)."""
     groups, cache = leaf_groups(cfg, run.lora), {}
-    has_moe = any(layer_spec(cfg, i).mlp == "moe" for i in range(cfg.num_hidden_layers))
+    specs = [layer_spec(cfg, i) for i in range(cfg.num_hidden_layers)]
+    has_moe = any(spec.mlp == "moe" for spec in specs)
+    max_cp = max_world if all(kind.cp for spec in specs for kind in kinds(spec)) else 1
     found = []
     for world in _powers_of_two(max_world):
-        for cp in _powers_of_two(world):
+        for cp in _powers_of_two(min(world, max_cp)):
             dp = world // cp
             if run.seq_len % (2 * cp) or run.batch_size % (run.grad_accum * dp):
                 continue
