@@ -294,5 +294,5 @@ def test_glm5_heads_keep_their_hidden_states_and_one_chunk_of_logits():
     tokens = run.micro_batch * run.seq_len
     assert p["activation_logits_bytes"] == 2 * tokens * (cfg.hidden_size * 2 + 8)
     whole = tokens * cfg.vocab_size * 2  # the bf16 logits alone, before their fp32 copy and gradient
-    assert p["activation_logits_transient_bytes"] < whole / 10
+    assert p["activation_logits_transient_bytes"] < whole / 2
     assert p["activation_logits_bytes"] + p["activation_logits_transient_bytes"] < 1 * GB
