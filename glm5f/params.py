@@ -25,13 +25,17 @@ from glm5f.ops import wide_dtype
 class LeafKind:
     """What a leaf is. axes: the logical axis of each of its dims, which `distributed.MESH_RULES` maps to mesh
     axes (fused dims are named by their outer axis: q_b_proj's (heads x head dim) rows are "heads"). fp32: kept in
-    fp32 (fp64 in fp64 runs) whatever the compute dtype. optim: "adamw" (weight decay on matrices, none on 1-D
-    leaves), "indexer" (AdamW while the indexer loss trains it, else frozen) or "balance" (a buffer with its own
-    update rule, no gradient)."""
+    fp32 (fp64 in fp64 runs) whatever the compute dtype. optim: the label `optim.leaf_rule` reads: "adamw"
+    (AdamW whatever the optimizer: weight decay on matrices, none on 1-D leaves), "hidden" (a hidden layer's
+    matrix, routed experts one matrix each: Muon's under --optim.name muon, else AdamW's), "indexer" (AdamW while
+    the indexer loss trains it, else frozen) or "balance" (a buffer with its own update rule, no gradient).
+    parts: Muon Split, the config fields naming the rows of each head's block in order (of the whole leaf when its
+    rows are not "heads"): each part is orthogonalised on its own (`optim.muon_blocks`)."""
 
     axes: tuple[str, ...]
     fp32: bool = False
     optim: str = "adamw"
+    parts: tuple[str, ...] = ()
 
 
 # The one table of what each leaf is, by path (re.search on "." + path; the first match wins). Compute dtypes
@@ -44,24 +48,27 @@ class LeafKind:
 LEAF_KINDS = [(re.compile(pattern), kind) for pattern, kind in [
     (r"\.mlp\.gate\.e_score_correction_bias$", LeafKind(("router",), fp32=True, optim="balance")),
     (r"\.mlp\.gate\.weight$", LeafKind(("router", "embed"), fp32=True)),
-    (r"\.experts\.(gate|up)_proj\.weight$", LeafKind(("experts", "mlp", "embed"))),
-    (r"\.experts\.down_proj\.weight$", LeafKind(("experts", "embed", "mlp"))),
-    (r"\.(gate|up)_proj\.weight$", LeafKind(("mlp", "embed"))),
-    (r"\.down_proj\.weight$", LeafKind(("embed", "mlp"))),
+    (r"\.experts\.(gate|up)_proj\.weight$", LeafKind(("experts", "mlp", "embed"), optim="hidden")),
+    (r"\.experts\.down_proj\.weight$", LeafKind(("experts", "embed", "mlp"), optim="hidden")),
+    (r"\.(gate|up)_proj\.weight$", LeafKind(("mlp", "embed"), optim="hidden")),
+    (r"\.down_proj\.weight$", LeafKind(("embed", "mlp"), optim="hidden")),
     (r"\.indexer\.weights_proj\.weight$", LeafKind(("index_heads", "embed"), fp32=True, optim="indexer")),
     (r"\.indexer\.wq_b\.weight$", LeafKind(("index_heads", "q_lora"), optim="indexer")),
     (r"\.indexer\.wk\.weight$", LeafKind(("index_dim", "embed"), optim="indexer")),
     (r"\.indexer\.k_norm\.(weight|bias)$", LeafKind(("index_dim",), optim="indexer")),
-    (r"\.q_a_proj\.weight$", LeafKind(("q_lora", "embed"))),
+    (r"\.q_a_proj\.weight$", LeafKind(("q_lora", "embed"), optim="hidden")),
     (r"\.(q_a_proj\.bias|q_a_layernorm\.weight)$", LeafKind(("q_lora",))),
-    (r"\.q_b_proj\.weight$", LeafKind(("heads", "q_lora"))),
-    (r"\.kv_a_proj_with_mqa\.weight$", LeafKind(("latent", "embed"))),
+    (r"\.q_b_proj\.weight$", LeafKind(("heads", "q_lora"), optim="hidden",
+                                       parts=("qk_nope_head_dim", "qk_rope_head_dim"))),
+    (r"\.kv_a_proj_with_mqa\.weight$", LeafKind(("latent", "embed"), optim="hidden",
+                                                 parts=("kv_lora_rank", "qk_rope_head_dim"))),
     (r"\.kv_a_proj_with_mqa\.bias$", LeafKind(("latent",))),
     (r"\.kv_a_layernorm\.weight$", LeafKind(("kv_lora",))),
-    (r"\.kv_b_proj\.weight$", LeafKind(("heads", "kv_lora"))),
-    (r"\.o_proj\.weight$", LeafKind(("embed", "heads"))),
+    (r"\.kv_b_proj\.weight$", LeafKind(("heads", "kv_lora"), optim="hidden", parts=("qk_nope_head_dim", "v_head_dim"))),
+    (r"\.o_proj\.weight$", LeafKind(("embed", "heads"), optim="hidden")),
     (r"\.(embed_tokens|lm_head|head)\.weight$", LeafKind(("vocab", "embed"))),
-    (r"\.eh_proj\.weight$", LeafKind(("embed", "embed"))),  # [D, 2D]: the MTP layer's embedding and hidden state
+    # [D, 2D]: the MTP layer's embedding and hidden state
+    (r"\.eh_proj\.weight$", LeafKind(("embed", "embed"), optim="hidden")),
     (r"(norm\.weight|o_proj\.bias)$", LeafKind(("embed",))),
 ]]
 
