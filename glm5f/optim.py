@@ -103,6 +103,8 @@ def adamw_update(params: dict, grads: dict[str, torch.Tensor], state: dict, lr: 
     flat = flatten(params)
     paths = list(state["mu"])
     count = state["count"] + 1
+    if not paths:  # nothing of AdamW's to train (Muon takes every trained leaf)
+        return params, {"count": count, "mu": state["mu"], "nu": state["nu"]}
     t = int(count)
     p_leaves = [flat[p] for p in paths]
     mu, nu = [state["mu"][p] for p in paths], [state["nu"][p] for p in paths]
@@ -167,9 +169,10 @@ class Optimizer:
         return leaf_rule(path, ndim, indexer, self.takes, self.name)
 
 
-def adamw(o, model_cfg: GLM5Config | None = None) -> Optimizer:
-    """AdamW (`adamw_update`) with --optim's b1, b2, eps and weight_decay: two moments a trained element."""
-    hp = dict(b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay)
+def adamw(o=None, model_cfg: GLM5Config | None = None) -> Optimizer:
+    """AdamW (`adamw_update`) with --optim's b1, b2, eps and weight_decay (None: adamw_update's defaults): two
+    moments a trained element."""
+    hp = {} if o is None else dict(b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay)
     return Optimizer(
         "adamw", init=adamw_init, update=lambda params, grads, state, lr: adamw_update(params, grads, state, lr, **hp),
         state_bytes=lambda rule, n, itemsize: 2 * n * itemsize,
