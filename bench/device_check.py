@@ -5,7 +5,9 @@ memory against --plan.
     python bench/device_check.py                  # CUDA (the Triton kernels), about 6 minutes on one H200
     python bench/device_check.py --device cpu     # the same code at tiny sizes, about a minute (CI)
 
-Each row: what was checked, its setting, the measured value, its bound (derived where stated), ok. The exit code
+Each row: what was checked, its setting, the measured value, its bound (derived where stated), ok. Before them,
+bench/kernels.py's ahead-of-time table of the Triton kernels (registers, spills, shared memory, FLOPs and bytes
+against H100's roofline), with each kernel's measured time on a GPU. The exit code
 is 1 when a row fails. Bounds: fp32 kernels 1e-5 relative (the issue's); bf16 kernels 4 x 2^-8 (four bf16
 roundings on the longest path: the probabilities or score gradients, the product, the output); the bf16 model's
 logits and gradients 16 x 2^-8 in norm (the weights themselves rounded, and roundings compounding over the
@@ -17,8 +19,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -146,6 +150,87 @@ def check_kernels(rows, device, shape, gen):
         row(rows, "sparse MLA fwd+bwd vs fp64", f"{name} B{B} S{S} T{T} H{H} K{K}", err, bound)
 
 
+# ---- kernel fitness: bench/kernels.py's ahead-of-time table, with each kernel's measured time on a device ---------
+
+KERNEL_NAMES = {"_sparse_mla_fwd_kernel": "sparse_mla_fwd", "_sparse_mla_bwd_dq_kernel": "sparse_mla_bwd_dq",
+                "_sparse_mla_bwd_rows_kernel": "sparse_mla_bwd_rows", "_segment_sum_kernel": "segment_sum",
+                "_indexer_scores_kernel": "indexer_scores"}
+
+
+def measure_kernels(device, shape, dtype) -> dict:
+    """Device microseconds of each Triton kernel for one call at shape (summed over its launches, as the report
+    counts them): sparse MLA forward and backward over random causal picks, the indexer's scores of all queries."""
+    from glm5f import triton_dsa
+    B, S, T, H, R, P, K, I, J = (shape[k] for k in "B S T H R P K I J".split())
+    g = torch.Generator(device).manual_seed(0)
+    q = torch.randn(B, S, H, R + P, device=device, dtype=dtype, generator=g)
+    latent = torch.randn(B, T, R + P, device=device, dtype=dtype, generator=g)
+    idx = torch.randint(0, T, (B, S, K), device=device, generator=g)
+    q_index = torch.arange(T - S, T, device=device)
+    allowed = idx <= q_index[None, :, None]
+    dout = torch.randn(B, S, H, R, device=device, dtype=dtype, generator=g)
+    qi = torch.randn(B, S, I, J, device=device, dtype=dtype, generator=g)
+    wi = torch.randn(B, S, I, device=device, dtype=dtype, generator=g)
+    ki = torch.randn(B, T, J, device=device, dtype=dtype, generator=g)
+    scale = (R + P) ** -0.5
+
+    def calls():
+        out, lse = triton_dsa.sparse_mla_forward(q, latent, idx, allowed, None, scale, R)
+        triton_dsa.sparse_mla_backward(dout, q, latent, idx, allowed, None, out, lse, scale)
+        triton_dsa.indexer_scores(qi, wi, ki, q_index, None, None, None, None, None, 0, S)
+
+    calls()  # compiles
+    sync(device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        calls()
+        sync(device)
+    times = {}
+    for event in prof.key_averages():
+        kernel = next((k for name, k in KERNEL_NAMES.items() if name in event.key), None)
+        if kernel:
+            times[kernel] = times.get(kernel, 0.0) + event.device_time_total
+    return times
+
+
+def check_kernel_fitness(rows, device):
+    """bench/kernels.py's table: at GLM-5's shapes for this GPU's architecture with measured times beside the
+    estimates, or at the tiny shapes for sm_90a on the CPU. Spills are reported here (bench/kernels.py's test is
+    their gate)."""
+    from bench import kernels as report
+    if device.startswith("cuda"):
+        arch = {9: "sm_90a", 10: "sm_100a"}.get(torch.cuda.get_device_capability()[0])
+        shapes, dtypes = ["glm5"], ["bf16", "fp32"]
+    else:
+        arch, shapes, dtypes = "sm_90a", ["tiny"], ["bf16"]
+    if arch is None:
+        print(f"    kernel report: no ahead-of-time target for {torch.cuda.get_device_name()} (sm_90a, sm_100a)")
+        return
+    with tempfile.TemporaryDirectory() as tmp:  # its own process: compiling needs kernels not interpreted
+        path = os.path.join(tmp, "rows.json")
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        res = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "kernels.py"), "--shapes", *shapes,
+                              "--archs", arch, "--dtypes", *dtypes, "--json", path], env=env, capture_output=True,
+                             text=True)
+        if not os.path.exists(path):
+            row(rows, "kernel report", f"{arch} {' '.join(shapes)}", res.returncode, 0, ok=False)
+            print(res.stdout[-2000:] + res.stderr[-3000:])
+            return
+        with open(path) as f:
+            table = json.load(f)
+    measured = {d: measure_kernels(device, report.SHAPES[shapes[0]], report.DTYPES[d]) for d in dtypes
+                if device.startswith("cuda")}
+    print(report.HEADER + f"{'measured us':>13}")
+    for r in table:
+        us = measured.get(r["dtype"], {}).get(r["kernel"])
+        print(report.format_row(r, "" if us is None else f"{us:>13.1f}"))
+    for r in table:
+        us = measured.get(r["dtype"], {}).get(r["kernel"])
+        setting = f"{r['kernel']} {r['dtype']} {arch} {r['shape']}"
+        row(rows, "kernel spill bytes", setting, r["spills"], None, ok=r["error"] is None)
+        if us is not None:
+            row(rows, "kernel time / H100 estimate", setting, us / r["estimate_us"], None)
+
+
 # ---- the whole model: bf16 on the device against fp64 on the CPU -------------------------------------------------
 
 def loss_and_grads(params, cfg, ids):
@@ -271,6 +356,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     print(f"glm5f device check on {torch.cuda.get_device_name() if kind == 'cuda' else 'cpu'}")
     check_kernels(rows, args.device, size["kernel"], gen)
+    check_kernel_fitness(rows, args.device)
     check_model(rows, args.device, size["model"], gen)
     with tempfile.TemporaryDirectory() as tmp:
         check_training(rows, args.device, size["train"], args.out or tmp)

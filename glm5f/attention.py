@@ -26,6 +26,7 @@ from glm5f import indexer_loss, kernels
 from glm5f.config import GLM5Config
 from glm5f.lora import merged
 from glm5f.env import Env, Mask
+from glm5f.layers import layer_spec
 from glm5f.ops import apply_rope, layer_norm, linear, rms_norm, wide
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm use 1e-6, not rms_norm_eps
@@ -218,9 +219,8 @@ def attention(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, env: 
         return out_BxSxD, carry, {}
     target = (target_queries(p, q_nope.detach(), q_rot.detach(), latent_BxTxC.detach(), cfg), latent_BxTxC.detach())
     carry = dataclasses.replace(carry, targets=carry.targets + (target,))
-    last = (env.objectives.indexer_target == "own" or layer + 1 >= cfg.num_hidden_layers
-            or cfg.has_indexer(layer + 1))
+    last = env.objectives.indexer_target == "own" or layer_spec(cfg, layer + 1).indexer != "shared"
     if not last:
         return out_BxSxD, carry, {}
-    loss, recall = indexer_loss.kl(carry, cfg, env, kl_block_elems)
+    loss, recall = indexer_loss.kl(*carry.student, carry.targets, carry.topk, cfg, env, kl_block_elems)
     return out_BxSxD, Selection(carry.topk), {"indexer_loss": loss, "indexer_recall": recall}

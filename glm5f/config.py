@@ -112,13 +112,9 @@ class GLM5Config:
         return scale
 
     def is_moe(self, layer: int) -> bool:
-        """Whether `layer` has a MoE MLP. MTP layers (layer >= num_hidden_layers) are MoE when the last main
-        layer is (as in GLM-5 and DeepSeek-V3)."""
+        """Whether `layer`'s MLP is MoE by mlp_layer_types; MTP layers (layer >= num_hidden_layers) read the last
+        main layer's entry. What a layer is, is `layers.layer_spec`'s to say; this reads the schedule it uses."""
         return self.mlp_layer_types[min(layer, self.num_hidden_layers - 1)] == "sparse"
-
-    def has_indexer(self, layer: int) -> bool:
-        """Whether `layer` runs its own DSA indexer; MTP layers always do (they have no earlier layer to share)."""
-        return layer >= self.num_hidden_layers or self.indexer_types[layer] == "full"
 
     # Transformers interop.
     @classmethod

@@ -1,6 +1,6 @@
-"""Autoregressive decoding on an append-only cache: per layer the latent rows (compressed kv + rope key) and the
-indexer keys. Prefill runs the prompt in one pass, then one token at a time, or (draft="mtp") the MTP layers
-propose tokens that the main model verifies in one pass (self-speculative decoding, exact greedy output)."""
+"""Autoregressive decoding on an append-only cache: per layer its kinds' buffers (`layers.layer_cache`: the latent
+rows and the indexer keys). Prefill runs the prompt in one pass, then one token at a time, or (draft="mtp") the MTP
+layers propose tokens that the main model verifies in one pass (self-speculative decoding, exact greedy output)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 
 from glm5f.config import GLM5Config
 from glm5f.env import Env, Mask, make_env
+from glm5f.layers import layer_cache
 from glm5f.loss import mtp_inputs
 from glm5f.model import apply, check_input_ids, mtp_layer
 from glm5f.ops import rope_tables
@@ -18,25 +19,21 @@ from glm5f.parallel import Layout
 
 @dataclass
 class Cache:
-    """latent[layer]: [B, capacity, kv_lora_rank + qk_rope_head_dim]; index_keys[layer]: [B, capacity,
-    index_head_dim] (None on shared-indexer layers); `length` positions are filled."""
+    """layers[layer]: that layer's buffers by name (`layers.layer_cache`; MLA + DSA: "latent" [B, capacity,
+    kv_lora_rank + qk_rope_head_dim], with its own indexer "index_keys" [B, capacity, index_head_dim]), in `dtype`
+    on `device`; `length` positions are filled."""
 
-    latent: list[torch.Tensor]
-    index_keys: list[torch.Tensor | None]
+    layers: list[dict[str, torch.Tensor]]
+    capacity: int
+    dtype: torch.dtype
+    device: torch.device
     length: int = 0
-
-    @property
-    def capacity(self) -> int:
-        return self.latent[0].shape[1]
 
 
 def init_cache(cfg: GLM5Config, batch: int, capacity: int, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> Cache:
-    latent = [torch.zeros(batch, capacity, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype=dtype, device=device)
-              for _ in range(cfg.num_hidden_layers)]
-    keys = [torch.zeros(batch, capacity, cfg.index_head_dim, dtype=dtype, device=device)
-            if cfg.has_indexer(i) else None for i in range(cfg.num_hidden_layers)]
-    return Cache(latent, keys)
+    return Cache([layer_cache(cfg, i, batch, capacity, dtype, device) for i in range(cfg.num_hidden_layers)],
+                 capacity, dtype, torch.device(device))
 
 
 class CacheLayout(Layout):
@@ -44,11 +41,11 @@ class CacheLayout(Layout):
     positions start:stop, read back with the ones before."""
 
     def __init__(self, cache: Cache, start: int, stop: int):
-        super().__init__(cache.latent[0].device)
+        super().__init__(cache.device)
         self.cache, self.start, self.stop = cache, start, stop
 
     def keys(self, layer: int, name: str, local: torch.Tensor) -> torch.Tensor:
-        buf = self.cache.latent[layer] if name == "latent" else self.cache.index_keys[layer]
+        buf = self.cache.layers[layer][name]
         buf[:, self.start:self.stop] = local
         return buf[:, :self.stop]
 
@@ -71,7 +68,7 @@ def extend(params: dict, cfg: GLM5Config, cache: Cache, input_ids_BxS: torch.Ten
     mask = Mask(torch.arange(start, stop, device=input_ids_BxS.device), stop,
                 key_valid=None if key_valid_BxT is None else key_valid_BxT[:, :stop],
                 q_index_host=range(start, stop))
-    cos, sin = rope_tables(cfg, position_ids_BxS, cache.latent[0].dtype)
+    cos, sin = rope_tables(cfg, position_ids_BxS, cache.dtype)
     logits, aux = apply(params, cfg, input_ids_BxS, Env(cos, sin, mask, CacheLayout(cache, start, stop)))
     cache.length = stop
     return (logits, aux["hidden"]) if with_hidden else logits

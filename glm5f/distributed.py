@@ -33,7 +33,6 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from glm5f import preempt
-from glm5f.moe import expert_ffn
 from glm5f.params import Region, leaf_kind, map_with_path
 from glm5f.parallel import Layout
 
@@ -179,11 +178,11 @@ class DistLayout(Layout):
         return funcol.wait_tensor(parts).index_select(1, torch.argsort(held).to(local.device))
 
     # ---- experts
-    def experts(self, p: dict, x_MxD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    def experts(self, p: dict, x_MxD: torch.Tensor, counts_E: torch.Tensor, ffn: Callable) -> torch.Tensor:
         """Rows sorted by expert go to the rank owning their expert, are computed there grouped, and come back
         in the same order (all-to-all both ways, differentiable)."""
         if self.ep == 1:
-            return expert_ffn(p, x_MxD, counts_E)
+            return ffn(p, x_MxD, counts_E)
         ep, group = self.ep, self.ep_group
         # rows for each (destination rank, its local expert) and what every source sends us
         send_counts_RxE = rearrange(counts_E, "(r e) -> r e", r=ep)
@@ -197,7 +196,7 @@ class DistLayout(Layout):
         local_expert_RxE = repeat(torch.arange(recv_counts_RxE.shape[1], device=rows.device), "e -> r e", r=ep)
         expert_of_row = torch.repeat_interleave(local_expert_RxE.flatten(), recv_counts_RxE.flatten())
         order = torch.argsort(expert_of_row, stable=True)
-        y_sorted = expert_ffn(p, rows.index_select(0, order), recv_counts_RxE.sum(0))
+        y_sorted = ffn(p, rows.index_select(0, order), recv_counts_RxE.sum(0))
         y = torch.zeros_like(y_sorted).index_copy(0, order, y_sorted)
         return funcol.wait_tensor(funcol.all_to_all_single_autograd(y, send_splits, recv_splits, group))
 

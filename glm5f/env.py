@@ -7,7 +7,7 @@ Shape suffixes: B batch, S queries (this rank's), T keys (the whole sequence).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
@@ -143,8 +143,8 @@ class Env:
     def keys(self, layer: int, name: str, local: torch.Tensor) -> torch.Tensor:
         return self.layout.keys(layer, name, local)
 
-    def experts(self, p: dict, x_MxD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        return self.layout.experts(p, x_MxD, counts_E)
+    def experts(self, p: dict, x_MxD: torch.Tensor, counts_E: torch.Tensor, ffn: Callable) -> torch.Tensor:
+        return self.layout.experts(p, x_MxD, counts_E, ffn)
 
     def seq_sum(self, t: torch.Tensor) -> torch.Tensor:
         return self.layout.seq_sum(t)

@@ -15,33 +15,36 @@ from glm5f.kernels import block_scores, gather_rows, topk_as_mask
 from glm5f.ops import wide
 
 if TYPE_CHECKING:
-    from glm5f.attention import Selection
     from glm5f.env import Env
 
 INDEXER_LOSS_BLOCK_ELEMS = 1 << 23  # bound on one query block's scores of both attentions, [B, s, keys, ~2H + 3I]
 
 
-def kl(sel: Selection, cfg: GLM5Config, env: Env,
+def kl(q_BxSxIxJ: torch.Tensor, w_BxSxI: torch.Tensor, keys_BxTxJ: torch.Tensor, targets: tuple,
+       topk_BxSxK: torch.Tensor | None, cfg: GLM5Config, env: Env,
        block_elems: int = INDEXER_LOSS_BLOCK_ELEMS) -> tuple[torch.Tensor, torch.Tensor]:
     """(KL sum, recall sum): fp64 sums over this rank's valid queries of the indexer's distillation loss.
 
+    The student: a full layer's index queries [B, S, I, J], head weights [B, S, I] and index keys [B, T, J], with
+    their graph to the indexer's leaves. `targets`: per layer of the group, its detached absorbed queries
+    [B, S, H, C] and latent rows [B, T, C]. `topk_BxSxK`: the group's selected keys (None: every key).
+
     Per query, over its key set (env.objectives.indexer_loss "dense": every key it may see; "sparse": its
     selected top-k): the target is the main attention's probabilities (fp32 softmax of the MLA scores), summed
-    over heads and L1-normalised, of each layer in `sel.targets`, averaged over them, detached; the student is the
-    log-softmax of the index scores sum_i w_i relu(q_i . k / sqrt(J)) over the same keys (`sel.student`); the
-    loss is KL(target || student). Recall is the target's mass on the selected keys (1 where every key is
-    selected, and in sparse mode). Only the student's inputs get gradients, and through them the indexer's leaves.
+    over heads and L1-normalised, of each layer in `targets`, averaged over them, detached; the student is the
+    log-softmax of the index scores sum_i w_i relu(q_i . k / sqrt(J)) over the same keys; the loss is
+    KL(target || student). Recall is the target's mass on the selected keys (1 where every key is selected, and
+    in sparse mode). Only the student's inputs get gradients, and through them the indexer's leaves.
     """
-    q_BxSxIxJ, w_BxSxI, keys_BxTxJ = sel.student
     B = q_BxSxIxJ.shape[0]
     I, J, H = cfg.index_n_heads, cfg.index_head_dim, cfg.num_attention_heads
-    latent_BxTxC = sel.targets[0][1]
-    topk = None if sel.topk is None or sel.topk.shape[-1] >= keys_BxTxJ.shape[1] else sel.topk
+    latent_BxTxC = targets[0][1]
+    topk = None if topk_BxSxK is None or topk_BxSxK.shape[-1] >= keys_BxTxJ.shape[1] else topk_BxSxK
     sparse = env.objectives.indexer_loss == "sparse" and topk is not None
     C = latent_BxTxC.shape[-1]
     width = topk.shape[-1] if sparse else keys_BxTxJ.shape[1]
     block = max(1, block_elems // max(1, B * width * (2 * H + 3 * I + 8 + (C + J if sparse else 0))))
-    return _IndexerKL.apply(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, sel.targets, topk, env.mask.query_valid(B), env.mask,
+    return _IndexerKL.apply(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, targets, topk, env.mask.query_valid(B), env.mask,
                             cfg.softmax_scale, sparse, block)
 
 

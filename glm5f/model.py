@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 from glm5f.attention import Selection, attention
 from glm5f.config import GLM5Config
 from glm5f.env import Env, make_env
+from glm5f.layers import layer_spec
 from glm5f.lora import LoraSpec
 from glm5f.moe import moe
 from glm5f.ops import linear, rms_norm, swiglu_mlp
@@ -20,23 +21,44 @@ from glm5f.ops import linear, rms_norm, swiglu_mlp
 
 def decoder_layer(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, env: Env,
                   carry: Selection | None) -> tuple[torch.Tensor, Selection, dict]:
-    """Pre-norm attention and MLP (dense SwiGLU or MoE) with residuals.
+    """Layer `layer` as its kinds make it (`layers.layer_spec`): its residual's function around its attention's and
+    its MLP's (ATTENTION, MLP, RESIDUAL below).
 
     Returns (x [B, S, D], the Selection the next layer may reuse, aux): aux is a dict of this layer's extra
     outputs: "expert_idx" [N, K] for MoE layers (the experts each token chose); the objectives env.objectives
     asks for, as fp64 sums of this rank's share ("indexer_loss" and "indexer_recall", see `attention`;
     "seq_aux_loss", see `moe`).
     """
+    spec = layer_spec(cfg, layer)
+    return RESIDUAL[spec.residual](p, x_BxSxD, cfg, layer, env, carry, ATTENTION[spec.attention], MLP[spec.mlp])
+
+
+def plain_residual(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, env: Env, carry: Selection | None,
+                   attend, mlp) -> tuple[torch.Tensor, Selection, dict]:
+    """Pre-norm attention and MLP, each added to the residual stream."""
     x_norm_BxSxD = rms_norm(p["input_layernorm"]["weight"], x_BxSxD, cfg.rms_norm_eps)
-    a_BxSxD, carry, aux = attention(p["self_attn"], x_norm_BxSxD, cfg, layer, env, carry)
+    a_BxSxD, carry, aux = attend(p["self_attn"], x_norm_BxSxD, cfg, layer, env, carry)
     x_BxSxD = x_BxSxD + a_BxSxD
     h_BxSxD = rms_norm(p["post_attention_layernorm"]["weight"], x_BxSxD, cfg.rms_norm_eps)
-    if cfg.is_moe(layer):
-        m_BxSxD, aux["expert_idx"], moe_aux = moe(p["mlp"], h_BxSxD, cfg, env)
-        aux.update(moe_aux)
-    else:
-        m_BxSxD = swiglu_mlp(p["mlp"], h_BxSxD)
-    return x_BxSxD + m_BxSxD, carry, aux
+    m_BxSxD, mlp_aux = mlp(p["mlp"], h_BxSxD, cfg, env)
+    return x_BxSxD + m_BxSxD, carry, {**aux, **mlp_aux}
+
+
+def dense_mlp(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, env: Env) -> tuple[torch.Tensor, dict]:
+    return swiglu_mlp(p, x_BxSxD), {}
+
+
+def moe_mlp(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, env: Env) -> tuple[torch.Tensor, dict]:
+    y_BxSxD, expert_idx_NxK, aux = moe(p, x_BxSxD, cfg, env)
+    return y_BxSxD, {"expert_idx": expert_idx_NxK, **aux}
+
+
+# The function of each kind of glm5f.layers, by its name there (its parameters, decode cache, FLOPs and memory-plan
+# entries are there). attention(p, x, cfg, layer, env, carry) -> (out, carry, aux); mlp(p, x, cfg, env) -> (out,
+# aux); residual(p, x, cfg, layer, env, carry, attention, mlp) -> (x, carry, aux).
+ATTENTION = {"mla_dsa": attention}
+MLP = {"dense": dense_mlp, "moe": moe_mlp}
+RESIDUAL = {"plain": plain_residual}
 
 
 @functools.cache

@@ -151,12 +151,14 @@ def sort_by_expert(idx_NxK: torch.Tensor, num_experts: int):
 
 
 def routed_experts(p: dict, x_NxD: torch.Tensor, idx_NxK: torch.Tensor, w_NxK: torch.Tensor, num_experts: int,
-                   ffn: Callable = expert_ffn) -> torch.Tensor:
-    """sum_k w[n, k] * expert_{idx[n, k]}(x[n]) -> [N, D]: rows sorted by expert, computed grouped by
-    `ffn(p, rows [M, D], counts [E]) -> [M, D]` (`expert_ffn`, or the layout's, which may send rows to other ranks)."""
+                   experts: Callable | None = None) -> torch.Tensor:
+    """sum_k w[n, k] * expert_{idx[n, k]}(x[n]) -> [N, D]: rows sorted by expert, computed grouped by `expert_ffn`,
+    through `experts(p, rows [M, D], counts [E], expert_ffn) -> [M, D]` where given (the layout's `experts`, which
+    may send rows to the ranks owning their experts)."""
     N, K = idx_NxK.shape
     order_M, counts_E = sort_by_expert(idx_NxK, num_experts)
-    y_MxD = ffn(p, x_NxD.index_select(0, order_M // K), counts_E)
+    x_MxD = x_NxD.index_select(0, order_M // K)
+    y_MxD = expert_ffn(p, x_MxD, counts_E) if experts is None else experts(p, x_MxD, counts_E, expert_ffn)
     y_MxD = y_MxD * w_NxK.reshape(-1)[order_M, None]
     unsorted_MxD = torch.zeros_like(y_MxD).index_copy(0, order_M, y_MxD)
     return unsorted_MxD.view(N, K, x_NxD.shape[-1]).sum(1).to(x_NxD.dtype)

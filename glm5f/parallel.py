@@ -14,7 +14,6 @@ from typing import Callable
 import torch
 from torch.distributed.tensor import DTensor
 
-from glm5f.moe import expert_ffn
 from glm5f.params import Region, flatten
 
 
@@ -57,9 +56,10 @@ class Layout:
         """Layer `layer`'s keys `name` ("latent", "index_keys") over all T positions from this rank's [B, S, ...]."""
         return local
 
-    def experts(self, p: dict, x_MxD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        """The routed experts' outputs of rows sorted by expert (counts_E rows each), in the same order."""
-        return expert_ffn(p, x_MxD, counts_E)
+    def experts(self, p: dict, x_MxD: torch.Tensor, counts_E: torch.Tensor, ffn: Callable) -> torch.Tensor:
+        """The routed experts' outputs of rows sorted by expert (counts_E rows each), in the same order, computed by
+        `ffn(p, rows, counts)` (`moe.expert_ffn`: each expert over its block of rows)."""
+        return ffn(p, x_MxD, counts_E)
 
     def seq_sum(self, t: torch.Tensor) -> torch.Tensor:
         """Sum of a per-sequence tensor [B, ...] over the ranks holding parts of this rank's sequences (here:

@@ -11,66 +11,24 @@ import functools
 import math
 import re
 import zlib
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch.utils import _pytree as pytree
 
 from glm5f.config import GLM5Config
+from glm5f.layers import Leaf, LeafKind, layer_params, leaf_rows, linear_leaves, norm_leaves
 from glm5f.ops import wide_dtype
 
 
-@dataclass(frozen=True)
-class LeafKind:
-    """What a leaf is. axes: the logical axis of each of its dims, which `distributed.MESH_RULES` maps to mesh
-    axes (fused dims are named by their outer axis: q_b_proj's (heads x head dim) rows are "heads"). fp32: kept in
-    fp32 (fp64 in fp64 runs) whatever the compute dtype. optim: the label `optim.leaf_rule` reads: "adamw"
-    (AdamW whatever the optimizer: weight decay on matrices, none on 1-D leaves), "hidden" (a hidden layer's
-    matrix, routed experts one matrix each: Muon's under --optim.name muon, else AdamW's), "indexer" (AdamW while
-    the indexer loss trains it, else frozen) or "balance" (a buffer with its own update rule, no gradient).
-    parts: Muon Split, the config fields naming the rows of each head's block in order (of the whole leaf when its
-    rows are not "heads"): each part is orthogonalised on its own (`optim.muon_blocks`)."""
-
-    axes: tuple[str, ...]
-    fp32: bool = False
-    optim: str = "adamw"
-    parts: tuple[str, ...] = ()
-
-
-# The one table of what each leaf is, by path (re.search on "." + path; the first match wins). Compute dtypes
-# (`leaf_dtype`), the optimizer (`optim.leaf_rule`), sharding (`distributed.MESH_RULES` by axes), the memory plan
-# and the checkpoint keys (`hf`: one key per routed expert) all read it. As in the reference, the router and the
-# indexer's head stay fp32. Axes: vocab, embed (hidden size), heads (MLA heads), mlp (an MLP's hidden width),
-# experts (routed experts, stacked [E, out, in]), router (one row per expert), q_lora / kv_lora (the latent
-# ranks), latent (kv_lora + rope: a latent row), index_heads / index_dim (the indexer's), lora_rank (a LoRA
-# adapter's rank: the rows below the table).
-LEAF_KINDS = [(re.compile(pattern), kind) for pattern, kind in [
-    (r"\.mlp\.gate\.e_score_correction_bias$", LeafKind(("router",), fp32=True, optim="balance")),
-    (r"\.mlp\.gate\.weight$", LeafKind(("router", "embed"), fp32=True)),
-    (r"\.experts\.(gate|up)_proj\.weight$", LeafKind(("experts", "mlp", "embed"), optim="hidden")),
-    (r"\.experts\.down_proj\.weight$", LeafKind(("experts", "embed", "mlp"), optim="hidden")),
-    (r"\.(gate|up)_proj\.weight$", LeafKind(("mlp", "embed"), optim="hidden")),
-    (r"\.down_proj\.weight$", LeafKind(("embed", "mlp"), optim="hidden")),
-    (r"\.indexer\.weights_proj\.weight$", LeafKind(("index_heads", "embed"), fp32=True, optim="indexer")),
-    (r"\.indexer\.wq_b\.weight$", LeafKind(("index_heads", "q_lora"), optim="indexer")),
-    (r"\.indexer\.wk\.weight$", LeafKind(("index_dim", "embed"), optim="indexer")),
-    (r"\.indexer\.k_norm\.(weight|bias)$", LeafKind(("index_dim",), optim="indexer")),
-    (r"\.q_a_proj\.weight$", LeafKind(("q_lora", "embed"), optim="hidden")),
-    (r"\.(q_a_proj\.bias|q_a_layernorm\.weight)$", LeafKind(("q_lora",))),
-    (r"\.q_b_proj\.weight$", LeafKind(("heads", "q_lora"), optim="hidden",
-                                       parts=("qk_nope_head_dim", "qk_rope_head_dim"))),
-    (r"\.kv_a_proj_with_mqa\.weight$", LeafKind(("latent", "embed"), optim="hidden",
-                                                 parts=("kv_lora_rank", "qk_rope_head_dim"))),
-    (r"\.kv_a_proj_with_mqa\.bias$", LeafKind(("latent",))),
-    (r"\.kv_a_layernorm\.weight$", LeafKind(("kv_lora",))),
-    (r"\.kv_b_proj\.weight$", LeafKind(("heads", "kv_lora"), optim="hidden", parts=("qk_nope_head_dim", "v_head_dim"))),
-    (r"\.o_proj\.weight$", LeafKind(("embed", "heads"), optim="hidden")),
-    (r"\.(embed_tokens|lm_head|head)\.weight$", LeafKind(("vocab", "embed"))),
-    # [D, 2D]: the MTP layer's embedding and hidden state
-    (r"\.eh_proj\.weight$", LeafKind(("embed", "embed"), optim="hidden")),
-    (r"(norm\.weight|o_proj\.bias)$", LeafKind(("embed",))),
-]]
+# The one table of what each leaf is, by path (re.search on "." + path; the first match wins): each layer kind's
+# rows (`layers.leaf_rows`), then the LoRA factors'. Compute dtypes (`leaf_dtype`), the optimizer
+# (`optim.leaf_rule`), sharding (`distributed.MESH_RULES` by axes), the memory plan and the checkpoint keys (`hf`:
+# one key per routed expert) all read it. As in the reference, the router and the indexer's head stay fp32. Axes:
+# vocab, embed (hidden size), heads (MLA heads), mlp (an MLP's hidden width), experts (routed experts, stacked
+# [E, out, in]), router (one row per expert), q_lora / kv_lora (the latent ranks), latent (kv_lora + rope: a latent
+# row), index_heads / index_dim (the indexer's), lora_rank (a LoRA adapter's rank: the rows below the table).
+LEAF_KINDS = [(re.compile(pattern), kind) for pattern, kind in leaf_rows()]
 
 
 def _adapter_rows(rows: list) -> list:
@@ -88,75 +46,7 @@ def _adapter_rows(rows: list) -> list:
 
 LEAF_KINDS += _adapter_rows(LEAF_KINDS)
 
-
-@dataclass(frozen=True)
-class Leaf:
-    shape: tuple[int, ...]
-    init: str  # "normal" | "zeros" | "ones"
-
-
-def _linear(out_features: int, in_features: int, bias: bool = False) -> dict:
-    p = {"weight": Leaf((out_features, in_features), "normal")}
-    if bias:
-        p["bias"] = Leaf((out_features,), "zeros")
-    return p
-
-
-def _norm(n: int, bias: bool = False) -> dict:
-    p = {"weight": Leaf((n,), "ones")}
-    if bias:
-        p["bias"] = Leaf((n,), "zeros")
-    return p
-
-
-def _mlp(hidden: int, inter: int) -> dict:
-    return {"gate_proj": _linear(inter, hidden), "up_proj": _linear(inter, hidden), "down_proj": _linear(hidden, inter)}
-
-
-def _attention(c: GLM5Config, layer: int) -> dict:
-    H, D = c.num_attention_heads, c.hidden_size
-    p = {
-        "q_a_proj": _linear(c.q_lora_rank, D, c.attention_bias),
-        "q_a_layernorm": _norm(c.q_lora_rank),
-        "q_b_proj": _linear(H * c.qk_head_dim, c.q_lora_rank),
-        "kv_a_proj_with_mqa": _linear(c.kv_lora_rank + c.qk_rope_head_dim, D, c.attention_bias),
-        "kv_a_layernorm": _norm(c.kv_lora_rank),
-        "kv_b_proj": _linear(H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
-        "o_proj": _linear(D, H * c.v_head_dim, c.attention_bias),
-    }
-    if c.has_indexer(layer):
-        p["indexer"] = {
-            "wq_b": _linear(c.index_n_heads * c.index_head_dim, c.q_lora_rank),
-            "wk": _linear(c.index_head_dim, D),
-            "k_norm": _norm(c.index_head_dim, bias=True),
-            "weights_proj": _linear(c.index_n_heads, D),
-        }
-    return p
-
-
-def _moe(c: GLM5Config) -> dict:
-    E, D, I = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size
-    p = {
-        "gate": {"weight": Leaf((E, D), "normal"), "e_score_correction_bias": Leaf((E,), "zeros")},
-        "experts": {"gate_proj": {"weight": Leaf((E, I, D), "normal")},
-                    "up_proj": {"weight": Leaf((E, I, D), "normal")},
-                    "down_proj": {"weight": Leaf((E, D, I), "normal")}},
-    }
-    if c.n_shared_experts:
-        p["shared_experts"] = _mlp(D, I * c.n_shared_experts)
-    return p
-
-
 MTP_COPIES = ("embed_tokens", "shared_head.head")  # an MTP layer's own embedding / head, where a checkpoint has them
-
-
-def _decoder_layer(c: GLM5Config, i: int) -> dict:
-    return {
-        "self_attn": _attention(c, i),
-        "mlp": _moe(c) if c.is_moe(i) else _mlp(c.hidden_size, c.intermediate_size),
-        "input_layernorm": _norm(c.hidden_size),
-        "post_attention_layernorm": _norm(c.hidden_size),
-    }
 
 
 def _mtp_layer(c: GLM5Config, i: int, copies: tuple[str, ...]) -> dict:
@@ -164,8 +54,8 @@ def _mtp_layer(c: GLM5Config, i: int, copies: tuple[str, ...]) -> dict:
     their projection eh_proj [D, 2D] (embedding first), a full decoder layer, and the norm before the LM head.
     `copies` (names from MTP_COPIES) adds the layer's own embedding and head, as DeepSeek-V3 checkpoints hold."""
     D, V = c.hidden_size, c.vocab_size
-    p = {**_decoder_layer(c, i), "enorm": _norm(D), "hnorm": _norm(D), "eh_proj": _linear(D, 2 * D),
-         "shared_head": {"norm": _norm(D)}}
+    p = {**layer_params(c, i), "enorm": norm_leaves(D), "hnorm": norm_leaves(D), "eh_proj": linear_leaves(D, 2 * D),
+         "shared_head": {"norm": norm_leaves(D)}}
     if "embed_tokens" in copies:
         p["embed_tokens"] = {"weight": Leaf((V, D), "normal")}
     if "shared_head.head" in copies:
@@ -177,12 +67,12 @@ def param_layout(c: GLM5Config, mtp_copies: tuple[str, ...] = ()) -> dict:
     """The tree of `Leaf` (shape and init) that every params tree of `c` has: the main layers, then the
     num_nextn_predict_layers MTP layers (with their own embedding / head copies named in `mtp_copies`)."""
     L = c.num_hidden_layers
-    layers = [_decoder_layer(c, i) for i in range(L)]
+    layers = [layer_params(c, i) for i in range(L)]
     layers += [_mtp_layer(c, L + d, mtp_copies) for d in range(c.num_nextn_predict_layers)]
     tree = {"model": {"embed_tokens": {"weight": Leaf((c.vocab_size, c.hidden_size), "normal")},
-                      "layers": layers, "norm": _norm(c.hidden_size)}}
+                      "layers": layers, "norm": norm_leaves(c.hidden_size)}}
     if not c.tie_word_embeddings:
-        tree["lm_head"] = _linear(c.vocab_size, c.hidden_size)
+        tree["lm_head"] = linear_leaves(c.vocab_size, c.hidden_size)
     return tree
 
 

@@ -27,7 +27,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from glm5f.config import GLM5Config
 from glm5f.distributed import cp_positions, mesh_shapes, placements
 from glm5f.env import make_env
-from glm5f.kernels import INDEXER_QUERY_CHUNK_ELEMS, sparse_block_size
+from glm5f.layers import kinds, layer_spec
 from glm5f.loss import cross_entropy_sum, shift_labels
 from glm5f.model import decoder_layer, lm_head
 from glm5f.ops import wide_dtype
@@ -189,14 +189,15 @@ def state_bytes(cfg: GLM5Config, run: RunShape, rank: int = 0, groups: Counter |
 
 
 # ---- activations --------------------------------------------------------------------------------------------------
-# What autograd keeps is traced, not modelled: each kind of decoder layer (dense or MoE MLP, own indexer or shared
-# top-k) and the head run on FakeTensors (shapes and dtypes: no memory, no compute) under saved_tensors_hooks,
-# and the storages they save are counted, so a new kernel or adapter changes the plan with no edit here. Each
-# storage's bytes are bilinear in the rows B and this rank's queries S (per row, per query, per key, or per layer),
-# so four traces give every micro-batch and CP split of a sequence length (`traced_activations`). Two
-# things stay analytic (`layer_transient`): the buffers inside the custom ops of glm5f.kernels (a trace sees their
-# outputs only), and how routed rows split over experts and EP ranks, which depends on the data: the trace gives
-# every expert its rows in one grouped GEMM ([M, in] inputs), as balanced routing does.
+# What autograd keeps is traced, not modelled: each kind of decoder layer (each distinct `layers.layer_spec`: dense
+# or MoE MLP, own indexer or shared top-k) and the head run on FakeTensors (shapes and dtypes: no memory, no
+# compute) under saved_tensors_hooks, and the storages they save are counted, so a new kernel or adapter changes the
+# plan with no edit here. Each storage's bytes are bilinear in the rows B and this rank's queries S (per row, per
+# query, per key, or per layer), so four traces give every micro-batch and CP split of a sequence length
+# (`traced_activations`). Two things stay analytic (`layer_transient`, from each kind's `layers.Kind.transient`):
+# the buffers inside the custom ops of glm5f.kernels (a trace sees their outputs only), and how routed rows split
+# over experts and EP ranks, which depends on the data: the trace gives every expert its rows in one grouped GEMM
+# ([M, in] inputs), as balanced routing does.
 
 class TraceLayout(Layout):
     """CP rank 0 of a run, to trace its layers: its positions of each sequence, keys over all T positions as a
@@ -230,7 +231,7 @@ def saved_bytes(fn, outside: set) -> tuple[object, list[int]]:
 
 def trace(cfg: GLM5Config, run: RunShape, B: int) -> dict[object, list[int]]:
     """What a micro-batch of B rows keeps for the backward on CP rank 0 of run.cp, traced: for each kind of
-    decoder layer (is_moe, has_indexer), the bytes of each storage it saves, then of what it keeps when
+    decoder layer (its `layers.LayerSpec`), the bytes of each storage it saves, then of what it keeps when
     checkpointed (its input and the top-k it passes on, 0 for none); "head": what the final norm, head and
     cross-entropy save; "rope": the rope tables (saved by every layer, held once)."""
     act, weight = run.dtypes
@@ -257,7 +258,7 @@ def trace(cfg: GLM5Config, run: RunShape, B: int) -> dict[object, list[int]]:
 
         out, carry = {"rope": [env.cos.nbytes + env.sin.nbytes]}, None
         for i in range(cfg.num_hidden_layers):
-            kind = (cfg.is_moe(i), cfg.has_indexer(i))
+            kind = layer_spec(cfg, i)
             if kind in out:
                 continue
             p, x_BxSxD = weights(layout["model"]["layers"][i]), hidden()
@@ -297,22 +298,16 @@ def traced_activations(cfg: GLM5Config, run: RunShape, cache: dict | None = None
 
 
 def layer_transient(cfg: GLM5Config, layer: int, B: int, S: int, T: int, run: RunShape, largest: int) -> int:
-    """The largest buffers decoder layer `layer` holds on top of what it saves, from the code that makes them:
-    in the forward the indexer's chunk of scores with its top-k keys, or the sparse core's block of gathered rows
-    (both inside glm5f.kernels ops); in the backward twice the largest saved storage (its gradient and one
-    temporary), plus the sparse core's latent and query gradients and its block."""
+    """The largest buffers decoder layer `layer` holds on top of what it saves: in the forward those its kinds
+    make inside glm5f.kernels ops (`layers.Kind.transient`: the indexer's chunk of scores with its top-k keys, the
+    sparse core's block of gathered rows); in the backward twice the largest saved storage (its gradient and one
+    temporary) plus its kinds' backward buffers."""
     act, weight = run.dtypes
-    a, w, lat = act.itemsize, wide_dtype(act).itemsize, torch.promote_types(act, weight).itemsize
-    H, C, K = cfg.num_attention_heads, cfg.kv_lora_rank + cfg.qk_rope_head_dim, min(cfg.index_topk, T)
-    sparse = T > cfg.index_topk and S > 1
+    spec = layer_spec(cfg, layer)
     fwd, bwd = 0, 2 * largest
-    if sparse and cfg.has_indexer(layer):
-        rows = min(S, max(1, INDEXER_QUERY_CHUNK_ELEMS // max(1, B * cfg.index_n_heads * T)))
-        fwd = B * T * cfg.index_head_dim * a + B * rows * cfg.index_n_heads * T * w + B * rows * T * (w + 1 + 4 + 8)
-    if sparse:
-        rows = min(S, sparse_block_size(B, K, C, H))
-        fwd = max(fwd, B * rows * K * (C * a + 2 * H * w))
-        bwd += B * T * C * lat + B * S * H * C * a + B * rows * K * (2 * C * a + 4 * H * w)
+    for kind in kinds(spec):
+        f, b = kind.transient(cfg, spec, B, S, T, act, weight)
+        fwd, bwd = max(fwd, f), bwd + b
     return max(fwd, bwd)
 
 
@@ -328,7 +323,7 @@ def activation_bytes(cfg: GLM5Config, run: RunShape, remat: bool | None = None, 
     S, T = run.seq_len // run.cp, run.seq_len
     per_layer = []  # (saved, transient, kept when checkpointed) of each decoder layer
     for i in range(cfg.num_hidden_layers):
-        *saved, x, passed = traced[cfg.is_moe(i), cfg.has_indexer(i)]
+        *saved, x, passed = traced[layer_spec(cfg, i)]
         per_layer.append((sum(saved), layer_transient(cfg, i, B, S, T, run, max(saved)), x + passed))
     rope, logits = sum(traced["rope"]), sum(traced["head"])
     a, nV = run.dtypes[0].itemsize, B * S * cfg.vocab_size  # the logits, their fp32 copy and gradient
@@ -462,7 +457,7 @@ def search(cfg: GLM5Config, run: RunShape, device_bytes: int, runtime_bytes: int
     every ep dividing the ranks and the experts; for each dp_shard x cp its ep of least memory, the `show` best
     by (world, total)."""
     groups, cache = leaf_groups(cfg, run.lora), {}
-    has_moe = "sparse" in cfg.mlp_layer_types
+    has_moe = any(layer_spec(cfg, i).mlp == "moe" for i in range(cfg.num_hidden_layers))
     found = []
     for world in _powers_of_two(max_world):
         for cp in _powers_of_two(world):

@@ -27,15 +27,25 @@ def _dot_precision(dtype: torch.dtype) -> str:
 # halves are power-of-two tiles (GLM-5: R = 512, C - R = 64). `query` numbers b * S + s.
 
 @triton.jit
-def _load_query(q_ptr, H, R, C, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
-    """This program's query and block of heads h, the value (r) and rope (c) channels with their bounds, and the
-    query's value half [heads, R] and rope half [heads, C - R]."""
-    query = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+def _below(i, n: tl.constexpr, BLOCK: tl.constexpr):
+    """i < n for a tile of BLOCK indices counted from a multiple of BLOCK; a constant all-true mask where BLOCK
+    divides n (none kept in registers across the main loop: at 64 heads that decides whether the forward spills)."""
+    return tl.full(i.shape, 1, tl.int1) if n >= BLOCK and n % BLOCK == 0 else i < n
+
+
+@triton.jit
+def _load_query(q_ptr, H: tl.constexpr, R: tl.constexpr, C: tl.constexpr, BLOCK_H: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+    """This program's query and block of heads h, the value (r) and rope (c) channels with their
+    bounds, and the query's value half [heads, R] and rope half [heads, C - R]. The head blocks of a query are
+    neighbouring programs, so its rows come from L2 after the first block reads them."""
+    head_blocks: tl.constexpr = (H + BLOCK_H - 1) // BLOCK_H
+    query = tl.program_id(0).to(tl.int64) // head_blocks
+    h = (tl.program_id(0) % head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
     r = tl.arange(0, BLOCK_R)
     c = R + tl.arange(0, BLOCK_P)
-    h_ok, r_ok, c_ok = h < H, r < R, c < C
-    q_ptrs = q_ptr + (query * H + h[:, None]) * C
+    h_ok, r_ok, c_ok = _below(h, H, BLOCK_H), _below(r, R, BLOCK_R), _below(c - R, C - R, BLOCK_P)
+    q_ptrs = q_ptr + query * (H * C) + h[:, None] * C  # strides as constants, one 64-bit base per program
     q_r = tl.load(q_ptrs + r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
     q_p = tl.load(q_ptrs + c[None, :], mask=h_ok[:, None] & c_ok[None, :], other=0.0)
     return query, h, r, c, h_ok, r_ok, c_ok, q_r, q_p
@@ -59,10 +69,12 @@ def _load_selections(latent_ptr, idx_ptr, allowed_ptr, bias_ptr, query, S, T, K,
 
 
 @triton.jit
-def _masked_scores(q_r, q_p, v, kp, allowed, k_ok, bias, scale, DOT_PRECISION: tl.constexpr):
-    """Scores [heads, k] in fp32: (q . row) * scale + bias, finfo.min where not allowed, -inf past K."""
+def _masked_scores(q_r, q_p, v, kp, allowed, k_ok, bias, scale, ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Scores [heads, k] in fp32: (q . row) * scale + bias, finfo.min where not allowed, -inf past K. Without
+    ROPE (C = R: GLM-5.3's latent) the rope half is empty and not multiplied."""
     s = tl.dot(q_r, tl.trans(v), input_precision=DOT_PRECISION)
-    s += tl.dot(q_p, tl.trans(kp), input_precision=DOT_PRECISION)
+    if ROPE:
+        s += tl.dot(q_p, tl.trans(kp), input_precision=DOT_PRECISION)
     s = s * scale + bias[None, :]
     s = tl.where(allowed[None, :], s, FP32_MIN)
     return tl.where(k_ok[None, :], s, float("-inf"))
@@ -70,7 +82,7 @@ def _masked_scores(q_r, q_p, v, kp, allowed, k_ok, bias, scale, DOT_PRECISION: t
 
 @triton.jit
 def _sparse_mla_fwd_kernel(q_ptr, latent_ptr, idx_ptr, allowed_ptr, bias_ptr, out_ptr, lse_ptr,
-                           S, T, H, K, R, C, scale,
+                           S, T, K, scale, H: tl.constexpr, R: tl.constexpr, C: tl.constexpr,
                            HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                            BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """out [query, heads, R] = softmax(scores) @ values, online over tiles of BLOCK_K selections; lse beside."""
@@ -85,27 +97,27 @@ def _sparse_mla_fwd_kernel(q_ptr, latent_ptr, idx_ptr, allowed_ptr, bias_ptr, ou
         k_ok, allowed, bias, v, kp = _load_selections(latent_ptr, idx_ptr, allowed_ptr, bias_ptr, query, S, T, K, C,
                                                       k, r, r_ok, c, c_ok, HAS_BIAS)
         v, kp = v.to(dtype), kp.to(dtype)
-        s = _masked_scores(q_r, q_p, v, kp, allowed, k_ok, bias, scale, DOT_PRECISION)
+        s = _masked_scores(q_r, q_p, v, kp, allowed, k_ok, bias, scale, C > R, DOT_PRECISION)
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp(m - m_new)
         prob = tl.exp(s - m_new[:, None])
         l = l * alpha + tl.sum(prob, 1)
         acc = acc * alpha[:, None] + tl.dot(prob.to(dtype), v, input_precision=DOT_PRECISION)
         m = m_new
-    out_ptrs = out_ptr + (query * H + h[:, None]) * R + r[None, :]
+    out_ptrs = out_ptr + query * (H * R) + (h[:, None] * R + r[None, :])
     tl.store(out_ptrs, (acc / l[:, None]).to(dtype), mask=h_ok[:, None] & r_ok[None, :])
     tl.store(lse_ptr + query * H + h, m + tl.log(l), mask=h_ok)
 
 
 @triton.jit
 def _sparse_mla_bwd_dq_kernel(q_ptr, latent_ptr, idx_ptr, allowed_ptr, bias_ptr, dout_ptr, lse_ptr, delta_ptr,
-                              dq_ptr, S, T, H, K, R, C, scale,
+                              dq_ptr, S, T, K, scale, H: tl.constexpr, R: tl.constexpr, C: tl.constexpr,
                               HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                               BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """dq [query, heads, C] = dscores @ rows, dscores = prob * (dout . value - delta) * scale where allowed."""
     query, h, r, c, h_ok, r_ok, c_ok, q_r, q_p = _load_query(q_ptr, H, R, C, BLOCK_H, BLOCK_R, BLOCK_P)
     dtype = q_r.dtype
-    dout = tl.load(dout_ptr + (query * H + h[:, None]) * R + r[None, :], mask=h_ok[:, None] & r_ok[None, :],
+    dout = tl.load(dout_ptr + query * (H * R) + (h[:, None] * R + r[None, :]), mask=h_ok[:, None] & r_ok[None, :],
                    other=0.0)
     lse = tl.load(lse_ptr + query * H + h, mask=h_ok, other=0.0)
     delta = tl.load(delta_ptr + query * H + h, mask=h_ok, other=0.0)
@@ -117,28 +129,33 @@ def _sparse_mla_bwd_dq_kernel(q_ptr, latent_ptr, idx_ptr, allowed_ptr, bias_ptr,
         k_ok, allowed, bias, v, kp = _load_selections(latent_ptr, idx_ptr, allowed_ptr, bias_ptr, query, S, T, K, C,
                                                       k, r, r_ok, c, c_ok, HAS_BIAS)
         v, kp = v.to(dtype), kp.to(dtype)
-        prob = tl.exp(_masked_scores(q_r, q_p, v, kp, allowed, k_ok, bias, scale, DOT_PRECISION) - lse[:, None])
+        s = _masked_scores(q_r, q_p, v, kp, allowed, k_ok, bias, scale, C > R, DOT_PRECISION)
+        prob = tl.exp(s - lse[:, None])
         dprob = tl.dot(dout, tl.trans(v), input_precision=DOT_PRECISION)
         dscore = tl.where(allowed[None, :] & k_ok[None, :], prob * (dprob - delta[:, None]), 0.0) * scale
         dq_r += tl.dot(dscore.to(dtype), v, input_precision=DOT_PRECISION)
-        dq_p += tl.dot(dscore.to(dtype), kp, input_precision=DOT_PRECISION)
-    dq_ptrs = dq_ptr + (query * H + h[:, None]) * C
+        if C > R:
+            dq_p += tl.dot(dscore.to(dtype), kp, input_precision=DOT_PRECISION)
+    dq_ptrs = dq_ptr + query * (H * C) + h[:, None] * C
     tl.store(dq_ptrs + r[None, :], dq_r.to(dtype), mask=h_ok[:, None] & r_ok[None, :])
-    tl.store(dq_ptrs + c[None, :], dq_p.to(dtype), mask=h_ok[:, None] & c_ok[None, :])
+    if C > R:
+        tl.store(dq_ptrs + c[None, :], dq_p.to(dtype), mask=h_ok[:, None] & c_ok[None, :])
 
 
 @triton.jit
 def _sparse_mla_bwd_rows_kernel(q_ptr, latent_ptr, idx_ptr, allowed_ptr, bias_ptr, dout_ptr, lse_ptr, delta_ptr,
-                                has_key_ptr, drow_ptr, first_query, S, T, H, K, R, C, scale,
-                                HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                                has_key_ptr, drow_ptr, first_query, S, T, K, scale, H: tl.constexpr, R: tl.constexpr,
+                                C: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
                                 BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Each selection's row gradient [k, C] (not yet summed over queries), over all heads in blocks of BLOCK_H:
-    dscores^T @ q, plus prob^T @ dout on the value channels. A query with no allowed key averaged its K rows."""
-    query = first_query + tl.program_id(0).to(tl.int64)
-    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    dscores^T @ q, plus prob^T @ dout on the value channels. A query with no allowed key averaged its K rows.
+    A query's tiles are neighbouring programs, so its q and dout come from L2 after the first tile reads them."""
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    query = first_query + tl.program_id(0).to(tl.int64) // k_blocks
+    k = (tl.program_id(0) % k_blocks) * BLOCK_K + tl.arange(0, BLOCK_K)
     r = tl.arange(0, BLOCK_R)
     c = R + tl.arange(0, BLOCK_P)
-    r_ok, c_ok = r < R, c < C
+    r_ok, c_ok = _below(r, R, BLOCK_R), _below(c - R, C - R, BLOCK_P)
     k_ok, allowed, bias, v, kp = _load_selections(latent_ptr, idx_ptr, allowed_ptr, bias_ptr, query, S, T, K, C,
                                                   k, r, r_ok, c, c_ok, HAS_BIAS)
     dtype = q_ptr.dtype.element_ty
@@ -150,25 +167,28 @@ def _sparse_mla_bwd_rows_kernel(q_ptr, latent_ptr, idx_ptr, allowed_ptr, bias_pt
     drow_p = tl.zeros([BLOCK_K, BLOCK_P], tl.float32)
     for h0 in range(0, H, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)
-        h_ok = h < H
-        q_ptrs = q_ptr + (query * H + h[:, None]) * C
+        h_ok = _below(h, H, BLOCK_H)
+        q_ptrs = q_ptr + query * (H * C) + h[:, None] * C
         q_r = tl.load(q_ptrs + r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
         q_p = tl.load(q_ptrs + c[None, :], mask=h_ok[:, None] & c_ok[None, :], other=0.0)
-        dout = tl.load(dout_ptr + (query * H + h[:, None]) * R + r[None, :], mask=h_ok[:, None] & r_ok[None, :],
+        dout = tl.load(dout_ptr + query * (H * R) + (h[:, None] * R + r[None, :]), mask=h_ok[:, None] & r_ok[None, :],
                        other=0.0)
         lse = tl.load(lse_ptr + query * H + h, mask=h_ok, other=0.0)
         delta = tl.load(delta_ptr + query * H + h, mask=h_ok, other=0.0)
-        prob = tl.exp(_masked_scores(q_r, q_p, v, kp, allowed, k_ok, bias, scale, DOT_PRECISION) - lse[:, None])
+        s = _masked_scores(q_r, q_p, v, kp, allowed, k_ok, bias, scale, C > R, DOT_PRECISION)
+        prob = tl.exp(s - lse[:, None])
         prob = tl.where(h_ok[:, None], tl.where(has_key, prob, uniform[None, :]), 0.0)
         dprob = tl.dot(dout, tl.trans(v), input_precision=DOT_PRECISION)
         dscore = tl.where(allowed[None, :] & k_ok[None, :], prob * (dprob - delta[:, None]), 0.0) * scale
         dscore_t = tl.trans(dscore.to(dtype))
         drow_r += tl.dot(dscore_t, q_r, input_precision=DOT_PRECISION)
         drow_r += tl.dot(tl.trans(prob.to(dtype)), dout, input_precision=DOT_PRECISION)
-        drow_p += tl.dot(dscore_t, q_p, input_precision=DOT_PRECISION)
-    drow_ptrs = drow_ptr + ((query - first_query) * K + k[:, None]) * C
+        if C > R:
+            drow_p += tl.dot(dscore_t, q_p, input_precision=DOT_PRECISION)
+    drow_ptrs = drow_ptr + (query - first_query) * K * C + k[:, None] * C
     tl.store(drow_ptrs + r[None, :], drow_r.to(dtype), mask=k_ok[:, None] & r_ok[None, :])
-    tl.store(drow_ptrs + c[None, :], drow_p.to(dtype), mask=k_ok[:, None] & c_ok[None, :])
+    if C > R:
+        tl.store(drow_ptrs + c[None, :], drow_p.to(dtype), mask=k_ok[:, None] & c_ok[None, :])
 
 
 @triton.jit
@@ -204,37 +224,57 @@ def _check_selections(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_Bx
         raise ValueError(f"sparse MLA kernels: value_dim must be in 1..C={C}, got {value_dim}")
 
 
-def _mla_launch(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, value_dim, block_h, block_k):
-    """Contiguous operands, the sizes every sparse MLA kernel takes, and its block constants."""
-    B, S, H, C = q_BxSxHxC.shape
-    T, K = latent_BxTxC.shape[1], idx_BxSxK.shape[-1]
+# Blocks and warps of each sparse MLA kernel: (BLOCK_H, BLOCK_K, num_warps, num_stages) for half-precision inputs
+# (tensor-core dots) and for fp32 (IEEE dots on the CUDA cores), the choices of bench/kernels.py's report at GLM-5's
+# shapes on sm_90a (README, "Kernel fitness"). The forward keeps all 64 heads of a query in one program (8 warps: a
+# [64, 512] fp32 accumulator is 128 registers a thread), so each selected row is read once per query.
+MLA_BLOCKS = {
+    "forward": {"half": (64, 16, 8, 2), "fp32": (32, 16, 16, 2)},
+    "dq": {"half": (32, 16, 8, 2), "fp32": (16, 16, 8, 2)},
+    "rows": {"half": (32, 32, 8, 2), "fp32": (16, 16, 8, 2)},
+}
+
+
+def mla_constants(kernel: str, dtype: torch.dtype, H: int, R: int, C: int, has_bias: bool,
+                  block_h: int | None = None, block_k: int | None = None) -> dict:
+    """The constexprs and launch options (num_warps, num_stages) of sparse MLA kernel `kernel` ("forward", "dq",
+    "rows") for q's dtype and the layer's sizes (H heads, R value channels of C); block_h, block_k override."""
+    bh, bk, warps, stages = MLA_BLOCKS[kernel]["fp32" if dtype == torch.float32 else "half"]
+    return dict(H=H, R=R, C=C, HAS_BIAS=has_bias, BLOCK_H=min(block_h or bh, _pow2(H)), BLOCK_K=block_k or bk,
+                BLOCK_R=_pow2(R), BLOCK_P=_pow2(C - R), DOT_PRECISION=_dot_precision(dtype), num_warps=warps,
+                num_stages=stages)
+
+
+def segment_sum_constants(C: int) -> dict:
+    return dict(BLOCK_N=16, BLOCK_C=min(128, _pow2(C)))
+
+
+def _mla_operands(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK):
+    """Contiguous operands and the sizes (S, T, K) every sparse MLA kernel takes."""
     operands = (q_BxSxHxC.contiguous(), latent_BxTxC.contiguous(), idx_BxSxK.contiguous(), allowed_BxSxK.contiguous(),
                 (allowed_BxSxK if bias_BxSxK is None else bias_BxSxK).contiguous())
-    sizes = (S, T, H, K, value_dim, C)
-    blocks = dict(HAS_BIAS=bias_BxSxK is not None, BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_R=_pow2(value_dim),
-                  BLOCK_P=_pow2(C - value_dim), DOT_PRECISION=_dot_precision(q_BxSxHxC.dtype))
-    return operands, sizes, blocks
+    return operands, (q_BxSxHxC.shape[1], latent_BxTxC.shape[1], idx_BxSxK.shape[-1])
 
 
 def sparse_mla_forward(q_BxSxHxC: torch.Tensor, latent_BxTxC: torch.Tensor, idx_BxSxK: torch.Tensor,
                        allowed_BxSxK: torch.Tensor, bias_BxSxK: torch.Tensor | None, scale: float, value_dim: int,
-                       block_h: int = 16, block_k: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+                       block_h: int | None = None, block_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, S, H, value_dim] in q's dtype, lse [B, S, H] fp32): `glm5f::sparse_mla` on the device."""
     _check_selections(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, value_dim)
-    B, S, H, _ = q_BxSxHxC.shape
-    operands, sizes, blocks = _mla_launch(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, value_dim,
-                                          block_h, block_k)
+    B, S, H, C = q_BxSxHxC.shape
+    operands, sizes = _mla_operands(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK)
+    consts = mla_constants("forward", q_BxSxHxC.dtype, H, value_dim, C, bias_BxSxK is not None, block_h, block_k)
     out_BxSxHxR = q_BxSxHxC.new_empty(B, S, H, value_dim)
     lse_BxSxH = q_BxSxHxC.new_empty(B, S, H, dtype=torch.float32)
-    _sparse_mla_fwd_kernel[(B * S, triton.cdiv(H, block_h))](*operands, out_BxSxHxR, lse_BxSxH, *sizes, scale,
-                                                             **blocks)
+    grid = (B * S * triton.cdiv(H, consts["BLOCK_H"]),)
+    _sparse_mla_fwd_kernel[grid](*operands, out_BxSxHxR, lse_BxSxH, *sizes, scale, **consts)
     return out_BxSxHxR, lse_BxSxH
 
 
 def sparse_mla_backward(dout_BxSxHxR: torch.Tensor, q_BxSxHxC: torch.Tensor, latent_BxTxC: torch.Tensor,
                         idx_BxSxK: torch.Tensor, allowed_BxSxK: torch.Tensor, bias_BxSxK: torch.Tensor | None,
-                        out_BxSxHxR: torch.Tensor, lse_BxSxH: torch.Tensor, scale: float, block_h: int = 16,
-                        block_k: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+                        out_BxSxHxR: torch.Tensor, lse_BxSxH: torch.Tensor, scale: float, block_h: int | None = None,
+                        block_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dq [B, S, H, C], dlatent [B, T, C] in the latent's dtype): `glm5f::sparse_mla_backward` on the device.
 
     dlatent is deterministic: per query chunk, every selection's row gradient is written out, the selections are
@@ -244,30 +284,31 @@ def sparse_mla_backward(dout_BxSxHxR: torch.Tensor, q_BxSxHxC: torch.Tensor, lat
     _check_selections(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, R)
     B, S, H, C = q_BxSxHxC.shape
     T, K = latent_BxTxC.shape[1], idx_BxSxK.shape[-1]
-    operands, sizes, blocks = _mla_launch(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, R,
-                                          block_h, block_k)
+    operands, sizes = _mla_operands(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK)
+    dq_consts, rows_consts = (mla_constants(kernel, q_BxSxHxC.dtype, H, R, C, bias_BxSxK is not None, block_h, block_k)
+                              for kernel in ("dq", "rows"))
     dout = dout_BxSxHxR.to(q_BxSxHxC.dtype).contiguous()
     delta_BxSxH = (dout.float() * out_BxSxHxR.float()).sum(-1)  # sum_k prob * dprob: the softmax's backward term
     lse_BxSxH = lse_BxSxH.contiguous()
     dq_BxSxHxC = torch.empty_like(operands[0])
-    _sparse_mla_bwd_dq_kernel[(B * S, triton.cdiv(H, block_h))](*operands, dout, lse_BxSxH, delta_BxSxH,
-                                                                dq_BxSxHxC, *sizes, scale, **blocks)
+    _sparse_mla_bwd_dq_kernel[(B * S * triton.cdiv(H, dq_consts["BLOCK_H"]),)](
+        *operands, dout, lse_BxSxH, delta_BxSxH, dq_BxSxHxC, *sizes, scale, **dq_consts)
 
     has_key_BxS = allowed_BxSxK.any(-1)
     rows = (idx_BxSxK + T * torch.arange(B, device=idx_BxSxK.device)[:, None, None]).flatten()
     dlatent = torch.zeros(B * T, C, dtype=latent_BxTxC.dtype, device=latent_BxTxC.device)
     all_rows = torch.arange(B * T + 1, device=idx_BxSxK.device)
     chunk = max(1, DSEL_CHUNK_ELEMS // (K * C))
-    block_c = min(128, _pow2(C))
+    sum_consts = segment_sum_constants(C)
     for first in range(0, B * S, chunk):
         n = min(B * S - first, chunk)
         drow = q_BxSxHxC.new_empty(n * K, C)
-        _sparse_mla_bwd_rows_kernel[(n, triton.cdiv(K, block_k))](*operands, dout, lse_BxSxH, delta_BxSxH,
-                                                                  has_key_BxS, drow, first, *sizes, scale, **blocks)
+        _sparse_mla_bwd_rows_kernel[(n * triton.cdiv(K, rows_consts["BLOCK_K"]),)](
+            *operands, dout, lse_BxSxH, delta_BxSxH, has_key_BxS, drow, first, *sizes, scale, **rows_consts)
         sorted_rows, order = torch.sort(rows[first * K:(first + n) * K], stable=True)
         starts = torch.searchsorted(sorted_rows, all_rows)
-        _segment_sum_kernel[(B * T, triton.cdiv(C, block_c))](drow, order, starts, dlatent, C, BLOCK_N=16,
-                                                              BLOCK_C=block_c)
+        _segment_sum_kernel[(B * T, triton.cdiv(C, sum_consts["BLOCK_C"]))](drow, order, starts, dlatent, C,
+                                                                            **sum_consts)
     return dq_BxSxHxC, dlatent.view(B, T, C)
 
 
@@ -279,12 +320,13 @@ def _indexer_scores_kernel(q_ptr, w_ptr, keys_ptr, q_index_ptr, key_valid_ptr, q
                            k_segment_sb, dense_sb, bias_sb, scale,
                            HAS_KEY_VALID: tl.constexpr, HAS_SEGMENTS: tl.constexpr, HAS_DENSE: tl.constexpr,
                            HAS_BIAS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
-                           BLOCK_J: tl.constexpr):
+                           BLOCK_J: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """scores [b, queries, keys] = sum_i w_i relu(q_i . key * scale) (+ bias) in fp32, -inf where not allowed.
-    Tiles no query may see (most above a causal diagonal) skip the head loop."""
-    b = tl.program_id(0).to(tl.int64)
+    The products q_i . key in q's dtype with fp32 accumulation: IEEE fp32 for fp32 inputs (the CPU's scores),
+    tensor cores for half types. Tiles no query may see (most above a causal diagonal) skip the head loop."""
+    b = tl.program_id(2).to(tl.int64)  # the key tiles of a query block are neighbouring programs: its q from L2
     s = first + tl.program_id(1).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)  # int64: S * T may pass 2^31
-    t = tl.program_id(2).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     j = tl.arange(0, BLOCK_J)
     s_ok, t_ok, j_ok = s < first + n, t < T, j < J
     if HAS_DENSE:
@@ -304,12 +346,12 @@ def _indexer_scores_kernel(q_ptr, w_ptr, keys_ptr, q_index_ptr, key_valid_ptr, q
     acc = tl.zeros([BLOCK_S, BLOCK_T], tl.float32)
     if tl.max(allowed.to(tl.int32)) > 0:
         keys = tl.load(keys_ptr + (b * T + t[:, None]) * J + j[None, :], mask=t_ok[:, None] & j_ok[None, :],
-                       other=0.0).to(tl.float32)
+                       other=0.0).to(q_ptr.dtype.element_ty)
         for i in range(0, I):
             q_i = tl.load(q_ptr + ((b * S + s[:, None]) * I + i) * J + j[None, :], mask=s_ok[:, None] & j_ok[None, :],
-                          other=0.0).to(tl.float32)
+                          other=0.0)
             w_i = tl.load(w_ptr + (b * S + s) * I + i, mask=s_ok, other=0.0).to(tl.float32)
-            z = tl.dot(q_i, tl.trans(keys), input_precision="ieee") * scale
+            z = tl.dot(q_i, tl.trans(keys), input_precision=DOT_PRECISION) * scale
             acc += w_i[:, None] * tl.maximum(z, 0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + b * bias_sb + s[:, None] * T + t[None, :], mask=s_ok[:, None] & t_ok[None, :],
@@ -329,11 +371,23 @@ def _batched(x: torch.Tensor | None, B: int, inner: tuple, what: str) -> tuple[t
     return x, (x.stride(0) if x.shape[0] == B else 0)
 
 
+# (BLOCK_S, BLOCK_T, num_warps, num_stages) of the indexer's scores, for half-precision inputs (tensor cores) and
+# fp32 (IEEE dots on the CUDA cores), from bench/kernels.py's report at GLM-5's shapes on sm_90a
+INDEXER_BLOCKS = {"half": (64, 256, 8, 2), "fp32": (16, 16, 8, 3)}
+
+
+def indexer_constants(dtype: torch.dtype, J: int, block_s: int | None = None, block_t: int | None = None) -> dict:
+    """The block constexprs and launch options of the indexer's scores for q's dtype; block_s, block_t override."""
+    bs, bt, warps, stages = INDEXER_BLOCKS["fp32" if dtype == torch.float32 else "half"]
+    return dict(BLOCK_S=block_s or bs, BLOCK_T=block_t or bt, BLOCK_J=_pow2(J), DOT_PRECISION=_dot_precision(dtype),
+                num_warps=warps, num_stages=stages)
+
+
 def indexer_scores(q_BxSxIxJ: torch.Tensor, w_BxSxI: torch.Tensor, keys_BxTxJ: torch.Tensor, q_index_S: torch.Tensor,
                    key_valid_BxT: torch.Tensor | None, q_segment_BxS: torch.Tensor | None,
                    k_segment_BxT: torch.Tensor | None, dense_BxSxT: torch.Tensor | None,
-                   bias_BxSxT: torch.Tensor | None, first: int, stop: int, block_s: int = 32,
-                   block_t: int = 64) -> torch.Tensor:
+                   bias_BxSxT: torch.Tensor | None, first: int, stop: int, block_s: int | None = None,
+                   block_t: int | None = None) -> torch.Tensor:
     """Index scores [B, stop - first, T] fp32 of queries first:stop over all T keys, -inf where masked (the mask
     parts as `glm5f::indexer_topk` takes them; dense replaces the causal, padding and document parts)."""
     B, S, I, J = q_BxSxIxJ.shape
@@ -353,7 +407,8 @@ def indexer_scores(q_BxSxIxJ: torch.Tensor, w_BxSxI: torch.Tensor, keys_BxTxJ: t
     unused = q_index  # a valid pointer for the parts a launch leaves out
     n = stop - first
     scores_BxSxT = torch.empty(B, n, T, dtype=torch.float32, device=q_BxSxIxJ.device)
-    grid = (B, triton.cdiv(n, block_s), triton.cdiv(T, block_t))
+    consts = indexer_constants(q_BxSxIxJ.dtype, J, block_s, block_t)
+    grid = (triton.cdiv(T, consts["BLOCK_T"]), triton.cdiv(n, consts["BLOCK_S"]), B)
     _indexer_scores_kernel[grid](
         q_BxSxIxJ.contiguous(), w_BxSxI.contiguous(), keys_BxTxJ.contiguous(), q_index,
         unused if key_valid is None else key_valid, unused if q_segment is None else q_segment,
@@ -361,5 +416,5 @@ def indexer_scores(q_BxSxIxJ: torch.Tensor, w_BxSxI: torch.Tensor, keys_BxTxJ: t
         unused if bias is None else bias, scores_BxSxT, S, T, I, J, first, n, key_valid_sb, q_segment_sb,
         k_segment_sb, dense_sb, bias_sb, J ** -0.5,
         HAS_KEY_VALID=key_valid is not None, HAS_SEGMENTS=q_segment is not None, HAS_DENSE=dense is not None,
-        HAS_BIAS=bias is not None, BLOCK_S=block_s, BLOCK_T=block_t, BLOCK_J=_pow2(J))
+        HAS_BIAS=bias is not None, **consts)
     return scores_BxSxT

@@ -296,14 +296,17 @@ def tk():
     return triton_dsa
 
 
-TRITON_CASES = {  # name: selection_case arguments and kernel blocks; every case has ragged S, H, K and C, and
-    # K over BLOCK_K (several tiles of the online softmax)
+TRITON_CASES = {  # name: selection_case arguments and kernel blocks; every case has ragged S and K, ragged H and C
+    # but the last, and K over BLOCK_K (several tiles of the online softmax)
     "causal": (dict(T=27, K=21, mask="causal"), dict(block_k=16)),
     "padding-bias": (dict(T=27, K=21, mask="padding", bias=True), dict(block_k=16)),  # query 0: no allowed key
     "documents": (dict(T=27, K=21, mask="documents"), dict(block_k=16)),
     "k-beyond-visible": (dict(T=40, S=5, K=37, mask="causal"), dict(block_k=16)),  # fully masked tiles
     "many-heads": (dict(H=20, R=40, P=9, K=19, mask="documents", bias=True), dict(block_h=16, block_k=16)),
     "wide-latent": (dict(T=45, K=40, mask="padding", latent_dtype=torch.float64), dict(block_k=32)),
+    # heads, value and rope channels that fill their blocks: the kernels drop those masks (all true)
+    "even-blocks": (dict(T=27, K=21, H=16, R=32, P=16, mask="documents", bias=True), dict(block_h=16, block_k=16)),
+    "no-rope": (dict(T=27, K=21, P=0, mask="causal"), dict(block_k=16)),  # GLM-5.3's latent: values only
 }
 
 

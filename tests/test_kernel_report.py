@@ -1,0 +1,84 @@
+"""bench/kernels.py's ahead-of-time report: every glm5f Triton kernel compiles for sm_90a and sm_100a without spills
+or shared memory past a block's limit, and the FLOPs and bytes it prints agree with a count by hand.
+
+The compiles run in their own processes: tests/test_kernels.py interprets the kernels (TRITON_INTERPRET=1), and
+glm5f.triton_dsa is imported once per process."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
+if not os.path.exists(PTXAS):
+    pytest.skip(f"no {PTXAS} (Triton's wheel ships it on Linux x86_64)", allow_module_level=True)
+
+
+def run(*args):
+    """python args... from the repository root, TRITON_INTERPRET unset; (exit code, stdout + stderr)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return res.returncode, res.stdout + res.stderr
+
+
+def report():
+    sys.path.insert(0, ROOT)
+    from bench import kernels
+    return kernels
+
+
+def test_every_kernel_fits_at_tiny_and_glm5_forward_shapes():
+    """The tiny shapes for every kernel, arch and dtype, and GLM-5's forward in bf16 on sm_90a (64 heads in one
+    program): the CLI exits 0 only when each compiles with no spill and shared memory within 227 KB."""
+    code, out = run("bench/kernels.py", "--shapes", "tiny")
+    assert code == 0 and "20 kernels compiled" in out and "all fit" in out, out
+    assert out.count(" sm_100a ") == out.count(" sm_90a ") == 10, out
+    code, out = run("bench/kernels.py", "--shapes", "glm5", "--archs", "sm_90a", "--dtypes", "bf16", "--kernels",
+                    "sparse_mla_fwd")
+    line = next(x for x in out.splitlines() if x.startswith("sparse_mla_fwd"))
+    assert code == 0 and " H64 " in line and line.split()[-1] == "1", out  # all heads: each row read once
+
+
+def test_a_spilling_launch_fails_the_report():
+    """The same forward at 4 warps holds a [64, 512] fp32 accumulator in 128 threads (256 registers each): ptxas
+    spills, and the report's check catches it."""
+    code, out = run("-c", "import dataclasses, torch; from bench import kernels as k; "
+                          "f = k.launches(k.SHAPES['glm5'], torch.bfloat16)[0]; "
+                          "f = dataclasses.replace(f, consts=dict(f.consts, num_warps=4)); "
+                          "print('spills', k.compile_launch(f, 'sm_90a')['spills'])")
+    assert code == 0 and int(out.split("spills ")[1].split()[0]) > 0, out
+
+
+def test_counts_of_the_forward_by_hand():
+    """B2 S3 H20 R40 P9 K19 in fp32 with BLOCK_H 16 (2 head blocks: rows read twice), BLOCK_K 16 (K padded to 32),
+    BLOCK_R 64, BLOCK_P 16: per query the math is 2 H K (C + R) FLOPs; the tiles compute
+    2 x 32 heads x 32 keys x (64 + 16 + 64)."""
+    kr = report()
+    shape = dict(B=2, S=3, T=7, H=20, R=40, P=9, K=19, I=2, J=16)
+    fwd = kr.mla_launches(torch.float32, **shape, block_h=16, block_k=16)[0]
+    assert fwd.kernel == "sparse_mla_fwd" and fwd.consts["BLOCK_R"] == 64 and fwd.consts["BLOCK_P"] == 16
+    n, C = 6, 49
+    assert fwd.min_flops == n * 2 * 20 * 19 * (49 + 40)
+    assert fwd.flops == n * 2 * 2 * 16 * 32 * (64 + 16 + 64)
+    rows = 19 * (C * 4 + 8 + 1)  # a query's selected rows with their int64 index and bool allowed flag
+    assert fwd.min_bytes == n * (rows + 20 * (C + 40) * 4 + 20 * 4)
+    assert fwd.bytes == n * (2 * rows + 20 * (C + 40) * 4 + 20 * 4) and fwd.rows_per_query == 2
+    bound, estimate = kr.roofline(fwd, torch.float32)
+    assert bound == pytest.approx(max(fwd.min_flops / 67e12, fwd.min_bytes / 3.35e12))
+    assert estimate == pytest.approx(max(fwd.flops / 67e12, fwd.bytes / 3.35e12))
+
+
+def test_indexer_counts_only_visible_pairs():
+    """Causal, the S queries the last S of T keys: the math scores S (T - S) + S (S + 1) / 2 pairs; 64-query by
+    256-key tiles wholly above the diagonal are skipped."""
+    kr = report()
+    shape = dict(B=1, S=256, T=384, H=1, R=16, P=0, K=1, I=2, J=16)
+    launch = kr.indexer_launch(torch.bfloat16, **shape)
+    assert launch.consts["BLOCK_S"] == 64 and launch.consts["BLOCK_T"] == 256
+    assert launch.min_flops == 2 * (256 * 128 + 256 * 257 // 2) * 2 * 16
+    # query block i (queries 128 + 64 i ... 191 + 64 i) sees key tiles 0..(191 + 64 i) // 256: 1, 1, 2, 2
+    assert launch.flops == (1 + 1 + 2 + 2) * 2 * 64 * 256 * 2 * 16
