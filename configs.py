@@ -23,7 +23,7 @@ import yaml
 import glm5f
 from glm5f.data import check_path_fits, infer_data_type, load_batches
 from glm5f.lora import DEFAULT_TARGETS, LoraSpec, target_modules
-from glm5f.optim import trained_paths
+from glm5f.optim import OPTIMIZERS, trained_paths
 
 @dataclass
 class ModelConfig:
@@ -138,6 +138,9 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
+    name: str = "adamw"
+    """The optimizer (optim.OPTIMIZERS): adamw, or muon (Muon on the hidden matrices, AdamW on the embedding, head,
+    norms, biases, router and indexer; one lr and weight decay for both)."""
     lr: float = 3e-3
     """Peak learning rate, reached after warmup_steps."""
     warmup_steps: int = 20
@@ -159,6 +162,17 @@ class OptimConfig:
     """Global gradient-norm clip; 0 disables."""
     bias_update_rate: float = 1e-3
     """Aux-loss-free router balancing: e_score_correction_bias += rate * sign(mean load - load); 0 disables."""
+    muon_momentum: float = 0.95
+    """Muon's momentum decay (its buffer is the running sum m = momentum * m + g)."""
+    muon_nesterov: bool = True
+    """Muon orthogonalises the Nesterov look-ahead g + momentum * m (else m)."""
+    ns_steps: int = 5
+    """Muon's Newton-Schulz iterations."""
+    ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+    """Muon's Newton-Schulz coefficients (a, b, c): X <- a X + (b A + c A A) X, A = X X^T."""
+    muon_split: Literal["per_part", "per_head", "none"] = "per_part"
+    """Muon Split: per_part orthogonalises q_b_proj per head and RoPE part, kv_b_proj per head and key / value,
+    kv_a_proj_with_mqa as latent and RoPE key apart; per_head only per head; none each leaf whole."""
 
 
 @dataclass
@@ -350,6 +364,11 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
                     "pass one of them")
     if cfg.optim.lr <= 0:
         errs.append(f"--optim.lr must be positive, got {cfg.optim.lr}")
+    if cfg.optim.name not in OPTIMIZERS:
+        errs.append(f"--optim.name {cfg.optim.name!r} is unknown; choose one of {', '.join(OPTIMIZERS)}")
+    if not 0 <= cfg.optim.muon_momentum < 1 or cfg.optim.ns_steps < 1:
+        errs.append(f"--optim.muon_momentum must lie in [0, 1) and --optim.ns_steps be >= 1, got "
+                    f"{cfg.optim.muon_momentum} and {cfg.optim.ns_steps}")
     if not 0 <= cfg.optim.min_lr_ratio <= 1:
         errs.append(f"--optim.min_lr_ratio must lie in [0, 1], got {cfg.optim.min_lr_ratio}")
     p = cfg.parallel
@@ -542,7 +561,8 @@ def _found(value) -> str:
 
 
 def _value(value, hint, path: str, key: str):
-    """`value` as a field of type `hint` (Optional, Literal, bool, int, float, str), or a ValueError naming it."""
+    """`value` as a field of type `hint` (Optional, Literal, bool, int, float, str, a tuple of floats), or a
+    ValueError naming it."""
     args, optional = typing.get_args(hint), ""
     if typing.get_origin(hint) is typing.Union:
         if value is None:
@@ -565,6 +585,11 @@ def _value(value, hint, path: str, key: str):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
         want = "a number"
+    elif typing.get_origin(hint) is tuple:
+        if isinstance(value, list) and len(value) == len(args) and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+            return tuple(float(v) for v in value)
+        want = f"a list of {len(args)} numbers"
     else:
         if isinstance(value, str):
             return value

@@ -31,8 +31,8 @@ from glm5f.hf import check_export_dir, check_loaded_finite, save_peft
 from glm5f.loss import Step, eval_loss, step_grads
 from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
 from glm5f.model import check_input_ids
-from glm5f.optim import (adamw_init, adamw_update, balance_router_bias, clip_by_global_norm, lr_schedule, matches,
-                         schedule_change, schedule_total)
+from glm5f.optim import (Optimizer, balance_router_bias, clip_by_global_norm, lr_schedule, make_optimizer,
+                         matches, schedule_change, schedule_total)
 from glm5f.parallel import Layout, nonfinite_counts
 from glm5f.params import flatten, region_of
 
@@ -84,9 +84,11 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     adapters = init_adapters(cfg, spec, params, layout) if spec else None
     base = lora_base(cfg, params, layout) if spec else None
     step = Step.of(cfg.train, model_cfg, spec)
-    opt_state = adamw_init(adapters, list(adapters)) if spec else adamw_init(params, step.trained(params))
+    optimizer = make_optimizer(cfg.optim, model_cfg)
+    opt_state = optimizer.init(adapters, list(adapters)) if spec else optimizer.init(params, step.trained(params))
     data, eval_batches = make_data(cfg, model_cfg, layout, say)
-    start, last_ckpt, trained, opt_state = resume(cfg, model_cfg, params, adapters, base, opt_state, data, say)
+    start, last_ckpt, trained, opt_state = resume(cfg, model_cfg, params, adapters, base, optimizer, opt_state, data,
+                                                  say)
     params, adapters = (params, trained) if spec else (trained, None)
     if start >= cfg.train.steps:
         say(f"nothing to do: step {start} >= --train.steps {cfg.train.steps}")
@@ -118,11 +120,9 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
                          total=schedule_total(cfg.optim, cfg.train), min_ratio=cfg.optim.min_lr_ratio)
         skipped = check_step(cfg, i + 1, metrics["loss"], float(grad_norm), last_ckpt, say)
         if not skipped and spec:  # the adapters only: the base, router biases included, stays as it is
-            adapters, opt_state = adamw_update(adapters, grads, opt_state, lr, b1=cfg.optim.b1, b2=cfg.optim.b2,
-                                               eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
+            adapters, opt_state = optimizer.update(adapters, grads, opt_state, lr)
         elif not skipped:
-            params, opt_state = adamw_update(params, grads, opt_state, lr, b1=cfg.optim.b1, b2=cfg.optim.b2,
-                                             eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
+            params, opt_state = optimizer.update(params, grads, opt_state, lr)
             params = balance_router_bias(params, {k: c for k, c in counts.items() if matches(cfg.train.trainable, k)},
                                          cfg.optim.bias_update_rate)
         del grads  # freed before the next step's forward and backward
@@ -147,7 +147,7 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         if stop or (cfg.checkpoint.every and (i + 1) % cfg.checkpoint.every == 0) or i + 1 == cfg.train.steps:
             check_finite(adapters if spec else params, layout, i + 1, last_ckpt)
             state = {"adapters": adapters, "optim": opt_state} if spec else {"params": params, "optim": opt_state}
-            meta = {"model": model_cfg.to_hf(), "run": dataclasses.asdict(cfg)}
+            meta = {"model": model_cfg.to_hf(), "run": dataclasses.asdict(cfg), "optimizer": optimizer.meta}
             last_ckpt = checkpoint.save(
                 cfg.checkpoint.dir, i + 1, state,
                 extra={"step": i + 1, "data": data.state_dict(), "rng": checkpoint.rng_state()},
@@ -255,11 +255,11 @@ def make_data(cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout, say):
 
 
 def resume(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, adapters: dict | None, base: dict | None,
-           opt_state: dict, data, say):
+           optimizer: Optimizer, opt_state: dict, data, say):
     """(the step to start from, the checkpoint it comes from or None, the trained tree: params, or a LoRA run's
     adapters, optimizer state): with --checkpoint.resume, the newest complete checkpoint's (checked against this
-    run's model, data type, trained leaves and a LoRA run's base), with the data position and RNG states
-    restored."""
+    run's model, data type, trained leaves, optimizer and a LoRA run's base), with the data position and RNG
+    states restored."""
     trained = params if adapters is None else adapters
     if not cfg.checkpoint.resume:
         return 0, None, trained, opt_state
@@ -279,6 +279,7 @@ def resume(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, adapters: dic
     check_same_data(cfg, saved, ckpt)
     check_same_trained(cfg, model_cfg, params, saved, ckpt)
     check_same_lora(cfg, saved, meta.get("lora_base"), base, ckpt)
+    check_same_optimizer(meta.get("optimizer", {"name": "adamw"}), optimizer, ckpt)
     state = {"params" if adapters is None else "adapters": trained, "optim": opt_state}
     with user_errors():
         extra = checkpoint.load(ckpt, state)
@@ -321,6 +322,16 @@ def check_same_trained(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, s
             f"optimizer state covers only the first set. Resume with its flags, or start the next stage from its "
             f"weights: export them (the same run with --checkpoint.export_hf DIR) and start a new run with "
             f"--model.init_from DIR")
+
+
+def check_same_optimizer(saved: dict, optimizer: Optimizer, ckpt: str) -> None:
+    """A checkpoint's optimizer state is the state of the optimizer that saved it (its meta.json says which, and
+    how it keeps it); another one cannot continue from it."""
+    if saved != optimizer.meta:
+        raise TrainingError(f"{ckpt} holds the state of --optim.name {saved.get('name')} ({saved}), not of "
+                            f"--optim.name {optimizer.name} ({optimizer.meta}): resume with --optim.name "
+                            f"{saved.get('name')}, or start the next stage from its weights (export them with "
+                            f"--checkpoint.export_hf DIR, then --model.init_from DIR)")
 
 
 def check_same_lora(cfg: Config, saved: dict, saved_base: dict | None, base: dict | None, ckpt: str) -> None:

@@ -59,13 +59,17 @@ class Leaf:
 class LeafKind:
     """What a leaf is. axes: the logical axis of each of its dims, which `distributed.MESH_RULES` maps to mesh
     axes (fused dims are named by their outer axis: q_b_proj's (heads x head dim) rows are "heads"). fp32: kept in
-    fp32 (fp64 in fp64 runs) whatever the compute dtype. optim: "adamw" (weight decay on matrices, none on 1-D
-    leaves), "indexer" (AdamW while the indexer loss trains it, else frozen) or "balance" (a buffer with its own
-    update rule, no gradient)."""
+    fp32 (fp64 in fp64 runs) whatever the compute dtype. optim: the label `optim.leaf_rule` reads: "adamw"
+    (AdamW whatever the optimizer: weight decay on matrices, none on 1-D leaves), "hidden" (a hidden layer's
+    matrix, routed experts one matrix each: Muon's under --optim.name muon, else AdamW's), "indexer" (AdamW while
+    the indexer loss trains it, else frozen) or "balance" (a buffer with its own update rule, no gradient).
+    parts: Muon Split, the config fields naming the rows of each head's block in order (of the whole leaf when its
+    rows are not "heads"): each part is orthogonalised on its own (`optim.muon_blocks`)."""
 
     axes: tuple[str, ...]
     fp32: bool = False
     optim: str = "adamw"
+    parts: tuple[str, ...] = ()
 
 
 def linear_leaves(out_features: int, in_features: int, bias: bool = False) -> dict:
@@ -260,14 +264,17 @@ ATTENTION = {
             (r"\.indexer\.wq_b\.weight$", LeafKind(("index_heads", "q_lora"), optim="indexer")),
             (r"\.indexer\.wk\.weight$", LeafKind(("index_dim", "embed"), optim="indexer")),
             (r"\.indexer\.k_norm\.(weight|bias)$", LeafKind(("index_dim",), optim="indexer")),
-            (r"\.q_a_proj\.weight$", LeafKind(("q_lora", "embed"))),
+            (r"\.q_a_proj\.weight$", LeafKind(("q_lora", "embed"), optim="hidden")),
             (r"\.(q_a_proj\.bias|q_a_layernorm\.weight)$", LeafKind(("q_lora",))),
-            (r"\.q_b_proj\.weight$", LeafKind(("heads", "q_lora"))),
-            (r"\.kv_a_proj_with_mqa\.weight$", LeafKind(("latent", "embed"))),
+            (r"\.q_b_proj\.weight$", LeafKind(("heads", "q_lora"), optim="hidden",
+                                               parts=("qk_nope_head_dim", "qk_rope_head_dim"))),
+            (r"\.kv_a_proj_with_mqa\.weight$", LeafKind(("latent", "embed"), optim="hidden",
+                                                         parts=("kv_lora_rank", "qk_rope_head_dim"))),
             (r"\.kv_a_proj_with_mqa\.bias$", LeafKind(("latent",))),
             (r"\.kv_a_layernorm\.weight$", LeafKind(("kv_lora",))),
-            (r"\.kv_b_proj\.weight$", LeafKind(("heads", "kv_lora"))),
-            (r"\.o_proj\.weight$", LeafKind(("embed", "heads"))),
+            (r"\.kv_b_proj\.weight$", LeafKind(("heads", "kv_lora"), optim="hidden",
+                                                parts=("qk_nope_head_dim", "v_head_dim"))),
+            (r"\.o_proj\.weight$", LeafKind(("embed", "heads"), optim="hidden")),
             (r"\.o_proj\.bias$", LeafKind(("embed",))),
         ),
         macs=_mla_dsa_macs, transient=_mla_dsa_transient, cache=_mla_dsa_cache),
@@ -290,14 +297,14 @@ MLP = {  # "moe" first: its experts' rows are more specific than the dense proje
         rows=(
             (r"\.mlp\.gate\.e_score_correction_bias$", LeafKind(("router",), fp32=True, optim="balance")),
             (r"\.mlp\.gate\.weight$", LeafKind(("router", "embed"), fp32=True)),
-            (r"\.experts\.(gate|up)_proj\.weight$", LeafKind(("experts", "mlp", "embed"))),
-            (r"\.experts\.down_proj\.weight$", LeafKind(("experts", "embed", "mlp"))),
+            (r"\.experts\.(gate|up)_proj\.weight$", LeafKind(("experts", "mlp", "embed"), optim="hidden")),
+            (r"\.experts\.down_proj\.weight$", LeafKind(("experts", "embed", "mlp"), optim="hidden")),
         ),
         macs=_moe_macs),
     "dense": Kind(
         lambda c, spec: swiglu_leaves(c.hidden_size, c.intermediate_size),
-        rows=((r"\.(gate|up)_proj\.weight$", LeafKind(("mlp", "embed"))),
-              (r"\.down_proj\.weight$", LeafKind(("embed", "mlp")))),
+        rows=((r"\.(gate|up)_proj\.weight$", LeafKind(("mlp", "embed"), optim="hidden")),
+              (r"\.down_proj\.weight$", LeafKind(("embed", "mlp"), optim="hidden"))),
         macs=lambda c, spec, seq: (3 * c.hidden_size * c.intermediate_size, 0.0)),
 }
 RESIDUAL = {
@@ -313,7 +320,8 @@ RESIDUAL = {
 # The leaves outside the decoder layers' kinds: embedding, head, the MTP projection, and every norm scale.
 MODEL_ROWS = (
     (r"\.(embed_tokens|lm_head|head)\.weight$", LeafKind(("vocab", "embed"))),
-    (r"\.eh_proj\.weight$", LeafKind(("embed", "embed"))),  # [D, 2D]: the MTP layer's embedding and hidden state
+    # [D, 2D]: the MTP layer's embedding and hidden state
+    (r"\.eh_proj\.weight$", LeafKind(("embed", "embed"), optim="hidden")),
     (r"norm\.weight$", LeafKind(("embed",))),
 )
 

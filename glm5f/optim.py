@@ -1,39 +1,47 @@
-"""Optimizer as pure functions over the params tree (optax style): AdamW with foreach ops, global-norm clipping,
-warmup + cosine schedule, and the router's auxiliary-loss-free bias rule.
+"""Optimizers as pure functions over the params tree (optax style): AdamW and Muon behind one interface
+(`Optimizer`: init, update, state bytes), global-norm clipping, warmup + cosine schedule, the router bias rule.
 
-How each leaf is treated comes from `params.LEAF_KINDS` (`leaf_rule(path)`); `--train.trainable` narrows the trained
-set further:
-  decay     AdamW with weight decay       matrices and embeddings
+How each leaf is treated comes from its `params.LEAF_KINDS` label (`LeafKind.optim`) through `leaf_rule(path)`;
+`--train.trainable` narrows the trained set further:
+  decay     AdamW with weight decay       matrices and embeddings (under Muon: those it does not take)
   no_decay  AdamW without weight decay    norm scales and biases (1-D)
+  muon      Muon (--optim.name muon)      the hidden matrices (label "hidden"), routed experts one by one
   frozen    untouched                     the DSA indexer, unless trained by its own loss (--train.indexer_loss)
   balance   bias += rate * sign(mean load - load), no gradient    the router's e_score_correction_bias
 A LoRA run (--lora.rank) trains the adapters' factors only: the base is frozen, router biases included.
+A new optimizer is a factory in `OPTIMIZERS` (this file); the labels it takes are a field of it.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils import _pytree as pytree
 
+from glm5f.config import GLM5Config
+from glm5f.distributed import placements
 from glm5f.lora import is_adapter
 from glm5f.ops import wide_dtype
 from glm5f.parallel import full_tensor
 from glm5f.params import flatten, leaf_kind, unflatten
 
 
-def leaf_rule(path: str, ndim: int, indexer: bool = False) -> str:
-    """How the leaf at `path` is optimized (its `params.LEAF_KINDS` entry); `indexer`: the DSA indexer is trained
-    (by the indexer loss)."""
+def leaf_rule(path: str, ndim: int, indexer: bool = False, takes: tuple[str, ...] = (), name: str = "") -> str:
+    """How the leaf at `path` is optimized, from its `params.LEAF_KINDS` label; `indexer`: the DSA indexer is
+    trained (by the indexer loss). An optimizer that takes the labels `takes` (Muon: "hidden") gives those leaves
+    its own rule `name`; every other trained leaf is AdamW's ("decay" for matrices, "no_decay" for 1-D leaves)."""
     kind = leaf_kind(path).optim
     if kind == "balance":
         return "balance"
     if kind == "indexer" and not indexer:
         return "frozen"
+    if kind in takes:
+        return name
     return "decay" if ndim >= 2 else "no_decay"
 
 
@@ -95,6 +103,8 @@ def adamw_update(params: dict, grads: dict[str, torch.Tensor], state: dict, lr: 
     flat = flatten(params)
     paths = list(state["mu"])
     count = state["count"] + 1
+    if not paths:  # nothing of AdamW's to train (Muon takes every trained leaf)
+        return params, {"count": count, "mu": state["mu"], "nu": state["nu"]}
     t = int(count)
     p_leaves = [flat[p] for p in paths]
     mu, nu = [state["mu"][p] for p in paths], [state["nu"][p] for p in paths]
@@ -124,6 +134,185 @@ def adamw_update(params: dict, grads: dict[str, torch.Tensor], state: dict, lr: 
             if new is not p_leaves[i]:
                 p_leaves[i].copy_(new)
     return params, {"count": count, "mu": state["mu"], "nu": state["nu"]}
+
+
+# ---- the optimizer interface -------------------------------------------------------------------------------------
+
+# Extra full-size copies of the trained leaves alive during the AdamW step: it updates params and moments in place
+# through one temporary list (g*g, then the denominator, then the step; `adamw_update`).
+ADAMW_UPDATE_COPIES = 1
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    """An optimizer as pure functions over the params tree (optax's `GradientTransformation`, updating in place as
+    `adamw_update` does: params and state donated, gradients only read).
+
+    init(params, paths) -> state: the state of the trained leaves `paths`, a tree of tensors (checkpoints keep
+    it whole, resharded like the params). update(params, grads, state, lr) -> (params, state): one step.
+    state_bytes(rule, n, itemsize): the state of a leaf of `n` elements under its `leaf_rule`, in bytes, its
+    moments `itemsize` bytes an element. update_bytes(leaves, itemsize): the most the update holds beyond params,
+    gradients and state, for the trained leaves [(rule, elements this rank holds, elements of what it
+    orthogonalises whole)]. takes: the `LeafKind.optim` labels whose leaves get the rule `name`. meta: what a
+    checkpoint records of the state (a resume checks it)."""
+
+    name: str
+    init: Callable[[dict, list[str]], dict]
+    update: Callable[[dict, dict, dict, float], tuple[dict, dict]]
+    state_bytes: Callable[[str, int, int], int]
+    update_bytes: Callable[[list[tuple[str, int, int]], int], int]
+    takes: tuple[str, ...] = ()
+    meta: dict = field(default_factory=dict)
+
+    def rule(self, path: str, ndim: int, indexer: bool = False) -> str:
+        """`leaf_rule` of the leaf at `path` under this optimizer."""
+        return leaf_rule(path, ndim, indexer, self.takes, self.name)
+
+
+def adamw(o=None, model_cfg: GLM5Config | None = None) -> Optimizer:
+    """AdamW (`adamw_update`) with --optim's b1, b2, eps and weight_decay (None: adamw_update's defaults): two
+    moments a trained element."""
+    hp = {} if o is None else dict(b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay)
+    return Optimizer(
+        "adamw", init=adamw_init, update=lambda params, grads, state, lr: adamw_update(params, grads, state, lr, **hp),
+        state_bytes=lambda rule, n, itemsize: 2 * n * itemsize,
+        update_bytes=lambda leaves, itemsize: ADAMW_UPDATE_COPIES * sum(n for _, n, _ in leaves) * itemsize,
+        meta={"name": "adamw"})
+
+
+# Newton-Schulz defaults (those of torch.optim.Muon and Moonlight): a quintic iteration whose coefficients push
+# the slope at zero up, 5 steps; the input is first divided by max(its Frobenius norm, NS_EPS).
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_STEPS = 5
+NS_EPS = 1e-7
+
+
+def newton_schulz(x_NxRxC: torch.Tensor, steps: int = NS_STEPS, coefficients=NS_COEFFICIENTS,
+                  eps: float = NS_EPS) -> torch.Tensor:
+    """Each of the N matrices [R, C] brought near U V^T (its singular values to about 1) by `steps` iterations of
+    X <- a X + (b A + c A A) X, A = X X^T, on the wide orientation (R <= C), after X / max(|X|_F, eps); in the
+    input's dtype, all N in one batched iteration."""
+    a, b, c = coefficients
+    tall = x_NxRxC.shape[-2] > x_NxRxC.shape[-1]
+    x = x_NxRxC.mT if tall else x_NxRxC
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for _ in range(steps):
+        gram_NxRxR = x @ x.mT
+        x = torch.baddbmm(x, torch.baddbmm(gram_NxRxR, gram_NxRxR, gram_NxRxR, beta=b, alpha=c), x, beta=a)
+    return x.mT if tall else x
+
+
+MUON_SPLITS = ("per_part", "per_head", "none")
+
+
+def muon_blocks(path: str, shape: tuple[int, ...], cfg: GLM5Config, split: str = "per_part") -> tuple[int, list[int]]:
+    """Muon Split of the leaf at `path` (its last two dims a matrix [rows, cols]; routed experts one matrix each):
+    (blocks along the rows, the rows of each part of a block). A leaf whose `LeafKind.parts` names its rows'
+    parts: "per_part" cuts it per head (rows of axis "heads") and each head into those parts (q_b_proj: each
+    head's no-RoPE and RoPE rows; kv_b_proj: each head's key and value rows; kv_a_proj_with_mqa: the latent and
+    the shared RoPE key); "per_head" per head only (kv_a_proj_with_mqa whole); "none" whole. Any other leaf is
+    whole."""
+    kind, rows = leaf_kind(path), shape[-2]
+    if split not in MUON_SPLITS:
+        raise ValueError(f"--optim.muon_split must be one of {', '.join(MUON_SPLITS)}, found {split!r}")
+    if split == "none" or not kind.parts:
+        return 1, [rows]
+    heads = cfg.num_attention_heads if kind.axes[-2] == "heads" else 1
+    parts = [getattr(cfg, name) for name in kind.parts]
+    if heads * sum(parts) != rows:
+        raise ValueError(f"{path}: {rows} rows do not split into {heads} blocks of {' + '.join(kind.parts)} = "
+                         f"{sum(parts)} rows; fix its LeafKind.parts in params.LEAF_KINDS")
+    return heads, [rows // heads] if split == "per_head" else parts
+
+
+def orthogonalised(u: torch.Tensor, path: str, cfg: GLM5Config, split: str = "per_part", steps: int = NS_STEPS,
+                   coefficients=NS_COEFFICIENTS, eps: float = NS_EPS) -> torch.Tensor:
+    """Muon's update of the leaf at `path` from its momentum `u` (whole matrices: [rows, cols], or experts
+    [E, rows, cols]): each block of `muon_blocks` orthogonalised apart (all blocks of one part shape in one batched
+    iteration) and scaled by 0.2 sqrt(max(its rows, cols)), the RMS of an AdamW update (Moonlight's rule)."""
+    blocks, parts = muon_blocks(path, tuple(u.shape), cfg, split)
+    x_NxRxC = u.reshape(-1, u.shape[-2] // blocks, u.shape[-1])  # every block of every matrix
+    out_NxRxC = torch.empty_like(x_NxRxC)
+    start = 0
+    for n in parts:
+        o = newton_schulz(x_NxRxC[:, start:start + n], steps, coefficients, eps)
+        out_NxRxC[:, start:start + n] = o * (0.2 * math.sqrt(max(n, x_NxRxC.shape[-1])))
+        start += n
+    return out_NxRxC.reshape(u.shape)
+
+
+def whole_matrices(u: torch.Tensor, path: str) -> torch.Tensor:
+    """The whole matrices of a leaf for Newton-Schulz: under FSDP its shards gathered (collective), a routed
+    expert leaf over its EP group's other ranks only (each EP rank keeps its own experts); a plain tensor as it
+    is."""
+    if not isinstance(u, DTensor):
+        return u
+    return u.redistribute(u.device_mesh, placements(leaf_kind(path).axes)[2]).to_local()
+
+
+def shard_like(whole: torch.Tensor, like: torch.Tensor, path: str) -> torch.Tensor:
+    """`whole_matrices`' inverse: this rank's shard of `whole`, laid out as `like` (no communication)."""
+    if not isinstance(like, DTensor):
+        return whole
+    gathered = placements(leaf_kind(path).axes)[2]
+    return DTensor.from_local(whole, like.device_mesh, gathered, run_check=False).redistribute(
+        like.device_mesh, like.placements)
+
+
+def muon(o, model_cfg: GLM5Config) -> Optimizer:
+    """Muon on the leaves labelled "hidden" (their momentum one tensor a leaf, fp32, sharded like the leaf), AdamW
+    (--optim's b1, b2, eps) on the other trained leaves; the same learning rate and decoupled weight decay."""
+    takes, hp = ("hidden",), dict(b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay)
+    ns = dict(split=o.muon_split, steps=o.ns_steps, coefficients=tuple(o.ns_coefficients))
+
+    def init(params: dict, paths: list[str]) -> dict:
+        flat = flatten(params)
+        own = [p for p in paths if leaf_rule(p, flat[p].ndim, True, takes, "muon") == "muon"]
+        state = adamw_init(params, [p for p in paths if p not in own])
+        state["momentum"] = {p: torch.zeros_like(flat[p], dtype=wide_dtype(flat[p].dtype)) for p in own}
+        return state
+
+    def update(params: dict, grads: dict, state: dict, lr: float) -> tuple[dict, dict]:
+        params, adam = adamw_update(params, grads, {k: state[k] for k in ("count", "mu", "nu")}, lr, **hp)
+        flat = flatten(params)
+        for path, m in state["momentum"].items():  # leaf by leaf: one leaf's whole matrices alive at a time
+            p, g = flat[path], grads[path].to(m.dtype)
+            m.mul_(o.muon_momentum).add_(g)  # a running sum (torch.optim.Muon keeps (1 - momentum) times it)
+            u = g.add(m, alpha=o.muon_momentum) if o.muon_nesterov else m
+            step = shard_like(orthogonalised(whole_matrices(u, path), path, model_cfg, **ns), u, path)
+            del u
+            p32 = p.to(m.dtype)
+            p32.mul_(1 - lr * o.weight_decay).add_(step, alpha=-lr)
+            if p32 is not p:
+                p.copy_(p32)
+        return params, {**adam, "momentum": state["momentum"]}
+
+    def state_bytes(rule: str, n: int, itemsize: int) -> int:
+        return (1 if rule == "muon" else 2) * n * itemsize
+
+    def update_bytes(leaves: list[tuple[str, int, int]], itemsize: int) -> int:
+        # AdamW's list first; then one Muon leaf at a time: its Nesterov momentum, the whole matrices, inside
+        # Newton-Schulz the normalised and the next iterate with A and bA + cAA (each at most a whole leaf), the
+        # scaled result and its shard
+        adam = ADAMW_UPDATE_COPIES * sum(n for rule, n, _ in leaves if rule != "muon")
+        own = max((2 * n + 6 * whole for rule, n, whole in leaves if rule == "muon"), default=0)
+        return max(adam, own) * itemsize
+
+    return Optimizer("muon", init, update, state_bytes, update_bytes, takes,
+                     meta={"name": "muon", "momentum": "sum",
+                           "momentum_rule": "m = momentum * m + g (a running sum; torch.optim.Muon keeps the "
+                                            "running average (1 - momentum) * m)"})
+
+
+# The optimizers --optim.name names: a factory (OptimConfig, GLM5Config) -> Optimizer each.
+OPTIMIZERS: dict[str, Callable[..., Optimizer]] = {"adamw": adamw, "muon": muon}
+
+
+def make_optimizer(o, model_cfg: GLM5Config) -> Optimizer:
+    """The optimizer --optim.name names, with the other --optim flags."""
+    if o.name not in OPTIMIZERS:
+        raise ValueError(f"--optim.name must be one of {', '.join(OPTIMIZERS)}, found {o.name!r}")
+    return OPTIMIZERS[o.name](o, model_cfg)
 
 
 def global_norm(grads: dict[str, torch.Tensor]) -> torch.Tensor:

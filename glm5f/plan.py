@@ -6,7 +6,8 @@ activations, from shapes and the run's sharding rules alone (nothing is allocate
 What it models is what the code does: `micro_loss` gathers the embedding, final norm, head and MTP layers once per
 micro-batch and each decoder layer as it runs; with activation checkpointing a layer's gathered weights are freed
 after its forward and gathered again for its backward, without it autograd keeps them all; AdamW updates in place
-with one temporary list (`ADAMW_UPDATE_COPIES`); what autograd keeps for the backward is traced from the layers
+with one temporary list (`ADAMW_UPDATE_COPIES`), Muon one leaf's whole matrices at a time (the optimizer says:
+`optim.Optimizer.state_bytes` and `update_bytes`); what autograd keeps for the backward is traced from the layers
 themselves (see "activations"). B rows and S queries of this rank, T keys (the whole sequence).
 """
 
@@ -30,15 +31,12 @@ from glm5f.layers import kinds, layer_spec
 from glm5f.loss import head_chunk_rows, head_loss_sum, shift_labels
 from glm5f.model import decoder_layer, main_head
 from glm5f.ops import wide_dtype
-from glm5f.optim import leaf_rule
+from glm5f.optim import ADAMW_UPDATE_COPIES, Optimizer, adamw, leaf_rule, make_optimizer
 from glm5f.lora import DEFAULT_TARGETS, LoraSpec, adapter_shapes, is_adapter
 from glm5f.parallel import Layout
 from glm5f.params import Leaf, abstract_params, flatten, leaf_dtype, leaf_kind, map_with_path, param_layout
 
 GB = 10**9  # --parallel.device_memory_gb and the table count decimal gigabytes (an H200 has 141 GB)
-# Extra full-size copies of the trained leaves alive during the AdamW step: it updates params and moments in place
-# through one temporary list (g*g, then the denominator, then the step; `optim.adamw_update`).
-ADAMW_UPDATE_COPIES = 1
 
 
 @dataclass(frozen=True)
@@ -110,7 +108,8 @@ def mesh_coords(rank: int, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def leaf_groups(cfg: GLM5Config, lora: LoraSpec | None = None) -> Counter:
     """Counter of (shape, logical axes, stays fp32, trained, base, unit) -> how many leaves: the plan's unit of
-    work (a few dozen groups for the full GLM-5, whose 78 layers repeat the same shapes). base: a leaf of a LoRA
+    work (a few dozen groups for the full GLM-5, whose 78 layers repeat the same shapes). trained: the leaf's
+    `LeafKind.optim` label where it is trained (which optimizer rule it gets), "" where not. base: a leaf of a LoRA
     run's frozen base (stored in --lora.base_dtype, never trained); with `lora` its adapters are leaves too (the
     trained ones). unit is what the leaf is gathered with: None for the leaves gathered once per micro-batch
     (embedding, final norm, head, MTP layers), else (kind, n) for a decoder layer of one of the n layers sharing
@@ -125,7 +124,7 @@ def leaf_groups(cfg: GLM5Config, lora: LoraSpec | None = None) -> Counter:
     for path, shape in shapes.items():
         kind = leaf_kind(path)
         base = lora is not None and not is_adapter(path)
-        trained = not base and leaf_rule(path, len(shape)) in ("decay", "no_decay")
+        trained = kind.optim if not base and leaf_rule(path, len(shape)) in ("decay", "no_decay") else ""
         key = (shape, kind.axes, kind.fp32, trained, base)  # fp32: stays fp32 whatever the compute dtype
         parts = path.split(".")
         if parts[:2] == ["model", "layers"] and int(parts[2]) < cfg.num_hidden_layers:
@@ -139,10 +138,12 @@ def leaf_groups(cfg: GLM5Config, lora: LoraSpec | None = None) -> Counter:
     return groups
 
 
-def state_bytes(cfg: GLM5Config, run: RunShape, rank: int = 0, groups: Counter | None = None) -> dict[str, int]:
+def state_bytes(cfg: GLM5Config, run: RunShape, rank: int = 0, groups: Counter | None = None,
+                optimizer: Optimizer | None = None) -> dict[str, int]:
     """Bytes one rank holds of: "params" (the stored fp32 masters, every leaf; a LoRA run's base in its
-    --lora.base_dtype), "trained" (its trained leaves, in
-    the master dtype: what gradients and each AdamW moment take), "gathered" (the weights micro_loss builds for
+    --lora.base_dtype), "trained" (its trained leaves, in the master dtype: what gradients take), "optimizer"
+    (the state of `optimizer`, default AdamW: two moments a trained element, Muon one on its leaves), "update"
+    (what the optimizer's update holds on top), "gathered" (the weights micro_loss builds for
     the forward, in their compute dtype: the full leaf, the ep share of routed experts; 0 in one process, where
     the forward reads the stored leaves, unless the compute dtype differs), "gathered_once" (its part gathered
     once per micro-batch), "largest_layer_gathered" (one decoder layer's, the largest) and "largest_gathered" (one
@@ -152,7 +153,10 @@ def state_bytes(cfg: GLM5Config, run: RunShape, rank: int = 0, groups: Counter |
     act, weight = run.dtypes
     master = torch.promote_types(act, torch.float32)
     shapes = mesh_shapes(run.dp_shard, run.cp, run.ep)
-    out = dict(params=0, trained=0, gathered=0, gathered_once=0, largest_layer_gathered=0, largest_gathered=0)
+    optimizer = optimizer or adamw()
+    out = dict(params=0, trained=0, optimizer=0, update=0, gathered=0, gathered_once=0, largest_layer_gathered=0,
+               largest_gathered=0)
+    updated = []  # (rule, elements held, elements gathered) of each trained leaf, for the optimizer's update
     per_layer = Counter()
     stored_base = getattr(torch, run.base_dtype) if run.lora_rank and run.base_dtype else master
     for (shape, axes, fp32, trained, base, unit), count in groups.items():
@@ -166,7 +170,11 @@ def state_bytes(cfg: GLM5Config, run: RunShape, rank: int = 0, groups: Counter |
         w_bytes = (wide_dtype(weight) if fp32 else weight).itemsize
         stored_dtype = stored_base if base else master
         out["params"] += count * local * (wide_dtype(stored_dtype) if fp32 else stored_dtype).itemsize
-        out["trained"] += count * local * master.itemsize * trained
+        out["trained"] += count * local * master.itemsize * bool(trained)
+        if trained:
+            rule = optimizer.name if trained in optimizer.takes else "decay"
+            out["optimizer"] += count * optimizer.state_bytes(rule, local, master.itemsize)
+            updated += [(rule, local, full)] * count
         entering = torch.promote_types(stored_dtype, weight) if run.reduce_dtype else stored_dtype  # micro_loss's
         copy = run.world > 1 or w_bytes != (wide_dtype(entering) if fp32 else entering).itemsize
         out["gathered"] += count * full * w_bytes * copy
@@ -176,6 +184,7 @@ def state_bytes(cfg: GLM5Config, run: RunShape, rank: int = 0, groups: Counter |
             per_layer[unit] += count * full * w_bytes * copy
         out["largest_gathered"] = max(out["largest_gathered"], full * w_bytes)
     out["largest_layer_gathered"] = max((b // n for (_, n), b in per_layer.items()), default=0)
+    out["update"] = optimizer.update_bytes(updated, master.itemsize)
     return out
 
 
@@ -338,43 +347,43 @@ def activation_bytes(cfg: GLM5Config, run: RunShape, remat: bool | None = None, 
 # ---- the plan -----------------------------------------------------------------------------------------------------
 
 def plan(cfg: GLM5Config, run: RunShape, runtime_bytes: int = 0, device_bytes: int | None = None,
-         groups: Counter | None = None, cache: dict | None = None) -> dict:
+         groups: Counter | None = None, cache: dict | None = None, optimizer: Optimizer | None = None) -> dict:
     """The memory plan of rank 0 (the largest shards) of a run: every line in bytes, and which phase peaks.
 
     total = runtime + max(forward/backward, update): forward/backward holds params, optimizer state, the previous
     micro-batches' gradients (grad_accum > 1), the gathered weights and the activations at their peak (the start of
-    the backward); the update holds params, optimizer state, gradients and AdamW's temporary list. `groups`
-    (`leaf_groups(cfg)`) and `cache` (a dict of activations and traces by micro-batch shape) save work over many
-    plans.
+    the backward); the update holds params, optimizer state, gradients and the optimizer's temporaries.
+    `optimizer`: default AdamW. `groups` (`leaf_groups(cfg)`) and `cache` (a dict of activations and traces by
+    micro-batch shape) save work over many plans.
     """
-    s = state_bytes(cfg, run, 0, groups)
+    optimizer = optimizer or adamw()
+    s = state_bytes(cfg, run, 0, groups, optimizer)
     master = wide_dtype(run.dtypes[0])
-    moment = s["trained"] * wide_dtype(master).itemsize // master.itemsize
     # --train.reduce_dtype wider than the masters: the step's params copy in it, gradients in it until the end
     ratio = run.dtypes[1].itemsize // master.itemsize if run.reduce_dtype else 1
     reduce_extra = s["params"] * ratio + s["trained"] * (ratio - 1) if ratio > 1 else 0
-    grads, optimizer = s["trained"], 2 * moment
+    grads, state = s["trained"], s["optimizer"]
     cache = {} if cache is None else cache
     key = (run.micro_batch, run.seq_len, run.cp, run.dtype, run.reduce_dtype)
     if key not in cache:
         cache[key] = activation_bytes(cfg, run, True, cache), activation_bytes(cfg, run, False, cache)
     with_remat, without_remat = cache[key]
     acts = with_remat if run.remat else without_remat
-    update = ADAMW_UPDATE_COPIES * moment
+    update = s["update"]
     # with activation checkpointing one decoder layer's gathered weights are alive at a time (recomputed with the
     # layer in the backward); without it autograd keeps every layer's for the backward
     gathered = s["gathered_once"] + s["largest_layer_gathered"] if run.remat else s["gathered"]
-    fwd_bwd = (s["params"] + optimizer + reduce_extra + (grads if run.grad_accum > 1 else 0) + gathered
+    fwd_bwd = (s["params"] + state + reduce_extra + (grads if run.grad_accum > 1 else 0) + gathered
                + acts["peak"] + s["largest_gathered"] * (run.world > 1))
-    step_end = s["params"] + optimizer + grads + update
+    step_end = s["params"] + state + grads + update
     total = runtime_bytes + max(fwd_bwd, step_end)
     return dict(world=run.world, dp_shard=run.dp_shard, cp=run.cp, ep=run.ep, params_bytes=s["params"],
-                grads_bytes=grads, optimizer_bytes=optimizer, gathered_bytes=gathered,
+                grads_bytes=grads, optimizer=optimizer.name, optimizer_bytes=state, gathered_bytes=gathered,
                 reduce_copy_bytes=reduce_extra, activations_bytes=acts["peak"],
                 activations_remat_bytes=with_remat["peak"], activations_no_remat_bytes=without_remat["peak"],
                 activation_layers_bytes=acts["layers"], activation_logits_bytes=acts["logits"],
                 activation_logits_transient_bytes=acts["logits_transient"],
-                activation_transient_bytes=acts["transient"], adamw_update_transient_bytes=update,
+                activation_transient_bytes=acts["transient"], optimizer_update_transient_bytes=update,
                 runtime_bytes=runtime_bytes, forward_backward_bytes=runtime_bytes + fwd_bwd,
                 update_bytes=runtime_bytes + step_end, peak_phase="forward/backward" if fwd_bwd >= step_end else
                 "update", total_bytes=total, device_bytes=device_bytes,
@@ -417,7 +426,8 @@ def format_table(p: dict, model_name: str, run: RunShape, limit_note: str) -> st
          f"parameters (base {run.base_dtype or str(master).replace('torch.', '')} + LoRA r{run.lora_rank})",
          p["params_bytes"]),
         ("gradients (trained leaves)" if not run.lora_rank else "gradients (the adapters)", p["grads_bytes"]),
-        ("optimizer (AdamW mu + nu)", p["optimizer_bytes"]),
+        ({"adamw": "optimizer (AdamW mu + nu)", "muon": "optimizer (Muon momentum, AdamW mu + nu)"}.get(
+            p["optimizer"], f"optimizer ({p['optimizer']} state)"), p["optimizer_bytes"]),
         (f"gathered parameters ({'one layer at a time' if run.remat else 'all layers'})", p["gathered_bytes"]),
     ]
     if p["reduce_copy_bytes"]:
@@ -430,8 +440,8 @@ def format_table(p: dict, model_name: str, run: RunShape, limit_note: str) -> st
         ("    (the head's chunk of logits)", p["activation_logits_transient_bytes"]),
         (f"  (activations {'without' if run.remat else 'with'} checkpointing)",
          p["activations_no_remat_bytes" if run.remat else "activations_remat_bytes"]),
-        (f"AdamW update transient ({ADAMW_UPDATE_COPIES} cop{'y' if ADAMW_UPDATE_COPIES == 1 else 'ies'})",
-         p["adamw_update_transient_bytes"]),
+        (f"AdamW update transient ({ADAMW_UPDATE_COPIES} cop{'y' if ADAMW_UPDATE_COPIES == 1 else 'ies'})"
+         if p["optimizer"] == "adamw" else f"{p['optimizer']} update transient", p["optimizer_update_transient_bytes"]),
     ]
     if p["runtime_bytes"]:
         rows.append(("runtime (python + torch, measured)", p["runtime_bytes"]))
@@ -453,11 +463,11 @@ def _powers_of_two(limit: int) -> list[int]:
 
 
 def search(cfg: GLM5Config, run: RunShape, device_bytes: int, runtime_bytes: int = 0, max_world: int = 8192,
-           show: int = 8) -> list[dict]:
+           show: int = 8, optimizer: Optimizer | None = None) -> list[dict]:
     """Plans of the smallest meshes that fit `device_bytes` per rank: world sizes in powers of two up to
-    max_world, every cp (the sequence cut into 2 cp equal chunks; cp 1 where a layer kind runs without CP), dp_shard = world / cp dividing the batch,
-    every ep dividing the ranks and the experts; for each dp_shard x cp its ep of least memory, the `show` best
-    by (world, total)."""
+    max_world, every cp (the sequence cut into 2 cp equal chunks; cp 1 where a layer kind runs without CP),
+    dp_shard = world / cp dividing the batch, every ep dividing the ranks and the experts; for each dp_shard x cp
+    its ep of least memory, the `show` best by (world, total)."""
     groups, cache = leaf_groups(cfg, run.lora), {}
     specs = [layer_spec(cfg, i) for i in range(cfg.num_hidden_layers)]
     has_moe = any(spec.mlp == "moe" for spec in specs)
@@ -470,7 +480,7 @@ def search(cfg: GLM5Config, run: RunShape, device_bytes: int, runtime_bytes: int
                 continue
             eps = [e for e in range(1, world + 1) if world % e == 0 and has_moe and cfg.n_routed_experts % e == 0]
             plans = [plan(cfg, dataclasses.replace(run, dp_shard=dp, cp=cp, ep=ep), runtime_bytes, device_bytes,
-                          groups, cache) for ep in eps or [1]]
+                          groups, cache, optimizer) for ep in eps or [1]]
             best = min(plans, key=lambda p: p["total_bytes"])
             if best["fits"]:
                 found.append(best)
@@ -482,12 +492,13 @@ def search(cfg: GLM5Config, run: RunShape, device_bytes: int, runtime_bytes: int
 def print_plan(cfg, mode: str, model_cfg: GLM5Config, device: torch.device, model_name: str) -> None:
     """--plan table | json | search for a train.py `Config` (prints; allocates nothing)."""
     run = run_shape(cfg)
+    optimizer = make_optimizer(cfg.optim, model_cfg)
     device_bytes, note = device_memory(cfg, device)
     runtime = process_rss_bytes() if device.type == "cpu" else 0
     if mode == "search":
         if device_bytes is None:
             raise ValueError("--plan search needs a memory size to fit: pass --parallel.device_memory_gb (e.g. 141)")
-        found = search(cfg=model_cfg, run=run, device_bytes=device_bytes, runtime_bytes=runtime)
+        found = search(cfg=model_cfg, run=run, device_bytes=device_bytes, runtime_bytes=runtime, optimizer=optimizer)
         print(f"smallest meshes for {model_name} at batch {run.batch_size} x {run.seq_len} tokens ({run.dtype}"
               f"{', activation checkpointing' if run.remat else ''}) within {device_bytes / GB:.0f} GB per rank:")
         if not found:
@@ -498,7 +509,7 @@ def print_plan(cfg, mode: str, model_cfg: GLM5Config, device: torch.device, mode
                   f"{p['gathered_bytes'] / GB:.1f}, optimizer {p['optimizer_bytes'] / GB:.1f}, activations "
                   f"{p['activations_bytes'] / GB:.1f}; peak in {p['peak_phase']})")
         return
-    p = plan(model_cfg, run, runtime, device_bytes)
+    p = plan(model_cfg, run, runtime, device_bytes, optimizer=optimizer)
     if mode == "json":
         print(json.dumps(dict(p, model=model_name, device_memory_source=note)))
     else:

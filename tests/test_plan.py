@@ -167,7 +167,7 @@ MEASURE = ["--model.preset", "glm5-scaled-moe", "--model.num_hidden_layers", "2"
            "--data.type", "synthetic", "--data.batch_size", "4", "--data.seq_len", "256", "--train.steps", "2",
            "--eval.every", "0", "--optim.warmup_steps", "0", "--train.log_every", "1"]
 LAYOUTS = {"1": [], "dp2": ["--parallel.dp_shard", "2"], "cp2": ["--parallel.cp", "2"],
-           "ep2": ["--parallel.dp_shard", "2", "--parallel.ep", "2"]}
+           "ep2": ["--parallel.dp_shard", "2", "--parallel.ep", "2"], "1-muon": ["--optim.name", "muon"]}
 
 
 def measure_against_plan(layout: str, tmp_path) -> list[tuple[float, float]]:
@@ -175,6 +175,7 @@ def measure_against_plan(layout: str, tmp_path) -> list[tuple[float, float]]:
     resident size measured before training."""
     import tyro
     from configs import Config
+    from glm5f.optim import make_optimizer
     from glm5f.plan import run_shape
 
     argv = MEASURE + LAYOUTS[layout] + ["--checkpoint.dir", str(tmp_path / "run")]
@@ -186,7 +187,8 @@ def measure_against_plan(layout: str, tmp_path) -> list[tuple[float, float]]:
     cfg = tyro.cli(Config, args=argv, use_underscores=True)
     pairs = []
     for rec in json.loads(out.read_text()):
-        p = plan(cfg.model.build(), run_shape(cfg), rec["runtime_bytes"])
+        p = plan(cfg.model.build(), run_shape(cfg), rec["runtime_bytes"],
+                 optimizer=make_optimizer(cfg.optim, cfg.model.build()))
         assert rec["param_bytes"] == state_bytes(cfg.model.build(), run_shape(cfg), rec["rank"])["params"]
         pairs.append((p["total_bytes"], rec["peak_bytes"]))
         print(f"{layout} rank {rec['rank']}: runtime {rec['runtime_bytes'] / 1e6:.0f} MB, predicted "
@@ -195,8 +197,9 @@ def measure_against_plan(layout: str, tmp_path) -> list[tuple[float, float]]:
     return pairs
 
 
-def test_predicted_peak_memory_of_one_process(tmp_path):
-    for pred, meas in measure_against_plan("1", tmp_path):
+@pytest.mark.parametrize("layout", ["1", "1-muon"])
+def test_predicted_peak_memory_of_one_process(layout, tmp_path):
+    for pred, meas in measure_against_plan(layout, tmp_path):
         assert abs(pred - meas) / meas <= 0.2, f"predicted {pred / 1e6:.0f} MB, measured {meas / 1e6:.0f} MB"
 
 

@@ -30,12 +30,13 @@ def written(run_dir) -> dict:
 
 def test_every_shipped_recipe_is_covered_here():
     assert sorted(os.listdir(RECIPES)) == ["chat-sft.yaml", "glm5-full-sft.yaml", "glm5-lora-sft.yaml",
-                                           "indexer-warmup.yaml", "sparse-stage.yaml", "tiny.yaml"]
+                                           "glm5-muon-sft.yaml", "indexer-warmup.yaml", "muon-moe.yaml",
+                                           "sparse-stage.yaml", "tiny.yaml"]
     for name in os.listdir(RECIPES):
         load_config(recipe(name))  # parses, every key known and of its type
 
 
-@pytest.mark.parametrize("name, seq_len", [("tiny.yaml", "32"), ("chat-sft.yaml", "256")])
+@pytest.mark.parametrize("name, seq_len", [("tiny.yaml", "32"), ("chat-sft.yaml", "256"), ("muon-moe.yaml", "32")])
 def test_a_recipe_runs_at_toy_size_with_flags_over_it(tmp_path, name, seq_len):
     run = tmp_path / "run"
     assert main(["--config", recipe(name), *TOY, "--data.seq_len", seq_len, "--checkpoint.dir", str(run)]) == 0
@@ -89,6 +90,23 @@ def test_glm5_full_sft_recipe_plans_what_its_comment_says(capsys):
         assert from_file[key] == from_flags[key], key
     assert from_file["fits"] and from_file["world"] == 128
     assert_plan_is_the_comment(path, capsys)
+
+
+def test_glm5_muon_sft_recipe_plans_what_its_comment_says(capsys):
+    """The Muon recipe is the full-SFT run with --optim.name muon: the same plan but for the optimizer's state,
+    one fp32 momentum a parameter of Muon's leaves (about half AdamW's two moments), and its table is the comment's."""
+    plans = []
+    for name in ("glm5-full-sft.yaml", "glm5-muon-sft.yaml"):
+        assert main(["--config", recipe(name), "--plan", "json"]) == 0
+        plans.append(json.loads(capsys.readouterr().out))
+    adamw, muon = plans
+    assert (muon["optimizer"], adamw["optimizer"]) == ("muon", "adamw")
+    for key in ("world", "ep", "params_bytes", "grads_bytes", "gathered_bytes", "activations_bytes"):
+        assert muon[key] == adamw[key], key
+    assert adamw["optimizer_bytes"] == 2 * adamw["grads_bytes"]
+    assert 0.5 < muon["optimizer_bytes"] / adamw["optimizer_bytes"] < 0.51  # the embedding, head, router: AdamW
+    assert muon["fits"] and muon["total_bytes"] < adamw["total_bytes"]
+    assert_plan_is_the_comment(recipe("glm5-muon-sft.yaml"), capsys)
 
 
 def test_glm5_lora_sft_recipe_plans_what_its_comment_says_and_runs_at_toy_size(tmp_path, capsys):

@@ -182,16 +182,22 @@ def test_skip_nonfinite_skips_the_update_and_goes_on(tmp_path, capsys, monkeypat
 
 
 def test_nonfinite_params_are_never_checkpointed(tmp_path, capsys, monkeypatch):
-    import train as train_mod
-    real, calls = train_mod.adamw_update, []
+    import dataclasses
 
-    def update(params, *a, **k):
-        calls.append(1)
-        params, state = real(params, *a, **k)
-        if len(calls) == 2:
-            params = {**params, "lm_head": {"weight": params["lm_head"]["weight"] * float("inf")}}
-        return params, state
-    monkeypatch.setattr(train_mod, "adamw_update", update)
+    import train as train_mod
+    make, calls = train_mod.make_optimizer, []
+
+    def with_inf_at_step_two(o, model_cfg):
+        opt = make(o, model_cfg)
+
+        def update(params, *a, **k):
+            calls.append(1)
+            params, state = opt.update(params, *a, **k)
+            if len(calls) == 2:
+                params = {**params, "lm_head": {"weight": params["lm_head"]["weight"] * float("inf")}}
+            return params, state
+        return dataclasses.replace(opt, update=update)
+    monkeypatch.setattr(train_mod, "make_optimizer", with_inf_at_step_two)
     assert main(TINY + ["--train.steps", "4", "--checkpoint.every", "1", "--checkpoint.dir", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "error: step 2: non-finite values in 1 parameter(s) (lm_head.weight); not writing a checkpoint" in err

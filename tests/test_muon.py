@@ -1,0 +1,266 @@
+"""glm5f/optim.py's Muon and the optimizer interface: Muon against torch.optim.Muon (its Newton-Schulz run in
+fp64), experts orthogonalised in one batch against one at a time, Muon Split against each block apart, and a toy
+optimizer added through the one table."""
+
+import json
+
+import pytest
+import torch
+import torch.optim._muon as torch_muon
+
+import glm5f
+from configs import OptimConfig
+from conftest import cli
+from glm5f import checkpoint
+from glm5f.metrics import read_metrics
+from glm5f.optim import (OPTIMIZERS, Optimizer, adamw, adamw_init, leaf_rule, make_optimizer, muon, muon_blocks,
+                         newton_schulz, orthogonalised, trained_paths)
+from glm5f.params import flatten
+from train import main, train
+
+TINY = glm5f.preset("glm5-tiny")  # 4 heads; q_b_proj rows 4 x (16 + 8), kv_b_proj 4 x (16 + 16), kv_a 32 + 8
+RUN = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", "--data.batch_size", "2", "--data.seq_len", "32",
+       "--optim.warmup_steps", "1", "--eval.every", "0"]
+
+
+@pytest.fixture
+def torch_ns_fp64(monkeypatch):
+    """torch.optim.Muon's own Newton-Schulz (`_zeropower_via_newtonschulz`) in the input's dtype: its cast to
+    bfloat16 is made a copy, the rest of its code runs as written. Returns that function."""
+    real = torch_muon._zeropower_via_newtonschulz
+
+    def in_fp64(grad, coefficients, steps, eps):
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(torch.Tensor, "bfloat16", lambda self: self.clone())
+            return real(grad, coefficients, steps, eps)
+    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", in_fp64)
+    return lambda g: in_fp64(g, torch_muon.DEFAULT_A_B_C if hasattr(torch_muon, "DEFAULT_A_B_C") else
+                             (torch_muon.DEFAULT_A, torch_muon.DEFAULT_B, torch_muon.DEFAULT_C),
+                             torch_muon.DEFAULT_NS_STEPS, torch_muon.EPS)
+
+
+def tree_of(path: str, t: torch.Tensor) -> dict:
+    """A params tree holding the one leaf at dotted `path`."""
+    tree = out = {}
+    *heads, last = path.split(".")
+    for k in heads:
+        tree[k] = {}
+        tree = tree[k]
+    tree[last] = t
+    return out
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24)], ids=["wide", "tall"])
+def test_muon_equals_torch_optim_muon_over_ten_steps(shape, torch_ns_fp64):
+    """One 2-D leaf (a dense MLP's down_proj), fp64, 10 steps of changing gradients and learning rates: the params
+    equal torch.optim.Muon's (match_rms_adamw, Nesterov, decoupled weight decay) within 1e-10; the momentum we keep
+    is the running sum, torch's the running average: (1 - momentum) times ours."""
+    path = "model.layers.0.mlp.down_proj.weight"
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(shape, generator=g, dtype=torch.float64) * 0.02
+    ref = w.clone().requires_grad_()
+    opt = torch.optim.Muon([ref], lr=1.0, weight_decay=0.1, momentum=0.95, nesterov=True,
+                           adjust_lr_fn="match_rms_adamw")
+    ours = muon(OptimConfig(name="muon", weight_decay=0.1), TINY)
+    params = tree_of(path, w.clone())
+    state = ours.init(params, [path])
+    assert list(state["momentum"]) == [path] and not state["mu"]
+    for step in range(10):
+        lr = 0.02 * (1 - step / 20)
+        grad = torch.randn(shape, generator=g, dtype=torch.float64) * 10.0 ** (step % 3 - 1)
+        ref.grad = grad.clone()
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.step()
+        params, state = ours.update(params, {path: grad}, state, lr)
+        got = flatten(params)[path]
+        assert (got - ref.detach()).abs().max() <= 1e-10, f"step {step + 1}"
+    buf = opt.state[ref]["momentum_buffer"]
+    assert torch.allclose(buf, (1 - 0.95) * state["momentum"][path], rtol=1e-12, atol=0)
+    assert (flatten(params)[path] - w).abs().max() > 1e-3  # it moved
+
+
+def test_experts_are_orthogonalised_each_alone_in_one_batch(torch_ns_fp64):
+    """Routed experts [E, out, in]: the batched update equals torch's Newton-Schulz on each expert alone, scaled by
+    0.2 sqrt(max(out, in)); one iteration over all of them, not one over the stacked [E * out, in] matrix."""
+    g = torch.Generator().manual_seed(1)
+    u = torch.randn(8, 32, 64, generator=g, dtype=torch.float64)
+    path = "model.layers.1.mlp.experts.gate_proj.weight"
+    got = orthogonalised(u, path, TINY)
+    for e in range(8):
+        want = torch_ns_fp64(u[e]) * 0.2 * 64 ** 0.5
+        assert torch.allclose(got[e], want, rtol=0, atol=1e-12), e
+    whole = torch_ns_fp64(u.reshape(-1, 64)).reshape(8, 32, 64) * 0.2 * 256 ** 0.5
+    assert (got - whole).abs().max() > 0.1
+
+
+def split_reference(u: torch.Tensor, blocks: list[tuple[int, int]], ns) -> torch.Tensor:
+    """Each row block [start, stop) of `u` orthogonalised alone by `ns`, scaled by 0.2 sqrt(max(its shape))."""
+    out = torch.empty_like(u)
+    for start, stop in blocks:
+        out[start:stop] = ns(u[start:stop]) * 0.2 * max(stop - start, u.shape[1]) ** 0.5
+    assert sum(stop - start for start, stop in blocks) == u.shape[0]
+    return out
+
+
+def per_head(heads: int, parts: list[int]) -> list[tuple[int, int]]:
+    """The row blocks of `heads` heads of `parts` rows each, in order (written out, not from the leaf table)."""
+    out, start = [], 0
+    for _ in range(heads):
+        for n in parts:
+            out.append((start, start + n))
+            start += n
+    return out
+
+
+SPLITS = {  # leaf -> granularity -> its row blocks, for glm5-tiny (H 4, nope 16, rope 8, v 16, kv_lora 32)
+    "q_b_proj": {"per_part": per_head(4, [16, 8]), "per_head": per_head(4, [24]), "none": [(0, 96)]},
+    "kv_b_proj": {"per_part": per_head(4, [16, 16]), "per_head": per_head(4, [32]), "none": [(0, 128)]},
+    "kv_a_proj_with_mqa": {"per_part": [(0, 32), (32, 40)], "per_head": [(0, 40)], "none": [(0, 40)]},
+    "q_a_proj": {"per_part": [(0, 32)], "per_head": [(0, 32)], "none": [(0, 32)]},
+    "o_proj": {"per_part": [(0, 64)], "per_head": [(0, 64)], "none": [(0, 64)]},
+}
+
+
+@pytest.mark.parametrize("split", ["per_part", "per_head", "none"])
+@pytest.mark.parametrize("leaf", list(SPLITS))
+def test_muon_split_equals_each_block_alone(leaf, split, torch_ns_fp64):
+    """Muon Split: each head's block (per_part: each head's no-RoPE and RoPE rows of q_b_proj, key and value rows
+    of kv_b_proj; the latent and RoPE-key rows of kv_a_proj_with_mqa) orthogonalised alone by torch's
+    Newton-Schulz and scaled by its own shape; q_a_proj and o_proj whole."""
+    path = f"model.layers.0.self_attn.{leaf}.weight"
+    shape = tuple(flatten(glm5f.abstract_params(TINY))[path].shape)
+    u = torch.randn(shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    want = split_reference(u, SPLITS[leaf][split], torch_ns_fp64)
+    assert torch.allclose(orthogonalised(u, path, TINY, split), want, rtol=0, atol=1e-12)
+
+
+def test_the_optimizer_splits_by_default_and_dropping_the_split_shows(torch_ns_fp64):
+    """Through the optimizer (--optim defaults: per_part): one step on q_b_proj moves it by -lr x the per-part
+    reference; the same step unsplit differs by far more than rounding, so a dropped split fails the check."""
+    path = "model.layers.0.self_attn.q_b_proj.weight"
+    g = torch.Generator().manual_seed(3)
+    w, grad = (torch.randn(96, 32, generator=g, dtype=torch.float64) for _ in range(2))
+    lr, m = 0.01, 0.95
+    ours = make_optimizer(OptimConfig(name="muon", weight_decay=0.0), TINY)
+    params = tree_of(path, w.clone())
+    params, _ = ours.update(params, {path: grad}, ours.init(params, [path]), lr)
+    nesterov = grad + m * grad  # the first step's look-ahead: momentum m * 0 + g, then g + m * that
+    split = w - lr * split_reference(nesterov, SPLITS["q_b_proj"]["per_part"], torch_ns_fp64)
+    whole = w - lr * split_reference(nesterov, SPLITS["q_b_proj"]["none"], torch_ns_fp64)
+    got = flatten(params)[path]
+    assert (got - split).abs().max() <= 1e-12
+    assert (got - whole).abs().max() > 100 * 1e-12 and (split - whole).abs().max() > 1e-3
+
+
+def test_newton_schulz_orthogonalises():
+    """The quintic iteration leaves every singular value of a random matrix within (0.5, 1.5), as its
+    coefficients are chosen to (not exactly 1: the slope at zero is pushed up instead)."""
+    x = torch.randn(3, 16, 48, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    s = torch.linalg.svdvals(newton_schulz(x))
+    assert s.min() > 0.5 and s.max() < 1.5
+    assert torch.linalg.svdvals(x).max() > 5
+
+
+def test_which_leaves_muon_takes():
+    """Muon takes the hidden matrices: attention's projections, the dense and shared MLPs, the routed experts, the
+    MTP layer's eh_proj; AdamW the embedding, head, norms, biases, router and (when trained) the indexer; checked
+    against the list written out here."""
+    cfg = glm5f.preset("glm5-tiny", num_nextn_predict_layers=1)
+    opt = make_optimizer(OptimConfig(name="muon"), cfg)
+    muon_names = ("q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight", "kv_b_proj.weight",
+                  "o_proj.weight", "gate_proj.weight", "up_proj.weight", "down_proj.weight", "eh_proj.weight")
+    seen = set()
+    for path, t in flatten(glm5f.abstract_params(cfg)).items():
+        rule = opt.rule(path, t.ndim, indexer=True)
+        if path.endswith("e_score_correction_bias"):
+            want = "balance"
+        elif ".indexer." not in path and path.endswith(muon_names):
+            want = "muon"
+        else:
+            want = "decay" if t.ndim >= 2 else "no_decay"
+        assert rule == want, path
+        seen.add(rule)
+        assert leaf_rule(path, t.ndim, indexer=True) == ("decay" if want == "muon" else want)  # AdamW's rules
+    assert seen == {"muon", "decay", "no_decay", "balance"}
+
+
+def sign_descent(o, model_cfg) -> Optimizer:
+    """A toy optimizer: p <- p - lr * sign(g) on every trained leaf, a step count its only state."""
+    def update(params, grads, state, lr):
+        flat = flatten(params)
+        for path, g in grads.items():
+            flat[path].sub_(lr * torch.sign(g))
+        return params, {"count": state["count"] + 1}
+
+    return Optimizer("sign", init=lambda params, paths: {"count": torch.zeros((), dtype=torch.int64)},
+                     update=update, state_bytes=lambda rule, n, itemsize: 0, update_bytes=lambda leaves, i: 0,
+                     meta={"name": "sign"})
+
+
+def test_a_new_optimizer_is_one_entry_in_the_table(tmp_path, monkeypatch, capsys):
+    """A toy optimizer registered in optim.OPTIMIZERS (nothing else changed) trains through train.py, checkpoints
+    its state, resumes it, and the memory plan counts its (empty) state."""
+    monkeypatch.setitem(OPTIMIZERS, "sign", sign_descent)
+    run = RUN + ["--optim.name", "sign", "--optim.clip_norm", "0", "--checkpoint.dir", str(tmp_path)]
+    assert main(run + ["--train.steps", "2"]) == 0
+    meta = json.loads(next((tmp_path / "checkpoints").glob("step_*/meta.json")).read_text())
+    assert meta["optimizer"] == {"name": "sign"}
+    assert main(run + ["--train.steps", "3", "--checkpoint.resume", "latest"]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    assert main(RUN + ["--optim.name", "sign", "--plan", "json"]) == 0
+    plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert plan["optimizer_bytes"] == 0
+    assert main(RUN + ["--optim.name", "adamw", "--plan", "json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["optimizer_bytes"] == 2 * plan["grads_bytes"]
+
+
+def test_adamw_through_the_interface_is_adamw_init():
+    """--optim.name adamw is the AdamW of adamw_init / adamw_update (their tests pin its numbers)."""
+    params = glm5f.init_params(TINY)
+    opt = adamw(OptimConfig(), TINY)
+    assert opt.init is adamw_init and opt.rule("model.layers.0.self_attn.q_b_proj.weight", 2) == "decay"
+    assert muon_blocks("model.layers.0.self_attn.q_b_proj.weight", (96, 32), TINY, "per_part") == (4, [16, 8])
+    assert set(opt.init(params, ["lm_head.weight"])["mu"]) == {"lm_head.weight"}
+
+
+def test_bitwise_resume_with_muon(tmp_path, capsys):
+    """A Muon run resumed from its step-3 checkpoint continues bit for bit as the run that never stopped (losses,
+    gradient norms, the final params and momentum), the MoE preset with its routed experts; the checkpoint says
+    its momentum is a running sum, and AdamW refuses to continue from it."""
+    args = ["--model.preset", "glm5-scaled-moe", "--model.num_hidden_layers", "2", "--data.type", "synthetic",
+            "--data.batch_size", "2", "--data.seq_len", "32", "--optim.name", "muon", "--optim.warmup_steps", "1",
+            "--optim.schedule_steps", "6", "--eval.every", "0", "--checkpoint.every", "3"]
+    straight = train(cli(*args, "--train.steps", "6", "--checkpoint.dir", str(tmp_path / "straight")))
+    train(cli(*args, "--train.steps", "3", "--checkpoint.dir", str(tmp_path / "resumed")))
+    train(cli(*args, "--train.steps", "6", "--checkpoint.dir", str(tmp_path / "resumed"), "--checkpoint.resume",
+              "latest"))
+    resumed = read_metrics(tmp_path / "resumed")
+    assert [(r["loss"], r["grad_norm"]) for r in resumed] == [(r["loss"], r["grad_norm"]) for r in straight]
+    cfg = cli(*args).model.build()
+    opt = make_optimizer(OptimConfig(name="muon"), cfg)
+    states = []
+    for run in ("straight", "resumed"):
+        params = glm5f.init_params(cfg)
+        state = {"params": params, "optim": opt.init(params, list(trained_paths(params)))}
+        checkpoint.load(checkpoint.latest(str(tmp_path / run)), state)
+        states.append(flatten(state))
+    assert states[0].keys() == states[1].keys()
+    assert any(".experts." in k for k in states[0] if k.startswith("optim.momentum"))
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+    meta = checkpoint.read_meta(checkpoint.latest(str(tmp_path / "resumed")))
+    assert meta["optimizer"]["momentum"] == "sum"
+    assert main([*args, "--train.steps", "8", "--optim.name", "adamw", "--checkpoint.dir", str(tmp_path / "resumed"),
+                 "--checkpoint.resume", "latest"]) == 1
+    assert "holds the state of --optim.name muon" in capsys.readouterr().err
+
+
+def test_layouts_with_muon_equal_one_process_in_float64(tmp_path):
+    """Under FSDP each Muon leaf is orthogonalised whole (its shards gathered; routed experts over the EP group's
+    other ranks only, each EP rank keeping its experts): in fp64, dp2, ep2, cp2 and cp2 x ep2 give the one-process
+    losses within 1e-9 step after step."""
+    from scripts.align import main as align
+
+    assert align(["--steps", "4", "--layouts", "dp2", "ep2", "cp2", "cp2-ep2", "--out", str(tmp_path),
+                  "--tolerance", "1e-9", "--extra", "--model.preset", "glm5-tiny", "--data.seq_len", "64",
+                  "--train.dtype", "float64", "--optim.name", "muon", "--optim.warmup_steps", "1"]) == 0
