@@ -10,7 +10,8 @@ import re
 from datetime import datetime
 from importlib import resources
 
-from glm5f.data import IGNORE_INDEX, ByteTokenizer, Example, FileTokenizer
+from glm5f.tokens import (IGNORE_INDEX, ChatByteTokenizer, Example, chat_tokenizer, template_tokens,  # noqa: F401
+                          tokenizer_config, tokenizer_dir)
 
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -20,103 +21,6 @@ TRAIN_ON = ("assistant", "last", "all")
 # Tokens that end an assistant turn: generation stops at them, and the one right after a trained turn is trained too.
 STOP_TOKENS = ("<|user|>", "<|observation|>", "<|im_end|>", "<|eot_id|>", "<|end|>")
 _REASONING = ("reasoning_content", "thinking", "reasoning")  # the names a message's reasoning goes by
-
-
-# ---- the byte tokenizer's special tokens ------------------------------------------------------------------------
-
-class ChatByteTokenizer(ByteTokenizer):
-    """The byte tokenizer with chat special tokens, each one id: bos 256, eos 257, pad 258 as ever, then
-    CHAT_SPECIALS from 259 in their listed order (so the tiny presets, vocab 512, hold them all)."""
-
-    CHAT_SPECIALS = ("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<think>",
-                     "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
-                     "</arg_value>", "<tool_response>", "</tool_response>", "<|im_start|>", "<|im_end|>")
-    BOS, EOS, PAD = "<|begin_of_text|>", "<|endoftext|>", "<|pad|>"
-
-    def __init__(self):
-        self.special = {self.BOS: 256, self.EOS: 257, self.PAD: 258}
-        self.special.update((s, 259 + i) for i, s in enumerate(self.CHAT_SPECIALS))
-        self.names = {i: s for s, i in self.special.items()}
-        self.vocab_size = 259 + len(self.CHAT_SPECIALS)
-        self._split = re.compile("(" + "|".join(re.escape(s) for s in sorted(self.special, key=len, reverse=True))
-                                 + ")")
-
-    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        """Token ids of `text` (a special token's text is its one id) and each one's [start, end) in characters."""
-        ids, offsets, at = [], [], 0
-        for piece in self._split.split(text):
-            if piece in self.special:
-                ids.append(self.special[piece])
-                offsets.append((at, at + len(piece)))
-            else:
-                for j, ch in enumerate(piece):
-                    b = ch.encode("utf-8")
-                    ids += b
-                    offsets += [(at + j, at + j + 1)] * len(b)
-            at += len(piece)
-        return ids, offsets
-
-    def encode(self, text: str) -> list[int]:
-        return self.encode_offsets(text)[0]
-
-    def decode(self, ids) -> str:
-        out, run = [], bytearray()
-        for i in ids:
-            if i < 256:
-                run.append(i)
-                continue
-            out.append(run.decode("utf-8", errors="replace"))
-            run = bytearray()
-            if i in self.names and i not in (self.bos_id, self.eos_id, self.pad_id):
-                out.append(self.names[i])
-        return "".join(out) + run.decode("utf-8", errors="replace")
-
-    def token_id(self, text: str) -> int | None:
-        return self.special.get(text)
-
-    def template_tokens(self) -> dict[str, str]:
-        return {"bos_token": self.BOS, "eos_token": self.EOS, "pad_token": self.PAD}
-
-
-def chat_tokenizer(path: str | None):
-    """The tokenizer of chat data: the byte tokenizer with its chat special tokens, or a tokenizer.json's."""
-    return ChatByteTokenizer() if path is None else FileTokenizer(path)
-
-
-def template_tokens(tok, tokenizer_path: str | None) -> dict[str, str]:
-    """bos_token, eos_token, ... as a template sees them: tokenizer_config.json's, else the tokenizer's own."""
-    if isinstance(tok, ChatByteTokenizer):
-        return tok.template_tokens()
-    out = {}
-    config = _tokenizer_config(tokenizer_path)
-    for name in ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"):
-        value = config.get(name)
-        value = value.get("content") if isinstance(value, dict) else value
-        if isinstance(value, str):
-            out[name] = value
-    for name, i in (("bos_token", tok.bos_id), ("eos_token", tok.eos_id)):
-        if name not in out and i is not None:
-            out[name] = tok._tok.id_to_token(i)
-    return out
-
-
-def _tokenizer_dir(tokenizer_path: str | None) -> str | None:
-    if tokenizer_path is None:
-        return None
-    return tokenizer_path if os.path.isdir(tokenizer_path) else os.path.dirname(os.path.abspath(tokenizer_path))
-
-
-def _tokenizer_config(tokenizer_path: str | None) -> dict:
-    d = _tokenizer_dir(tokenizer_path)
-    file = os.path.join(d, "tokenizer_config.json") if d else None
-    if not file or not os.path.isfile(file):
-        return {}
-    try:
-        with open(file, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{file}: not a readable JSON file ({e}); fix it or remove it") from None
-    return config if isinstance(config, dict) else {}
 
 
 # ---- templates --------------------------------------------------------------------------------------------------
@@ -137,12 +41,12 @@ def template_source(tokenizer_path: str | None, chat_template: str | None) -> tu
             return f.read(), chat_template
     if tokenizer_path is None:
         return default_template(), "glm5f's GLM-5 chat template"
-    d = _tokenizer_dir(tokenizer_path)
+    d = tokenizer_dir(tokenizer_path)
     jinja = os.path.join(d, "chat_template.jinja")
     if os.path.isfile(jinja):
         with open(jinja, encoding="utf-8") as f:
             return f.read(), jinja
-    found = _tokenizer_config(tokenizer_path).get("chat_template")
+    found = tokenizer_config(tokenizer_path).get("chat_template")
     if isinstance(found, list):  # named templates: [{"name", "template"}]
         found = next((t.get("template") for t in found if isinstance(t, dict) and t.get("name") == "default"), None)
     if isinstance(found, str):
@@ -431,21 +335,3 @@ def run_chat_data(tokenizer_path: str | None, chat_template: str | None, train_o
             made.append(ChatData(fmt, train_on, seq_len))
         return made[0]
     return chat
-
-
-def sample_source(part: str, *, vocab_size: int, batch_size: int, seq_len: int, seed: int = 0,
-                  tokenizer_path: str | None = None, pack: bool = True, chat: ChatData | None = None,
-                  chat_template: str | None = None, train_on: str = "assistant", warn=lambda message: None):
-    """The shipped chat sample's "train" or "eval" part as a PackedSource."""
-    from glm5f.data import PackedSource, RecordNotes, check_vocab
-
-    chat = chat or run_chat_data(tokenizer_path, chat_template, train_on, seq_len, vocab_size)()
-    notes, examples = RecordNotes(), []
-    for where, rec in sample_records(part):
-        ex = chat.example(rec, where)
-        notes.add(rec, where, ex)
-        examples.append(ex)
-    notes.warn(True, None, warn)
-    name = f"chat sample ({part})"
-    check_vocab(examples, vocab_size, name)
-    return PackedSource([ex for ex in examples if ex.ids], batch_size, seq_len, seed, chat.fmt.tok.pad_id, pack, name)

@@ -16,89 +16,16 @@ import os
 import re
 import sys
 import zlib
-from dataclasses import dataclass
 from importlib import resources
 
 import torch
 
-IGNORE_INDEX = -100
-
-
-# ---- tokenizers ---------------------------------------------------------------------------------------------------
-
-class ByteTokenizer:
-    """UTF-8 bytes are ids 0..255; then bos 256, eos 257, pad 258."""
-
-    vocab_size = 259
-    bos_id, eos_id, pad_id = 256, 257, 258
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
-
-class FileTokenizer:
-    """A `tokenizers` tokenizer.json (a file, or a directory holding one)."""
-
-    def __init__(self, path: str):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError as e:
-            raise ImportError("--model.tokenizer_path needs the `tokenizers` package: "
-                              "pip install 'glm5f[tokenizers]'") from e
-        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-        if not os.path.isfile(file):
-            raise FileNotFoundError(f"no tokenizer.json at {file!r}: pass a tokenizer.json or a directory with one")
-        try:
-            self._tok = Tokenizer.from_file(file)
-        except Exception as e:  # tokenizers raises a bare Exception on a malformed file
-            raise ValueError(f"--model.tokenizer_path {file}: not a readable tokenizer.json ({e}); pass the "
-                             f"tokenizer.json of a Transformers/tokenizers tokenizer") from None
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        find = lambda *names: next((i for n in names if (i := self.token_id(n)) is not None), None)  # noqa
-        self.bos_id = find("<|begin_of_text|>", "<s>", "[gMASK]", "<bos>", "<|endoftext|>")
-        self.eos_id = find("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
-        self.pad_id = find("<pad>", "[PAD]", "<|pad|>")
-        if self.pad_id is None:
-            self.pad_id = self.eos_id if self.eos_id is not None else 0
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        """Token ids of `text` and each one's [start, end) in characters."""
-        enc = self._tok.encode(text, add_special_tokens=False)
-        return list(enc.ids), [tuple(o) for o in enc.offsets]
-
-    def token_id(self, text: str) -> int | None:
-        return self._tok.token_to_id(text)
-
-    def decode(self, ids) -> str:
-        return self._tok.decode(list(ids))
-
-
-def make_tokenizer(path: str | None):
-    return ByteTokenizer() if path is None else FileTokenizer(path)
+from glm5f import chat as chat_data
+from glm5f.tokens import (IGNORE_INDEX, ByteTokenizer, Example, FileTokenizer, check_vocab, has_target,  # noqa: F401
+                          make_tokenizer)
 
 
 # ---- examples -----------------------------------------------------------------------------------------------------
-
-@dataclass
-class Example:
-    """One document: token ids and their labels (IGNORE_INDEX where no loss is taken, e.g. prompts)."""
-
-    ids: list[int]
-    labels: list[int]
-    note: str | None = None  # what was done to the record to make it (skipped, truncated), for one warning
-
-
-def has_target(ex: Example) -> bool:
-    """Whether a document has a token to learn: a label other than IGNORE_INDEX past its first token (the first
-    token of a document is never predicted). A record of 0-1 tokens, or with every label ignored, has none."""
-    return any(t != IGNORE_INDEX for t in ex.labels[1:])
-
 
 def text_example(tok, text: str) -> Example:
     ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(text) + \
@@ -387,20 +314,6 @@ class RecordNotes:
             warn(f"--model.tokenizer_path {tokenizer_path} is not used: every record holds input_ids already")
         for note, (count, first) in self.notes.items():
             warn(f"{count} of {counted} records {note} (the first at {first})")
-
-
-def check_vocab(examples: list[Example], vocab_size: int, source: str, first: int = 0) -> None:
-    """Every token id in [0, vocab_size), every label too or IGNORE_INDEX (a ValueError naming the first bad one;
-    examples are numbered from `first`)."""
-    for i, ex in enumerate(examples, first):
-        bad = [t for t in ex.ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"{source}: example {i} has token id {bad[0]} outside [0, vocab_size={vocab_size}): "
-                             f"the tokenizer or the data does not fit the model's vocabulary")
-        bad = [t for t in ex.labels if t != IGNORE_INDEX and not (isinstance(t, int) and 0 <= t < vocab_size)]
-        if bad:
-            raise ValueError(f"{source}: example {i} has label {bad[0]} outside [0, vocab_size={vocab_size}) "
-                             f"(use {IGNORE_INDEX} where no loss is taken): fix the labels or raise --model.vocab_size")
 
 
 # ---- sources ------------------------------------------------------------------------------------------------------
@@ -720,7 +633,6 @@ def make_eval_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: in
         examples = [text_example(tok, d) for d in embedded_documents("eval")]
         return PackedSource(examples, batch_size, seq_len, seed, tok.pad_id, pack, "embedded corpus (held out)")
     if kind == "chat" and train_path is None:
-        from glm5f.chat import sample_source
         return sample_source("eval", vocab_size=vocab_size, batch_size=batch_size, seq_len=seq_len, seed=seed,
                              tokenizer_path=tokenizer_path, pack=pack, chat_template=chat_template,
                              train_on=train_on, warn=lambda message: None)
@@ -797,10 +709,9 @@ def make_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, se
     if tok.vocab_size > vocab_size:
         raise ValueError(f"the tokenizer has {tok.vocab_size} ids but the model's vocab_size is {vocab_size}: "
                          f"raise --model.vocab_size to at least {tok.vocab_size}")
-    from glm5f import chat as chat_data
     chat = chat_data.run_chat_data(tokenizer_path, chat_template, train_on, seq_len, vocab_size)
     if kind == "chat" and path is None:
-        return chat_data.sample_source("train", vocab_size=vocab_size, batch_size=batch_size, seq_len=seq_len,
+        return sample_source("train", vocab_size=vocab_size, batch_size=batch_size, seq_len=seq_len,
                                        seed=seed, tokenizer_path=tokenizer_path, pack=pack, chat=chat(), warn=warn)
     if kind == "text":
         examples = [text_example(tok, d) for d in embedded_documents("train")]
@@ -815,3 +726,19 @@ def make_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, se
         raise ValueError(f"unknown --data.type {kind!r}")
     check_vocab(examples, vocab_size, name)
     return PackedSource(examples, batch_size, seq_len, seed, tok.pad_id, pack, name)
+
+
+def sample_source(part: str, *, vocab_size: int, batch_size: int, seq_len: int, seed: int = 0,
+                  tokenizer_path: str | None = None, pack: bool = True, chat: chat_data.ChatData | None = None,
+                  chat_template: str | None = None, train_on: str = "assistant", warn=lambda message: None):
+    """The shipped chat sample's "train" or "eval" part as a PackedSource."""
+    chat = chat or chat_data.run_chat_data(tokenizer_path, chat_template, train_on, seq_len, vocab_size)()
+    notes, examples = RecordNotes(), []
+    for where, rec in chat_data.sample_records(part):
+        ex = chat.example(rec, where)
+        notes.add(rec, where, ex)
+        examples.append(ex)
+    notes.warn(True, None, warn)
+    name = f"chat sample ({part})"
+    check_vocab(examples, vocab_size, name)
+    return PackedSource([ex for ex in examples if ex.ids], batch_size, seq_len, seed, chat.fmt.tok.pad_id, pack, name)
