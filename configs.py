@@ -239,12 +239,17 @@ class CheckpointConfig:
     """'latest' (the run directory's newest checkpoint, or a fresh start if none) or a checkpoint path."""
     export_hf: Optional[str] = None
     """Also write the final weights as a Transformers checkpoint to this directory (new, empty, or a previous
-    export, which is replaced)."""
+    export, which is replaced), with the run's tokenizer files and chat template."""
     export_peft: Optional[str] = None
     """LoRA runs: also write the final adapters as a PEFT adapter directory (adapter_config.json +
     adapter_model.safetensors) to this directory, checked writable before step 1."""
     overwrite: bool = False
-    """Start over in a run directory that holds a previous run: delete its checkpoints/, metrics.jsonl, loss.png."""
+    """Start over in a run directory that holds a previous run: delete its checkpoints/, metrics.jsonl, loss.png,
+    config.yaml and tokenizer/."""
+    replace_export: bool = False
+    """Let --checkpoint.export_hf / export_peft replace a previous export that another run starts from
+    (--model.init_from), or whose tokenizer files this run's export does not write. Files glm5f did not write are
+    never replaced."""
     preempt_grace_s: Optional[float] = None
     """After SIGTERM the ranks finish their step and save one checkpoint together; if that takes longer than this
     many seconds, stop without saving (as a second SIGTERM does). None: no limit."""

@@ -24,10 +24,11 @@ import torch.distributed as dist
 import glm5f
 from configs import CONFIG_FILE, Config, parse, validate, with_data_type, write_config
 from glm5f import checkpoint, lora, preempt
-from glm5f.data import check_first_batch, make_eval_source, make_source, print_warning
+from glm5f.chat import RUN_TOKENIZER_DIR, check_same_tokenizer, resolve_tokenizer
+from glm5f.data import check_first_batch, make_eval_source, make_source, make_tokenizer, print_warning
 from glm5f.distributed import (TIMEOUT_EXIT, DistLayout, StallWatch, WorkerFailure, check_device, collective_timeout,
                                init_process, silent_ranks, spawn, under_torchrun)
-from glm5f.hf import check_export_dir, check_loaded_finite, save_peft
+from glm5f.hf import EXPORT_MARKER, check_export_dir, check_loaded_finite, note_base, save_peft
 from glm5f.loss import Step, eval_loss, step_grads
 from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
 from glm5f.model import check_input_ids
@@ -76,7 +77,9 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     cfg = with_data_type(cfg)
     layout = layout or Layout(resolve_device(cfg.train.device))
     say = print if layout.is_main else (lambda *a, **k: None)
-    prepare_run_dir(cfg, layout, say)
+    with user_errors():  # the run's one tokenizer and template: data, checkpoints, exports all use it
+        tokenizer = resolve_tokenizer(cfg.model.tokenizer_path, cfg.model.init_from, cfg.data.chat_template)
+    prepare_run_dir(cfg, layout, say, tokenizer.names())
     torch.manual_seed(cfg.train.seed)
     model_cfg, params = init_params(cfg, layout)
     spec = cfg.lora.spec()
@@ -85,12 +88,13 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     base = lora_base(cfg, params, layout) if spec else None
     step = Step.of(cfg.train, model_cfg, spec)
     opt_state = adamw_init(adapters, list(adapters)) if spec else adamw_init(params, step.trained(params))
-    data, eval_batches = make_data(cfg, model_cfg, layout, say)
-    start, last_ckpt, trained, opt_state = resume(cfg, model_cfg, params, adapters, base, opt_state, data, say)
+    data, eval_batches = make_data(cfg, model_cfg, layout, say, tokenizer.path)
+    start, last_ckpt, trained, opt_state = resume(cfg, model_cfg, params, adapters, base, opt_state, data, say,
+                                                  tokenizer)
     params, adapters = (params, trained) if spec else (trained, None)
     if start >= cfg.train.steps:
         say(f"nothing to do: step {start} >= --train.steps {cfg.train.steps}")
-        export(cfg, model_cfg, params, adapters, layout, say)
+        export(cfg, model_cfg, params, adapters, layout, say, tokenizer)
         return read_metrics(cfg.checkpoint.dir)
     log = MetricsLog(cfg.checkpoint.dir, start, print_warning) if layout.is_main else None
     progress = Progress(cfg.train.steps, start, cfg.train.log_every) if layout.is_main else None
@@ -98,6 +102,7 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         f"{cfg.data.type} data, {cfg.data.batch_size}x{cfg.data.seq_len} tokens/step, {cfg.train.dtype} on "
         f"{layout.device} x{layout.world} (dp_shard {cfg.parallel.dp_shard} x cp {cfg.parallel.cp}, ep "
         f"{cfg.parallel.ep}), steps {start}->{cfg.train.steps}, run dir {cfg.checkpoint.dir}")
+    say(f"tokenizer: {tokenizer.how}")
     if spec:
         say(f"LoRA: rank {spec.rank}, alpha {spec.alpha:g}, {len(adapters) // 2} adapted weights, "
             f"{sum(t.numel() for t in adapters.values()):,} trained parameters; the base frozen in "
@@ -141,13 +146,16 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
             if i == start:  # beside the first metrics record, so a run that fails before it leaves nothing
                 with writing(os.path.join(cfg.checkpoint.dir, CONFIG_FILE), cfg.checkpoint.dir):
                     write_config(cfg)
+                    tokenizer.write(os.path.join(cfg.checkpoint.dir, RUN_TOKENIZER_DIR))
+                    if cfg.model.init_from:
+                        note_base(cfg.model.init_from, cfg.checkpoint.dir)
             progress.update(i + 1, rec)
         layout.step_done(i + 1)
         stop = preempt.should_stop(layout)  # SIGTERM on any rank: all save this step, then stop
         if stop or (cfg.checkpoint.every and (i + 1) % cfg.checkpoint.every == 0) or i + 1 == cfg.train.steps:
             check_finite(adapters if spec else params, layout, i + 1, last_ckpt)
             state = {"adapters": adapters, "optim": opt_state} if spec else {"params": params, "optim": opt_state}
-            meta = {"model": model_cfg.to_hf(), "run": dataclasses.asdict(cfg)}
+            meta = {"model": model_cfg.to_hf(), "run": dataclasses.asdict(cfg), "tokenizer": tokenizer.fingerprint()}
             last_ckpt = checkpoint.save(
                 cfg.checkpoint.dir, i + 1, state,
                 extra={"step": i + 1, "data": data.state_dict(), "rng": checkpoint.rng_state()},
@@ -155,24 +163,30 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         if stop:
             raise preempt.Preempted(i + 1, last_ckpt)
     report(cfg, layout, say)
-    export(cfg, model_cfg, params, adapters, layout, say)
+    export(cfg, model_cfg, params, adapters, layout, say, tokenizer)
     return records
 
 
 # ---- the run's edges ----------------------------------------------------------------------------------------------
 
-RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png", CONFIG_FILE)  # what a run writes into its directory
+RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png", CONFIG_FILE, RUN_TOKENIZER_DIR)  # what a run writes there
 
 
-def prepare_run_dir(cfg: Config, layout: Layout, say) -> None:
+def prepare_run_dir(cfg: Config, layout: Layout, say, token_files: list[str] = ()) -> None:
     """A run directory holding a previous run is only continued (--checkpoint.resume) or, with
     --checkpoint.overwrite, emptied of what we wrote; anything else would mix two runs' metrics and checkpoints.
-    An export directory is checked before any training."""
+    An export directory is checked before any training (it gets the run's `token_files`)."""
     for flag in ("export_hf", "export_peft"):
         if getattr(cfg.checkpoint, flag):
             with user_errors():
-                check_export_dir(getattr(cfg.checkpoint, flag), run_dir=cfg.checkpoint.dir, flag=f"--checkpoint.{flag}")
+                check_export_dir(getattr(cfg.checkpoint, flag), run_dir=cfg.checkpoint.dir, flag=f"--checkpoint.{flag}",
+                                 init_from=cfg.model.init_from, writes=tuple(token_files),
+                                 overwrite=cfg.checkpoint.replace_export)
     run_dir = cfg.checkpoint.dir
+    if os.path.isfile(os.path.join(run_dir, EXPORT_MARKER)):
+        raise TrainingError(f"--checkpoint.dir {run_dir} is a glm5f export (a Transformers or PEFT directory), not "
+                            f"a run directory: a run there would mix its checkpoints into the export. Pass another "
+                            f"--checkpoint.dir (and --model.init_from {run_dir} to start from the export)")
     if cfg.checkpoint.resume or not os.path.isdir(run_dir):
         return
     found = [n for n in RUN_FILES[:2] if os.path.exists(os.path.join(run_dir, n))]
@@ -231,12 +245,12 @@ def lora_base(cfg: Config, params: dict, layout: Layout) -> dict:
     return {"source": source, "fingerprint": checkpoint.fingerprint(params, layout.sum)}
 
 
-def make_data(cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout, say):
-    """(the training source, the held-out batches: [] without evaluation)."""
+def make_data(cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout, say, tokenizer_path: str | None):
+    """(the training source, the held-out batches: [] without evaluation), tokenized by the run's tokenizer."""
     warn = print_warning if layout.is_main else (lambda message: None)
     d = cfg.data
     common = dict(vocab_size=model_cfg.vocab_size, batch_size=d.batch_size, seq_len=d.seq_len, seed=d.seed,
-                  tokenizer_path=cfg.model.tokenizer_path, pack=d.pack, shuffle_buffer=d.shuffle_buffer,
+                  tokenizer_path=tokenizer_path, pack=d.pack, shuffle_buffer=d.shuffle_buffer,
                   chat_template=d.chat_template, train_on=d.train_on)
     steps, warmup = cfg.train.steps, cfg.optim.warmup_steps
     if steps < warmup:
@@ -255,11 +269,11 @@ def make_data(cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout, say):
 
 
 def resume(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, adapters: dict | None, base: dict | None,
-           opt_state: dict, data, say):
+           opt_state: dict, data, say, tokenizer=None):
     """(the step to start from, the checkpoint it comes from or None, the trained tree: params, or a LoRA run's
     adapters, optimizer state): with --checkpoint.resume, the newest complete checkpoint's (checked against this
-    run's model, data type, trained leaves and a LoRA run's base), with the data position and RNG states
-    restored."""
+    run's model, data type, trained leaves, a LoRA run's base and the tokenizer and template `tokenizer`), with the
+    data position and RNG states restored."""
     trained = params if adapters is None else adapters
     if not cfg.checkpoint.resume:
         return 0, None, trained, opt_state
@@ -279,6 +293,9 @@ def resume(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, adapters: dic
     check_same_data(cfg, saved, ckpt)
     check_same_trained(cfg, model_cfg, params, saved, ckpt)
     check_same_lora(cfg, saved, meta.get("lora_base"), base, ckpt)
+    if tokenizer is not None:
+        with user_errors():
+            check_same_tokenizer(meta.get("tokenizer"), tokenizer, ckpt, cfg.data.allow_changed, print_warning)
     state = {"params" if adapters is None else "adapters": trained, "optim": opt_state}
     with user_errors():
         extra = checkpoint.load(ckpt, state)
@@ -390,20 +407,32 @@ def report(cfg: Config, layout: Layout, say) -> None:
 
 
 def export(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, adapters: dict | None, layout: Layout,
-           say) -> None:
+           say, tokenizer) -> None:
     """--checkpoint.export_hf: the weights (a LoRA run's merged into the base) as a Transformers checkpoint
     (collective: the ranks gather one leaf at a time, rank 0 writes). --checkpoint.export_peft: a LoRA run's
-    adapters as a PEFT adapter directory (`hf.save_peft`: the ranks gather them, rank 0 writes)."""
+    adapters as a PEFT adapter directory (`hf.save_peft`: the ranks gather them, rank 0 writes). Both carry the
+    run's tokenizer files and chat template, and config.json its bos/eos/pad ids."""
     spec = cfg.lora.spec()
+    files = ()
+    if layout.is_main and (cfg.checkpoint.export_hf or cfg.checkpoint.export_peft):
+        here = os.path.join(cfg.checkpoint.dir, RUN_TOKENIZER_DIR)
+        with writing(here, cfg.checkpoint.dir), user_errors():
+            files = tuple(os.path.join(here, n) for n in tokenizer.write(here))
+    if not cfg.model.init_from:  # a preset's ids are placeholders; a checkpoint's config.json has its own
+        tok = make_tokenizer(tokenizer.path)
+        model_cfg = dataclasses.replace(model_cfg, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
+                                        pad_token_id=tok.pad_id)
     if cfg.checkpoint.export_hf:
         with user_errors(), writing(cfg.checkpoint.export_hf, cfg.checkpoint.dir):
             weights = lora.merge(params, adapters, spec) if spec else params
-            glm5f.save_hf(cfg.checkpoint.export_hf, model_cfg, weights, write=layout.is_main)
+            glm5f.save_hf(cfg.checkpoint.export_hf, model_cfg, weights, write=layout.is_main, extra_files=files,
+                          overwrite=cfg.checkpoint.replace_export)
         say(f"exported Transformers checkpoint{' (adapters merged)' if spec else ''}: {cfg.checkpoint.export_hf}")
     if cfg.checkpoint.export_peft:
         with user_errors(), writing(cfg.checkpoint.export_peft, cfg.checkpoint.dir):
             save_peft(cfg.checkpoint.export_peft, model_cfg, adapters, spec,
-                      base_model_name_or_path=cfg.model.init_from, write=layout.is_main)
+                      base_model_name_or_path=cfg.model.init_from, write=layout.is_main, extra_files=files,
+                      overwrite=cfg.checkpoint.replace_export)
         say(f"exported PEFT adapter: {cfg.checkpoint.export_peft}")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass
 from datetime import datetime
 from importlib import resources
 
@@ -335,3 +336,125 @@ def run_chat_data(tokenizer_path: str | None, chat_template: str | None, train_o
             made.append(ChatData(fmt, train_on, seq_len))
         return made[0]
     return chat
+
+
+# ---- the run's tokenizer and template ---------------------------------------------------------------------------
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TEMPLATE_FILE = "chat_template.jinja"
+RUN_TOKENIZER_DIR = "tokenizer"  # a run keeps copies of its tokenizer files and chat template here
+
+
+def _sha256(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class RunTokenizer:
+    """A run's tokenizer and chat template, resolved once at its start: `path` a tokenizer.json (or a directory
+    with one; None: the byte tokenizer), `template` the template's text and `template_name` where it came from
+    (None: no template), `how` the words the start line uses."""
+
+    path: str | None
+    template: str | None
+    template_name: str | None
+    how: str
+
+    def files(self) -> dict[str, str]:
+        """{name: the file it is copied from} of the tokenizer files an export or a run directory carries (the
+        template is written from its text, as chat_template.jinja)."""
+        if self.path is None:
+            return {}
+        d = tokenizer_dir(self.path)
+        out = {"tokenizer.json": self.path if os.path.isfile(self.path) else os.path.join(self.path, "tokenizer.json")}
+        out.update((n, os.path.join(d, n)) for n in TOKENIZER_FILES[1:] if os.path.isfile(os.path.join(d, n)))
+        return out
+
+    def fingerprint(self) -> dict:
+        """What a checkpoint records of it: a SHA-256 (first 16 hex digits) of the tokenizer's files and of the
+        template, and `how`, so a resume can tell another tokenizer or template and name both."""
+        tok = "byte tokenizer"
+        if self.path is not None:
+            tok = _sha256(b"".join(open(f, "rb").read() for _, f in sorted(self.files().items())))
+        return {"tokenizer": tok, "chat_template": None if self.template is None else _sha256(self.template.encode()),
+                "how": self.how}
+
+    def names(self) -> list[str]:
+        """The names of the files `write` writes."""
+        return sorted(self.files()) + ([TEMPLATE_FILE] if self.template is not None else [])
+
+    def write(self, directory: str) -> list[str]:
+        """Copy the tokenizer files into `directory` (created) and write the template as chat_template.jinja there;
+        the names written."""
+        import shutil
+
+        os.makedirs(directory, exist_ok=True)
+        for name, file in self.files().items():
+            if os.path.abspath(file) != os.path.abspath(os.path.join(directory, name)):
+                shutil.copyfile(file, os.path.join(directory, name))
+        if self.template is not None:
+            with open(os.path.join(directory, TEMPLATE_FILE), "w", encoding="utf-8") as f:
+                f.write(self.template)
+        return self.names()
+
+
+def resolve_tokenizer(tokenizer_path: str | None, init_from: str | None, chat_template: str | None) -> RunTokenizer:
+    """The run's tokenizer: --model.tokenizer_path, else the --model.init_from directory's tokenizer.json, else the
+    byte tokenizer; its template: --data.chat_template, else the tokenizer directory's chat_template.jinja or
+    tokenizer_config.json's chat_template, else (byte tokenizer) glm5f's GLM-5-style one; a tokenizer without a
+    template has none (chat data then says so)."""
+    if tokenizer_path is not None:
+        path, how = tokenizer_path, f"tokenizer {tokenizer_path} (--model.tokenizer_path)"
+    elif init_from is not None and os.path.isfile(os.path.join(init_from, "tokenizer.json")):
+        path, how = init_from, f"tokenizer {os.path.join(init_from, 'tokenizer.json')} (from --model.init_from)"
+    else:
+        path = None
+        how = "the byte tokenizer" + (f" (--model.init_from {init_from} holds no tokenizer.json)" if init_from else "")
+    if path is not None:
+        chat_tokenizer(path)  # a missing or unreadable tokenizer.json: its error, before any training
+    try:
+        template, name = template_source(path, chat_template)
+    except ValueError:  # a tokenizer without a template: fine unless the data is chat (which then says so)
+        template, name = None, None
+    how += f", chat template {name}" if name else ", no chat template"
+    return RunTokenizer(path, template, name, how)
+
+
+def tokenizer_of(directory: str) -> RunTokenizer:
+    """The tokenizer and template a run directory's tokenizer/ copy or an export holds: its tokenizer.json (else the
+    byte tokenizer) and its chat_template.jinja or tokenizer_config.json's template (else, for the byte tokenizer,
+    glm5f's)."""
+    path = directory if os.path.isfile(os.path.join(directory, "tokenizer.json")) else None
+    template, name = None, None
+    if os.path.isfile(os.path.join(directory, TEMPLATE_FILE)):
+        name = os.path.join(directory, TEMPLATE_FILE)
+        with open(name, encoding="utf-8") as f:
+            template = f.read()
+    else:
+        try:
+            template, name = template_source(path, None)
+        except ValueError:
+            pass
+    where = f"tokenizer {os.path.join(directory, 'tokenizer.json')}" if path else "the byte tokenizer"
+    return RunTokenizer(path, template, name, where + (f", chat template {name}" if name else ", no chat template"))
+
+
+def check_same_tokenizer(saved: dict | None, now: RunTokenizer, ckpt: str, allow_changed: bool, warn) -> None:
+    """A checkpoint's tokenizer and template (`saved`: its fingerprint; None: from before fingerprints) against
+    this run's: a ValueError naming both unless allow_changed (then a warning)."""
+    if saved is None:
+        return
+    mine = now.fingerprint()
+    changed = [k for k in ("tokenizer", "chat_template") if saved.get(k) != mine[k]]
+    if not changed:
+        return
+    what = (f"{ckpt} was trained with {saved.get('how')}; this run has {now.how} (the {' and the '.join(changed)} "
+            f"differ{'s' if len(changed) == 1 else ''}: {', '.join(f'{saved.get(k)} -> {mine[k]}' for k in changed)})")
+    if allow_changed:
+        warn(f"{what}; resuming with this run's (--data.allow_changed)")
+        return
+    raise ValueError(f"{what}: its weights learned other token ids or another rendering. Resume with the tokenizer "
+                     f"and template it was saved with (see its run directory's {RUN_TOKENIZER_DIR}/), pass "
+                     f"--data.allow_changed to go on with this run's, or start a new run")
