@@ -381,6 +381,20 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     return errs + _layout_errors(cfg, model) + _trainable_errors(cfg, model) + _lora_errors(cfg, model)
 
 
+def mesh_errors(cfg: Config, model: glm5f.GLM5Config) -> list[str]:
+    """What leaves no mesh to plan (--plan refuses these, as a run does; it plans past the other errors): a mesh
+    size, batch or grad_accum below 1, an ep that does not divide the ranks or the routed experts."""
+    p = cfg.parallel
+    errs = [f"--{n} must be >= 1, got {v}" for n, v in (
+        ("parallel.dp_shard", p.dp_shard), ("parallel.cp", p.cp), ("parallel.ep", p.ep), ("parallel.tp", p.tp),
+        ("data.batch_size", cfg.data.batch_size), ("train.grad_accum", cfg.train.grad_accum)) if v < 1]
+    if not errs and p.world % p.ep:
+        errs.append(f"--parallel.ep {p.ep} must divide the ranks dp_shard x cp = {p.world}")
+    if not errs and model.n_routed_experts % p.ep:
+        errs.append(f"--parallel.ep {p.ep} must divide n_routed_experts ({model.n_routed_experts})")
+    return errs
+
+
 def _layout_errors(cfg: Config, model: glm5f.GLM5Config) -> list[str]:
     """What a parallel layout cannot honour for this model and data."""
     p, errs = cfg.parallel, []

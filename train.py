@@ -13,6 +13,7 @@ import dataclasses
 import errno
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import glm5f
-from configs import CONFIG_FILE, Config, parse, validate, with_data_type, write_config
+from configs import CONFIG_FILE, Config, mesh_errors, parse, validate, with_data_type, write_config
 from glm5f import checkpoint, lora, preempt
 from glm5f.chat import RUN_TOKENIZER_DIR, check_same_tokenizer, resolve_tokenizer
 from glm5f.data import check_first_batch, make_eval_source, make_source, make_tokenizer, print_warning
@@ -71,6 +72,23 @@ def writing(path: str, run_dir: str):
         raise TrainingError(f"could not write {path}: {why}; {fix}; {checkpoint.last_line(run_dir)}") from None
 
 
+@contextlib.contextmanager
+def out_of_memory(step: int, layout: Layout, cfg: Config):
+    """Running out of device memory in a step stops the run with one line: the allocation, the step and what to
+    change (the allocator's own report stays in the exception chain)."""
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        size = re.search(r"[Tt]ried to allocate ([\d.]+ \w+)", str(e))
+        p = cfg.parallel
+        raise TrainingError(
+            f"step {step}: out of memory on {layout.device} trying to allocate {size.group(1) if size else 'memory'} "
+            f"(micro-batch {cfg.data.batch_size // (cfg.train.grad_accum * p.dp_shard)} x {cfg.data.seq_len} tokens "
+            f"per rank); lower --data.batch_size or --data.seq_len, raise --train.grad_accum, turn on "
+            f"--train.activation_checkpointing, or shard over more ranks; `python train.py --plan table` with the "
+            f"same flags shows where the memory goes") from e
+
+
 def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     """Run the training `cfg` describes (already validated) on `layout` (default: one process); returns the
     metrics records of the steps it ran."""
@@ -117,7 +135,8 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
             with user_errors():
                 check_first_batch(batch, i, cfg.data.path or cfg.data.type)
         model = lora.attach(params, adapters) if spec else params
-        metrics, grads, counts = step_grads(model, batch, model_cfg, layout, step)
+        with out_of_memory(i + 1, layout, cfg):
+            metrics, grads, counts = step_grads(model, batch, model_cfg, layout, step)
         grads, grad_norm = clip_by_global_norm(grads, cfg.optim.clip_norm)
         lr = lr_schedule(i, peak=cfg.optim.lr, warmup=cfg.optim.warmup_steps,
                          total=schedule_total(cfg.optim, cfg.train), min_ratio=cfg.optim.min_lr_ratio)
@@ -496,6 +515,9 @@ def plan_run(cfg: Config) -> None:
     from glm5f.plan import print_plan
 
     model_cfg = glm5f.GLM5Config.from_hf(cfg.model.init_from) if cfg.model.init_from else cfg.model.build()
+    blocking = mesh_errors(cfg, model_cfg)
+    if blocking:
+        raise TrainingError(f"--plan needs a mesh: {'; '.join(blocking)}")
     print_plan(cfg, cfg.plan, model_cfg, resolve_device(cfg.train.device), cfg.model.init_from or cfg.model.preset)
 
 

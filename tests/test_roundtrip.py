@@ -137,3 +137,69 @@ def test_an_export_never_replaces_a_base_in_use_tokenizer_files_or_files_it_did_
     assert main(other + [str(tmp_path / "h"), "--checkpoint.export_hf", str(export), "--checkpoint.replace_export"]) == 1
     assert "(chat_template.jinja, tokenizer.json, tokenizer_config.json)" in capsys.readouterr().err
     assert (export / "tokenizer.json").read_bytes() == before["tokenizer.json"]
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+
+
+def run(*argv, stdin=None):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, *argv], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300,
+                          input=stdin)
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--parallel.dp_shard", "3", "--parallel.ep", "64"], "error: --plan needs a mesh: --parallel.ep 64 must divide "
+                                                          "the ranks dp_shard x cp = 3"),
+    (["--parallel.dp_shard", "16", "--parallel.ep", "16"], "error: --plan needs a mesh: --parallel.ep 16 must divide "
+                                                          "n_routed_experts (8)"),
+    (["--parallel.dp_shard", "0"], "error: --plan needs a mesh: --parallel.dp_shard must be >= 1, got 0")])
+def test_plan_of_flags_that_leave_no_mesh_is_an_error_line(flags, line):
+    out = run("train.py", "--plan", "table", *flags)
+    assert out.returncode == 1 and "Traceback" not in out.stderr and out.stderr.strip().splitlines()[-1] == line
+
+
+def test_out_of_memory_names_the_allocation_the_step_and_what_to_change(monkeypatch, tmp_path, capsys):
+    import train as train_mod
+
+    real = train_mod.step_grads
+
+    def step_grads(*args, **kwargs):
+        if len(calls := step_grads.calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a total capacity "
+                                         "of 79.11 GiB of which 1.02 GiB is free.")
+        calls.append(1)
+        return real(*args, **kwargs)
+    step_grads.calls = []
+    monkeypatch.setattr(train_mod, "step_grads", step_grads)
+    assert main(["--model.preset", "glm5-tiny", "--data.type", "synthetic", *RUN[:4], "--train.steps", "3",
+                 "--checkpoint.dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: step 2: out of memory on cpu trying to allocate 2.50 GiB") and \
+        "--train.grad_accum" in err and "--train.activation_checkpointing" in err and "--plan" in err, err
+
+
+def test_generate_device_auto_and_a_chat_with_system_messages_and_turns_from_stdin(tmp_path):
+    run_dir = tmp_path / "run"
+    assert main(["--model.preset", "glm5-tiny", "--data.type", "chat", *RUN, "--checkpoint.dir", str(run_dir)]) == 0
+    out = run("scripts/generate.py", str(run_dir), "--device", "auto", "--prompt", "The", "--max-tokens", "4")
+    assert out.returncode == 0 and out.stdout.startswith("The"), out.stderr
+    talk = tmp_path / "talk.json"
+    talk.write_text(json.dumps([{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]))
+    messages = generate.conversation("Be brief.", str(talk), "and 3+3?")
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    cfg, _, _, tokens = generate.load(str(run_dir))
+    fmt = generate.chat_format(tokens, None, cfg.vocab_size)
+    ids = fmt.ids(messages, add_generation_prompt=True)
+    assert fmt.tok.decode(ids) == ("[gMASK]<sop><|system|>Be brief.<|user|>2+2?<|assistant|><think></think>4"
+                                   "<|user|>and 3+3?<|assistant|>")
+    out = run("scripts/generate.py", str(run_dir), "--chat", "--system", "Be brief.", "--messages", str(talk),
+              "--prompt", "and 3+3?", "--max-tokens", "6")
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    out2 = run("scripts/generate.py", str(run_dir), "--chat", "--system", "Be brief.", "--messages", str(talk),
+               "--interactive", "--max-tokens", "6", stdin="and 3+3?\n\nagain?\n")
+    assert out2.returncode == 0 and out2.stdout.startswith(out.stdout) and len(out2.stdout) > len(out.stdout), \
+        (out.stdout, out2.stdout)  # the first answer as the one-shot one's, then a second
