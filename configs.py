@@ -482,7 +482,19 @@ CONFIG_FILE = "config.yaml"  # the resolved config a run writes into its directo
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML as written by people: `1e-4` is a float (YAML 1.1 would read it as a string)."""
+    """YAML as written by people: `1e-4` is a float (YAML 1.1 would read it as a string), and a key given twice in
+    one mapping is an error naming both lines (YAML would keep the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice, on line {seen[key] + 1} and line "
+                    f"{key_node.start_mark.line + 1}; keep one", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
 
 
 _Loader.add_implicit_resolver("tag:yaml.org,2002:float",

@@ -35,7 +35,7 @@ from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
 from glm5f.model import check_input_ids
 from glm5f.optim import (adamw_init, adamw_update, balance_router_bias, clip_by_global_norm, lr_schedule, matches,
                          schedule_change, schedule_total)
-from glm5f.parallel import Layout, nonfinite_counts
+from glm5f.parallel import Layout, local_tensor, nonfinite_counts
 from glm5f.params import flatten, region_of
 
 
@@ -137,6 +137,8 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         model = lora.attach(params, adapters) if spec else params
         with out_of_memory(i + 1, layout, cfg):
             metrics, grads, counts = step_grads(model, batch, model_cfg, layout, step)
+        if i == start:
+            check_gradients(grads, layout, print_warning if layout.is_main else (lambda message: None))
         grads, grad_norm = clip_by_global_norm(grads, cfg.optim.clip_norm)
         lr = lr_schedule(i, peak=cfg.optim.lr, warmup=cfg.optim.warmup_steps,
                          total=schedule_total(cfg.optim, cfg.train), min_ratio=cfg.optim.min_lr_ratio)
@@ -271,6 +273,9 @@ def make_data(cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout, say, tok
     common = dict(vocab_size=model_cfg.vocab_size, batch_size=d.batch_size, seq_len=d.seq_len, seed=d.seed,
                   tokenizer_path=tokenizer_path, pack=d.pack, shuffle_buffer=d.shuffle_buffer,
                   chat_template=d.chat_template, train_on=d.train_on)
+    if d.seq_len > model_cfg.max_position_embeddings:
+        warn(f"--data.seq_len {d.seq_len} reaches past the model's max_position_embeddings "
+             f"{model_cfg.max_position_embeddings}: positions past it are outside what its rope was made for")
     steps, warmup = cfg.train.steps, cfg.optim.warmup_steps
     if steps < warmup:
         warn(f"--train.steps {steps} ends inside the {warmup}-step warm-up (--optim.warmup_steps): the learning "
@@ -397,6 +402,21 @@ def check_finite(params: dict, layout: Layout, step: int, last_ckpt: str | None)
         raise TrainingError(f"step {step}: non-finite values in {len(names)} parameter(s) ({', '.join(names[:3])}"
                             f"{', ...' if len(names) > 3 else ''}); not writing a checkpoint of them. The last good "
                             f"checkpoint is {last_ckpt or 'none (no checkpoint written yet)'}")
+
+
+def check_gradients(grads: dict, layout: Layout, warn) -> None:
+    """After the first step: a warning naming the trained leaves whose gradient is zero on every rank (nothing the
+    loss computes depends on them, e.g. LoRA on the indexer without --train.indexer_loss). A LoRA weight counts by
+    its lora_B (lora_A's gradient is zero while lora_B is, as it starts)."""
+    flat = {p: g for p, g in flatten(grads).items() if not p.endswith(".lora_A")}
+    if not flat:
+        return
+    nonzero = layout.sum(torch.stack([(local_tensor(g) != 0).sum() for g in flat.values()]).to(torch.float64))
+    dead = [p.removesuffix(".lora_B") for p, n in zip(flat, nonzero.tolist()) if n == 0]
+    if dead:
+        warn(f"{len(dead)} of the {len(flat)} trained leaves got no gradient in the first step ({', '.join(dead[:4])}{', ...' if len(dead) > 4 else ''}): "
+             f"the loss does not depend on them, so they will not train; drop them from --lora.targets / "
+             f"--train.trainable, or turn on the loss that uses them (e.g. --train.indexer_loss for the indexer)")
 
 
 def report(cfg: Config, layout: Layout, say) -> None:

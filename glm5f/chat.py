@@ -120,6 +120,12 @@ class ChatTemplate:
 
 # ---- records ----------------------------------------------------------------------------------------------------
 
+def json_type(value) -> str:
+    """A JSON value's type as JSON names it."""
+    return {type(None): "null", bool: "a boolean", int: "a number", float: "a number", list: "a list",
+            dict: "an object", str: "a string"}.get(type(value), type(value).__name__)
+
+
 def _json_value(value, what: str):
     if isinstance(value, str):
         try:
@@ -140,7 +146,11 @@ def _tool_calls(calls, what: str) -> list[dict]:
         f = c.get("function", c)
         if not isinstance(f, dict) or not isinstance(f.get("name"), str):
             raise ValueError(f"{what}: a tool call needs a function name, found {json.dumps(c)[:80]}")
-        f = {**f, "arguments": _json_value(f.get("arguments", {}), f"{what}: the arguments of {f['name']}")}
+        arguments = _json_value(f.get("arguments", {}), f"{what}: the arguments of {f['name']}")
+        if not isinstance(arguments, dict):
+            raise ValueError(f"{what}: the arguments of {f['name']} must be a JSON object of named arguments, found "
+                             f"{json_type(arguments)} ({json.dumps(arguments)[:40]})")
+        f = {**f, "arguments": arguments}
         out.append({**{k: v for k, v in c.items() if k != "function"}, "type": c.get("type", "function"),
                     "function": f})
     return out
@@ -197,6 +207,10 @@ def chat_messages(rec: dict) -> tuple[list[dict], list | None]:
                 messages.append({"role": role, "content": m["value"]})
     for i, m in enumerate(messages):
         reasoning = next((m[k] for k in _REASONING if m.get(k) is not None), None)
+        if reasoning is not None and not isinstance(reasoning, str):
+            name = next(k for k in _REASONING if m.get(k) is not None)
+            raise ValueError(f"message {i} ({m['role']}) needs a string {name!r}, found {json_type(reasoning)} "
+                             f"({json.dumps(reasoning)[:40]}); join its parts into one string")
         if reasoning is not None:
             messages[i] = {"thinking": reasoning, **m, "reasoning_content": reasoning}
     return messages, tools
@@ -229,6 +243,13 @@ class ChatFormat:
         tok = chat_tokenizer(tokenizer_path)
         source, name = template_source(tokenizer_path, chat_template)
         return cls(tok, ChatTemplate(source, name), template_tokens(tok, tokenizer_path))
+
+    def split_tokens(self) -> list[str]:
+        """The special-looking tokens the template writes (`<|...|>`, and the stop tokens) that the tokenizer has
+        no single id for: each is trained and generated as several pieces, and generation cannot stop at it."""
+        found = set(re.findall(r"<\|[^|<>\s]+\|>", self.template.source))
+        found |= {s for s in STOP_TOKENS if s in self.template.source}
+        return sorted(s for s in found if self.tok.token_id(s) is None)
 
     def render(self, messages, tools=None, add_generation_prompt=False):
         return self.template.render(messages, tools, add_generation_prompt, **self.tokens)
@@ -319,7 +340,7 @@ def sample_records(part: str | None = None) -> list[tuple[str, dict]]:
 
 
 def run_chat_data(tokenizer_path: str | None, chat_template: str | None, train_on: str, seq_len: int,
-                  vocab_size: int):
+                  vocab_size: int, warn=lambda message: None):
     """A function giving the run's ChatData, made (template read, tokenizer checked) when first called, so
     data without chat records never needs a chat template."""
     if train_on not in TRAIN_ON:
@@ -333,6 +354,11 @@ def run_chat_data(tokenizer_path: str | None, chat_template: str | None, train_o
                 raise ValueError(f"the chat tokenizer has {fmt.tok.vocab_size} ids (with its special tokens) but the "
                                  f"model's vocab_size is {vocab_size}: raise --model.vocab_size to at least "
                                  f"{fmt.tok.vocab_size}")
+            split = fmt.split_tokens()
+            if split:
+                warn(f"the chat template {fmt.template.name} writes {', '.join(split)}, which the tokenizer has no "
+                     f"single token for: each is split into pieces (trained as text, and generation cannot stop at "
+                     f"it); add them to the tokenizer as special tokens, or use a template written for it")
             made.append(ChatData(fmt, train_on, seq_len))
         return made[0]
     return chat

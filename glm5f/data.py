@@ -42,20 +42,23 @@ def prompt_example(tok, prompt: str, response: str) -> Example:
 def check_string_fields(rec: dict, fields: tuple[str, ...], where: str) -> None:
     """A ValueError naming `where` (file:line), the field and the JSON type found unless each field is a string
     (a null response would otherwise train on the text "None", a number on its digits)."""
-    json_type = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", list: "a list",
-                 dict: "an object"}
     for name in fields:
         if not isinstance(rec[name], str):
-            found = json_type.get(type(rec[name]), type(rec[name]).__name__)
+            found = chat_data.json_type(rec[name])
             raise ValueError(f"{where}: field {name!r} must be a string, found {found} ({json.dumps(rec[name])[:40]}); "
                              f"fix the record (\"\" for an empty {name}) or remove it")
 
 
-def record_example(tok, rec, where: str, chat=None) -> Example:
+def record_example(tok, rec, where: str, chat=None, chat_only: bool = False) -> Example:
     """An Example from one JSON record: {"text"}, {"prompt", "response"}, {"input_ids"[, "labels"]}, or a chat
-    record ({"messages"} or {"conversations"}: `chat()` is the run's glm5f.chat.ChatData)."""
+    record ({"messages"} or {"conversations"}: `chat()` is the run's glm5f.chat.ChatData); `chat_only`
+    (--data.type chat): any other record is an error."""
     if not isinstance(rec, dict):
         raise ValueError(f"{where}: expected a JSON object, found {type(rec).__name__}")
+    if chat_only and "messages" not in rec and "conversations" not in rec:
+        raise ValueError(f"{where}: --data.type chat reads chat records ('messages' or 'conversations'), found keys "
+                         f"{sorted(rec)[:5]} (a record of another kind would train on every one of its tokens); fix "
+                         f"or remove it, or read the mixed file with --data.type json_file")
     if "messages" in rec or "conversations" in rec:
         if chat is None:
             raise ValueError(f"{where}: a chat record ('messages' or 'conversations'), but no chat template was "
@@ -432,10 +435,11 @@ class StreamSource(RowPacker):
 
     def __init__(self, reader, tok, vocab_size: int, batch_size: int, seq_len: int, seed: int, pack: bool = True,
                  shuffle_buffer: int = 10_000, name: str = "data", tokenizer_path: str | None = None,
-                 warn=lambda message: None, chat=None, allow_changed: bool = False):
+                 warn=lambda message: None, chat=None, allow_changed: bool = False, chat_only: bool = False):
         if shuffle_buffer < 1:
             raise ValueError(f"--data.shuffle_buffer must be >= 1 (1: no shuffling), got {shuffle_buffer}")
         self.reader, self.tok, self.V, self.name, self.chat = reader, tok, vocab_size, name, chat
+        self.chat_only = chat_only
         self.files, self.allow_changed, self.warn = fingerprint(reader.path), allow_changed, warn
         self.B, self.S, self.seed, self.pad_id, self.pack, self.size = \
             batch_size, seq_len, seed, tok.pad_id, pack, shuffle_buffer
@@ -450,7 +454,7 @@ class StreamSource(RowPacker):
 
     def _example(self, loc, payload, notes=None) -> Example:
         rec = self.reader.parse(loc, payload)
-        ex = record_example(self.tok, rec, self.reader.where(loc), self.chat)
+        ex = record_example(self.tok, rec, self.reader.where(loc), self.chat, self.chat_only)
         check_vocab([ex], self.V, self.name, first=loc[2])
         if notes is not None:
             notes.add(rec, self.reader.where(loc), ex)
@@ -709,7 +713,7 @@ def make_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, se
     if tok.vocab_size > vocab_size:
         raise ValueError(f"the tokenizer has {tok.vocab_size} ids but the model's vocab_size is {vocab_size}: "
                          f"raise --model.vocab_size to at least {tok.vocab_size}")
-    chat = chat_data.run_chat_data(tokenizer_path, chat_template, train_on, seq_len, vocab_size)
+    chat = chat_data.run_chat_data(tokenizer_path, chat_template, train_on, seq_len, vocab_size, warn)
     if kind == "chat" and path is None:
         return sample_source("train", vocab_size=vocab_size, batch_size=batch_size, seq_len=seq_len,
                                        seed=seed, tokenizer_path=tokenizer_path, pack=pack, chat=chat(), warn=warn)
@@ -721,7 +725,7 @@ def make_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, se
             raise ValueError(f"--data.type {kind} needs --data.path")
         reader = DatasetReader(path, split) if kind == "hf_datasets" else JsonlReader(path)
         return StreamSource(reader, tok, vocab_size, batch_size, seq_len, seed, pack, shuffle_buffer, path,
-                            tokenizer_path, warn, chat, allow_changed)
+                            tokenizer_path, warn, chat, allow_changed, chat_only=kind == "chat")
     else:
         raise ValueError(f"unknown --data.type {kind!r}")
     check_vocab(examples, vocab_size, name)
