@@ -203,3 +203,60 @@ def test_generate_device_auto_and_a_chat_with_system_messages_and_turns_from_std
                "--interactive", "--max-tokens", "6", stdin="and 3+3?\n\nagain?\n")
     assert out2.returncode == 0 and out2.stdout.startswith(out.stdout) and len(out2.stdout) > len(out.stdout), \
         (out.stdout, out2.stdout)  # the first answer as the one-shot one's, then a second
+
+
+def test_typed_chat_fields_are_checked_as_content_is():
+    from glm5f.chat import chat_messages
+
+    with pytest.raises(ValueError, match=r"message 1 \(assistant\) needs a string 'reasoning_content', found a list"):
+        chat_messages({"messages": [{"role": "user", "content": "q"},
+                                    {"role": "assistant", "content": "a", "reasoning_content": ["x", "y"]}]})
+    with pytest.raises(ValueError, match="the arguments of f must be a JSON object of named arguments, found a number"):
+        chat_messages({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "",
+                                     "tool_calls": [{"function": {"name": "f", "arguments": 42}}]}]})
+
+
+def test_a_plain_record_in_a_chat_file_is_an_error_at_its_line(tmp_path):
+    from glm5f.data import make_source
+
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
+                    + "\n" + json.dumps({"text": "a plain document"}) + "\n")
+    with pytest.raises(ValueError, match=f"{path}:2: --data.type chat reads chat records"):
+        make_source("chat", path=str(path), vocab_size=512, batch_size=1, seq_len=64)
+    make_source("json_file", path=str(path), vocab_size=512, batch_size=1, seq_len=64)  # mixed on purpose: read
+
+
+def test_template_tokens_the_tokenizer_splits_are_named_in_a_warning(base, tmp_path):
+    from glm5f.data import make_source
+
+    glm_template = tmp_path / "glm.jinja"
+    glm_template.write_text("{% for m in messages %}{% if m.role == 'assistant' %}<|assistant|>{% generation %}"
+                            "{{ m.content }}{% endgeneration %}{% else %}<|user|>{{ m.content }}{% endif %}"
+                            "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    warnings = []
+    common = dict(vocab_size=512, batch_size=1, seq_len=64, tokenizer_path=str(base), warn=warnings.append)
+    make_source("chat", chat_template=str(glm_template), **common)
+    assert any("writes <|assistant|>, <|user|>, which the tokenizer has no single token for" in w for w in warnings)
+    warnings.clear()
+    make_source("chat", **common)  # its own template: <|im_start|> and <|im_end|> are single tokens
+    assert not any("no single token" in w for w in warnings), warnings
+
+
+def test_a_recipe_key_given_twice_is_an_error_naming_both_lines(tmp_path, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("train:\n  steps: 5\n  seed: 1\n  steps: 7\n")
+    assert main(["--config", str(recipe)]) == 1
+    assert "the key 'steps' is given twice, on line 2 and line 4" in capsys.readouterr().err
+
+
+def test_trained_leaves_without_a_gradient_and_positions_past_the_model_are_warned(tmp_path, capsys):
+    tiny = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", *RUN]
+    assert main(tiny + ["--lora.rank", "2", "--lora.targets", "indexer", "--checkpoint.dir", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err
+    assert "warning: 6 of the 6 trained leaves got no gradient in the first step " \
+           "(model.layers.0.self_attn.indexer.wq_b, " in err, err
+    assert main(tiny + ["--lora.rank", "2", "--checkpoint.dir", str(tmp_path / "b"),
+                        "--model.max_position_embeddings", "32"]) == 0
+    err = capsys.readouterr().err
+    assert "no gradient" not in err and "--data.seq_len 64 reaches past the model's max_position_embeddings 32" in err
