@@ -291,6 +291,9 @@ class EvalConfig:
     json_file, hf_datasets, preset_pt: no evaluation unless --eval.path or --eval.split is given."""
     split: Optional[str] = None
     """Split of the hf_datasets DatasetDict at --eval.path (default --data.path) to evaluate on, e.g. test."""
+    split_fraction: float = 0.0
+    """Hold out this fraction of the --data.path records (json_file, chat, hf_datasets) for evaluation: every
+    round(1 / fraction)-th record, counting from that one, is evaluated on and never trained on."""
 
 
 @dataclass
@@ -366,6 +369,10 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         errs.append(f"--data.type {cfg.data.type} needs --data.path")
     if cfg.data.chat_template is not None and not os.path.isfile(cfg.data.chat_template):
         errs.append(f"--data.chat_template {cfg.data.chat_template}: no such file (expected a jinja chat template)")
+    if cfg.eval.split_fraction and not (0 < cfg.eval.split_fraction <= 0.5 and cfg.data.path and cfg.data.type in
+                                        ("json_file", "chat", "hf_datasets") and not (cfg.eval.path or cfg.eval.split)):
+        errs.append(f"--eval.split_fraction {cfg.eval.split_fraction} holds out a part (in (0, 0.5]) of the records "
+                    f"of --data.path (json_file, chat or hf_datasets data), instead of --eval.path or --eval.split")
     if cfg.eval.split is not None and cfg.data.type != "hf_datasets":
         errs.append(f"--eval.split needs --data.type hf_datasets (got {cfg.data.type}); pass --eval.path instead")
     elif cfg.eval.split is not None and cfg.eval.path is None and cfg.eval.split == cfg.data.split:

@@ -272,7 +272,7 @@ def make_data(cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout, say, tok
     d = cfg.data
     common = dict(vocab_size=model_cfg.vocab_size, batch_size=d.batch_size, seq_len=d.seq_len, seed=d.seed,
                   tokenizer_path=tokenizer_path, pack=d.pack, shuffle_buffer=d.shuffle_buffer,
-                  chat_template=d.chat_template, train_on=d.train_on)
+                  chat_template=d.chat_template, train_on=d.train_on, held_out=cfg.eval.split_fraction)
     if d.seq_len > model_cfg.max_position_embeddings:
         warn(f"--data.seq_len {d.seq_len} reaches past the model's max_position_embeddings "
              f"{model_cfg.max_position_embeddings}: positions past it are outside what its rope was made for")
@@ -288,7 +288,8 @@ def make_data(cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout, say, tok
         for b in eval_batches:
             check_input_ids(b["input_ids"], model_cfg)
     if held_out is None and cfg.eval.every:
-        say(f"no evaluation: {d.type} data has no held-out part; pass --eval.path (or --eval.split)")
+        say(f"no evaluation: {d.type} data has no held-out part; pass --eval.path (or --eval.split), or hold out a "
+            f"part of --data.path with --eval.split_fraction")
     return data, eval_batches
 
 

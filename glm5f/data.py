@@ -430,16 +430,19 @@ class StreamSource(RowPacker):
     only the record's line (a dataset row: nothing), which is parsed and tokenized again when drawn. The state is
     the reader's location, the buffered records' locations (not their content), the count of draws made and the
     current record with the offset into it, so a resumed source goes on exactly where it stopped. Every rank
-    streams the whole data and builds the same global batch; each then takes its own rows of it.
+    streams the whole data and builds the same global batch; each then takes its own rows of it. `held_out` N
+    (--eval.split_fraction 1/N): every N-th record, counting from the N-th, is the "eval" `part`, the others
+    "train"; the source reads only its part.
     """
 
     def __init__(self, reader, tok, vocab_size: int, batch_size: int, seq_len: int, seed: int, pack: bool = True,
                  shuffle_buffer: int = 10_000, name: str = "data", tokenizer_path: str | None = None,
-                 warn=lambda message: None, chat=None, allow_changed: bool = False, chat_only: bool = False):
+                 warn=lambda message: None, chat=None, allow_changed: bool = False, chat_only: bool = False,
+                 held_out: int = 0, part: str = "train"):
         if shuffle_buffer < 1:
             raise ValueError(f"--data.shuffle_buffer must be >= 1 (1: no shuffling), got {shuffle_buffer}")
         self.reader, self.tok, self.V, self.name, self.chat = reader, tok, vocab_size, name, chat
-        self.chat_only = chat_only
+        self.chat_only, self.held_out, self.part = chat_only, held_out, part
         self.files, self.allow_changed, self.warn = fingerprint(reader.path), allow_changed, warn
         self.B, self.S, self.seed, self.pad_id, self.pack, self.size = \
             batch_size, seq_len, seed, tok.pad_id, pack, shuffle_buffer
@@ -465,6 +468,8 @@ class StreamSource(RowPacker):
             got = self.reader.read()
             if got is None:
                 self.at_end = True
+            elif self.held_out and (got[0][2] % self.held_out == self.held_out - 1) != (self.part == "eval"):
+                continue  # the other part of a --eval.split_fraction split
             else:
                 self._example(*got, notes)
                 self.buffer.append(got)
@@ -616,11 +621,12 @@ class PresetSource:
 def make_eval_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, seed: int = 0,
                      path: str | None = None, split: str | None = None, train_path: str | None = None,
                      tokenizer_path: str | None = None, pack: bool = True, shuffle_buffer: int = 10_000,
-                     chat_template: str | None = None, train_on: str = "assistant"):
+                     chat_template: str | None = None, train_on: str = "assistant", held_out: float = 0.0):
     """The held-out data of a run of `--data.type kind`: `path` (default the training data's `train_path`) and
     `split` when given, in that data type's format (JSONL for text and synthetic runs); else the held-out part of
     the embedded text, of the chat sample or of the synthetic stream. None when there is none (json_file,
-    hf_datasets, preset_pt without a path or split; chat with a --data.path)."""
+    hf_datasets, preset_pt without a path or split; chat with a --data.path) unless `held_out`
+    (--eval.split_fraction) holds out a part of the training records."""
     common = dict(vocab_size=vocab_size, batch_size=batch_size, seq_len=seq_len, seed=seed,
                   tokenizer_path=tokenizer_path, pack=pack, shuffle_buffer=shuffle_buffer,
                   chat_template=chat_template, train_on=train_on)
@@ -630,6 +636,9 @@ def make_eval_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: in
             return make_source(eval_kind, path=path or train_path, split=split, warn=lambda message: None, **common)
         except FileNotFoundError as e:  # the readers name the training flag; this file came from --eval.path
             raise FileNotFoundError(str(e).replace("--data.path", "--eval.path") if path else str(e)) from None
+    if held_out and train_path is not None:
+        return make_source(kind, path=train_path, split=split, warn=lambda message: None, held_out=held_out,
+                           part="eval", **common)
     if kind == "synthetic":
         return SyntheticSource(batch_size, seq_len, vocab_size, seed, step=SyntheticSource.HELD_OUT_STEP)
     if kind == "text":  # the training source has checked the tokenizer against the model
@@ -695,12 +704,13 @@ def print_warning(message: str) -> None:
 def make_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, seed: int = 0, path: str | None = None,
                 tokenizer_path: str | None = None, pack: bool = True, split: str | None = None, warn=print_warning,
                 shuffle_buffer: int = 10_000, chat_template: str | None = None, train_on: str = "assistant",
-                allow_changed: bool = False):
+                allow_changed: bool = False, held_out: float = 0.0, part: str = "train"):
     """The data source of `--data.type kind` for a model of vocab_size. What looks like a mistake in the data
     (an empty response, an unused tokenizer) is passed to `warn`, one line each. json_file and hf_datasets are
     streamed, shuffled by a buffer of `shuffle_buffer` records (see StreamSource); so is chat with a path. Chat
     records (any of these but preset_pt) are rendered with `chat_template` (see glm5f.chat) and trained on the
-    tokens `train_on` names."""
+    tokens `train_on` names. `held_out` (--eval.split_fraction): the streamed records are split into a "train"
+    and an "eval" `part` (every round(1 / held_out)-th record) and the source reads one."""
     if tokenizer_path and kind in ("synthetic", "preset_pt"):
         warn(f"--model.tokenizer_path {tokenizer_path} is not used: --data.type {kind} does not tokenize text")
     if kind == "synthetic":
@@ -725,7 +735,8 @@ def make_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, se
             raise ValueError(f"--data.type {kind} needs --data.path")
         reader = DatasetReader(path, split) if kind == "hf_datasets" else JsonlReader(path)
         return StreamSource(reader, tok, vocab_size, batch_size, seq_len, seed, pack, shuffle_buffer, path,
-                            tokenizer_path, warn, chat, allow_changed, chat_only=kind == "chat")
+                            tokenizer_path, warn, chat, allow_changed, chat_only=kind == "chat",
+                            held_out=round(1 / held_out) if held_out else 0, part=part)
     else:
         raise ValueError(f"unknown --data.type {kind!r}")
     check_vocab(examples, vocab_size, name)

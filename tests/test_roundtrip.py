@@ -260,3 +260,34 @@ def test_trained_leaves_without_a_gradient_and_positions_past_the_model_are_warn
                         "--model.max_position_embeddings", "32"]) == 0
     err = capsys.readouterr().err
     assert "no gradient" not in err and "--data.seq_len 64 reaches past the model's max_position_embeddings 32" in err
+
+
+def test_eval_split_fraction_holds_out_every_nth_record_and_training_never_reads_it(tmp_path, capsys):
+    from glm5f.data import make_eval_source, make_source
+
+    path = tmp_path / "ids.jsonl"
+    path.write_text("".join(json.dumps({"input_ids": [r] * 4}) + "\n" for r in range(1, 11)))
+    common = dict(path=str(path), vocab_size=512, batch_size=1, seq_len=4, pack=False, shuffle_buffer=1,
+                  held_out=0.2)
+    train = make_source("json_file", **common)
+    held = make_eval_source("json_file", train_path=common.pop("path"), **common)
+    seen = lambda source, n: {int(source.next_batch()["input_ids"][0, 0]) for _ in range(n)}  # noqa: E731
+    assert seen(train, 16) == {1, 2, 3, 4, 6, 7, 8, 9} and seen(held, 4) == {5, 10}
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
+                                                     {"role": "assistant", "content": f"answer {i}"}]}) + "\n"
+                            for i in range(20)))
+    assert main(["--model.preset", "glm5-tiny", "--data.type", "chat", "--data.path", str(chat), *RUN,
+                 "--eval.split_fraction", "0.1", "--checkpoint.dir", str(tmp_path / "run")]) == 0
+    assert "eval_loss" in json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+
+
+def test_compare_runs_png_into_a_directory(tmp_path):
+    pytest.importorskip("matplotlib")
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+    (tmp_path / "plots").mkdir()
+    out = run("scripts/compare_runs.py", str(tmp_path / "a"), str(tmp_path / "b"), "--png", str(tmp_path / "plots"))
+    assert out.returncode == 0 and f"plot: {tmp_path / 'plots' / 'compare.png'}" in out.stdout, out.stderr
+    assert os.listdir(tmp_path / "plots") == ["compare.png"] and not (tmp_path / "plots.png").exists()
