@@ -381,6 +381,12 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         errs.append(f"--train.device must be auto, cpu, cuda or npu, got {cfg.train.device!r}")
     if cfg.model.preset not in glm5f.PRESETS and not cfg.model.init_from:
         return errs
+    run = cfg.model.init_from
+    if run and not os.path.isfile(os.path.join(run, "config.json")) and (
+            os.path.isdir(os.path.join(run, "checkpoints")) or os.path.isfile(os.path.join(run, "meta.json"))):
+        return errs + [f"--model.init_from {run} is a glm5f run (or checkpoint), not a Transformers checkpoint: "
+                       f"continue it with --checkpoint.dir {run} --checkpoint.resume latest, or convert it "
+                       f"(python scripts/convert.py {run} OUT) and start from --model.init_from OUT"]
     try:
         model = glm5f.GLM5Config.from_hf(cfg.model.init_from) if cfg.model.init_from else cfg.model.build()
     except (ValueError, TypeError, FileNotFoundError) as e:

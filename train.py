@@ -26,7 +26,8 @@ import glm5f
 from configs import CONFIG_FILE, Config, mesh_errors, parse, validate, with_data_type, write_config
 from glm5f import checkpoint, lora, preempt
 from glm5f.chat import RUN_TOKENIZER_DIR, check_same_tokenizer, resolve_tokenizer
-from glm5f.data import check_first_batch, make_eval_source, make_source, make_tokenizer, print_warning
+from glm5f.data import (check_first_batch, make_eval_source, make_source, make_tokenizer, print_warning,
+                        warnings_as_lines)
 from glm5f.distributed import (TIMEOUT_EXIT, DistLayout, StallWatch, WorkerFailure, check_device, collective_timeout,
                                init_process, silent_ranks, spawn, under_torchrun)
 from glm5f.hf import EXPORT_MARKER, check_export_dir, check_loaded_finite, note_base, save_peft
@@ -135,6 +136,8 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
             with user_errors():
                 check_first_batch(batch, i, cfg.data.path or cfg.data.type)
         model = lora.attach(params, adapters) if spec else params
+        if i == start and cfg.train.compile:
+            say("compiling the step (the first step takes a while; the next ones reuse it)...", flush=True)
         with out_of_memory(i + 1, layout, cfg):
             metrics, grads, counts = step_grads(model, batch, model_cfg, layout, step)
         if i == start:
@@ -544,6 +547,7 @@ def plan_run(cfg: Config) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    warnings_as_lines()
     try:
         cfg = parse(argv, description=__doc__)
     except ValueError as e:  # a recipe file (--config) that does not fit Config

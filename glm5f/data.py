@@ -665,6 +665,11 @@ def infer_data_type(path: str | None) -> str:
         if any(os.path.isfile(os.path.join(path, n)) for n in ("dataset_info.json", "dataset_dict.json",
                                                                 "state.json")):
             return "hf_datasets"
+        shards = sorted(n for n in os.listdir(path) if n.endswith(JSONL_SUFFIXES))
+        if shards:
+            raise ValueError(f"--data.path {path} is a directory of {len(shards)} JSONL file(s) ({', '.join(shards[:3])}"
+                             f"{', ...' if len(shards) > 3 else ''}); --data.path reads one: concatenate them "
+                             f"(cat {path}/*.jsonl > all.jsonl) and pass that file")
         raise ValueError(f"--data.path {path} is a directory but not a datasets.save_to_disk output (no "
                          f"dataset_info.json or dataset_dict.json in it); pass a .jsonl file, a .pt file or a saved "
                          f"dataset, or name its type with --data.type")
@@ -699,6 +704,15 @@ def check_path_fits(kind: str, path: str | None, flag: str = "--data.path") -> N
 
 def print_warning(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr)
+
+
+def warnings_as_lines() -> None:
+    """Print Python warnings (glm5f's, and its libraries') as one `warning:` line each, without the category and
+    source line Python adds; for the command-line scripts."""
+    import warnings
+
+    warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: print_warning(
+        str(message))
 
 
 def make_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, seed: int = 0, path: str | None = None,

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import glm5f  # noqa: E402
 from glm5f import checkpoint, lora  # noqa: E402
 from glm5f.config import GLM5Config  # noqa: E402
-from glm5f.data import make_tokenizer  # noqa: E402
+from glm5f.data import make_tokenizer, warnings_as_lines  # noqa: E402
 from glm5f.chat import RUN_TOKENIZER_DIR, resolve_tokenizer, tokenizer_of  # noqa: E402
 from glm5f.hf import check_export_dir, save_peft  # noqa: E402
 
@@ -90,6 +90,7 @@ def main(argv=None) -> int:
                     help="replace a previous export that another run starts from (--model.init_from), or whose "
                          "tokenizer files this one does not write; files glm5f did not write are never replaced")
     args = ap.parse_args(argv)
+    warnings_as_lines()
     try:
         is_lora = "lora_base" in checkpoint.read_meta(checkpoint.resolve(args.checkpoint))
         if is_lora and not (args.peft or args.merge_lora):

@@ -30,7 +30,7 @@ import glm5f  # noqa: E402
 from glm5f import checkpoint  # noqa: E402
 from glm5f.chat import (RUN_TOKENIZER_DIR, ChatFormat, ChatTemplate, RunTokenizer, chat_messages,  # noqa: E402
                         resolve_tokenizer, tokenizer_of)
-from glm5f.data import make_tokenizer  # noqa: E402
+from glm5f.data import make_tokenizer, warnings_as_lines  # noqa: E402
 from glm5f.decode import stream  # noqa: E402
 from glm5f.distributed import check_device  # noqa: E402
 from glm5f.tokens import chat_tokenizer, template_tokens  # noqa: E402
@@ -188,6 +188,7 @@ def main(argv=None) -> int:
                     help="--chat: read user turns from stdin, one a line, answering each (until EOF)")
     ap.add_argument("--device", default="auto", help="auto (cuda when there is one, else cpu), cpu, cuda, ...")
     args = ap.parse_args(argv)
+    warnings_as_lines()
     try:
         if args.max_tokens < 0 or not 0 < args.top_p <= 1 or args.temperature < 0:
             raise ValueError("--max-tokens must be >= 0, --temperature >= 0 and --top-p in (0, 1]")
