@@ -79,11 +79,16 @@ def out_of_memory(step: int, layout: Layout, cfg: Config):
     change (the allocator's own report stays in the exception chain)."""
     try:
         yield
-    except torch.OutOfMemoryError as e:
+    except (torch.OutOfMemoryError, RuntimeError) as e:  # CUDA's OutOfMemoryError; the CPU allocator's RuntimeError
+        if not isinstance(e, torch.OutOfMemoryError) and "not enough memory" not in str(e):
+            raise
         size = re.search(r"[Tt]ried to allocate ([\d.]+ \w+)", str(e))
+        what = size.group(1) if size else "memory"
+        if what.endswith(" bytes"):
+            what = f"{int(what.split()[0]) / 2**30:.2f} GiB"
         p = cfg.parallel
         raise TrainingError(
-            f"step {step}: out of memory on {layout.device} trying to allocate {size.group(1) if size else 'memory'} "
+            f"step {step}: out of memory on {layout.device} trying to allocate {what} "
             f"(micro-batch {cfg.data.batch_size // (cfg.train.grad_accum * p.dp_shard)} x {cfg.data.seq_len} tokens "
             f"per rank); lower --data.batch_size or --data.seq_len, raise --train.grad_accum, turn on "
             f"--train.activation_checkpointing, or shard over more ranks; `python train.py --plan table` with the "

@@ -169,17 +169,23 @@ def test_out_of_memory_names_the_allocation_the_step_and_what_to_change(monkeypa
 
     def step_grads(*args, **kwargs):
         if len(calls := step_grads.calls) == 1:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a total capacity "
-                                         "of 79.11 GiB of which 1.02 GiB is free.")
+            raise step_grads.error
         calls.append(1)
         return real(*args, **kwargs)
     step_grads.calls = []
+    step_grads.error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a total "
+                                              "capacity of 79.11 GiB of which 1.02 GiB is free.")
     monkeypatch.setattr(train_mod, "step_grads", step_grads)
     assert main(["--model.preset", "glm5-tiny", "--data.type", "synthetic", *RUN[:4], "--train.steps", "3",
                  "--checkpoint.dir", str(tmp_path)]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: step 2: out of memory on cpu trying to allocate 2.50 GiB") and \
         "--train.grad_accum" in err and "--train.activation_checkpointing" in err and "--plan" in err, err
+    step_grads.calls = [1]  # the CPU allocator's error
+    step_grads.error = RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 3221225472 bytes.")
+    assert main(["--model.preset", "glm5-tiny", "--data.type", "synthetic", *RUN[:4], "--train.steps", "3",
+                 "--checkpoint.dir", str(tmp_path / "cpu")]) == 1
+    assert "error: step 1: out of memory on cpu trying to allocate 3.00 GiB" in capsys.readouterr().err
 
 
 def test_generate_device_auto_and_a_chat_with_system_messages_and_turns_from_stdin(tmp_path):
