@@ -371,6 +371,11 @@ TEMPLATE_FILE = "chat_template.jinja"
 RUN_TOKENIZER_DIR = "tokenizer"  # a run keeps copies of its tokenizer files and chat template here
 
 
+def _read_bytes(file: str) -> bytes:
+    with open(file, "rb") as f:
+        return f.read()
+
+
 def _sha256(data: bytes) -> str:
     import hashlib
 
@@ -403,7 +408,7 @@ class RunTokenizer:
         template, and `how`, so a resume can tell another tokenizer or template and name both."""
         tok = "byte tokenizer"
         if self.path is not None:
-            tok = _sha256(b"".join(open(f, "rb").read() for _, f in sorted(self.files().items())))
+            tok = _sha256(b"".join(_read_bytes(f) for _, f in sorted(self.files().items())))
         return {"tokenizer": tok, "chat_template": None if self.template is None else _sha256(self.template.encode()),
                 "how": self.how}
 
@@ -465,6 +470,17 @@ def tokenizer_of(directory: str) -> RunTokenizer:
             pass
     where = f"tokenizer {os.path.join(directory, 'tokenizer.json')}" if path else "the byte tokenizer"
     return RunTokenizer(path, template, name, where + (f", chat template {name}" if name else ", no chat template"))
+
+
+def checkpoint_tokenizer(ckpt: str, run: dict) -> tuple[RunTokenizer, str | None]:
+    """(the tokenizer and template of the run that wrote checkpoint `ckpt`, the directory of its copy): its run
+    directory's tokenizer/ copy; for a run from before that copy (directory None), its --model.tokenizer_path and
+    --data.chat_template (`run`: the checkpoint's meta.json "run")."""
+    copy = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(ckpt))), RUN_TOKENIZER_DIR)
+    if os.path.isdir(copy):
+        return tokenizer_of(copy), copy
+    return resolve_tokenizer((run.get("model") or {}).get("tokenizer_path"), None,
+                             (run.get("data") or {}).get("chat_template")), None
 
 
 def check_same_tokenizer(saved: dict | None, now: RunTokenizer, ckpt: str, allow_changed: bool, warn) -> None:

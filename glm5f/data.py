@@ -666,13 +666,11 @@ def infer_data_type(path: str | None) -> str:
                                                                 "state.json")):
             return "hf_datasets"
         shards = sorted(n for n in os.listdir(path) if n.endswith(JSONL_SUFFIXES))
-        if shards:
-            raise ValueError(f"--data.path {path} is a directory of {len(shards)} JSONL file(s) ({', '.join(shards[:3])}"
-                             f"{', ...' if len(shards) > 3 else ''}); --data.path reads one: concatenate them "
-                             f"(cat {path}/*.jsonl > all.jsonl) and pass that file")
+        fix = (f"it holds {len(shards)} JSONL file(s) ({', '.join(shards[:3])}{', ...' if len(shards) > 3 else ''}) "
+               f"and --data.path reads one: concatenate them (cat {path}/*.jsonl > all.jsonl) and pass that file"
+               if shards else "pass a .jsonl file, a .pt file or a saved dataset, or name its type with --data.type")
         raise ValueError(f"--data.path {path} is a directory but not a datasets.save_to_disk output (no "
-                         f"dataset_info.json or dataset_dict.json in it); pass a .jsonl file, a .pt file or a saved "
-                         f"dataset, or name its type with --data.type")
+                         f"dataset_info.json or dataset_dict.json in it); {fix}")
     if path.endswith(JSONL_SUFFIXES):
         return "json_file"
     if path.endswith(".pt"):

@@ -27,7 +27,7 @@ import glm5f  # noqa: E402
 from glm5f import checkpoint, lora  # noqa: E402
 from glm5f.config import GLM5Config  # noqa: E402
 from glm5f.data import make_tokenizer, warnings_as_lines  # noqa: E402
-from glm5f.chat import RUN_TOKENIZER_DIR, resolve_tokenizer, tokenizer_of  # noqa: E402
+from glm5f.chat import checkpoint_tokenizer  # noqa: E402
 from glm5f.hf import check_export_dir, save_peft  # noqa: E402
 
 
@@ -36,15 +36,9 @@ def run_tokenizer(path: str) -> tuple[dict, list[str]]:
     tokenizer's 256/257/258 without one) and the files to ship beside the weights: the run directory's
     tokenizer/ copy (tokenizer.json, tokenizer_config.json, special_tokens_map.json, chat_template.jinja), or for a
     run from before that copy, its --model.tokenizer_path's files."""
-    copy = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))), RUN_TOKENIZER_DIR)
-    if os.path.isdir(copy):
-        tokens = tokenizer_of(copy)
-        files = [os.path.join(copy, n) for n in sorted(os.listdir(copy))]
-    else:
-        tok_path = (checkpoint.read_meta(path).get("run") or {}).get("model", {}).get("tokenizer_path")
-        tokens = resolve_tokenizer(tok_path, None, None) if tok_path else None
-        files = list(tokens.files().values()) if tokens else []
-    tok = make_tokenizer(tokens.path if tokens else None)
+    tokens, copy = checkpoint_tokenizer(path, checkpoint.read_meta(path).get("run") or {})
+    files = [os.path.join(copy, n) for n in sorted(os.listdir(copy))] if copy else list(tokens.files().values())
+    tok = make_tokenizer(tokens.path)
     return {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}, files
 
 

@@ -28,25 +28,12 @@ import torch  # noqa: E402
 
 import glm5f  # noqa: E402
 from glm5f import checkpoint  # noqa: E402
-from glm5f.chat import (RUN_TOKENIZER_DIR, ChatFormat, ChatTemplate, RunTokenizer, chat_messages,  # noqa: E402
+from glm5f.chat import (ChatFormat, ChatTemplate, RunTokenizer, chat_messages, checkpoint_tokenizer,  # noqa: E402
                         resolve_tokenizer, tokenizer_of)
 from glm5f.data import make_tokenizer, warnings_as_lines  # noqa: E402
 from glm5f.decode import stream  # noqa: E402
 from glm5f.distributed import check_device  # noqa: E402
 from glm5f.tokens import chat_tokenizer, template_tokens  # noqa: E402
-
-
-def model_tokenizer(path: str, ckpt: str | None) -> RunTokenizer:
-    """The tokenizer and template a model carries: a Transformers directory's own (`ckpt` None), else the run
-    directory's tokenizer/ copy, else (a run from before that copy) its --model.tokenizer_path's."""
-    if ckpt is None:
-        return tokenizer_of(path)
-    copy = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(ckpt))), RUN_TOKENIZER_DIR)
-    if os.path.isdir(copy):
-        return tokenizer_of(copy)
-    run = checkpoint.read_meta(ckpt).get("run") or {}
-    return resolve_tokenizer((run.get("model") or {}).get("tokenizer_path"), None,
-                             (run.get("data") or {}).get("chat_template"))
 
 
 def load(path: str, tokenizer: str | None = None, device: str = "cpu"):
@@ -55,12 +42,12 @@ def load(path: str, tokenizer: str | None = None, device: str = "cpu"):
     is_hf = os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(os.path.join(path, "meta.json"))
     if is_hf:
         cfg, params = glm5f.load_hf(path, device=device)
-        tokens = model_tokenizer(path, None)
+        tokens = tokenizer_of(path)
     else:
         ckpt = checkpoint.resolve(path)
         cfg, params = checkpoint.load_params(ckpt)
         params = glm5f.params.map_with_path(lambda p, t: t.to(device), params)
-        tokens = model_tokenizer(path, ckpt)
+        tokens = checkpoint_tokenizer(ckpt, checkpoint.read_meta(ckpt).get("run") or {})[0]
     if tokenizer is not None:
         tokens = resolve_tokenizer(tokenizer, None, None)
     tok = make_tokenizer(tokens.path)
