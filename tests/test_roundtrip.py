@@ -297,3 +297,9 @@ def test_compare_runs_png_into_a_directory(tmp_path):
     out = run("scripts/compare_runs.py", str(tmp_path / "a"), str(tmp_path / "b"), "--png", str(tmp_path / "plots"))
     assert out.returncode == 0 and f"plot: {tmp_path / 'plots' / 'compare.png'}" in out.stdout, out.stderr
     assert os.listdir(tmp_path / "plots") == ["compare.png"] and not (tmp_path / "plots.png").exists()
+
+
+def test_warnings_print_as_one_line_in_the_scripts():
+    out = run("-c", "import warnings; from glm5f.data import warnings_as_lines; warnings_as_lines(); "
+                    "warnings.warn('an FP8 checkpoint: dequantized as read')")
+    assert out.returncode == 0 and out.stderr == "warning: an FP8 checkpoint: dequantized as read\n", out.stderr
