@@ -423,7 +423,8 @@ def check_gradients(grads: dict, layout: Layout, warn) -> None:
     nonzero = layout.sum(torch.stack([(local_tensor(g) != 0).sum() for g in flat.values()]).to(torch.float64))
     dead = [p.removesuffix(".lora_B") for p, n in zip(flat, nonzero.tolist()) if n == 0]
     if dead:
-        warn(f"{len(dead)} of the {len(flat)} trained leaves got no gradient in the first step ({', '.join(dead[:4])}{', ...' if len(dead) > 4 else ''}): "
+        named = ", ".join(dead[:4]) + (", ..." if len(dead) > 4 else "")
+        warn(f"{len(dead)} of the {len(flat)} trained leaves got no gradient in the first step ({named}): "
              f"the loss does not depend on them, so they will not train; drop them from --lora.targets / "
              f"--train.trainable, or turn on the loss that uses them (e.g. --train.indexer_loss for the indexer)")
 

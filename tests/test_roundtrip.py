@@ -130,11 +130,12 @@ def test_an_export_never_replaces_a_base_in_use_tokenizer_files_or_files_it_did_
     assert not (lone / "tokenizer.json").exists() and (lone / "chat_template.jinja").exists()
     # files glm5f did not write: refused even with consent; an export from before markers listed files too
     (export / "notes.txt").write_text("mine")
-    assert main(other + [str(tmp_path / "g"), "--checkpoint.export_hf", str(export), "--checkpoint.replace_export"]) == 1
+    replace = ["--checkpoint.export_hf", str(export), "--checkpoint.replace_export"]
+    assert main(other + [str(tmp_path / "g"), *replace]) == 1
     assert "files glm5f did not write there (notes.txt)" in capsys.readouterr().err
     os.remove(export / "notes.txt")
     (export / EXPORT_MARKER).write_text("")  # as convert.py wrote it before, beside the tokenizer files it copied
-    assert main(other + [str(tmp_path / "h"), "--checkpoint.export_hf", str(export), "--checkpoint.replace_export"]) == 1
+    assert main(other + [str(tmp_path / "h"), *replace]) == 1
     assert "(chat_template.jinja, tokenizer.json, tokenizer_config.json)" in capsys.readouterr().err
     assert (export / "tokenizer.json").read_bytes() == before["tokenizer.json"]
 
