@@ -257,12 +257,17 @@ class CheckpointConfig:
     """'latest' (the run directory's newest checkpoint, or a fresh start if none) or a checkpoint path."""
     export_hf: Optional[str] = None
     """Also write the final weights as a Transformers checkpoint to this directory (new, empty, or a previous
-    export, which is replaced)."""
+    export, which is replaced), with the run's tokenizer files and chat template."""
     export_peft: Optional[str] = None
     """LoRA runs: also write the final adapters as a PEFT adapter directory (adapter_config.json +
     adapter_model.safetensors) to this directory, checked writable before step 1."""
     overwrite: bool = False
-    """Start over in a run directory that holds a previous run: delete its checkpoints/, metrics.jsonl, loss.png."""
+    """Start over in a run directory that holds a previous run: delete its checkpoints/, metrics.jsonl, loss.png,
+    config.yaml and tokenizer/."""
+    replace_export: bool = False
+    """Let --checkpoint.export_hf / export_peft replace a previous export that another run starts from
+    (--model.init_from), or whose tokenizer files this run's export does not write. Files glm5f did not write are
+    never replaced."""
     preempt_grace_s: Optional[float] = None
     """After SIGTERM the ranks finish their step and save one checkpoint together; if that takes longer than this
     many seconds, stop without saving (as a second SIGTERM does). None: no limit."""
@@ -304,6 +309,9 @@ class EvalConfig:
     json_file, hf_datasets, preset_pt: no evaluation unless --eval.path or --eval.split is given."""
     split: Optional[str] = None
     """Split of the hf_datasets DatasetDict at --eval.path (default --data.path) to evaluate on, e.g. test."""
+    split_fraction: float = 0.0
+    """Hold out this fraction of the --data.path records (json_file, chat, hf_datasets) for evaluation: every
+    round(1 / fraction)-th record, counting from that one, is evaluated on and never trained on."""
 
 
 @dataclass
@@ -384,6 +392,10 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         errs.append(f"--data.type {cfg.data.type} needs --data.path")
     if cfg.data.chat_template is not None and not os.path.isfile(cfg.data.chat_template):
         errs.append(f"--data.chat_template {cfg.data.chat_template}: no such file (expected a jinja chat template)")
+    if cfg.eval.split_fraction and not (0 < cfg.eval.split_fraction <= 0.5 and cfg.data.path and cfg.data.type in
+                                        ("json_file", "chat", "hf_datasets") and not (cfg.eval.path or cfg.eval.split)):
+        errs.append(f"--eval.split_fraction {cfg.eval.split_fraction} holds out a part (in (0, 0.5]) of the records "
+                    f"of --data.path (json_file, chat or hf_datasets data), instead of --eval.path or --eval.split")
     if cfg.eval.split is not None and cfg.data.type != "hf_datasets":
         errs.append(f"--eval.split needs --data.type hf_datasets (got {cfg.data.type}); pass --eval.path instead")
     elif cfg.eval.split is not None and cfg.eval.path is None and cfg.eval.split == cfg.data.split:
@@ -392,11 +404,31 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         errs.append(f"--train.device must be auto, cpu, cuda or npu, got {cfg.train.device!r}")
     if cfg.model.preset not in glm5f.PRESETS and not cfg.model.init_from:
         return errs
+    run = cfg.model.init_from
+    if run and not os.path.isfile(os.path.join(run, "config.json")) and (
+            os.path.isdir(os.path.join(run, "checkpoints")) or os.path.isfile(os.path.join(run, "meta.json"))):
+        return errs + [f"--model.init_from {run} is a glm5f run (or checkpoint), not a Transformers checkpoint: "
+                       f"continue it with --checkpoint.dir {run} --checkpoint.resume latest, or convert it "
+                       f"(python scripts/convert.py {run} OUT) and start from --model.init_from OUT"]
     try:
         model = glm5f.GLM5Config.from_hf(cfg.model.init_from) if cfg.model.init_from else cfg.model.build()
     except (ValueError, TypeError, FileNotFoundError) as e:
         return errs + [f"the model config is invalid: {e}"]
     return errs + _layout_errors(cfg, model) + _trainable_errors(cfg, model) + _lora_errors(cfg, model)
+
+
+def mesh_errors(cfg: Config, model: glm5f.GLM5Config) -> list[str]:
+    """What leaves no mesh to plan (--plan refuses these, as a run does; it plans past the other errors): a mesh
+    size, batch or grad_accum below 1, an ep that does not divide the ranks or the routed experts."""
+    p = cfg.parallel
+    errs = [f"--{n} must be >= 1, got {v}" for n, v in (
+        ("parallel.dp_shard", p.dp_shard), ("parallel.cp", p.cp), ("parallel.ep", p.ep), ("parallel.tp", p.tp),
+        ("data.batch_size", cfg.data.batch_size), ("train.grad_accum", cfg.train.grad_accum)) if v < 1]
+    if not errs and p.world % p.ep:
+        errs.append(f"--parallel.ep {p.ep} must divide the ranks dp_shard x cp = {p.world}")
+    if not errs and model.n_routed_experts % p.ep:
+        errs.append(f"--parallel.ep {p.ep} must divide n_routed_experts ({model.n_routed_experts})")
+    return errs
 
 
 def _layout_errors(cfg: Config, model: glm5f.GLM5Config) -> list[str]:
@@ -486,7 +518,19 @@ CONFIG_FILE = "config.yaml"  # the resolved config a run writes into its directo
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML as written by people: `1e-4` is a float (YAML 1.1 would read it as a string)."""
+    """YAML as written by people: `1e-4` is a float (YAML 1.1 would read it as a string), and a key given twice in
+    one mapping is an error naming both lines (YAML would keep the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice, on line {seen[key] + 1} and line "
+                    f"{key_node.start_mark.line + 1}; keep one", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
 
 
 _Loader.add_implicit_resolver("tag:yaml.org,2002:float",

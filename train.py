@@ -13,6 +13,7 @@ import dataclasses
 import errno
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -22,18 +23,20 @@ import torch
 import torch.distributed as dist
 
 import glm5f
-from configs import CONFIG_FILE, Config, parse, validate, with_data_type, write_config
+from configs import CONFIG_FILE, Config, mesh_errors, parse, validate, with_data_type, write_config
 from glm5f import checkpoint, lora, preempt
-from glm5f.data import check_first_batch, make_eval_source, make_source, print_warning
+from glm5f.chat import RUN_TOKENIZER_DIR, check_same_tokenizer, resolve_tokenizer
+from glm5f.data import (check_first_batch, make_eval_source, make_source, make_tokenizer, print_warning,
+                        warnings_as_lines)
 from glm5f.distributed import (TIMEOUT_EXIT, DistLayout, StallWatch, WorkerFailure, check_device, collective_timeout,
                                init_process, silent_ranks, spawn, under_torchrun)
-from glm5f.hf import check_export_dir, check_loaded_finite, save_peft
+from glm5f.hf import EXPORT_MARKER, check_export_dir, check_loaded_finite, note_base, save_peft
 from glm5f.loss import Step, eval_loss, step_grads
 from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
 from glm5f.model import check_input_ids
 from glm5f.optim import (Optimizer, balance_router_bias, clip_by_global_norm, lr_schedule, make_optimizer,
                          matches, schedule_change, schedule_total)
-from glm5f.parallel import Layout, nonfinite_counts
+from glm5f.parallel import Layout, local_tensor, nonfinite_counts
 from glm5f.params import flatten, region_of
 
 
@@ -70,13 +73,37 @@ def writing(path: str, run_dir: str):
         raise TrainingError(f"could not write {path}: {why}; {fix}; {checkpoint.last_line(run_dir)}") from None
 
 
+@contextlib.contextmanager
+def out_of_memory(step: int, layout: Layout, cfg: Config):
+    """Running out of device memory in a step stops the run with one line: the allocation, the step and what to
+    change (the allocator's own report stays in the exception chain)."""
+    try:
+        yield
+    except (torch.OutOfMemoryError, RuntimeError) as e:  # CUDA's OutOfMemoryError; the CPU allocator's RuntimeError
+        if not isinstance(e, torch.OutOfMemoryError) and "not enough memory" not in str(e):
+            raise
+        size = re.search(r"[Tt]ried to allocate ([\d.]+ \w+)", str(e))
+        what = size.group(1) if size else "memory"
+        if what.endswith(" bytes"):
+            what = f"{int(what.split()[0]) / 2**30:.2f} GiB"
+        p = cfg.parallel
+        raise TrainingError(
+            f"step {step}: out of memory on {layout.device} trying to allocate {what} "
+            f"(micro-batch {cfg.data.batch_size // (cfg.train.grad_accum * p.dp_shard)} x {cfg.data.seq_len} tokens "
+            f"per rank); lower --data.batch_size or --data.seq_len, raise --train.grad_accum, turn on "
+            f"--train.activation_checkpointing, or shard over more ranks; `python train.py --plan table` with the "
+            f"same flags shows where the memory goes") from e
+
+
 def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     """Run the training `cfg` describes (already validated) on `layout` (default: one process); returns the
     metrics records of the steps it ran."""
     cfg = with_data_type(cfg)
     layout = layout or Layout(resolve_device(cfg.train.device))
     say = print if layout.is_main else (lambda *a, **k: None)
-    prepare_run_dir(cfg, layout, say)
+    with user_errors():  # the run's one tokenizer and template: data, checkpoints, exports all use it
+        tokenizer = resolve_tokenizer(cfg.model.tokenizer_path, cfg.model.init_from, cfg.data.chat_template)
+    prepare_run_dir(cfg, layout, say, tokenizer.names())
     torch.manual_seed(cfg.train.seed)
     model_cfg, params = init_params(cfg, layout)
     spec = cfg.lora.spec()
@@ -86,13 +113,13 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     step = Step.of(cfg.train, model_cfg, spec)
     optimizer = make_optimizer(cfg.optim, model_cfg)
     opt_state = optimizer.init(adapters, list(adapters)) if spec else optimizer.init(params, step.trained(params))
-    data, eval_batches = make_data(cfg, model_cfg, layout, say)
+    data, eval_batches = make_data(cfg, model_cfg, layout, say, tokenizer.path)
     start, last_ckpt, trained, opt_state = resume(cfg, model_cfg, params, adapters, base, optimizer, opt_state, data,
-                                                  say)
+                                                  say, tokenizer)
     params, adapters = (params, trained) if spec else (trained, None)
     if start >= cfg.train.steps:
         say(f"nothing to do: step {start} >= --train.steps {cfg.train.steps}")
-        export(cfg, model_cfg, params, adapters, layout, say)
+        export(cfg, model_cfg, params, adapters, layout, say, tokenizer)
         return read_metrics(cfg.checkpoint.dir)
     log = MetricsLog(cfg.checkpoint.dir, start, print_warning) if layout.is_main else None
     progress = Progress(cfg.train.steps, start, cfg.train.log_every) if layout.is_main else None
@@ -100,6 +127,7 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         f"{cfg.data.type} data, {cfg.data.batch_size}x{cfg.data.seq_len} tokens/step, {cfg.train.dtype} on "
         f"{layout.device} x{layout.world} (dp_shard {cfg.parallel.dp_shard} x cp {cfg.parallel.cp}, ep "
         f"{cfg.parallel.ep}), steps {start}->{cfg.train.steps}, run dir {cfg.checkpoint.dir}")
+    say(f"tokenizer: {tokenizer.how}")
     if spec:
         say(f"LoRA: rank {spec.rank}, alpha {spec.alpha:g}, {len(adapters) // 2} adapted weights, "
             f"{sum(t.numel() for t in adapters.values()):,} trained parameters; the base frozen in "
@@ -114,7 +142,12 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
             with user_errors():
                 check_first_batch(batch, i, cfg.data.path or cfg.data.type)
         model = lora.attach(params, adapters) if spec else params
-        metrics, grads, counts = step_grads(model, batch, model_cfg, layout, step)
+        if i == start and cfg.train.compile:
+            say("compiling the step (the first step takes a while; the next ones reuse it)...", flush=True)
+        with out_of_memory(i + 1, layout, cfg):
+            metrics, grads, counts = step_grads(model, batch, model_cfg, layout, step)
+        if i == start:
+            check_gradients(grads, layout, print_warning if layout.is_main else (lambda message: None))
         grads, grad_norm = clip_by_global_norm(grads, cfg.optim.clip_norm)
         lr = lr_schedule(i, peak=cfg.optim.lr, warmup=cfg.optim.warmup_steps,
                          total=schedule_total(cfg.optim, cfg.train), min_ratio=cfg.optim.min_lr_ratio)
@@ -141,13 +174,17 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
             if i == start:  # beside the first metrics record, so a run that fails before it leaves nothing
                 with writing(os.path.join(cfg.checkpoint.dir, CONFIG_FILE), cfg.checkpoint.dir):
                     write_config(cfg)
+                    tokenizer.write(os.path.join(cfg.checkpoint.dir, RUN_TOKENIZER_DIR))
+                    if cfg.model.init_from:
+                        note_base(cfg.model.init_from, cfg.checkpoint.dir)
             progress.update(i + 1, rec)
         layout.step_done(i + 1)
         stop = preempt.should_stop(layout)  # SIGTERM on any rank: all save this step, then stop
         if stop or (cfg.checkpoint.every and (i + 1) % cfg.checkpoint.every == 0) or i + 1 == cfg.train.steps:
             check_finite(adapters if spec else params, layout, i + 1, last_ckpt)
             state = {"adapters": adapters, "optim": opt_state} if spec else {"params": params, "optim": opt_state}
-            meta = {"model": model_cfg.to_hf(), "run": dataclasses.asdict(cfg), "optimizer": optimizer.meta}
+            meta = {"model": model_cfg.to_hf(), "run": dataclasses.asdict(cfg), "optimizer": optimizer.meta,
+                    "tokenizer": tokenizer.fingerprint()}
             last_ckpt = checkpoint.save(
                 cfg.checkpoint.dir, i + 1, state,
                 extra={"step": i + 1, "data": data.state_dict(), "rng": checkpoint.rng_state()},
@@ -155,24 +192,30 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         if stop:
             raise preempt.Preempted(i + 1, last_ckpt)
     report(cfg, layout, say)
-    export(cfg, model_cfg, params, adapters, layout, say)
+    export(cfg, model_cfg, params, adapters, layout, say, tokenizer)
     return records
 
 
 # ---- the run's edges ----------------------------------------------------------------------------------------------
 
-RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png", CONFIG_FILE)  # what a run writes into its directory
+RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png", CONFIG_FILE, RUN_TOKENIZER_DIR)  # what a run writes there
 
 
-def prepare_run_dir(cfg: Config, layout: Layout, say) -> None:
+def prepare_run_dir(cfg: Config, layout: Layout, say, token_files: list[str] = ()) -> None:
     """A run directory holding a previous run is only continued (--checkpoint.resume) or, with
     --checkpoint.overwrite, emptied of what we wrote; anything else would mix two runs' metrics and checkpoints.
-    An export directory is checked before any training."""
+    An export directory is checked before any training (it gets the run's `token_files`)."""
     for flag in ("export_hf", "export_peft"):
         if getattr(cfg.checkpoint, flag):
             with user_errors():
-                check_export_dir(getattr(cfg.checkpoint, flag), run_dir=cfg.checkpoint.dir, flag=f"--checkpoint.{flag}")
+                check_export_dir(getattr(cfg.checkpoint, flag), run_dir=cfg.checkpoint.dir, flag=f"--checkpoint.{flag}",
+                                 init_from=cfg.model.init_from, writes=tuple(token_files),
+                                 overwrite=cfg.checkpoint.replace_export)
     run_dir = cfg.checkpoint.dir
+    if os.path.isfile(os.path.join(run_dir, EXPORT_MARKER)):
+        raise TrainingError(f"--checkpoint.dir {run_dir} is a glm5f export (a Transformers or PEFT directory), not "
+                            f"a run directory: a run there would mix its checkpoints into the export. Pass another "
+                            f"--checkpoint.dir (and --model.init_from {run_dir} to start from the export)")
     if cfg.checkpoint.resume or not os.path.isdir(run_dir):
         return
     found = [n for n in RUN_FILES[:2] if os.path.exists(os.path.join(run_dir, n))]
@@ -231,13 +274,16 @@ def lora_base(cfg: Config, params: dict, layout: Layout) -> dict:
     return {"source": source, "fingerprint": checkpoint.fingerprint(params, layout.sum)}
 
 
-def make_data(cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout, say):
-    """(the training source, the held-out batches: [] without evaluation)."""
+def make_data(cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout, say, tokenizer_path: str | None):
+    """(the training source, the held-out batches: [] without evaluation), tokenized by the run's tokenizer."""
     warn = print_warning if layout.is_main else (lambda message: None)
     d = cfg.data
     common = dict(vocab_size=model_cfg.vocab_size, batch_size=d.batch_size, seq_len=d.seq_len, seed=d.seed,
-                  tokenizer_path=cfg.model.tokenizer_path, pack=d.pack, shuffle_buffer=d.shuffle_buffer,
-                  chat_template=d.chat_template, train_on=d.train_on)
+                  tokenizer_path=tokenizer_path, pack=d.pack, shuffle_buffer=d.shuffle_buffer,
+                  chat_template=d.chat_template, train_on=d.train_on, held_out=cfg.eval.split_fraction)
+    if d.seq_len > model_cfg.max_position_embeddings:
+        warn(f"--data.seq_len {d.seq_len} reaches past the model's max_position_embeddings "
+             f"{model_cfg.max_position_embeddings}: positions past it are outside what its rope was made for")
     steps, warmup = cfg.train.steps, cfg.optim.warmup_steps
     if steps < warmup:
         warn(f"--train.steps {steps} ends inside the {warmup}-step warm-up (--optim.warmup_steps): the learning "
@@ -250,16 +296,17 @@ def make_data(cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout, say):
         for b in eval_batches:
             check_input_ids(b["input_ids"], model_cfg)
     if held_out is None and cfg.eval.every:
-        say(f"no evaluation: {d.type} data has no held-out part; pass --eval.path (or --eval.split)")
+        say(f"no evaluation: {d.type} data has no held-out part; pass --eval.path (or --eval.split), or hold out a "
+            f"part of --data.path with --eval.split_fraction")
     return data, eval_batches
 
 
 def resume(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, adapters: dict | None, base: dict | None,
-           optimizer: Optimizer, opt_state: dict, data, say):
+           optimizer: Optimizer, opt_state: dict, data, say, tokenizer=None):
     """(the step to start from, the checkpoint it comes from or None, the trained tree: params, or a LoRA run's
     adapters, optimizer state): with --checkpoint.resume, the newest complete checkpoint's (checked against this
-    run's model, data type, trained leaves, optimizer and a LoRA run's base), with the data position and RNG
-    states restored."""
+    run's model, data type, trained leaves, optimizer, a LoRA run's base and the tokenizer and template
+    `tokenizer`), with the data position and RNG states restored."""
     trained = params if adapters is None else adapters
     if not cfg.checkpoint.resume:
         return 0, None, trained, opt_state
@@ -280,6 +327,9 @@ def resume(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, adapters: dic
     check_same_trained(cfg, model_cfg, params, saved, ckpt)
     check_same_lora(cfg, saved, meta.get("lora_base"), base, ckpt)
     check_same_optimizer(meta.get("optimizer", {"name": "adamw"}), optimizer, ckpt)
+    if tokenizer is not None:
+        with user_errors():
+            check_same_tokenizer(meta.get("tokenizer"), tokenizer, ckpt, cfg.data.allow_changed, print_warning)
     state = {"params" if adapters is None else "adapters": trained, "optim": opt_state}
     with user_errors():
         extra = checkpoint.load(ckpt, state)
@@ -374,6 +424,22 @@ def check_finite(params: dict, layout: Layout, step: int, last_ckpt: str | None)
                             f"checkpoint is {last_ckpt or 'none (no checkpoint written yet)'}")
 
 
+def check_gradients(grads: dict, layout: Layout, warn) -> None:
+    """After the first step: a warning naming the trained leaves whose gradient is zero on every rank (nothing the
+    loss computes depends on them, e.g. LoRA on the indexer without --train.indexer_loss). A LoRA weight counts by
+    its lora_B (lora_A's gradient is zero while lora_B is, as it starts)."""
+    flat = {p: g for p, g in flatten(grads).items() if not p.endswith(".lora_A")}
+    if not flat:
+        return
+    nonzero = layout.sum(torch.stack([(local_tensor(g) != 0).sum() for g in flat.values()]).to(torch.float64))
+    dead = [p.removesuffix(".lora_B") for p, n in zip(flat, nonzero.tolist()) if n == 0]
+    if dead:
+        named = ", ".join(dead[:4]) + (", ..." if len(dead) > 4 else "")
+        warn(f"{len(dead)} of the {len(flat)} trained leaves got no gradient in the first step ({named}): "
+             f"the loss does not depend on them, so they will not train; drop them from --lora.targets / "
+             f"--train.trainable, or turn on the loss that uses them (e.g. --train.indexer_loss for the indexer)")
+
+
 def report(cfg: Config, layout: Layout, say) -> None:
     """The run's loss curve (loss.png) and a summary of its metrics.jsonl."""
     if not layout.is_main:
@@ -401,22 +467,34 @@ def report(cfg: Config, layout: Layout, say) -> None:
 
 
 def export(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, adapters: dict | None, layout: Layout,
-           say) -> None:
+           say, tokenizer) -> None:
     """--checkpoint.export_hf: the weights (a LoRA run's merged into the base) as a Transformers checkpoint
     (collective: the ranks gather one leaf at a time, rank 0 writes; a GLM-5.3 run copies the tensors of
-    --model.init_from that are not its text model's). --checkpoint.export_peft: a LoRA run's
-    adapters as a PEFT adapter directory (`hf.save_peft`: the ranks gather them, rank 0 writes)."""
+    --model.init_from that are not its text model's). --checkpoint.export_peft: a LoRA run's adapters as a PEFT
+    adapter directory (`hf.save_peft`: the ranks gather them, rank 0 writes). Both carry the run's tokenizer files
+    and chat template, and config.json its bos/eos/pad ids."""
     spec = cfg.lora.spec()
+    files = ()
+    if layout.is_main and (cfg.checkpoint.export_hf or cfg.checkpoint.export_peft):
+        here = os.path.join(cfg.checkpoint.dir, RUN_TOKENIZER_DIR)
+        with writing(here, cfg.checkpoint.dir), user_errors():
+            files = tuple(os.path.join(here, n) for n in tokenizer.write(here))
+    if not cfg.model.init_from:  # a preset's ids are placeholders; a checkpoint's config.json has its own
+        tok = make_tokenizer(tokenizer.path)
+        model_cfg = dataclasses.replace(model_cfg, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
+                                        pad_token_id=tok.pad_id)
     if cfg.checkpoint.export_hf:
         with user_errors(), writing(cfg.checkpoint.export_hf, cfg.checkpoint.dir):
             weights = lora.merge(params, adapters, spec) if spec else params
-            glm5f.save_hf(cfg.checkpoint.export_hf, model_cfg, weights, write=layout.is_main,
+            glm5f.save_hf(cfg.checkpoint.export_hf, model_cfg, weights, write=layout.is_main, extra_files=files,
+                          overwrite=cfg.checkpoint.replace_export,
                           source=cfg.model.init_from)  # GLM-5.3: its vision tower and MTP layer travel along
         say(f"exported Transformers checkpoint{' (adapters merged)' if spec else ''}: {cfg.checkpoint.export_hf}")
     if cfg.checkpoint.export_peft:
         with user_errors(), writing(cfg.checkpoint.export_peft, cfg.checkpoint.dir):
             save_peft(cfg.checkpoint.export_peft, model_cfg, adapters, spec,
-                      base_model_name_or_path=cfg.model.init_from, write=layout.is_main)
+                      base_model_name_or_path=cfg.model.init_from, write=layout.is_main, extra_files=files,
+                      overwrite=cfg.checkpoint.replace_export)
         say(f"exported PEFT adapter: {cfg.checkpoint.export_peft}")
 
 
@@ -480,11 +558,15 @@ def plan_run(cfg: Config) -> None:
     from glm5f.plan import print_plan
 
     model_cfg = glm5f.GLM5Config.from_hf(cfg.model.init_from) if cfg.model.init_from else cfg.model.build()
+    blocking = mesh_errors(cfg, model_cfg)
+    if blocking:
+        raise TrainingError(f"--plan needs a mesh: {'; '.join(blocking)}")
     print_plan(cfg, cfg.plan, model_cfg, resolve_device(cfg.train.device), cfg.model.init_from or cfg.model.preset)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    warnings_as_lines()
     try:
         cfg = parse(argv, description=__doc__)
     except ValueError as e:  # a recipe file (--config) that does not fit Config

@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass
 from datetime import datetime
 from importlib import resources
 
-from glm5f.data import IGNORE_INDEX, ByteTokenizer, Example, FileTokenizer
+from glm5f.tokens import (IGNORE_INDEX, ChatByteTokenizer, Example, chat_tokenizer, template_tokens,  # noqa: F401
+                          tokenizer_config, tokenizer_dir)
 
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -20,103 +22,6 @@ TRAIN_ON = ("assistant", "last", "all")
 # Tokens that end an assistant turn: generation stops at them, and the one right after a trained turn is trained too.
 STOP_TOKENS = ("<|user|>", "<|observation|>", "<|im_end|>", "<|eot_id|>", "<|end|>")
 _REASONING = ("reasoning_content", "thinking", "reasoning")  # the names a message's reasoning goes by
-
-
-# ---- the byte tokenizer's special tokens ------------------------------------------------------------------------
-
-class ChatByteTokenizer(ByteTokenizer):
-    """The byte tokenizer with chat special tokens, each one id: bos 256, eos 257, pad 258 as ever, then
-    CHAT_SPECIALS from 259 in their listed order (so the tiny presets, vocab 512, hold them all)."""
-
-    CHAT_SPECIALS = ("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<think>",
-                     "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
-                     "</arg_value>", "<tool_response>", "</tool_response>", "<|im_start|>", "<|im_end|>")
-    BOS, EOS, PAD = "<|begin_of_text|>", "<|endoftext|>", "<|pad|>"
-
-    def __init__(self):
-        self.special = {self.BOS: 256, self.EOS: 257, self.PAD: 258}
-        self.special.update((s, 259 + i) for i, s in enumerate(self.CHAT_SPECIALS))
-        self.names = {i: s for s, i in self.special.items()}
-        self.vocab_size = 259 + len(self.CHAT_SPECIALS)
-        self._split = re.compile("(" + "|".join(re.escape(s) for s in sorted(self.special, key=len, reverse=True))
-                                 + ")")
-
-    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        """Token ids of `text` (a special token's text is its one id) and each one's [start, end) in characters."""
-        ids, offsets, at = [], [], 0
-        for piece in self._split.split(text):
-            if piece in self.special:
-                ids.append(self.special[piece])
-                offsets.append((at, at + len(piece)))
-            else:
-                for j, ch in enumerate(piece):
-                    b = ch.encode("utf-8")
-                    ids += b
-                    offsets += [(at + j, at + j + 1)] * len(b)
-            at += len(piece)
-        return ids, offsets
-
-    def encode(self, text: str) -> list[int]:
-        return self.encode_offsets(text)[0]
-
-    def decode(self, ids) -> str:
-        out, run = [], bytearray()
-        for i in ids:
-            if i < 256:
-                run.append(i)
-                continue
-            out.append(run.decode("utf-8", errors="replace"))
-            run = bytearray()
-            if i in self.names and i not in (self.bos_id, self.eos_id, self.pad_id):
-                out.append(self.names[i])
-        return "".join(out) + run.decode("utf-8", errors="replace")
-
-    def token_id(self, text: str) -> int | None:
-        return self.special.get(text)
-
-    def template_tokens(self) -> dict[str, str]:
-        return {"bos_token": self.BOS, "eos_token": self.EOS, "pad_token": self.PAD}
-
-
-def chat_tokenizer(path: str | None):
-    """The tokenizer of chat data: the byte tokenizer with its chat special tokens, or a tokenizer.json's."""
-    return ChatByteTokenizer() if path is None else FileTokenizer(path)
-
-
-def template_tokens(tok, tokenizer_path: str | None) -> dict[str, str]:
-    """bos_token, eos_token, ... as a template sees them: tokenizer_config.json's, else the tokenizer's own."""
-    if isinstance(tok, ChatByteTokenizer):
-        return tok.template_tokens()
-    out = {}
-    config = _tokenizer_config(tokenizer_path)
-    for name in ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"):
-        value = config.get(name)
-        value = value.get("content") if isinstance(value, dict) else value
-        if isinstance(value, str):
-            out[name] = value
-    for name, i in (("bos_token", tok.bos_id), ("eos_token", tok.eos_id)):
-        if name not in out and i is not None:
-            out[name] = tok._tok.id_to_token(i)
-    return out
-
-
-def _tokenizer_dir(tokenizer_path: str | None) -> str | None:
-    if tokenizer_path is None:
-        return None
-    return tokenizer_path if os.path.isdir(tokenizer_path) else os.path.dirname(os.path.abspath(tokenizer_path))
-
-
-def _tokenizer_config(tokenizer_path: str | None) -> dict:
-    d = _tokenizer_dir(tokenizer_path)
-    file = os.path.join(d, "tokenizer_config.json") if d else None
-    if not file or not os.path.isfile(file):
-        return {}
-    try:
-        with open(file, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{file}: not a readable JSON file ({e}); fix it or remove it") from None
-    return config if isinstance(config, dict) else {}
 
 
 # ---- templates --------------------------------------------------------------------------------------------------
@@ -137,12 +42,12 @@ def template_source(tokenizer_path: str | None, chat_template: str | None) -> tu
             return f.read(), chat_template
     if tokenizer_path is None:
         return default_template(), "glm5f's GLM-5 chat template"
-    d = _tokenizer_dir(tokenizer_path)
+    d = tokenizer_dir(tokenizer_path)
     jinja = os.path.join(d, "chat_template.jinja")
     if os.path.isfile(jinja):
         with open(jinja, encoding="utf-8") as f:
             return f.read(), jinja
-    found = _tokenizer_config(tokenizer_path).get("chat_template")
+    found = tokenizer_config(tokenizer_path).get("chat_template")
     if isinstance(found, list):  # named templates: [{"name", "template"}]
         found = next((t.get("template") for t in found if isinstance(t, dict) and t.get("name") == "default"), None)
     if isinstance(found, str):
@@ -215,6 +120,12 @@ class ChatTemplate:
 
 # ---- records ----------------------------------------------------------------------------------------------------
 
+def json_type(value) -> str:
+    """A JSON value's type as JSON names it."""
+    return {type(None): "null", bool: "a boolean", int: "a number", float: "a number", list: "a list",
+            dict: "an object", str: "a string"}.get(type(value), type(value).__name__)
+
+
 def _json_value(value, what: str):
     if isinstance(value, str):
         try:
@@ -235,7 +146,11 @@ def _tool_calls(calls, what: str) -> list[dict]:
         f = c.get("function", c)
         if not isinstance(f, dict) or not isinstance(f.get("name"), str):
             raise ValueError(f"{what}: a tool call needs a function name, found {json.dumps(c)[:80]}")
-        f = {**f, "arguments": _json_value(f.get("arguments", {}), f"{what}: the arguments of {f['name']}")}
+        arguments = _json_value(f.get("arguments", {}), f"{what}: the arguments of {f['name']}")
+        if not isinstance(arguments, dict):
+            raise ValueError(f"{what}: the arguments of {f['name']} must be a JSON object of named arguments, found "
+                             f"{json_type(arguments)} ({json.dumps(arguments)[:40]})")
+        f = {**f, "arguments": arguments}
         out.append({**{k: v for k, v in c.items() if k != "function"}, "type": c.get("type", "function"),
                     "function": f})
     return out
@@ -292,6 +207,10 @@ def chat_messages(rec: dict) -> tuple[list[dict], list | None]:
                 messages.append({"role": role, "content": m["value"]})
     for i, m in enumerate(messages):
         reasoning = next((m[k] for k in _REASONING if m.get(k) is not None), None)
+        if reasoning is not None and not isinstance(reasoning, str):
+            name = next(k for k in _REASONING if m.get(k) is not None)
+            raise ValueError(f"message {i} ({m['role']}) needs a string {name!r}, found {json_type(reasoning)} "
+                             f"({json.dumps(reasoning)[:40]}); join its parts into one string")
         if reasoning is not None:
             messages[i] = {"thinking": reasoning, **m, "reasoning_content": reasoning}
     return messages, tools
@@ -324,6 +243,13 @@ class ChatFormat:
         tok = chat_tokenizer(tokenizer_path)
         source, name = template_source(tokenizer_path, chat_template)
         return cls(tok, ChatTemplate(source, name), template_tokens(tok, tokenizer_path))
+
+    def split_tokens(self) -> list[str]:
+        """The special-looking tokens the template writes (`<|...|>`, and the stop tokens) that the tokenizer has
+        no single id for: each is trained and generated as several pieces, and generation cannot stop at it."""
+        found = set(re.findall(r"<\|[^|<>\s]+\|>", self.template.source))
+        found |= {s for s in STOP_TOKENS if s in self.template.source}
+        return sorted(s for s in found if self.tok.token_id(s) is None)
 
     def render(self, messages, tools=None, add_generation_prompt=False):
         return self.template.render(messages, tools, add_generation_prompt, **self.tokens)
@@ -414,7 +340,7 @@ def sample_records(part: str | None = None) -> list[tuple[str, dict]]:
 
 
 def run_chat_data(tokenizer_path: str | None, chat_template: str | None, train_on: str, seq_len: int,
-                  vocab_size: int):
+                  vocab_size: int, warn=lambda message: None):
     """A function giving the run's ChatData, made (template read, tokenizer checked) when first called, so
     data without chat records never needs a chat template."""
     if train_on not in TRAIN_ON:
@@ -428,24 +354,149 @@ def run_chat_data(tokenizer_path: str | None, chat_template: str | None, train_o
                 raise ValueError(f"the chat tokenizer has {fmt.tok.vocab_size} ids (with its special tokens) but the "
                                  f"model's vocab_size is {vocab_size}: raise --model.vocab_size to at least "
                                  f"{fmt.tok.vocab_size}")
+            split = fmt.split_tokens()
+            if split:
+                warn(f"the chat template {fmt.template.name} writes {', '.join(split)}, which the tokenizer has no "
+                     f"single token for: each is split into pieces (trained as text, and generation cannot stop at "
+                     f"it); add them to the tokenizer as special tokens, or use a template written for it")
             made.append(ChatData(fmt, train_on, seq_len))
         return made[0]
     return chat
 
 
-def sample_source(part: str, *, vocab_size: int, batch_size: int, seq_len: int, seed: int = 0,
-                  tokenizer_path: str | None = None, pack: bool = True, chat: ChatData | None = None,
-                  chat_template: str | None = None, train_on: str = "assistant", warn=lambda message: None):
-    """The shipped chat sample's "train" or "eval" part as a PackedSource."""
-    from glm5f.data import PackedSource, RecordNotes, check_vocab
+# ---- the run's tokenizer and template ---------------------------------------------------------------------------
 
-    chat = chat or run_chat_data(tokenizer_path, chat_template, train_on, seq_len, vocab_size)()
-    notes, examples = RecordNotes(), []
-    for where, rec in sample_records(part):
-        ex = chat.example(rec, where)
-        notes.add(rec, where, ex)
-        examples.append(ex)
-    notes.warn(True, None, warn)
-    name = f"chat sample ({part})"
-    check_vocab(examples, vocab_size, name)
-    return PackedSource([ex for ex in examples if ex.ids], batch_size, seq_len, seed, chat.fmt.tok.pad_id, pack, name)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TEMPLATE_FILE = "chat_template.jinja"
+RUN_TOKENIZER_DIR = "tokenizer"  # a run keeps copies of its tokenizer files and chat template here
+
+
+def _read_bytes(file: str) -> bytes:
+    with open(file, "rb") as f:
+        return f.read()
+
+
+def _sha256(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class RunTokenizer:
+    """A run's tokenizer and chat template, resolved once at its start: `path` a tokenizer.json (or a directory
+    with one; None: the byte tokenizer), `template` the template's text and `template_name` where it came from
+    (None: no template), `how` the words the start line uses."""
+
+    path: str | None
+    template: str | None
+    template_name: str | None
+    how: str
+
+    def files(self) -> dict[str, str]:
+        """{name: the file it is copied from} of the tokenizer files an export or a run directory carries (the
+        template is written from its text, as chat_template.jinja)."""
+        if self.path is None:
+            return {}
+        d = tokenizer_dir(self.path)
+        out = {"tokenizer.json": self.path if os.path.isfile(self.path) else os.path.join(self.path, "tokenizer.json")}
+        out.update((n, os.path.join(d, n)) for n in TOKENIZER_FILES[1:] if os.path.isfile(os.path.join(d, n)))
+        return out
+
+    def fingerprint(self) -> dict:
+        """What a checkpoint records of it: a SHA-256 (first 16 hex digits) of the tokenizer's files and of the
+        template, and `how`, so a resume can tell another tokenizer or template and name both."""
+        tok = "byte tokenizer"
+        if self.path is not None:
+            tok = _sha256(b"".join(_read_bytes(f) for _, f in sorted(self.files().items())))
+        return {"tokenizer": tok, "chat_template": None if self.template is None else _sha256(self.template.encode()),
+                "how": self.how}
+
+    def names(self) -> list[str]:
+        """The names of the files `write` writes."""
+        return sorted(self.files()) + ([TEMPLATE_FILE] if self.template is not None else [])
+
+    def write(self, directory: str) -> list[str]:
+        """Copy the tokenizer files into `directory` (created) and write the template as chat_template.jinja there;
+        the names written."""
+        import shutil
+
+        os.makedirs(directory, exist_ok=True)
+        for name, file in self.files().items():
+            if os.path.abspath(file) != os.path.abspath(os.path.join(directory, name)):
+                shutil.copyfile(file, os.path.join(directory, name))
+        if self.template is not None:
+            with open(os.path.join(directory, TEMPLATE_FILE), "w", encoding="utf-8") as f:
+                f.write(self.template)
+        return self.names()
+
+
+def resolve_tokenizer(tokenizer_path: str | None, init_from: str | None, chat_template: str | None) -> RunTokenizer:
+    """The run's tokenizer: --model.tokenizer_path, else the --model.init_from directory's tokenizer.json, else the
+    byte tokenizer; its template: --data.chat_template, else the tokenizer directory's chat_template.jinja or
+    tokenizer_config.json's chat_template, else (byte tokenizer) glm5f's GLM-5-style one; a tokenizer without a
+    template has none (chat data then says so)."""
+    if tokenizer_path is not None:
+        path, how = tokenizer_path, f"tokenizer {tokenizer_path} (--model.tokenizer_path)"
+    elif init_from is not None and os.path.isfile(os.path.join(init_from, "tokenizer.json")):
+        path, how = init_from, f"tokenizer {os.path.join(init_from, 'tokenizer.json')} (from --model.init_from)"
+    else:
+        path = None
+        how = "the byte tokenizer" + (f" (--model.init_from {init_from} holds no tokenizer.json)" if init_from else "")
+    if path is not None:
+        chat_tokenizer(path)  # a missing or unreadable tokenizer.json: its error, before any training
+    try:
+        template, name = template_source(path, chat_template)
+    except ValueError:  # a tokenizer without a template: fine unless the data is chat (which then says so)
+        template, name = None, None
+    how += f", chat template {name}" if name else ", no chat template"
+    return RunTokenizer(path, template, name, how)
+
+
+def tokenizer_of(directory: str) -> RunTokenizer:
+    """The tokenizer and template a run directory's tokenizer/ copy or an export holds: its tokenizer.json (else the
+    byte tokenizer) and its chat_template.jinja or tokenizer_config.json's template (else, for the byte tokenizer,
+    glm5f's)."""
+    path = directory if os.path.isfile(os.path.join(directory, "tokenizer.json")) else None
+    template, name = None, None
+    if os.path.isfile(os.path.join(directory, TEMPLATE_FILE)):
+        name = os.path.join(directory, TEMPLATE_FILE)
+        with open(name, encoding="utf-8") as f:
+            template = f.read()
+    else:
+        try:
+            template, name = template_source(path, None)
+        except ValueError:
+            pass
+    where = f"tokenizer {os.path.join(directory, 'tokenizer.json')}" if path else "the byte tokenizer"
+    return RunTokenizer(path, template, name, where + (f", chat template {name}" if name else ", no chat template"))
+
+
+def checkpoint_tokenizer(ckpt: str, run: dict) -> tuple[RunTokenizer, str | None]:
+    """(the tokenizer and template of the run that wrote checkpoint `ckpt`, the directory of its copy): its run
+    directory's tokenizer/ copy; for a run from before that copy (directory None), its --model.tokenizer_path and
+    --data.chat_template (`run`: the checkpoint's meta.json "run")."""
+    copy = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(ckpt))), RUN_TOKENIZER_DIR)
+    if os.path.isdir(copy):
+        return tokenizer_of(copy), copy
+    return resolve_tokenizer((run.get("model") or {}).get("tokenizer_path"), None,
+                             (run.get("data") or {}).get("chat_template")), None
+
+
+def check_same_tokenizer(saved: dict | None, now: RunTokenizer, ckpt: str, allow_changed: bool, warn) -> None:
+    """A checkpoint's tokenizer and template (`saved`: its fingerprint; None: from before fingerprints) against
+    this run's: a ValueError naming both unless allow_changed (then a warning)."""
+    if saved is None:
+        return
+    mine = now.fingerprint()
+    changed = [k for k in ("tokenizer", "chat_template") if saved.get(k) != mine[k]]
+    if not changed:
+        return
+    what = (f"{ckpt} was trained with {saved.get('how')}; this run has {now.how} (the {' and the '.join(changed)} "
+            f"differ{'s' if len(changed) == 1 else ''}: {', '.join(f'{saved.get(k)} -> {mine[k]}' for k in changed)})")
+    if allow_changed:
+        warn(f"{what}; resuming with this run's (--data.allow_changed)")
+        return
+    raise ValueError(f"{what}: its weights learned other token ids or another rendering. Resume with the tokenizer "
+                     f"and template it was saved with (see its run directory's {RUN_TOKENIZER_DIR}/), pass "
+                     f"--data.allow_changed to go on with this run's, or start a new run")

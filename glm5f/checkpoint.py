@@ -190,6 +190,13 @@ def resolve(path: str) -> str:
     if os.path.isfile(os.path.join(path, "meta.json")):
         return path
     found = latest(path)
+    if found is None and os.path.isfile(os.path.join(path, "adapter_config.json")):
+        raise FileNotFoundError(f"{path} is a PEFT adapter directory (adapters without their base), not a glm5f "
+                                f"run or checkpoint: use the LoRA run's directory, or its merged export "
+                                f"(--checkpoint.export_hf, or scripts/convert.py RUN OUT --merge-lora)")
+    if found is None and os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{path} is a Transformers checkpoint, not a glm5f run or checkpoint: it needs no "
+                                f"conversion (generate.py and --model.init_from read it as it is)")
     if found is None:
         raise FileNotFoundError(f"{path}: no complete checkpoint (neither {path}/meta.json nor "
                                 f"{path}/checkpoints/{PREFIX}*/meta.json); train with --checkpoint.dir {path} first")

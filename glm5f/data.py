@@ -16,89 +16,16 @@ import os
 import re
 import sys
 import zlib
-from dataclasses import dataclass
 from importlib import resources
 
 import torch
 
-IGNORE_INDEX = -100
-
-
-# ---- tokenizers ---------------------------------------------------------------------------------------------------
-
-class ByteTokenizer:
-    """UTF-8 bytes are ids 0..255; then bos 256, eos 257, pad 258."""
-
-    vocab_size = 259
-    bos_id, eos_id, pad_id = 256, 257, 258
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
-
-class FileTokenizer:
-    """A `tokenizers` tokenizer.json (a file, or a directory holding one)."""
-
-    def __init__(self, path: str):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError as e:
-            raise ImportError("--model.tokenizer_path needs the `tokenizers` package: "
-                              "pip install 'glm5f[tokenizers]'") from e
-        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-        if not os.path.isfile(file):
-            raise FileNotFoundError(f"no tokenizer.json at {file!r}: pass a tokenizer.json or a directory with one")
-        try:
-            self._tok = Tokenizer.from_file(file)
-        except Exception as e:  # tokenizers raises a bare Exception on a malformed file
-            raise ValueError(f"--model.tokenizer_path {file}: not a readable tokenizer.json ({e}); pass the "
-                             f"tokenizer.json of a Transformers/tokenizers tokenizer") from None
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        find = lambda *names: next((i for n in names if (i := self.token_id(n)) is not None), None)  # noqa
-        self.bos_id = find("<|begin_of_text|>", "<s>", "[gMASK]", "<bos>", "<|endoftext|>")
-        self.eos_id = find("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
-        self.pad_id = find("<pad>", "[PAD]", "<|pad|>")
-        if self.pad_id is None:
-            self.pad_id = self.eos_id if self.eos_id is not None else 0
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        """Token ids of `text` and each one's [start, end) in characters."""
-        enc = self._tok.encode(text, add_special_tokens=False)
-        return list(enc.ids), [tuple(o) for o in enc.offsets]
-
-    def token_id(self, text: str) -> int | None:
-        return self._tok.token_to_id(text)
-
-    def decode(self, ids) -> str:
-        return self._tok.decode(list(ids))
-
-
-def make_tokenizer(path: str | None):
-    return ByteTokenizer() if path is None else FileTokenizer(path)
+from glm5f import chat as chat_data
+from glm5f.tokens import (IGNORE_INDEX, ByteTokenizer, Example, FileTokenizer, check_vocab, has_target,  # noqa: F401
+                          make_tokenizer)
 
 
 # ---- examples -----------------------------------------------------------------------------------------------------
-
-@dataclass
-class Example:
-    """One document: token ids and their labels (IGNORE_INDEX where no loss is taken, e.g. prompts)."""
-
-    ids: list[int]
-    labels: list[int]
-    note: str | None = None  # what was done to the record to make it (skipped, truncated), for one warning
-
-
-def has_target(ex: Example) -> bool:
-    """Whether a document has a token to learn: a label other than IGNORE_INDEX past its first token (the first
-    token of a document is never predicted). A record of 0-1 tokens, or with every label ignored, has none."""
-    return any(t != IGNORE_INDEX for t in ex.labels[1:])
-
 
 def text_example(tok, text: str) -> Example:
     ids = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(text) + \
@@ -115,20 +42,23 @@ def prompt_example(tok, prompt: str, response: str) -> Example:
 def check_string_fields(rec: dict, fields: tuple[str, ...], where: str) -> None:
     """A ValueError naming `where` (file:line), the field and the JSON type found unless each field is a string
     (a null response would otherwise train on the text "None", a number on its digits)."""
-    json_type = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", list: "a list",
-                 dict: "an object"}
     for name in fields:
         if not isinstance(rec[name], str):
-            found = json_type.get(type(rec[name]), type(rec[name]).__name__)
+            found = chat_data.json_type(rec[name])
             raise ValueError(f"{where}: field {name!r} must be a string, found {found} ({json.dumps(rec[name])[:40]}); "
                              f"fix the record (\"\" for an empty {name}) or remove it")
 
 
-def record_example(tok, rec, where: str, chat=None) -> Example:
+def record_example(tok, rec, where: str, chat=None, chat_only: bool = False) -> Example:
     """An Example from one JSON record: {"text"}, {"prompt", "response"}, {"input_ids"[, "labels"]}, or a chat
-    record ({"messages"} or {"conversations"}: `chat()` is the run's glm5f.chat.ChatData)."""
+    record ({"messages"} or {"conversations"}: `chat()` is the run's glm5f.chat.ChatData); `chat_only`
+    (--data.type chat): any other record is an error."""
     if not isinstance(rec, dict):
         raise ValueError(f"{where}: expected a JSON object, found {type(rec).__name__}")
+    if chat_only and "messages" not in rec and "conversations" not in rec:
+        raise ValueError(f"{where}: --data.type chat reads chat records ('messages' or 'conversations'), found keys "
+                         f"{sorted(rec)[:5]} (a record of another kind would train on every one of its tokens); fix "
+                         f"or remove it, or read the mixed file with --data.type json_file")
     if "messages" in rec or "conversations" in rec:
         if chat is None:
             raise ValueError(f"{where}: a chat record ('messages' or 'conversations'), but no chat template was "
@@ -389,20 +319,6 @@ class RecordNotes:
             warn(f"{count} of {counted} records {note} (the first at {first})")
 
 
-def check_vocab(examples: list[Example], vocab_size: int, source: str, first: int = 0) -> None:
-    """Every token id in [0, vocab_size), every label too or IGNORE_INDEX (a ValueError naming the first bad one;
-    examples are numbered from `first`)."""
-    for i, ex in enumerate(examples, first):
-        bad = [t for t in ex.ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"{source}: example {i} has token id {bad[0]} outside [0, vocab_size={vocab_size}): "
-                             f"the tokenizer or the data does not fit the model's vocabulary")
-        bad = [t for t in ex.labels if t != IGNORE_INDEX and not (isinstance(t, int) and 0 <= t < vocab_size)]
-        if bad:
-            raise ValueError(f"{source}: example {i} has label {bad[0]} outside [0, vocab_size={vocab_size}) "
-                             f"(use {IGNORE_INDEX} where no loss is taken): fix the labels or raise --model.vocab_size")
-
-
 # ---- sources ------------------------------------------------------------------------------------------------------
 
 def nothing_to_learn(name: str, records: int) -> str:
@@ -514,15 +430,19 @@ class StreamSource(RowPacker):
     only the record's line (a dataset row: nothing), which is parsed and tokenized again when drawn. The state is
     the reader's location, the buffered records' locations (not their content), the count of draws made and the
     current record with the offset into it, so a resumed source goes on exactly where it stopped. Every rank
-    streams the whole data and builds the same global batch; each then takes its own rows of it.
+    streams the whole data and builds the same global batch; each then takes its own rows of it. `held_out` N
+    (--eval.split_fraction 1/N): every N-th record, counting from the N-th, is the "eval" `part`, the others
+    "train"; the source reads only its part.
     """
 
     def __init__(self, reader, tok, vocab_size: int, batch_size: int, seq_len: int, seed: int, pack: bool = True,
                  shuffle_buffer: int = 10_000, name: str = "data", tokenizer_path: str | None = None,
-                 warn=lambda message: None, chat=None, allow_changed: bool = False):
+                 warn=lambda message: None, chat=None, allow_changed: bool = False, chat_only: bool = False,
+                 held_out: int = 0, part: str = "train"):
         if shuffle_buffer < 1:
             raise ValueError(f"--data.shuffle_buffer must be >= 1 (1: no shuffling), got {shuffle_buffer}")
         self.reader, self.tok, self.V, self.name, self.chat = reader, tok, vocab_size, name, chat
+        self.chat_only, self.held_out, self.part = chat_only, held_out, part
         self.files, self.allow_changed, self.warn = fingerprint(reader.path), allow_changed, warn
         self.B, self.S, self.seed, self.pad_id, self.pack, self.size = \
             batch_size, seq_len, seed, tok.pad_id, pack, shuffle_buffer
@@ -537,7 +457,7 @@ class StreamSource(RowPacker):
 
     def _example(self, loc, payload, notes=None) -> Example:
         rec = self.reader.parse(loc, payload)
-        ex = record_example(self.tok, rec, self.reader.where(loc), self.chat)
+        ex = record_example(self.tok, rec, self.reader.where(loc), self.chat, self.chat_only)
         check_vocab([ex], self.V, self.name, first=loc[2])
         if notes is not None:
             notes.add(rec, self.reader.where(loc), ex)
@@ -548,6 +468,8 @@ class StreamSource(RowPacker):
             got = self.reader.read()
             if got is None:
                 self.at_end = True
+            elif self.held_out and (got[0][2] % self.held_out == self.held_out - 1) != (self.part == "eval"):
+                continue  # the other part of a --eval.split_fraction split
             else:
                 self._example(*got, notes)
                 self.buffer.append(got)
@@ -699,11 +621,12 @@ class PresetSource:
 def make_eval_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, seed: int = 0,
                      path: str | None = None, split: str | None = None, train_path: str | None = None,
                      tokenizer_path: str | None = None, pack: bool = True, shuffle_buffer: int = 10_000,
-                     chat_template: str | None = None, train_on: str = "assistant"):
+                     chat_template: str | None = None, train_on: str = "assistant", held_out: float = 0.0):
     """The held-out data of a run of `--data.type kind`: `path` (default the training data's `train_path`) and
     `split` when given, in that data type's format (JSONL for text and synthetic runs); else the held-out part of
     the embedded text, of the chat sample or of the synthetic stream. None when there is none (json_file,
-    hf_datasets, preset_pt without a path or split; chat with a --data.path)."""
+    hf_datasets, preset_pt without a path or split; chat with a --data.path) unless `held_out`
+    (--eval.split_fraction) holds out a part of the training records."""
     common = dict(vocab_size=vocab_size, batch_size=batch_size, seq_len=seq_len, seed=seed,
                   tokenizer_path=tokenizer_path, pack=pack, shuffle_buffer=shuffle_buffer,
                   chat_template=chat_template, train_on=train_on)
@@ -713,6 +636,9 @@ def make_eval_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: in
             return make_source(eval_kind, path=path or train_path, split=split, warn=lambda message: None, **common)
         except FileNotFoundError as e:  # the readers name the training flag; this file came from --eval.path
             raise FileNotFoundError(str(e).replace("--data.path", "--eval.path") if path else str(e)) from None
+    if held_out and train_path is not None:
+        return make_source(kind, path=train_path, split=split, warn=lambda message: None, held_out=held_out,
+                           part="eval", **common)
     if kind == "synthetic":
         return SyntheticSource(batch_size, seq_len, vocab_size, seed, step=SyntheticSource.HELD_OUT_STEP)
     if kind == "text":  # the training source has checked the tokenizer against the model
@@ -720,7 +646,6 @@ def make_eval_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: in
         examples = [text_example(tok, d) for d in embedded_documents("eval")]
         return PackedSource(examples, batch_size, seq_len, seed, tok.pad_id, pack, "embedded corpus (held out)")
     if kind == "chat" and train_path is None:
-        from glm5f.chat import sample_source
         return sample_source("eval", vocab_size=vocab_size, batch_size=batch_size, seq_len=seq_len, seed=seed,
                              tokenizer_path=tokenizer_path, pack=pack, chat_template=chat_template,
                              train_on=train_on, warn=lambda message: None)
@@ -740,9 +665,12 @@ def infer_data_type(path: str | None) -> str:
         if any(os.path.isfile(os.path.join(path, n)) for n in ("dataset_info.json", "dataset_dict.json",
                                                                 "state.json")):
             return "hf_datasets"
+        shards = sorted(n for n in os.listdir(path) if n.endswith(JSONL_SUFFIXES))
+        fix = (f"it holds {len(shards)} JSONL file(s) ({', '.join(shards[:3])}{', ...' if len(shards) > 3 else ''}) "
+               f"and --data.path reads one: concatenate them (cat {path}/*.jsonl > all.jsonl) and pass that file"
+               if shards else "pass a .jsonl file, a .pt file or a saved dataset, or name its type with --data.type")
         raise ValueError(f"--data.path {path} is a directory but not a datasets.save_to_disk output (no "
-                         f"dataset_info.json or dataset_dict.json in it); pass a .jsonl file, a .pt file or a saved "
-                         f"dataset, or name its type with --data.type")
+                         f"dataset_info.json or dataset_dict.json in it); {fix}")
     if path.endswith(JSONL_SUFFIXES):
         return "json_file"
     if path.endswith(".pt"):
@@ -776,15 +704,25 @@ def print_warning(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr)
 
 
+def warnings_as_lines() -> None:
+    """Print Python warnings (glm5f's, and its libraries') as one `warning:` line each, without the category and
+    source line Python adds; for the command-line scripts."""
+    import warnings
+
+    warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: print_warning(
+        str(message))
+
+
 def make_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, seed: int = 0, path: str | None = None,
                 tokenizer_path: str | None = None, pack: bool = True, split: str | None = None, warn=print_warning,
                 shuffle_buffer: int = 10_000, chat_template: str | None = None, train_on: str = "assistant",
-                allow_changed: bool = False):
+                allow_changed: bool = False, held_out: float = 0.0, part: str = "train"):
     """The data source of `--data.type kind` for a model of vocab_size. What looks like a mistake in the data
     (an empty response, an unused tokenizer) is passed to `warn`, one line each. json_file and hf_datasets are
     streamed, shuffled by a buffer of `shuffle_buffer` records (see StreamSource); so is chat with a path. Chat
     records (any of these but preset_pt) are rendered with `chat_template` (see glm5f.chat) and trained on the
-    tokens `train_on` names."""
+    tokens `train_on` names. `held_out` (--eval.split_fraction): the streamed records are split into a "train"
+    and an "eval" `part` (every round(1 / held_out)-th record) and the source reads one."""
     if tokenizer_path and kind in ("synthetic", "preset_pt"):
         warn(f"--model.tokenizer_path {tokenizer_path} is not used: --data.type {kind} does not tokenize text")
     if kind == "synthetic":
@@ -797,10 +735,9 @@ def make_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, se
     if tok.vocab_size > vocab_size:
         raise ValueError(f"the tokenizer has {tok.vocab_size} ids but the model's vocab_size is {vocab_size}: "
                          f"raise --model.vocab_size to at least {tok.vocab_size}")
-    from glm5f import chat as chat_data
-    chat = chat_data.run_chat_data(tokenizer_path, chat_template, train_on, seq_len, vocab_size)
+    chat = chat_data.run_chat_data(tokenizer_path, chat_template, train_on, seq_len, vocab_size, warn)
     if kind == "chat" and path is None:
-        return chat_data.sample_source("train", vocab_size=vocab_size, batch_size=batch_size, seq_len=seq_len,
+        return sample_source("train", vocab_size=vocab_size, batch_size=batch_size, seq_len=seq_len,
                                        seed=seed, tokenizer_path=tokenizer_path, pack=pack, chat=chat(), warn=warn)
     if kind == "text":
         examples = [text_example(tok, d) for d in embedded_documents("train")]
@@ -810,8 +747,25 @@ def make_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, se
             raise ValueError(f"--data.type {kind} needs --data.path")
         reader = DatasetReader(path, split) if kind == "hf_datasets" else JsonlReader(path)
         return StreamSource(reader, tok, vocab_size, batch_size, seq_len, seed, pack, shuffle_buffer, path,
-                            tokenizer_path, warn, chat, allow_changed)
+                            tokenizer_path, warn, chat, allow_changed, chat_only=kind == "chat",
+                            held_out=round(1 / held_out) if held_out else 0, part=part)
     else:
         raise ValueError(f"unknown --data.type {kind!r}")
     check_vocab(examples, vocab_size, name)
     return PackedSource(examples, batch_size, seq_len, seed, tok.pad_id, pack, name)
+
+
+def sample_source(part: str, *, vocab_size: int, batch_size: int, seq_len: int, seed: int = 0,
+                  tokenizer_path: str | None = None, pack: bool = True, chat: chat_data.ChatData | None = None,
+                  chat_template: str | None = None, train_on: str = "assistant", warn=lambda message: None):
+    """The shipped chat sample's "train" or "eval" part as a PackedSource."""
+    chat = chat or chat_data.run_chat_data(tokenizer_path, chat_template, train_on, seq_len, vocab_size)()
+    notes, examples = RecordNotes(), []
+    for where, rec in chat_data.sample_records(part):
+        ex = chat.example(rec, where)
+        notes.add(rec, where, ex)
+        examples.append(ex)
+    notes.warn(True, None, warn)
+    name = f"chat sample ({part})"
+    check_vocab(examples, vocab_size, name)
+    return PackedSource([ex for ex in examples if ex.ids], batch_size, seq_len, seed, chat.fmt.tok.pad_id, pack, name)

@@ -444,7 +444,8 @@ def _glm53_in_memory(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-EXPORT_MARKER = ".glm5f-export"
+EXPORT_MARKER = ".glm5f-export"  # JSON: {"files": the names glm5f wrote, "bases_of": runs that start from it}
+TOKEN_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 def _is_export(path: str) -> bool:
@@ -457,25 +458,91 @@ def _is_export(path: str) -> bool:
     return "config.json" in names and bool(shards) and names - shards <= {"config.json", "model.safetensors.index.json"}
 
 
+def read_marker(path: str) -> dict:
+    """What the export marker in `path` says ({} without one, or for one written before markers listed files)."""
+    try:
+        with open(os.path.join(path, EXPORT_MARKER), encoding="utf-8") as f:
+            marker = json.loads(f.read() or "{}")
+    except (OSError, ValueError):
+        return {}
+    return marker if isinstance(marker, dict) else {}
+
+
+def _written_by_us(path: str, names: set[str]) -> set[str]:
+    """The files of export `path` glm5f wrote: those its marker lists; for an export without that list, the
+    weights, config and PEFT files an export is recognised by."""
+    listed = read_marker(path).get("files")
+    if isinstance(listed, list):
+        return set(listed) | {EXPORT_MARKER}
+    return {n for n in names if n in ("config.json", "model.safetensors.index.json", EXPORT_MARKER, *PEFT_FILES)
+            or (n.startswith("model") and n.endswith(".safetensors"))}
+
+
+def note_base(path: str, run_dir: str) -> None:
+    """Record in export `path`'s marker that the run in `run_dir` starts from it (--model.init_from), so a later
+    export into `path` is refused without consent. Nothing for a directory glm5f did not export, or one it
+    cannot write."""
+    if not os.path.isfile(os.path.join(path, EXPORT_MARKER)):
+        return
+    marker = read_marker(path)
+    bases_of = marker.get("bases_of") if isinstance(marker.get("bases_of"), list) else []
+    run = os.path.realpath(run_dir)
+    if run in bases_of:
+        return
+    try:
+        with open(os.path.join(path, EXPORT_MARKER), "w", encoding="utf-8") as f:
+            json.dump({**marker, "bases_of": bases_of + [run]}, f, indent=2)
+    except OSError:
+        pass
+
+
 def check_export_dir(path: str | os.PathLike, run_dir: str | os.PathLike | None = None, *,
-                     flag: str = "--checkpoint.export_hf") -> None:
+                     flag: str = "--checkpoint.export_hf", init_from: str | None = None, writes: tuple = (),
+                     overwrite: bool = False, consent: str = "--checkpoint.replace_export") -> None:
     """Raise ValueError unless save_hf / save_peft may write `path`: new, empty, or a previous export of ours (which
-    it replaces); never the run directory `run_dir` or a directory that contains it (`flag` names the option)."""
+    it replaces). Never the run directory `run_dir` or a directory that contains it, nor the run's base
+    `init_from`; never one holding files glm5f did not write (they would be deleted with it). Without `overwrite`
+    (the option `consent` names), not an export another run starts from, nor one whose tokenizer files the new
+    export (its extra files `writes`) does not write. `flag` names the option."""
     path = os.path.realpath(os.fspath(path))
     if run_dir is not None:
         run = os.path.realpath(os.fspath(run_dir))
         if run == path or run.startswith(path.rstrip(os.sep) + os.sep):
             raise ValueError(f"{flag} {path} is or contains the run directory {run}; export to "
                              f"a directory of its own, e.g. {os.path.join(run, 'hf')}")
+    if init_from is not None and os.path.realpath(init_from) == path:
+        raise ValueError(f"{flag} {path} is this run's --model.init_from: exporting there would replace the base "
+                         f"the run starts from (and its checkpoints rest on); export to another directory")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"export directory {path} is a file; pass a new or empty directory")
-    if os.path.isdir(path) and os.listdir(path) and not _is_export(path):
+    if not os.path.isdir(path) or not os.listdir(path):
+        return
+    names = set(os.listdir(path))
+    if not _is_export(path):
         raise ValueError(f"export directory {path} holds files that are not a previous glm5f export "
-                         f"({', '.join(sorted(os.listdir(path))[:5])}); pass a new or empty directory, or remove them")
+                         f"({', '.join(sorted(names)[:5])}); pass a new or empty directory, or remove them")
+    foreign = sorted(names - _written_by_us(path, names))
+    if foreign:
+        raise ValueError(f"export directory {path} is a previous glm5f export but also holds files glm5f did not "
+                         f"write there ({', '.join(foreign[:5])}), which replacing it would delete; move them away "
+                         f"or pass another directory")
+    if overwrite:
+        return
+    users = [r for r in read_marker(path).get("bases_of") or [] if isinstance(r, str) and os.path.isdir(r)]
+    if users:
+        raise ValueError(f"export directory {path} is the --model.init_from base of the run(s) {', '.join(users)}: "
+                         f"replacing it would change the base their checkpoints (and a LoRA run's --merge-lora) "
+                         f"rest on; export to another directory, or pass {consent} to replace it")
+    lost = sorted(names & set(TOKEN_FILES) - {os.path.basename(f) for f in writes})
+    if lost:
+        raise ValueError(f"export directory {path} holds tokenizer files ({', '.join(lost)}) that this export "
+                         f"does not write (it has another tokenizer or none); export to another directory, or pass "
+                         f"{consent} to replace them")
 
 
 def save_hf(path: str | os.PathLike, cfg: GLM5Config, params: dict, *, max_shard_bytes: int = 5 << 30,
-            write: bool = True, extra_files: tuple[str, ...] = (), source: str | os.PathLike | None = None) -> None:
+            write: bool = True, extra_files: tuple[str, ...] = (), source: str | os.PathLike | None = None,
+            overwrite: bool = False) -> None:
     """Write a Transformers checkpoint directory (config.json + safetensors, per-expert keys, sharded with an
     index above `max_shard_bytes`). Written into a temporary sibling and renamed, so `path` never holds half a
     checkpoint. `path` must be new, empty or a previous export (check_export_dir); that one is replaced.
@@ -483,7 +550,8 @@ def save_hf(path: str | os.PathLike, cfg: GLM5Config, params: dict, *, max_shard
     Leaves are gathered one at a time (DTensor leaves of a sharded run: every rank calls save_hf, in the same
     order, and only the one with write=True checks `path` and writes), so no rank holds more than one full leaf
     and one shard file's tensors. `extra_files` (e.g. the run's tokenizer.json) are copied in beside them. The
-    directory gets the user's umask's permissions (not mkdtemp's 0700).
+    directory gets the user's umask's permissions (not mkdtemp's 0700); its marker lists the files written.
+    `overwrite`: replace an export another run starts from (see check_export_dir).
 
     GLM-5.3: a Glm5NextForConditionalGeneration checkpoint. With `source` (the checkpoint the params were loaded
     from), its tensors that are not the text model's (the vision tower, the MTP layer) are copied unchanged and
@@ -492,7 +560,7 @@ def save_hf(path: str | os.PathLike, cfg: GLM5Config, params: dict, *, max_shard
     """
     path = os.fspath(path).rstrip("/")
     if write:
-        check_export_dir(path)
+        check_export_dir(path, writes=tuple(extra_files), overwrite=overwrite)
     flat = flatten(params)
     # (checkpoint key, our leaf, expert index or None, the key's shape), in the order they are written
     entries = [(_checkpoint_key(cfg, key), leaf, e, tuple(t.shape[1:] if e is not None else t.shape))
@@ -558,13 +626,20 @@ def save_hf(path: str | os.PathLike, cfg: GLM5Config, params: dict, *, max_shard
         for name, shard in zip(names, shards):
             _write_safetensors(os.path.join(tmp, name), [(e[0], e[3], dtype_of(e)) for e in shard],
                                (tensor(*entry) for entry in shard))
-        open(os.path.join(tmp, EXPORT_MARKER), "w").close()
         if len(shards) > 1:
             index = {"metadata": {"total_size": sum(nbytes(entry) for entry in entries)},
                      "weight_map": {entry[0]: n for n, shard in zip(names, shards) for entry in shard}}
             with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
                 json.dump(index, f, indent=2)
+        _write_marker(tmp)
     _write_dir(path, fill)
+
+
+def _write_marker(tmp: str) -> None:
+    """The export marker of a directory just written: the names of the files in it (all glm5f's)."""
+    files = sorted(os.listdir(tmp) + [EXPORT_MARKER])
+    with open(os.path.join(tmp, EXPORT_MARKER), "w", encoding="utf-8") as f:
+        json.dump({"files": files}, f, indent=2)
 
 
 def _write_dir(path: str, fill) -> None:
@@ -753,15 +828,17 @@ def peft_adapter(cfg: GLM5Config, adapters: dict, spec: LoraSpec, base_model_nam
 
 def save_peft(path: str | os.PathLike, cfg: GLM5Config, adapters: dict, spec: LoraSpec, *,
               base_model_name_or_path: str | None = None, write: bool = True,
-              flag: str = "--checkpoint.export_peft") -> None:
+              flag: str = "--checkpoint.export_peft", extra_files: tuple[str, ...] = (),
+              overwrite: bool = False) -> None:
     """Write glm5f LoRA adapters as a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) that
     `peft.PeftModel.from_pretrained(GlmMoeDsaForCausalLM base, path)` loads for the model of `cfg`: attention,
     indexer, dense and shared MLPs and routed experts (see `peft_adapter`). Written into a temporary sibling and
     renamed; `path` must be new, empty or a previous export (check_export_dir), which is replaced. DTensor adapters
-    are gathered: every rank calls save_peft, only the one with write=True writes."""
+    are gathered: every rank calls save_peft, only the one with write=True writes. `extra_files` (the run's
+    tokenizer files) are copied in beside them; `overwrite` as save_hf's."""
     path = os.fspath(path).rstrip("/")
     if write:
-        check_export_dir(path, flag=flag)
+        check_export_dir(path, flag=flag, writes=tuple(extra_files), overwrite=overwrite)
     tensors, config = peft_adapter(cfg, adapters, spec, base_model_name_or_path)
     if not write:
         return
@@ -771,5 +848,7 @@ def save_peft(path: str | os.PathLike, cfg: GLM5Config, adapters: dict, spec: Lo
             json.dump(config, f, indent=2)
         _write_safetensors(os.path.join(tmp, PEFT_FILES[1]),
                            [(k, tuple(t.shape), t.dtype) for k, t in tensors.items()], iter(tensors.values()))
-        open(os.path.join(tmp, EXPORT_MARKER), "w").close()
+        for file in extra_files:
+            shutil.copyfile(file, os.path.join(tmp, os.path.basename(file)))
+        _write_marker(tmp)
     _write_dir(path, fill)

@@ -27,7 +27,7 @@ def compare(base: list[dict], other: list[dict], key: str = "loss") -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", help="run directories (or metrics.jsonl files); the first is the baseline")
-    ap.add_argument("--png", help="write the curves here")
+    ap.add_argument("--png", help="write the curves to this PNG file (a directory: its compare.png)")
     args = ap.parse_args(argv)
     runs = {os.path.basename(os.path.normpath(r)): read_metrics(r) for r in args.runs}
     empty = [name for name, recs in runs.items() if not recs]
@@ -42,7 +42,9 @@ def main(argv=None) -> int:
             if c["steps"] or key == "loss":
                 print(f"{name:<24}{label:<6}{c['steps']:>7}{c['avg']:>14.3e}{c['max']:>14.3e}")
     if args.png:
-        print(f"plot: {args.png}" if plot_losses(runs, args.png) else "plot skipped (matplotlib not installed)")
+        png = os.path.join(args.png, "compare.png") if os.path.isdir(args.png) or args.png.endswith(os.sep) else \
+            args.png  # a directory: the picture goes into it
+        print(f"plot: {png}" if plot_losses(runs, png) else "plot skipped (matplotlib not installed)")
     return 0
 
 

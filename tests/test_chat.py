@@ -13,7 +13,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from glm5f.chat import ChatByteTokenizer, ChatData, ChatFormat, ChatTemplate, chat_messages, default_template
+from glm5f.chat import (ChatByteTokenizer, ChatData, ChatFormat, ChatTemplate, chat_messages, default_template,
+                        resolve_tokenizer)
 from glm5f.data import IGNORE_INDEX, make_source
 
 CHATML = """{% for message in messages %}{{ '<|im_start|>' + message.role + '\\n' }}
@@ -304,14 +305,16 @@ def test_generate_chat_prompt_and_stops(tmp_path, capsys):
 
     from scripts import generate
 
-    fmt, ids = generate.chat_prompt(None, None, "Hi?", vocab_size=512)
+    byte = resolve_tokenizer(None, None, None)
+    fmt = generate.chat_format(byte, None, vocab_size=512)
+    ids = fmt.ids(generate.conversation(None, None, "Hi?"), add_generation_prompt=True)
     assert fmt.tok.decode(ids) == "[gMASK]<sop><|user|>Hi?<|assistant|>"
     out = io.StringIO()
     answer = fmt.tok.encode("<think></think>Hello.<|user|>more")
     got = generate.print_stream(fmt.tok, iter(answer), out=out, stops=fmt.stop_ids)
     assert out.getvalue() == "<think></think>Hello.\n" and len(got) == answer.index(fmt.tok.special["<|user|>"])
     with pytest.raises(ValueError, match="raise|only 260"):
-        generate.chat_prompt(None, None, "Hi?", vocab_size=260)
+        generate.chat_format(byte, None, vocab_size=260)
 
 
 def test_hf_datasets_rows_are_chat_records(tmp_path):

@@ -2,6 +2,7 @@
 scripts/compare_runs.py): their help, invalid configurations, SIGTERM and the grace period, a GPU that is not there,
 a closed pipe, a diverged checkpoint to start from, a longer resumed run's schedule, and what an export carries."""
 
+import dataclasses
 import json
 import os
 import re
@@ -267,7 +268,8 @@ def test_export_hf_and_compare_script(tmp_path):
     train(cli("--train.steps", "2", "--checkpoint.dir", str(tmp_path / "r1"), "--checkpoint.export_hf",
               str(tmp_path / "hf")))
     cfg, params = glm5f.load_hf(tmp_path / "hf")
-    assert cfg == glm5f.preset("glm5-tiny")
+    # config.json carries the run's tokenizer's ids (the byte tokenizer's), as convert.py's does
+    assert cfg == dataclasses.replace(glm5f.preset("glm5-tiny"), bos_token_id=256, eos_token_id=257, pad_token_id=258)
     train(cli("--train.steps", "2", "--checkpoint.dir", str(tmp_path / "r2")))
     out = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "compare_runs.py"), str(tmp_path / "r1"),
                           str(tmp_path / "r2"), "--png", str(tmp_path / "c.png")], capture_output=True, text=True)
