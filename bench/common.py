@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -12,6 +13,12 @@ import sys
 import time
 
 import torch
+
+# The bench scripts run with bench/ first on sys.path, where kernels.py (the kernel report) would stand for the
+# `kernels` package that Transformers imports: each script imports this module first, which moves bench/ last.
+_BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+if sys.path and os.path.abspath(sys.path[0] or os.curdir) == _BENCH_DIR:
+    sys.path.append(sys.path.pop(0))
 
 # The bench model: hidden 512, 8 heads, q_lora 256, kv_lora 128, nope 64, rope 32, v 64, indexer 16 x 64,
 # 16 experts top-2 + 1 shared, vocab 4096. bench/attention.py uses one layer of it, bench/forward_backward.py four.
