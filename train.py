@@ -561,7 +561,19 @@ def plan_run(cfg: Config) -> None:
     blocking = mesh_errors(cfg, model_cfg)
     if blocking:
         raise TrainingError(f"--plan needs a mesh: {'; '.join(blocking)}")
-    print_plan(cfg, cfg.plan, model_cfg, resolve_device(cfg.train.device), cfg.model.init_from or cfg.model.preset)
+    print_plan(cfg, cfg.plan, model_cfg, plan_device(cfg.train.device), cfg.model.init_from or cfg.model.preset)
+
+
+def plan_device(name: str) -> torch.device:
+    """The device --plan plans for: --train.device as named, present or not (the plan allocates nothing, so
+    `--plan search --train.device cuda` runs on a machine without a GPU); auto is the one a run would take."""
+    if name == "auto":
+        return resolve_device(name)
+    try:
+        return torch.device(name)
+    except RuntimeError as e:
+        raise TrainingError(f"--train.device {name!r} is not a device torch knows ({e}); pass cpu, cuda or "
+                            f"cuda:N") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -163,6 +163,20 @@ def test_plan_of_flags_that_leave_no_mesh_is_an_error_line(flags, line):
     assert out.returncode == 1 and "Traceback" not in out.stderr and out.stderr.strip().splitlines()[-1] == line
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
+def test_plan_for_a_gpu_runs_on_a_machine_without_one(capsys):
+    """The README's `--plan search ... --train.device cuda`: the plan allocates nothing, so it needs no GPU here;
+    planned for cuda, the table has no measured CPU runtime row."""
+    flags = ["--model.preset", "glm5-tiny", "--train.device", "cuda", "--parallel.device_memory_gb", "1",
+             "--data.batch_size", "2", "--data.seq_len", "64"]
+    assert main(["--plan", "search", *flags]) == 0
+    out, err = capsys.readouterr()
+    assert "smallest meshes for glm5-tiny" in out and "within 1 GB per rank" in out and "error" not in err, err
+    assert main(["--plan", "table", *flags]) == 0
+    out, err = capsys.readouterr()
+    assert "device memory (--parallel.device_memory_gb)" in out and "runtime" not in out, out
+
+
 def test_out_of_memory_names_the_allocation_the_step_and_what_to_change(monkeypatch, tmp_path, capsys):
     import train as train_mod
 
