@@ -4,6 +4,7 @@ or shared memory past a block's limit, and the FLOPs and bytes it prints agree w
 The compiles run in their own processes: tests/test_kernels.py interprets the kernels (TRITON_INTERPRET=1), and
 glm5f.triton_dsa is imported once per process."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -11,9 +12,13 @@ import sys
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
+# Triton is not imported here: it reads TRITON_INTERPRET when first imported, and tests/test_kernels.py sets it
+# when it is collected (after this module); an import here would leave its kernels compiled, not interpreted.
+TRITON = importlib.util.find_spec("triton")
+if TRITON is None:
+    pytest.skip("Triton is not installed", allow_module_level=True)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
+PTXAS = os.path.join(os.path.dirname(TRITON.origin), "backends", "nvidia", "bin", "ptxas-blackwell")
 if not os.path.exists(PTXAS):
     pytest.skip(f"no {PTXAS} (Triton's wheel ships it on Linux x86_64)", allow_module_level=True)
 
