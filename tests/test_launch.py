@@ -75,7 +75,8 @@ def test_ctrl_c_to_a_dp2_run_during_a_save_is_one_line_and_leaves_nothing_half_w
     ckpts = run / "checkpoints"
     assert sorted(os.listdir(ckpts)) == ["latest", "step_00000001", "step_00000002"]  # no .tmp-step_00000003
     assert all(checkpoint.verify(str(ckpts / n)) is None for n in ("step_00000001", "step_00000002"))
-    assert sorted(os.listdir(run)) == ["checkpoints", "config.yaml", "metrics.jsonl"]  # the lock released
+    # the lock released (tokenizer/: the run's tokenizer and template, written at its start)
+    assert sorted(os.listdir(run)) == ["checkpoints", "config.yaml", "metrics.jsonl", "tokenizer"]
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
     assert main(TINY + ["--train.steps", "3", "--checkpoint.dir", str(run), "--checkpoint.resume", "latest"]) == 0
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]

@@ -119,9 +119,9 @@ def _final_state(monkeypatch, argv):
     seen = {}
     real = train_module.export
 
-    def spy(cfg, model_cfg, params, adapters, layout, say):
+    def spy(cfg, model_cfg, params, adapters, *rest):
         seen.update(params=params, adapters=adapters)
-        return real(cfg, model_cfg, params, adapters, layout, say)
+        return real(cfg, model_cfg, params, adapters, *rest)
     monkeypatch.setattr(train_module, "export", spy)
     assert main(argv) == 0
     return seen["params"], seen["adapters"]
