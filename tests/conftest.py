@@ -95,6 +95,24 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
+def assert_grads_match(paths, grads, ref_grads, rtol: float = 1e-4, zero_atol: float | None = None) -> int:
+    """Each gradient within `rtol` relative of the reference's (with `zero_atol`, a zero reference gradient asks
+    for a gradient of norm <= zero_atol); the indexer's leaves get none on either side (the reference runs its
+    indexer under no_grad; so do we). Returns how many gradients were compared."""
+    checked = 0
+    for path, g, rg in zip(paths, grads, ref_grads):
+        if ".indexer." in path:
+            assert g is None and rg is None, path
+            continue
+        assert g is not None and rg is not None, path
+        if zero_atol is not None and rg.norm() == 0:
+            assert g.norm() <= zero_atol, path
+        else:
+            assert rel_err(g, rg) <= rtol, f"{path}: relative gradient error {rel_err(g, rg):.2e}"
+        checked += 1
+    return checked
+
+
 def with_grad(params: dict) -> dict:
     """A copy of params whose leaves require grad, all but the buffers (the router bias)."""
     return glm5f.params.map_with_path(
