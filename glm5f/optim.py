@@ -17,17 +17,18 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.utils import _pytree as pytree
 
 from glm5f.config import GLM5Config
-from glm5f.distributed import placements
+from glm5f.layers import LeafKind
 from glm5f.lora import is_adapter
 from glm5f.ops import wide_dtype
-from glm5f.parallel import full_tensor
+from glm5f.parallel import full_tensor, local_tensor
 from glm5f.params import flatten, leaf_kind, unflatten
 
 
@@ -143,6 +144,31 @@ def adamw_update(params: dict, grads: dict[str, torch.Tensor], state: dict, lr: 
 ADAMW_UPDATE_COPIES = 1
 
 
+class Held(NamedTuple):
+    """A trained leaf as one rank holds it, what `Optimizer.update_bytes` reads: its rule (`Optimizer.rule`), its
+    LeafKind, its whole shape, the shape of this rank's piece, and how its FSDP shards split it (`fsdp_split`)."""
+
+    rule: str
+    kind: LeafKind
+    shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    fsdp: tuple[int | None, int]
+
+    @property
+    def local(self) -> int:
+        return math.prod(self.local_shape)
+
+
+def fsdp_split(t: torch.Tensor) -> tuple[int | None, int]:
+    """(the dim a leaf's FSDP shards split, None if they do not; the ranks of its FSDP group): its placement on
+    its mesh's first dim, "fsdp" (every rank), or "edp" for routed experts (the ranks sharing one copy of an EP
+    rank's experts; `distributed.placements`). A plain tensor: (None, 1)."""
+    if not isinstance(t, DTensor):
+        return None, 1
+    first = t.placements[0]
+    return (first.dim if isinstance(first, Shard) else None), t.device_mesh.size(0)
+
+
 @dataclass(frozen=True)
 class Optimizer:
     """An optimizer as pure functions over the params tree (optax's `GradientTransformation`, updating in place as
@@ -152,15 +178,15 @@ class Optimizer:
     it whole, resharded like the params). update(params, grads, state, lr) -> (params, state): one step.
     state_bytes(rule, n, itemsize): the state of a leaf of `n` elements under its `leaf_rule`, in bytes, its
     moments `itemsize` bytes an element. update_bytes(leaves, itemsize): the most the update holds beyond params,
-    gradients and state, for the trained leaves [(rule, elements this rank holds, elements of what it
-    orthogonalises whole)]. takes: the `LeafKind.optim` labels whose leaves get the rule `name`. meta: what a
-    checkpoint records of the state (a resume checks it)."""
+    gradients and state, for the trained leaves as this rank holds them (a list of `Held`). takes: the
+    `LeafKind.optim` labels whose leaves get the rule `name`. meta: what a checkpoint records of the state (a
+    resume checks it)."""
 
     name: str
     init: Callable[[dict, list[str]], dict]
     update: Callable[[dict, dict, dict, float], tuple[dict, dict]]
     state_bytes: Callable[[str, int, int], int]
-    update_bytes: Callable[[list[tuple[str, int, int]], int], int]
+    update_bytes: Callable[[list[Held], int], int]
     takes: tuple[str, ...] = ()
     meta: dict = field(default_factory=dict)
 
@@ -176,7 +202,7 @@ def adamw(o=None, model_cfg: GLM5Config | None = None) -> Optimizer:
     return Optimizer(
         "adamw", init=adamw_init, update=lambda params, grads, state, lr: adamw_update(params, grads, state, lr, **hp),
         state_bytes=lambda rule, n, itemsize: 2 * n * itemsize,
-        update_bytes=lambda leaves, itemsize: ADAMW_UPDATE_COPIES * sum(n for _, n, _ in leaves) * itemsize,
+        update_bytes=lambda leaves, itemsize: ADAMW_UPDATE_COPIES * sum(leaf.local for leaf in leaves) * itemsize,
         meta={"name": "adamw"})
 
 
@@ -205,14 +231,15 @@ def newton_schulz(x_NxRxC: torch.Tensor, steps: int = NS_STEPS, coefficients=NS_
 MUON_SPLITS = ("per_part", "per_head", "none")
 
 
-def muon_blocks(path: str, shape: tuple[int, ...], cfg: GLM5Config, split: str = "per_part") -> tuple[int, list[int]]:
-    """Muon Split of the leaf at `path` (its last two dims a matrix [rows, cols]; routed experts one matrix each):
-    (blocks along the rows, the rows of each part of a block). A leaf whose `LeafKind.parts` names its rows'
-    parts: "per_part" cuts it per head (rows of axis "heads") and each head into those parts (q_b_proj: each
-    head's no-RoPE and RoPE rows; kv_b_proj: each head's key and value rows; kv_a_proj_with_mqa: the latent and
-    the shared RoPE key); "per_head" per head only (kv_a_proj_with_mqa whole); "none" whole. Any other leaf is
-    whole."""
-    kind, rows = leaf_kind(path), shape[-2]
+def muon_blocks(path: str | LeafKind, shape: tuple[int, ...], cfg: GLM5Config,
+                split: str = "per_part") -> tuple[int, list[int]]:
+    """Muon Split of the leaf at `path` (or of its LeafKind; its last two dims a matrix [rows, cols]; routed
+    experts one matrix each): (blocks along the rows, the rows of each part of a block). A leaf whose
+    `LeafKind.parts` names its rows' parts: "per_part" cuts it per head (rows of axis "heads") and each head into
+    those parts (q_b_proj: each head's no-RoPE and RoPE rows; kv_b_proj: each head's key and value rows;
+    kv_a_proj_with_mqa: the latent and the shared RoPE key); "per_head" per head only (kv_a_proj_with_mqa whole);
+    "none" whole. Any other leaf is whole."""
+    kind, rows = leaf_kind(path) if isinstance(path, str) else path, shape[-2]
     if split not in MUON_SPLITS:
         raise ValueError(f"--optim.muon_split must be one of {', '.join(MUON_SPLITS)}, found {split!r}")
     if split == "none" or not kind.parts:
@@ -220,18 +247,25 @@ def muon_blocks(path: str, shape: tuple[int, ...], cfg: GLM5Config, split: str =
     heads = cfg.num_attention_heads if kind.axes[-2] == "heads" else 1
     parts = [getattr(cfg, name) for name in kind.parts]
     if heads * sum(parts) != rows:
-        raise ValueError(f"{path}: {rows} rows do not split into {heads} blocks of {' + '.join(kind.parts)} = "
-                         f"{sum(parts)} rows; fix its LeafKind.parts in params.LEAF_KINDS")
+        raise ValueError(f"{path if isinstance(path, str) else kind}: {rows} rows do not split into {heads} blocks "
+                         f"of {' + '.join(kind.parts)} = {sum(parts)} rows; fix its LeafKind.parts in "
+                         f"params.LEAF_KINDS")
     return heads, [rows // heads] if split == "per_head" else parts
 
 
 def orthogonalised(u: torch.Tensor, path: str, cfg: GLM5Config, split: str = "per_part", steps: int = NS_STEPS,
                    coefficients=NS_COEFFICIENTS, eps: float = NS_EPS) -> torch.Tensor:
     """Muon's update of the leaf at `path` from its momentum `u` (whole matrices: [rows, cols], or experts
-    [E, rows, cols]): each block of `muon_blocks` orthogonalised apart (all blocks of one part shape in one batched
+    [E, rows, cols]): each block of `muon_blocks` orthogonalised apart (`orthogonalise_blocks`)."""
+    return orthogonalise_blocks(u, muon_blocks(path, tuple(u.shape), cfg, split)[1], steps, coefficients, eps)
+
+
+def orthogonalise_blocks(u: torch.Tensor, parts: list[int], steps: int = NS_STEPS, coefficients=NS_COEFFICIENTS,
+                         eps: float = NS_EPS) -> torch.Tensor:
+    """Muon's update of `u` [..., rows, cols], its rows whole blocks of sum(parts) rows (a whole leaf, or the whole
+    heads of a shard): each part of each block orthogonalised apart (all blocks' part of one shape in one batched
     iteration) and scaled by 0.2 sqrt(max(its rows, cols)), the RMS of an AdamW update (Moonlight's rule)."""
-    blocks, parts = muon_blocks(path, tuple(u.shape), cfg, split)
-    x_NxRxC = u.reshape(-1, u.shape[-2] // blocks, u.shape[-1])  # every block of every matrix
+    x_NxRxC = u.reshape(-1, sum(parts), u.shape[-1])  # every block of every matrix
     out_NxRxC = torch.empty_like(x_NxRxC)
     start = 0
     for n in parts:
@@ -241,29 +275,105 @@ def orthogonalised(u: torch.Tensor, path: str, cfg: GLM5Config, split: str = "pe
     return out_NxRxC.reshape(u.shape)
 
 
-def whole_matrices(u: torch.Tensor, path: str) -> torch.Tensor:
-    """The whole matrices of a leaf for Newton-Schulz: under FSDP its shards gathered (collective), a routed
-    expert leaf over its EP group's other ranks only (each EP rank keeps its own experts); a plain tensor as it
-    is."""
-    if not isinstance(u, DTensor):
-        return u
-    return u.redistribute(u.device_mesh, placements(leaf_kind(path).axes)[2]).to_local()
+# ---- Muon under FSDP / EP: each matrix orthogonalised whole, on one rank --------------------------------------------
+
+class Cut(NamedTuple):
+    """How the FSDP ranks of a Muon leaf cut each of its matrices: matrix dim `dim` (-2 rows, -1 columns), rank r
+    holding sizes[r] of it (DTensor's rule: ceil-sized pieces in rank order, the last ones short or empty)."""
+
+    dim: int
+    sizes: tuple[int, ...]
 
 
-def shard_like(whole: torch.Tensor, like: torch.Tensor, path: str) -> torch.Tensor:
-    """`whole_matrices`' inverse: this rank's shard of `whole`, laid out as `like` (no communication)."""
-    if not isinstance(like, DTensor):
-        return whole
-    gathered = placements(leaf_kind(path).axes)[2]
-    return DTensor.from_local(whole, like.device_mesh, gathered, run_check=False).redistribute(
-        like.device_mesh, like.placements)
+def muon_cut(shape: tuple[int, ...], block_rows: int, dim: int | None, ranks: int) -> Cut | None:
+    """The Cut of a Muon leaf of `shape` (matrices [rows, cols] on its last two dims, each of blocks of
+    `block_rows` rows: `muon_blocks`) whose shards split dim `dim` over `ranks` ranks (None: not split); None where
+    each rank holds whole blocks and orthogonalises them itself, with no communication: one process, routed experts
+    split along the expert dim (EP), or rows split at block boundaries (whole heads of a Muon Split leaf)."""
+    if dim is None or ranks == 1 or dim < len(shape) - 2:
+        return None
+    pieces = [Shard.local_shard_size_and_offset(shape[dim], ranks, r) for r in range(ranks)]
+    if dim == len(shape) - 2 and all(n % block_rows == 0 and (n == 0 or at % block_rows == 0) for n, at in pieces):
+        return None
+    return Cut(dim - len(shape), tuple(n for n, _ in pieces))
+
+
+def muon_batches(leaves: list[tuple[object, int, int]]) -> list[list[int]]:
+    """The exchange batches of the cut Muon leaves [(key: the same for leaves of one matrix shape and cut,
+    matrices it holds, ranks cutting them)]: the leaves of one key in order, a batch closed once it holds as many
+    matrices as ranks (so each rank orthogonalises about one); lists of indices into `leaves`, the keys in order
+    of their first leaf. Every rank of a group computes the same batches."""
+    by_key: dict = {}
+    for i, (key, _, _) in enumerate(leaves):
+        by_key.setdefault(key, []).append(i)
+    batches = []
+    for indices in by_key.values():
+        batch, matrices = [], 0
+        for i in indices:
+            batch.append(i)
+            matrices += leaves[i][1]
+            if matrices >= leaves[i][2]:
+                batches.append(batch)
+                batch, matrices = [], 0
+        if batch:
+            batches.append(batch)
+    return batches
+
+
+def exchange_orthogonalised(shards: list[torch.Tensor], parts: list[tuple[int, ...]], cut: Cut, group,
+                            rank: int, first: int, ns: dict) -> list[torch.Tensor]:
+    """Muon's update of K matrices of one shape cut over the ranks of `group` as `cut` says, each orthogonalised
+    whole on one rank: matrix j on rank (first + j) % ranks (round robin). `shards`: this rank's piece [r, c] of
+    each, `parts`: each one's Muon Split parts. One all-to-all gives each owner every rank's piece of its matrices,
+    the owner orthogonalises them (those of one `parts` in one batched iteration, `orthogonalise_blocks`), a
+    second gives each rank its piece of every result. Returns this rank's pieces of the K updates."""
+    ranks, d, K = len(cut.sizes), cut.dim, len(shards)
+    owner = [(first + j) % ranks for j in range(K)]
+    mine = [j for j in range(K) if owner[j] == rank]
+    order = sorted(range(K), key=lambda j: owner[j])  # what this rank sends, grouped by destination
+    shape_of = [tuple(n if i == d % 2 else s for i, s in enumerate(shards[0].shape)) for n in cut.sizes]
+    numel = [math.prod(s) for s in shape_of]
+    held = [owner.count(r) for r in range(ranks)]
+    send = torch.cat([shards[j].reshape(-1) for j in order])
+    recv = send.new_empty(len(mine) * sum(numel))
+    dist.all_to_all_single(recv, send, [len(mine) * n for n in numel], [h * numel[rank] for h in held], group=group)
+    del send
+    from_rank = recv.split([len(mine) * n for n in numel])
+    result = {}
+    for p in dict.fromkeys(parts[j] for j in mine):  # the owned matrices of one Muon Split in one iteration
+        ks = [k for k, j in enumerate(mine) if parts[j] == p]
+        x_KxRxC = recv.new_empty(len(ks), *shards[0].shape[:d % 2], sum(cut.sizes), *shards[0].shape[d % 2 + 1:])
+        for i, k in enumerate(ks):  # matrix k's pieces from every rank, joined whole
+            torch.cat([from_rank[r][k * numel[r]:(k + 1) * numel[r]].view(shape_of[r]) for r in range(ranks)], dim=d,
+                      out=x_KxRxC[i])
+        result.update(zip((mine[k] for k in ks), orthogonalise_blocks(x_KxRxC, list(p), **ns).unbind(0)))
+        del x_KxRxC
+    del recv, from_rank
+    offsets = [sum(cut.sizes[:r]) for r in range(ranks)]
+    back = torch.cat([result[j].narrow(d, offsets[r], cut.sizes[r]).reshape(-1) for r in range(ranks) for j in mine]
+                     or [shards[0].new_empty(0)])
+    del result
+    got = back.new_empty(K * numel[rank])
+    dist.all_to_all_single(got, back, [h * numel[rank] for h in held], [len(mine) * n for n in numel], group=group)
+    out = [None] * K
+    for i, j in enumerate(order):
+        out[j] = got[i * numel[rank]:(i + 1) * numel[rank]].view(shards[0].shape)
+    return out
 
 
 def muon(o, model_cfg: GLM5Config) -> Optimizer:
     """Muon on the leaves labelled "hidden" (their momentum one tensor a leaf, fp32, sharded like the leaf), AdamW
-    (--optim's b1, b2, eps) on the other trained leaves; the same learning rate and decoupled weight decay."""
+    (--optim's b1, b2, eps) on the other trained leaves; the same learning rate and decoupled weight decay.
+
+    Under FSDP / EP each matrix (or Muon Split block) is orthogonalised once, on one rank: a rank holding whole
+    blocks (its EP experts, whole heads) orthogonalises its own with no communication (`muon_cut`); the other
+    leaves go in batches of one matrix shape (`muon_batches`), each matrix orthogonalised whole by one rank of its
+    FSDP group and sent back in pieces (`exchange_orthogonalised`)."""
     takes, hp = ("hidden",), dict(b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay)
-    ns = dict(split=o.muon_split, steps=o.ns_steps, coefficients=tuple(o.ns_coefficients))
+    ns = dict(steps=o.ns_steps, coefficients=tuple(o.ns_coefficients))
+
+    def parts_of(path: str | LeafKind, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(muon_blocks(path, shape, model_cfg, o.muon_split)[1])
 
     def init(params: dict, paths: list[str]) -> dict:
         flat = flatten(params)
@@ -274,29 +384,71 @@ def muon(o, model_cfg: GLM5Config) -> Optimizer:
 
     def update(params: dict, grads: dict, state: dict, lr: float) -> tuple[dict, dict]:
         params, adam = adamw_update(params, grads, {k: state[k] for k in ("count", "mu", "nu")}, lr, **hp)
-        flat = flatten(params)
-        for path, m in state["momentum"].items():  # leaf by leaf: one leaf's whole matrices alive at a time
-            p, g = flat[path], grads[path].to(m.dtype)
-            m.mul_(o.muon_momentum).add_(g)  # a running sum (torch.optim.Muon keeps (1 - momentum) times it)
-            u = g.add(m, alpha=o.muon_momentum) if o.muon_nesterov else m
-            step = shard_like(orthogonalised(whole_matrices(u, path), path, model_cfg, **ns), u, path)
-            del u
-            p32 = p.to(m.dtype)
+        flat, momentum = flatten(params), state["momentum"]
+
+        def look_ahead(path: str) -> torch.Tensor:  # this rank's piece of the Nesterov momentum; m updated in place
+            m, g = local_tensor(momentum[path]), local_tensor(grads[path])
+            m.mul_(o.muon_momentum).add_(g.to(m.dtype))  # a running sum (torch.optim.Muon keeps (1 - momentum) m)
+            return g.to(m.dtype).add(m, alpha=o.muon_momentum) if o.muon_nesterov else m
+
+        def apply(path: str, step: torch.Tensor) -> None:
+            p = local_tensor(flat[path])
+            p32 = p.to(step.dtype)
             p32.mul_(1 - lr * o.weight_decay).add_(step, alpha=-lr)
             if p32 is not p:
                 p.copy_(p32)
-        return params, {**adam, "momentum": state["momentum"]}
+
+        exchanged = []  # (path, Cut, matrices this rank holds) of the leaves whose matrices are cut over ranks
+        for path, m in momentum.items():
+            parts = parts_of(path, tuple(m.shape))
+            cut = muon_cut(tuple(m.shape), sum(parts), *fsdp_split(m))
+            if cut is None:  # whole blocks here: leaf by leaf, no communication
+                apply(path, orthogonalise_blocks(look_ahead(path), list(parts), **ns))
+            else:
+                exchanged.append((path, cut, math.prod(local_tensor(m).shape[:-2])))
+        keys = [((momentum[p].device_mesh.mesh_dim_names, cut, tuple(momentum[p].shape[-2:]), momentum[p].dtype), n,
+                 len(cut.sizes)) for p, cut, n in exchanged]
+        turn = 0  # the rank owning the next matrix (round robin over the batches)
+        for batch in muon_batches(keys):
+            leaves = [exchanged[i] for i in batch]
+            cut, mesh = leaves[0][1], momentum[leaves[0][0]].device_mesh
+            pieces = []  # this rank's piece of each matrix of the batch
+            for p, _, _ in leaves:
+                u = look_ahead(p)
+                pieces += u.reshape(-1, *u.shape[-2:]).unbind(0)
+            del u
+            parts = [parts_of(p, tuple(momentum[p].shape)) for p, _, n in leaves for _ in range(n)]
+            steps = exchange_orthogonalised(pieces, parts, cut, mesh.get_group(0), mesh.get_local_rank(0),
+                                            turn % len(cut.sizes), ns)
+            del pieces
+            turn += len(steps)
+            for p, _, n in leaves:
+                apply(p, torch.stack(steps[:n]).reshape(local_tensor(momentum[p]).shape))
+                del steps[:n]
+        return params, {**adam, "momentum": momentum}
 
     def state_bytes(rule: str, n: int, itemsize: int) -> int:
         return (1 if rule == "muon" else 2) * n * itemsize
 
-    def update_bytes(leaves: list[tuple[str, int, int]], itemsize: int) -> int:
-        # AdamW's list first; then one Muon leaf at a time: its Nesterov momentum, the whole matrices, inside
-        # Newton-Schulz the normalised and the next iterate with A and bA + cAA (each at most a whole leaf), the
-        # scaled result and its shard
-        adam = ADAMW_UPDATE_COPIES * sum(n for rule, n, _ in leaves if rule != "muon")
-        own = max((2 * n + 6 * whole for rule, n, whole in leaves if rule == "muon"), default=0)
-        return max(adam, own) * itemsize
+    def update_bytes(leaves: list[Held], itemsize: int) -> int:
+        # AdamW's list first; then each Muon leaf whose rank holds whole blocks, one at a time: its Nesterov
+        # momentum and the momentum's copy, inside Newton-Schulz the normalised and the next iterate with A and
+        # bA + cAA, the result and its scaled copy (each at most the leaf's piece); then each exchange batch: its
+        # pieces of the Nesterov momentum and the buffer sending them (or the pieces coming back), the matrices
+        # this rank owns whole (received, joined, Newton-Schulz's as above, the result and the buffer sending it)
+        adam = ADAMW_UPDATE_COPIES * sum(leaf.local for leaf in leaves if leaf.rule != "muon")
+        most, exchanged = [adam], []  # (key, matrices held, ranks, elements held, elements of one matrix)
+        for leaf in leaves:
+            cut = leaf.rule == "muon" and muon_cut(leaf.shape, sum(parts_of(leaf.kind, leaf.shape)), *leaf.fsdp)
+            if leaf.rule == "muon" and cut is None:
+                most.append(8 * leaf.local)
+            elif cut:
+                exchanged.append(((cut, leaf.shape[-2:]), math.prod(leaf.local_shape[:-2]), len(cut.sizes),
+                                  leaf.local, math.prod(leaf.shape[-2:])))
+        for batch in muon_batches([x[:3] for x in exchanged]):
+            owned = -(-sum(exchanged[i][1] for i in batch) // exchanged[batch[0]][2]) * exchanged[batch[0]][4]
+            most.append(2 * sum(exchanged[i][3] for i in batch) + 7 * owned)
+        return max(most) * itemsize
 
     return Optimizer("muon", init, update, state_bytes, update_bytes, takes,
                      meta={"name": "muon", "momentum": "sum",

@@ -6,9 +6,9 @@ activations, from shapes and the run's sharding rules alone (nothing is allocate
 What it models is what the code does: `micro_loss` gathers the embedding, final norm, head and MTP layers once per
 micro-batch and each decoder layer as it runs; with activation checkpointing a layer's gathered weights are freed
 after its forward and gathered again for its backward, without it autograd keeps them all; AdamW updates in place
-with one temporary list (`ADAMW_UPDATE_COPIES`), Muon one leaf's whole matrices at a time (the optimizer says:
-`optim.Optimizer.state_bytes` and `update_bytes`); what autograd keeps for the backward is traced from the layers
-themselves (see "activations"). B rows and S queries of this rank, T keys (the whole sequence).
+with one temporary list (`ADAMW_UPDATE_COPIES`), Muon one leaf or one exchange batch of matrices at a time (the
+optimizer says: `optim.Optimizer.state_bytes` and `update_bytes`); what autograd keeps for the backward is traced
+from the layers themselves (see "activations"). B rows and S queries of this rank, T keys (the whole sequence).
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from glm5f.config import GLM5Config
 from glm5f.distributed import cp_positions, mesh_shapes, placements
 from glm5f.env import make_env
-from glm5f.layers import kinds, layer_spec
+from glm5f.layers import LeafKind, kinds, layer_spec
 from glm5f.loss import head_chunk_rows, head_loss_sum, shift_labels
 from glm5f.model import decoder_layer, main_head
 from glm5f.ops import wide_dtype
-from glm5f.optim import ADAMW_UPDATE_COPIES, Optimizer, adamw, leaf_rule, make_optimizer
+from glm5f.optim import ADAMW_UPDATE_COPIES, Held, Optimizer, adamw, leaf_rule, make_optimizer
 from glm5f.lora import DEFAULT_TARGETS, LoraSpec, adapter_shapes, is_adapter
 from glm5f.parallel import Layout
 from glm5f.params import Leaf, abstract_params, flatten, leaf_dtype, leaf_kind, map_with_path, param_layout
@@ -107,13 +107,13 @@ def mesh_coords(rank: int, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def leaf_groups(cfg: GLM5Config, lora: LoraSpec | None = None) -> Counter:
-    """Counter of (shape, logical axes, stays fp32, trained, base, unit) -> how many leaves: the plan's unit of
-    work (a few dozen groups for the full GLM-5, whose 78 layers repeat the same shapes). trained: the leaf's
+    """Counter of (shape, logical axes, stays fp32, trained, base, parts, unit) -> how many leaves: the plan's unit
+    of work (a few dozen groups for the full GLM-5, whose 78 layers repeat the same shapes). trained: the leaf's
     `LeafKind.optim` label where it is trained (which optimizer rule it gets), "" where not. base: a leaf of a LoRA
     run's frozen base (stored in --lora.base_dtype, never trained); with `lora` its adapters are leaves too (the
-    trained ones). unit is what the leaf is gathered with: None for the leaves gathered once per micro-batch
-    (embedding, final norm, head, MTP layers), else (kind, n) for a decoder layer of one of the n layers sharing
-    that kind's leaves (`apply` gathers one at a time).
+    trained ones). parts: its `LeafKind.parts` (Muon Split). unit is what the leaf is gathered with: None for the
+    leaves gathered once per micro-batch (embedding, final norm, head, MTP layers), else (kind, n) for a decoder
+    layer of one of the n layers sharing that kind's leaves (`apply` gathers one at a time).
     """
     layers: dict[int, list] = {}
     groups = Counter()
@@ -125,7 +125,7 @@ def leaf_groups(cfg: GLM5Config, lora: LoraSpec | None = None) -> Counter:
         kind = leaf_kind(path)
         base = lora is not None and not is_adapter(path)
         trained = kind.optim if not base and leaf_rule(path, len(shape)) in ("decay", "no_decay") else ""
-        key = (shape, kind.axes, kind.fp32, trained, base)  # fp32: stays fp32 whatever the compute dtype
+        key = (shape, kind.axes, kind.fp32, trained, base, kind.parts)  # fp32: stays fp32 whatever the dtype
         parts = path.split(".")
         if parts[:2] == ["model", "layers"] and int(parts[2]) < cfg.num_hidden_layers:
             layers.setdefault(int(parts[2]), []).append(key)
@@ -156,17 +156,18 @@ def state_bytes(cfg: GLM5Config, run: RunShape, rank: int = 0, groups: Counter |
     optimizer = optimizer or adamw()
     out = dict(params=0, trained=0, optimizer=0, update=0, gathered=0, gathered_once=0, largest_layer_gathered=0,
                largest_gathered=0)
-    updated = []  # (rule, elements held, elements gathered) of each trained leaf, for the optimizer's update
+    updated = []  # each trained leaf as this rank holds it (`optim.Held`), for the optimizer's update
     per_layer = Counter()
     stored_base = getattr(torch, run.base_dtype) if run.lora_rank and run.base_dtype else master
-    for (shape, axes, fp32, trained, base, unit), count in groups.items():
+    for (shape, axes, fp32, trained, base, parts, unit), count in groups.items():
         mesh, stored, gathered, _ = placements(axes)
         if run.world > 1:
             coords = mesh_coords(rank, shapes[mesh])
-            local = math.prod(local_shape(shape, stored, shapes[mesh], coords))
+            held = local_shape(shape, stored, shapes[mesh], coords)
             full = math.prod(local_shape(shape, gathered, shapes[mesh], coords))
         else:
-            local = full = math.prod(shape)
+            held, full = shape, math.prod(shape)
+        local = math.prod(held)
         w_bytes = (wide_dtype(weight) if fp32 else weight).itemsize
         stored_dtype = stored_base if base else master
         out["params"] += count * local * (wide_dtype(stored_dtype) if fp32 else stored_dtype).itemsize
@@ -174,7 +175,8 @@ def state_bytes(cfg: GLM5Config, run: RunShape, rank: int = 0, groups: Counter |
         if trained:
             rule = optimizer.name if trained in optimizer.takes else "decay"
             out["optimizer"] += count * optimizer.state_bytes(rule, local, master.itemsize)
-            updated += [(rule, local, full)] * count
+            fsdp = (stored[0].dim if isinstance(stored[0], Shard) else None, shapes[mesh][0])
+            updated += [Held(rule, LeafKind(axes, fp32, trained, parts), shape, held, fsdp)] * count
         entering = torch.promote_types(stored_dtype, weight) if run.reduce_dtype else stored_dtype  # micro_loss's
         copy = run.world > 1 or w_bytes != (wide_dtype(entering) if fp32 else entering).itemsize
         out["gathered"] += count * full * w_bytes * copy

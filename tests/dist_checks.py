@@ -282,3 +282,54 @@ def lora_fingerprint_check(dp_shard: int, ep: int, out_path: str) -> None:
     if layout.is_main:
         with open(out_path, "w") as f:
             f.write(found)
+
+
+def muon_once_check(dp_shard: int, ep: int, split: str, out_path: str) -> None:
+    """Two Muon steps on glm5-tiny's Muon leaves (fp64, random gradients) stored dp_shard x ep, and the same two
+    steps in one process (every rank runs it): rank 0 writes each rank's largest |difference| of params and momentum
+    from the one-process ones, how many blocks its Newton-Schulz calls took (and one process's), and how many
+    elements it passed to all_to_all_single."""
+    import json
+
+    from configs import OptimConfig
+    from glm5f import optim
+    from glm5f.params import flatten, map_with_path, unflatten
+
+    layout = DistLayout(dp_shard, 1, ep, init_process(torch.device("cpu")))
+    cfg = glm5f.preset("glm5-tiny")
+    opt = optim.make_optimizer(OptimConfig(name="muon", muon_split=split), cfg)
+    full = glm5f.init_params(cfg, 0, dtype=torch.float64)
+    paths = [p for p, t in flatten(full).items() if opt.rule(p, t.ndim) == "muon"]
+    gen = torch.Generator().manual_seed(1)
+    grads = [map_with_path(lambda p, t: torch.randn(t.shape, generator=gen, dtype=t.dtype), full) for _ in range(2)]
+    blocks, sent = [0], [0]
+    real_ns, real_a2a = optim.newton_schulz, dist.all_to_all_single
+
+    def counting_ns(x, *args, **kwargs):
+        blocks[0] += x.shape[0]
+        return real_ns(x, *args, **kwargs)
+
+    def counting_a2a(output, input, *args, **kwargs):
+        sent[0] += input.numel()
+        return real_a2a(output, input, *args, **kwargs)
+    optim.newton_schulz, dist.all_to_all_single = counting_ns, counting_a2a
+    ref = map_with_path(lambda p, t: t.clone(), full)
+    ref_state = opt.init(ref, paths)
+    for g in grads:
+        ref, ref_state = opt.update(ref, {p: t for p, t in flatten(g).items() if p in paths}, ref_state, 0.01)
+    one_process = blocks[0]
+    blocks[0] = sent[0] = 0
+    params = layout.shard_params(full)
+    state = opt.init(params, paths)
+    for g in grads:
+        sharded = flatten(layout.shard_params(unflatten(flatten(g), full)))
+        params, state = opt.update(params, {p: sharded[p] for p in paths}, state, 0.01)
+    got, want = flatten({"p": params, "m": state["momentum"]}), flatten({"p": ref, "m": ref_state["momentum"]})
+    diff = max(float((full_tensor(got[k]) - want[k]).abs().max()) for k in want)
+    moved = min(float((flatten(ref)[p] - flatten(full)[p]).abs().max()) for p in paths)
+    found = [None] * layout.world
+    dist.all_gather_object(found, {"diff": diff, "moved": moved, "blocks": blocks[0], "sent": sent[0],
+                                   "one_process_blocks": one_process})
+    if layout.is_main:
+        with open(out_path, "w") as f:
+            json.dump(found, f)

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.optim._muon as torch_muon
 
+import dist_checks
 import glm5f
 from configs import OptimConfig
 from conftest import cli
@@ -264,3 +265,50 @@ def test_layouts_with_muon_equal_one_process_in_float64(tmp_path):
     assert align(["--steps", "4", "--layouts", "dp2", "ep2", "cp2", "cp2-ep2", "--out", str(tmp_path),
                   "--tolerance", "1e-9", "--extra", "--model.preset", "glm5-tiny", "--data.seq_len", "64",
                   "--train.dtype", "float64", "--optim.name", "muon", "--optim.warmup_steps", "1"]) == 0
+
+
+MUON_TINY = {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "mlp.gate_proj", "mlp.up_proj",
+             "mlp.down_proj", "experts.gate_proj", "experts.up_proj", "experts.down_proj", "shared_experts.gate_proj",
+             "shared_experts.up_proj", "shared_experts.down_proj"}  # glm5-tiny's Muon leaves (3 layers, 8 experts)
+HEADS_WHOLE = {"q_b_proj", "kv_b_proj"}  # Muon Split per head: whole heads on a rank when 4 heads split evenly
+EXPERTS = {"experts.gate_proj", "experts.up_proj", "experts.down_proj"}
+
+
+@pytest.mark.parametrize("world, ep, split, exchanged", [
+    (2, 1, "per_part", MUON_TINY - HEADS_WHOLE),  # 2 heads a rank; experts' rows split over the 2 (edp 2)
+    (2, 1, "none", MUON_TINY),  # q_b_proj / kv_b_proj whole matrices: 2 heads a rank are half of one
+    (2, 2, "per_part", MUON_TINY - HEADS_WHOLE - EXPERTS),  # each EP rank holds its 4 experts whole (edp 1)
+    (3, 1, "per_part", MUON_TINY),  # 96 and 128 rows over 3 ranks: no rank holds whole heads
+    (4, 2, "per_part", MUON_TINY - HEADS_WHOLE),  # a head a rank; experts over the 2 ranks of each edp group
+], ids=["dp2", "dp2-unsplit", "ep2", "dp3", "dp4-ep2"])
+def test_each_block_is_orthogonalised_on_one_rank(world, ep, split, exchanged, tmp_path):
+    """Under FSDP / EP each Muon matrix (Muon Split block) is orthogonalised on exactly one rank: over all ranks
+    Newton-Schulz takes as many blocks as in one process, and the params and momentum equal one process's in fp64
+    (two steps). Whole heads and EP experts are orthogonalised where they lie, with no communication: all-to-all
+    moves exactly the leaves written out here, each element once to its owner and once back."""
+    from glm5f.distributed import spawn
+
+    spawn(dist_checks.muon_once_check, world, world, ep, split, str(tmp_path / "out.json"))
+    ranks = json.loads((tmp_path / "out.json").read_text())
+    shapes = flatten(glm5f.abstract_params(TINY))
+    moved = sum(t.numel() for p, t in shapes.items() if p.endswith(".weight") and
+                any(p.endswith(f".{name}.weight") for name in exchanged))
+    assert all(r["diff"] <= 1e-12 and r["moved"] > 1e-4 for r in ranks), ranks
+    assert sum(r["blocks"] for r in ranks) == ranks[0]["one_process_blocks"], ranks
+    assert all(0 < r["blocks"] < ranks[0]["one_process_blocks"] for r in ranks), ranks
+    assert sum(r["sent"] for r in ranks) == 2 * 2 * moved, (ranks, moved)  # two steps, there and back
+
+
+@pytest.mark.parametrize("world, heads, rows, block, dim, cut", [
+    (2, 4, 96, 24, 0, None),  # two whole heads a rank
+    (3, 4, 96, 24, 0, (-2, (32, 32, 32))),  # 32 rows a rank: a head and a third
+    (4, 4, 128, 32, 1, (-1, (8, 8, 8, 8))),  # columns split: no matrix whole
+    (2, 1, 40, 40, 0, (-2, (20, 20))),  # one block (kv_a_proj_with_mqa, q_a_proj, ...) cut in two
+    (5, 4, 96, 24, 0, (-2, (20, 20, 20, 20, 16))),  # uneven: the last piece short
+    (1, 4, 96, 24, 0, None),  # one rank
+])
+def test_muon_cut(world, heads, rows, block, dim, cut):
+    """Which Muon leaves each rank orthogonalises itself (None) and how the others are cut, DTensor's pieces."""
+    from glm5f.optim import Cut, muon_cut
+    assert muon_cut((rows, 32), block, dim, world) == (None if cut is None else Cut(*cut))
+    assert muon_cut((8, rows, 32), block, 0, world) is None  # routed experts split along the expert dim (EP)
