@@ -327,9 +327,18 @@ def muon_once_check(dp_shard: int, ep: int, split: str, out_path: str) -> None:
     got, want = flatten({"p": params, "m": state["momentum"]}), flatten({"p": ref, "m": ref_state["momentum"]})
     diff = max(float((full_tensor(got[k]) - want[k]).abs().max()) for k in want)
     moved = min(float((flatten(ref)[p] - flatten(full)[p]).abs().max()) for p in paths)
+    counted = {"blocks": blocks[0], "sent": sent[0], "one_process_blocks": one_process}
+    # uneven pieces: world + 1 matrices of 2 rows cut over every rank (1, 1, then empty pieces past 2 ranks)
+    mats = [torch.randn(2, 16, generator=gen, dtype=torch.float64) for _ in range(layout.world + 1)]
+    cut = optim.muon_cut((2, 16), 2, 0, layout.world)
+    at = sum(cut.sizes[:layout.rank])
+    pieces = [m[at:at + cut.sizes[layout.rank]] for m in mats]
+    steps = optim.exchange_orthogonalised(pieces, [(2,)] * len(mats), cut, layout.meshes["fsdp"].get_group(0),
+                                          layout.rank, 1, {})
+    uneven = sum(float((s - optim.orthogonalise_blocks(m, [2])[at:at + len(s)]).abs().sum())  # empty: 0
+                 for s, m in zip(steps, mats))
     found = [None] * layout.world
-    dist.all_gather_object(found, {"diff": diff, "moved": moved, "blocks": blocks[0], "sent": sent[0],
-                                   "one_process_blocks": one_process})
+    dist.all_gather_object(found, {"diff": diff, "moved": moved, "uneven": uneven, "cut": cut.sizes, **counted})
     if layout.is_main:
         with open(out_path, "w") as f:
             json.dump(found, f)
