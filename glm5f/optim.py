@@ -320,21 +320,23 @@ def muon_batches(leaves: list[tuple[object, int, int]]) -> list[list[int]]:
     return batches
 
 
-def exchange_orthogonalised(shards: list[torch.Tensor], parts: list[tuple[int, ...]], cut: Cut, group,
-                            rank: int, first: int, ns: dict) -> list[torch.Tensor]:
+def exchange_orthogonalised(pieces: list[torch.Tensor], parts: list[tuple[int, ...]], cut: Cut, group, rank: int,
+                            first: int, ns: dict) -> list[torch.Tensor]:
     """Muon's update of K matrices of one shape cut over the ranks of `group` as `cut` says, each orthogonalised
-    whole on one rank: matrix j on rank (first + j) % ranks (round robin). `shards`: this rank's piece [r, c] of
-    each, `parts`: each one's Muon Split parts. One all-to-all gives each owner every rank's piece of its matrices,
-    the owner orthogonalises them (those of one `parts` in one batched iteration, `orthogonalise_blocks`), a
-    second gives each rank its piece of every result. Returns this rank's pieces of the K updates."""
-    ranks, d, K = len(cut.sizes), cut.dim, len(shards)
+    whole on one rank: matrix j on rank (first + j) % ranks (round robin). `pieces`: this rank's piece of each,
+    `parts`: each one's Muon Split parts. One all-to-all gives each owner every rank's piece of its matrices, the
+    owner orthogonalises them (those of one `parts` in one batched iteration, `orthogonalise_blocks`), a second
+    gives each rank its piece of every result. Returns this rank's pieces of the K updates."""
+    ranks, d, K = len(cut.sizes), cut.dim, len(pieces)
     owner = [(first + j) % ranks for j in range(K)]
     mine = [j for j in range(K) if owner[j] == rank]
     order = sorted(range(K), key=lambda j: owner[j])  # what this rank sends, grouped by destination
-    shape_of = [tuple(n if i == d % 2 else s for i, s in enumerate(shards[0].shape)) for n in cut.sizes]
-    numel = [math.prod(s) for s in shape_of]
     held = [owner.count(r) for r in range(ranks)]
-    send = torch.cat([shards[j].reshape(-1) for j in order])
+
+    def cut_to(n: int) -> tuple[int, ...]:  # the shape of a matrix with n of its cut dim
+        return tuple(n if i == d % 2 else s for i, s in enumerate(pieces[0].shape))
+    numel = [math.prod(cut_to(n)) for n in cut.sizes]
+    send = torch.cat([pieces[j].reshape(-1) for j in order])
     recv = send.new_empty(len(mine) * sum(numel))
     dist.all_to_all_single(recv, send, [len(mine) * n for n in numel], [h * numel[rank] for h in held], group=group)
     del send
@@ -342,22 +344,22 @@ def exchange_orthogonalised(shards: list[torch.Tensor], parts: list[tuple[int, .
     result = {}
     for p in dict.fromkeys(parts[j] for j in mine):  # the owned matrices of one Muon Split in one iteration
         ks = [k for k, j in enumerate(mine) if parts[j] == p]
-        x_KxRxC = recv.new_empty(len(ks), *shards[0].shape[:d % 2], sum(cut.sizes), *shards[0].shape[d % 2 + 1:])
+        x_KxRxC = recv.new_empty(len(ks), *cut_to(sum(cut.sizes)))
         for i, k in enumerate(ks):  # matrix k's pieces from every rank, joined whole
-            torch.cat([from_rank[r][k * numel[r]:(k + 1) * numel[r]].view(shape_of[r]) for r in range(ranks)], dim=d,
-                      out=x_KxRxC[i])
+            torch.cat([from_rank[r][k * numel[r]:(k + 1) * numel[r]].view(cut_to(n)) for r, n in enumerate(cut.sizes)],
+                      dim=d, out=x_KxRxC[i])
         result.update(zip((mine[k] for k in ks), orthogonalise_blocks(x_KxRxC, list(p), **ns).unbind(0)))
         del x_KxRxC
     del recv, from_rank
     offsets = [sum(cut.sizes[:r]) for r in range(ranks)]
     back = torch.cat([result[j].narrow(d, offsets[r], cut.sizes[r]).reshape(-1) for r in range(ranks) for j in mine]
-                     or [shards[0].new_empty(0)])
+                     or [pieces[0].new_empty(0)])
     del result
     got = back.new_empty(K * numel[rank])
     dist.all_to_all_single(got, back, [h * numel[rank] for h in held], [len(mine) * n for n in numel], group=group)
     out = [None] * K
     for i, j in enumerate(order):
-        out[j] = got[i * numel[rank]:(i + 1) * numel[rank]].view(shards[0].shape)
+        out[j] = got[i * numel[rank]:(i + 1) * numel[rank]].view(pieces[0].shape)
     return out
 
 
