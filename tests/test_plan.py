@@ -167,7 +167,8 @@ MEASURE = ["--model.preset", "glm5-scaled-moe", "--model.num_hidden_layers", "2"
            "--data.type", "synthetic", "--data.batch_size", "4", "--data.seq_len", "256", "--train.steps", "2",
            "--eval.every", "0", "--optim.warmup_steps", "0", "--train.log_every", "1"]
 LAYOUTS = {"1": [], "dp2": ["--parallel.dp_shard", "2"], "cp2": ["--parallel.cp", "2"],
-           "ep2": ["--parallel.dp_shard", "2", "--parallel.ep", "2"], "1-muon": ["--optim.name", "muon"]}
+           "ep2": ["--parallel.dp_shard", "2", "--parallel.ep", "2"], "1-muon": ["--optim.name", "muon"],
+           "dp2-muon": ["--parallel.dp_shard", "2", "--optim.name", "muon"]}
 
 
 def measure_against_plan(layout: str, tmp_path) -> list[tuple[float, float]]:
@@ -204,7 +205,7 @@ def test_predicted_peak_memory_of_one_process(layout, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["dp2", "cp2", "ep2"])
+@pytest.mark.parametrize("layout", ["dp2", "cp2", "ep2", "dp2-muon"])
 def test_predicted_peak_memory_of_each_layout(layout, tmp_path):
     for pred, meas in measure_against_plan(layout, tmp_path):
         assert abs(pred - meas) / meas <= 0.2, f"{layout}: predicted {pred / 1e6:.0f} MB, measured {meas / 1e6:.0f} MB"
