@@ -557,7 +557,10 @@ def save_hf(path: str | os.PathLike, cfg: GLM5Config, params: dict, *, max_shard
     GLM-5.3: a Glm5NextForConditionalGeneration checkpoint. With `source` (the checkpoint the params were loaded
     from), its tensors that are not the text model's (the vision tower, the MTP layer) are copied unchanged and
     its config.json kept with our text_config in place of its own; without, config.json holds the text_config only
-    (Transformers then makes a vision tower of its default config).
+    (Transformers then makes a vision tower of its default config). A block-quantized FP8 source's copied tensors
+    are written dequantized (fp8 x its block's scale, in the params' widest dtype, no `weight_scale_inv`), as
+    its text model was loaded, and config.json loses its quantization_config: the export is one unquantized
+    checkpoint.
     """
     path = os.fspath(path).rstrip("/")
     if write:
@@ -566,16 +569,20 @@ def save_hf(path: str | os.PathLike, cfg: GLM5Config, params: dict, *, max_shard
     # (checkpoint key, our leaf, expert index or None, the key's shape), in the order they are written
     entries = [(_checkpoint_key(cfg, key), leaf, e, tuple(t.shape[1:] if e is not None else t.shape))
                for leaf, t in flat.items() for key, e in _hf_keys(leaf, tuple(t.shape))]
-    source_cfg = None
+    widest = max({t.dtype for t in flat.values()}, key=lambda d: torch.finfo(d).bits)  # config.json's dtype
+    source_cfg, quantized = None, False
     if source is not None and cfg.is_glm53:
         source_cfg = read_json(os.path.join(source, "config.json"), "a Transformers config.json")
         src = _inventory(checkpoint_files(os.fspath(source)))
-        for key in _text_model_keys(cfg, src)[1]:  # a carried tensor is a "leaf" of (file, dtype, byte offset)
+        scales, block = _fp8_scales(os.fspath(source), src)  # takes the scales out of src
+        quantized = bool(scales)
+        # a carried tensor is a "leaf" of (file, dtype, byte offset); an FP8 one's also (its scale, the block),
+        # read dequantized into `widest`, as load_hf reads the text model's
+        for key in _text_model_keys(cfg, src)[1]:
             fn, shape, dt, begin = src[key]
-            if dt in _FP8 or key.endswith(SCALE_SUFFIX):
-                raise ValueError(f"save_hf: {source} holds FP8 tensors outside the text model ({key}); copying "
-                                 f"them beside a dequantized text model is not supported: export without source")
-            entries.append((key, (fn, _DTYPES[dt], begin), None, shape))
+            carried = (fn, widest, begin, _DTYPES[dt], scales[key], block) if key in scales else \
+                (fn, _DTYPES[dt], begin)
+            entries.append((key, carried, None, shape))
 
     def dtype_of(entry) -> torch.dtype:
         return entry[1][1] if isinstance(entry[1], tuple) else flat[entry[1]].dtype
@@ -595,11 +602,20 @@ def save_hf(path: str | os.PathLike, cfg: GLM5Config, params: dict, *, max_shard
 
     def tensor(key, leaf, e, shape):
         if isinstance(leaf, tuple):  # a tensor copied from the source checkpoint
-            fn, dt, begin = leaf
-            out = torch.empty(shape, dtype=dt)
+            fn, dt, begin, *fp8 = leaf
+            out = torch.empty(shape, dtype=torch.float32 if fp8 else dt)
+            whole = tuple(slice(0, n) for n in shape)
             with open(fn, "rb") as f:
-                _read_into(f, shape, begin, tuple(slice(0, n) for n in shape), out)
-            return out
+                if fp8:
+                    files = {}
+                    try:
+                        _read_dequantized(f, shape, fp8[0], begin, whole, fp8[1], fp8[2], out, files)
+                    finally:
+                        for handle in files.values():
+                            handle.close()
+                else:
+                    _read_into(f, shape, begin, whole, out)
+            return out.to(dt)
         if held["leaf"] != leaf:
             held.update(leaf=leaf, t=None)
             held["t"] = _materialize(flat[leaf])
@@ -618,8 +634,9 @@ def save_hf(path: str | os.PathLike, cfg: GLM5Config, params: dict, *, max_shard
         hf_cfg = cfg.to_hf()
         if source_cfg is not None:  # its vision_config and token ids, our text_config
             hf_cfg = {**source_cfg, **hf_cfg}
-        hf_cfg["dtype"] = str(max({t.dtype for t in flat.values()},
-                                  key=lambda d: torch.finfo(d).bits)).removeprefix("torch.")
+        if quantized:  # every tensor is written dequantized
+            hf_cfg.pop("quantization_config", None)
+        hf_cfg["dtype"] = str(widest).removeprefix("torch.")
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_cfg, f, indent=2)
         names = (["model.safetensors"] if len(shards) == 1 else
