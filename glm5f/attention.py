@@ -102,6 +102,7 @@ class Selection:
     student: tuple | None = None
     targets: tuple = ()
     allowed: torch.Tensor | None = None  # [B, S, K]: which selections count (None: those the mask allows)
+    pooling: indexer_loss.Pooling | None = None  # GLM-5.3: the student scores pools (`indexer_loss.Pooling`)
 
 
 def select(ip: dict, x_BxSxD: torch.Tensor, q_BxSxQ: torch.Tensor, cfg: GLM5Config, layer: int, env: Env,
@@ -125,16 +126,26 @@ def select(ip: dict, x_BxSxD: torch.Tensor, q_BxSxQ: torch.Tensor, cfg: GLM5Conf
 def select_pooled(ip: dict, x_BxSxD: torch.Tensor, q_BxSxQ: torch.Tensor, cfg: GLM5Config, layer: int,
                   env: Env) -> Selection:
     """A GLM-5.3 DSA layer's Selection: the pooled indexer's tokens and which of them count (`kpool`). Not
-    differentiated, as in the reference; the pooled indexer has no training objective here yet."""
-    if env.objectives.indexer_loss != "off":
-        raise ValueError("--train.indexer_loss is not defined for GLM-5.3's pooled indexer yet: run with "
-                         "--train.indexer_loss off")
+    differentiated by the language-model loss, as in the reference; with the indexer loss on it learns from that
+    loss alone (`indexer_loss.kl` with its `Pooling`), its inputs detached."""
+    train = env.objectives.indexer_loss != "off"
+    J, P = cfg.index_head_dim, cfg.index_kpool
     key_dtype = torch.promote_types(x_BxSxD.dtype, ip["wk"]["weight"].dtype)
-    with torch.no_grad():
+    with contextlib.nullcontext() if train else torch.no_grad():
+        x_BxSxD, q_BxSxQ = x_BxSxD.detach(), q_BxSxQ.detach()
         keys_BxTx_ = env.keys(layer, "index_keys", kpool.index_key_and_gate(ip, x_BxSxD).to(key_dtype))
-        idx_BxSxW, allowed_BxSxW = kpool.pooled_indexer(ip, x_BxSxD, q_BxSxQ, keys_BxTx_, env.mask, cfg.index_topk,
-                                                        cfg.index_kpool, cfg.index_kpool_always_select_tail)
-    return Selection(idx_BxSxW, allowed=allowed_BxSxW)
+        q_BxSxIxJ, w_BxSxI = kpool.index_queries(ip, x_BxSxD, q_BxSxQ)
+        where = kpool.pools(env.mask, x_BxSxD.shape[0], P)
+        keys_BxTxJ, gate_BxTxJ = keys_BxTx_.split([J, J], dim=-1)
+        pooled_BxTxJ = kpool.pool_keys(keys_BxTxJ, gate_BxTxJ, ip["index_kpool_compress_ape"], where, P)
+    idx_BxSxW, allowed_BxSxW = kpool.pooled_selection(q_BxSxIxJ.detach(), w_BxSxI.detach(), pooled_BxTxJ.detach(),
+                                                      where, env.mask, cfg.index_topk, P,
+                                                      cfg.index_kpool_always_select_tail)
+    if not train:
+        return Selection(idx_BxSxW, allowed=allowed_BxSxW)
+    pooling = indexer_loss.Pooling(P, min(cfg.index_topk // P, pooled_BxTxJ.shape[1]), kpool.candidates(env.mask, where),
+                                   allowed_BxSxW)
+    return Selection(idx_BxSxW, (q_BxSxIxJ, w_BxSxI, pooled_BxTxJ), allowed=allowed_BxSxW, pooling=pooling)
 
 
 # ---- the MLA core -------------------------------------------------------------------------------------------------
@@ -255,5 +266,6 @@ def attention(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, env: 
     last = env.objectives.indexer_target == "own" or layer_spec(cfg, layer + 1).indexer != "shared"
     if not last:
         return out_BxSxD, carry, {}
-    loss, recall = indexer_loss.kl(*carry.student, carry.targets, carry.topk, cfg, env, kl_block_elems)
-    return out_BxSxD, Selection(carry.topk), {"indexer_loss": loss, "indexer_recall": recall}
+    loss, recall = indexer_loss.kl(*carry.student, carry.targets, carry.topk, cfg, env, kl_block_elems,
+                                   carry.pooling)
+    return out_BxSxD, Selection(carry.topk, allowed=carry.allowed), {"indexer_loss": loss, "indexer_recall": recall}

@@ -1,5 +1,5 @@
-"""Autoregressive decoding on an append-only cache: per layer its kinds' buffers (`layers.layer_cache`: the latent
-rows and the indexer keys). Prefill runs the prompt in one pass, then one token at a time, or (draft="mtp") the MTP
+"""Autoregressive decoding on a cache: per layer its kinds' buffers (`layers.layer_cache`: the latent rows and the
+indexer keys appended per position, KDA's recurrent state carried). Prefill runs the prompt in one pass, then one token at a time, or (draft="mtp") the MTP
 layers propose tokens that the main model verifies in one pass (self-speculative decoding, exact greedy output)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from glm5f.config import GLM5Config
 from glm5f.env import Env, Mask, make_env
-from glm5f.layers import layer_cache
+from glm5f.layers import carries_state, layer_cache
 from glm5f.loss import mtp_inputs
 from glm5f.model import apply, check_input_ids, head_logits, mtp_layer
 from glm5f.ops import rope_tables
@@ -20,20 +20,25 @@ from glm5f.parallel import Layout
 @dataclass
 class Cache:
     """layers[layer]: that layer's buffers by name (`layers.layer_cache`; MLA + DSA: "latent" [B, capacity,
-    kv_lora_rank + qk_rope_head_dim], with its own indexer "index_keys" [B, capacity, index_head_dim]), in `dtype`
-    on `device`; `length` positions are filled."""
+    kv_lora_rank + qk_rope_head_dim], with its own indexer "index_keys" [B, capacity, index_head_dim]; KDA: its
+    recurrent state and short-convolution inputs), in `dtype` on `device`; `length` positions are filled.
+    recurrent[layer]: that layer's buffers are a state carried from call to call, which holds all `length`
+    positions and cannot drop any."""
 
     layers: list[dict[str, torch.Tensor]]
     capacity: int
     dtype: torch.dtype
     device: torch.device
+    recurrent: tuple[bool, ...] = ()
     length: int = 0
+    state_length: int = 0  # the positions the recurrent states hold
 
 
 def init_cache(cfg: GLM5Config, batch: int, capacity: int, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> Cache:
-    return Cache([layer_cache(cfg, i, batch, capacity, dtype, device) for i in range(cfg.num_hidden_layers)],
-                 capacity, dtype, torch.device(device))
+    layers = range(cfg.num_hidden_layers)
+    return Cache([layer_cache(cfg, i, batch, capacity, dtype, device) for i in layers], capacity, dtype,
+                 torch.device(device), tuple(carries_state(cfg, i) for i in layers))
 
 
 class CacheLayout(Layout):
@@ -49,6 +54,9 @@ class CacheLayout(Layout):
         buf[:, self.start:self.stop] = local
         return buf[:, :self.stop]
 
+    def state(self, layer: int) -> dict[str, torch.Tensor] | None:
+        return self.cache.layers[layer] if self.cache.recurrent[layer] else None
+
 
 @torch.no_grad()
 def extend(params: dict, cfg: GLM5Config, cache: Cache, input_ids_BxS: torch.Tensor, position_ids_BxS: torch.Tensor,
@@ -57,20 +65,24 @@ def extend(params: dict, cfg: GLM5Config, cache: Cache, input_ids_BxS: torch.Ten
     last layer's hidden states [B, S, D] before the final norm with `with_hidden`).
 
     key_valid_BxT: padding of every position so far including the new ones (None: no padding). Setting
-    `cache.length` back drops the last positions (they are overwritten by the next extend).
+    `cache.length` back drops the last positions (they are overwritten by the next extend), in a model without
+    recurrent layers (KDA's state holds every position so far).
     """
     B, S = input_ids_BxS.shape
     start, stop = cache.length, cache.length + S
     if stop > cache.capacity:
         raise ValueError(f"cache holds {cache.capacity} positions; {start} used, {S} more asked for. "
                          f"Make the cache with a larger capacity")
+    if any(cache.recurrent) and start != cache.state_length:
+        raise ValueError(f"the cache's recurrent states (KDA layers) hold {cache.state_length} positions and cannot "
+                         f"drop any, but cache.length was set to {start}: decode such a model forward only")
 
     mask = Mask(torch.arange(start, stop, device=input_ids_BxS.device), stop,
                 key_valid=None if key_valid_BxT is None else key_valid_BxT[:, :stop],
                 q_index_host=range(start, stop))
     cos, sin = rope_tables(cfg, position_ids_BxS, cache.dtype)
     logits, aux = apply(params, cfg, input_ids_BxS, Env(cos, sin, mask, CacheLayout(cache, start, stop)))
-    cache.length = stop
+    cache.length = cache.state_length = stop
     return (logits, aux["hidden"]) if with_hidden else logits
 
 

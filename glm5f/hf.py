@@ -25,12 +25,13 @@ from collections import defaultdict
 import torch
 
 from glm5f.config import GLM5Config, read_json
-from glm5f.lora import LoraSpec
+from glm5f.lora import NOT_ADAPTABLE, LoraSpec
 from glm5f.parallel import full_tensor, nonfinite_counts
 from glm5f.params import (MTP_COPIES, Region, abstract_params, describe_mismatch, flatten, leaf_dtype, leaf_kind,
                           region_of, unflatten)
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+_HF_LAYER_KEY = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")  # Transformers' names (GLM-5.3's too)
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
            "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
@@ -556,7 +557,10 @@ def save_hf(path: str | os.PathLike, cfg: GLM5Config, params: dict, *, max_shard
     GLM-5.3: a Glm5NextForConditionalGeneration checkpoint. With `source` (the checkpoint the params were loaded
     from), its tensors that are not the text model's (the vision tower, the MTP layer) are copied unchanged and
     its config.json kept with our text_config in place of its own; without, config.json holds the text_config only
-    (Transformers then makes a vision tower of its default config).
+    (Transformers then makes a vision tower of its default config). A block-quantized FP8 source's copied tensors
+    are written dequantized (fp8 x its block's scale, in the params' widest dtype, no `weight_scale_inv`), as
+    its text model was loaded, and config.json loses its quantization_config: the export is one unquantized
+    checkpoint.
     """
     path = os.fspath(path).rstrip("/")
     if write:
@@ -565,16 +569,20 @@ def save_hf(path: str | os.PathLike, cfg: GLM5Config, params: dict, *, max_shard
     # (checkpoint key, our leaf, expert index or None, the key's shape), in the order they are written
     entries = [(_checkpoint_key(cfg, key), leaf, e, tuple(t.shape[1:] if e is not None else t.shape))
                for leaf, t in flat.items() for key, e in _hf_keys(leaf, tuple(t.shape))]
-    source_cfg = None
+    widest = max({t.dtype for t in flat.values()}, key=lambda d: torch.finfo(d).bits)  # config.json's dtype
+    source_cfg, quantized = None, False
     if source is not None and cfg.is_glm53:
         source_cfg = read_json(os.path.join(source, "config.json"), "a Transformers config.json")
         src = _inventory(checkpoint_files(os.fspath(source)))
-        for key in _text_model_keys(cfg, src)[1]:  # a carried tensor is a "leaf" of (file, dtype, byte offset)
+        scales, block = _fp8_scales(os.fspath(source), src)  # takes the scales out of src
+        quantized = bool(scales)
+        # a carried tensor is a "leaf" of (file, dtype, byte offset); an FP8 one's also (its scale, the block),
+        # read dequantized into `widest`, as load_hf reads the text model's
+        for key in _text_model_keys(cfg, src)[1]:
             fn, shape, dt, begin = src[key]
-            if dt in _FP8 or key.endswith(SCALE_SUFFIX):
-                raise ValueError(f"save_hf: {source} holds FP8 tensors outside the text model ({key}); copying "
-                                 f"them beside a dequantized text model is not supported: export without source")
-            entries.append((key, (fn, _DTYPES[dt], begin), None, shape))
+            carried = (fn, widest, begin, _DTYPES[dt], scales[key], block) if key in scales else \
+                (fn, _DTYPES[dt], begin)
+            entries.append((key, carried, None, shape))
 
     def dtype_of(entry) -> torch.dtype:
         return entry[1][1] if isinstance(entry[1], tuple) else flat[entry[1]].dtype
@@ -594,11 +602,20 @@ def save_hf(path: str | os.PathLike, cfg: GLM5Config, params: dict, *, max_shard
 
     def tensor(key, leaf, e, shape):
         if isinstance(leaf, tuple):  # a tensor copied from the source checkpoint
-            fn, dt, begin = leaf
-            out = torch.empty(shape, dtype=dt)
+            fn, dt, begin, *fp8 = leaf
+            out = torch.empty(shape, dtype=torch.float32 if fp8 else dt)
+            whole = tuple(slice(0, n) for n in shape)
             with open(fn, "rb") as f:
-                _read_into(f, shape, begin, tuple(slice(0, n) for n in shape), out)
-            return out
+                if fp8:
+                    files = {}
+                    try:
+                        _read_dequantized(f, shape, fp8[0], begin, whole, fp8[1], fp8[2], out, files)
+                    finally:
+                        for handle in files.values():
+                            handle.close()
+                else:
+                    _read_into(f, shape, begin, whole, out)
+            return out.to(dt)
         if held["leaf"] != leaf:
             held.update(leaf=leaf, t=None)
             held["t"] = _materialize(flat[leaf])
@@ -617,8 +634,9 @@ def save_hf(path: str | os.PathLike, cfg: GLM5Config, params: dict, *, max_shard
         hf_cfg = cfg.to_hf()
         if source_cfg is not None:  # its vision_config and token ids, our text_config
             hf_cfg = {**source_cfg, **hf_cfg}
-        hf_cfg["dtype"] = str(max({t.dtype for t in flat.values()},
-                                  key=lambda d: torch.finfo(d).bits)).removeprefix("torch.")
+        if quantized:  # every tensor is written dequantized
+            hf_cfg.pop("quantization_config", None)
+        hf_cfg["dtype"] = str(widest).removeprefix("torch.")
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_cfg, f, indent=2)
         names = (["model.safetensors"] if len(shards) == 1 else
@@ -705,37 +723,52 @@ _PEFT_PREFIX = "base_model.model."
 _MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
+def _module_name(cfg: GLM5Config, path: str) -> str:
+    """The name Transformers' model of `cfg` gives our module (or parameter) path `path`: GLM-5's is the same;
+    GLM-5.3's lies under model.language_model, the forget gate's projections under `forget_gate`."""
+    if not cfg.is_glm53:
+        return path
+    path = _checkpoint_key(cfg, path)
+    for pattern, repl in _GLM53_RENAMES:
+        path = pattern.sub(repl, path)
+    return path
+
+
 def _peft_targets(cfg: GLM5Config) -> dict[str, tuple[str, str]]:
     """{Transformers module or parameter name: (glm5f weight path, "module" | "parameter")} for every weight PEFT
     can adapt in Transformers' model of `cfg` (routed experts: `….experts.gate_up_proj` and `….experts.down_proj`,
-    both naming the gate leaf's path's prefix; MTP layers are not in Transformers' model)."""
+    both naming the gate leaf's path's prefix; MTP layers are not in Transformers' model; nor are the KDA short
+    convolutions, which are no linear maps, `lora.NOT_ADAPTABLE`)."""
     out = {}
     for path, t in flatten(abstract_params(cfg, torch.float32)).items():
         module, _, name = path.rpartition(".")
         layer = _LAYER_KEY.match(path)
-        if name != "weight" or t.ndim not in (2, 3) or (layer and int(layer.group(1)) >= cfg.num_hidden_layers):
+        if name != "weight" or t.ndim not in (2, 3) or (layer and int(layer.group(1)) >= cfg.num_hidden_layers) or \
+                NOT_ADAPTABLE.search(module):
             continue
         m = _expert_leaf(path)
         if m:
-            out[f"{m[0]}.{'down_proj' if m[1] == 'down_proj' else 'gate_up_proj'}"] = (path, "parameter")
+            out[_module_name(cfg, f"{m[0]}.{'down_proj' if m[1] == 'down_proj' else 'gate_up_proj'}")] = \
+                (path, "parameter")
         elif module.rpartition(".")[2] in _MLP_NAMES:
-            out[path] = (path, "parameter")
+            out[_module_name(cfg, path)] = (path, "parameter")
         else:
-            out[module] = (path, "module")
+            out[_module_name(cfg, module)] = (path, "module")
     return out
 
 
-def _compact(names: list[str], universe: set[str]) -> list[str]:
+def _compact(names: list[str], universe: set[str], shadowed: tuple[str, ...] = ()) -> list[str]:
     """`names` as PEFT matches them (a name selects every module or parameter that ends with "." + it): one
-    layer-free suffix (`self_attn.q_a_proj`) for a name adapted in every layer that has it, else the full names."""
+    layer-free suffix (`self_attn.q_a_proj`) for a name adapted in every layer that has it, else the full names
+    (always for the suffixes in `shadowed`, which other modules of Transformers' model end with too)."""
     by_suffix: dict[str, set[str]] = defaultdict(set)
     for n in universe:
-        m = _LAYER_KEY.match(n)
+        m = _HF_LAYER_KEY.match(n)
         by_suffix[n[m.end():] if m else n].add(n)
     out = []
     for suffix, members in sorted(by_suffix.items()):
         chosen = members & set(names)
-        if chosen == members and _LAYER_KEY.match(next(iter(members))):
+        if chosen == members and _HF_LAYER_KEY.match(next(iter(members))) and suffix not in shadowed:
             out.append(suffix)
         else:
             out.extend(sorted(chosen))
@@ -791,11 +824,12 @@ def peft_adapter(cfg: GLM5Config, adapters: dict, spec: LoraSpec, base_model_nam
             b = b_parts_ExFxR[0].new_zeros((E, 2 * F_, len(parts) * r))  # block-diagonal: gate rows, then up rows
             for j, ((i, _), b_ExFxR) in enumerate(zip(parts, b_parts_ExFxR)):
                 b[:, i * F_:(i + 1) * F_, j * r:(j + 1) * r] = b_ExFxR
-            key = f"{_PEFT_PREFIX}{m[0]}.{'base_layer.' if f'{m[0]}.down_proj' in down_adapted else ''}"
+            experts = _module_name(cfg, m[0])
+            key = f"{_PEFT_PREFIX}{experts}.{'base_layer.' if f'{experts}.down_proj' in down_adapted else ''}"
         elif path in weight_of:
             module = weight_of[path]
             a, b = _materialize(adapters[f"{module}.lora_A"]), _materialize(adapters[f"{module}.lora_B"])
-            key = f"{_PEFT_PREFIX}{m[0] if m else module}."
+            key = f"{_PEFT_PREFIX}{_module_name(cfg, m[0] if m else module)}."
         else:
             continue
         chosen[kind].append(name)
@@ -808,6 +842,8 @@ def peft_adapter(cfg: GLM5Config, adapters: dict, spec: LoraSpec, base_model_nam
                          "--merge-lora) instead")
     universe = {kind: {n for n, (_, k) in targets.items() if k == kind} for kind in ("module", "parameter")}
     doubled = _compact([n for n, k in fused.items() if k == 2], {n for n in targets if n.endswith(".gate_up_proj")})
+    # GLM-5.3's vision blocks hold mlp.{gate,up,down}_proj too (and PEFT's parameter targets exclude nothing)
+    shadowed = tuple(f"mlp.{n}.weight" for n in _MLP_NAMES) if cfg.is_glm53 else ()
     dropout = spec.dropout
     if chosen["parameter"] and dropout:
         warnings.warn(f"PEFT export: lora_dropout {dropout} written as 0: PEFT's parameter adapters (routed experts, "
@@ -819,7 +855,7 @@ def peft_adapter(cfg: GLM5Config, adapters: dict, spec: LoraSpec, base_model_nam
         "r": r, "lora_alpha": alpha, "lora_dropout": dropout, "bias": "none", "fan_in_fan_out": False,
         "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
         "target_modules": _compact(chosen["module"], universe["module"]),
-        "target_parameters": _compact(chosen["parameter"], universe["parameter"]) or None,
+        "target_parameters": _compact(chosen["parameter"], universe["parameter"], shadowed) or None,
         "rank_pattern": {re.escape(n): 2 * r for n in doubled},
         "alpha_pattern": {re.escape(n): 2 * alpha for n in doubled},
     }

@@ -597,3 +597,35 @@ def kda_attention(p: dict, x_BxSxD: torch.Tensor, cfg, segment_BxS: torch.Tensor
     beta = torch.sigmoid(linear(p["b_proj"], x_BxSxD))
     o, _ = kda(q, k, v, g, beta, K ** -0.5, None, segment_BxS, chunk)
     return checkpoint(out, o, use_reentrant=False)
+
+
+# ---- decoding: a layer's state carried from one call to the next --------------------------------------------------
+
+def kda_attention_step(p: dict, x_BxSxD: torch.Tensor, cfg, cache: dict[str, torch.Tensor]) -> torch.Tensor:
+    """`kda_attention` of S new tokens continuing the sequence whose state `cache` holds (`layers._kda_cache`):
+    "recurrent" [B, H, d_k, d_v], the delta rule's state after the tokens so far (fp32, or wider), and "conv_q",
+    "conv_k", "conv_v" [B, kernel - 1, H d], the last inputs of each short convolution (zeros before the first
+    token, as the convolution pads). Both are updated in place. One token runs the recurrence itself
+    (`kda_recurrent`), more the chunked `kda`. No gradients; no packed documents (one sequence per row)."""
+    K, W = cfg.linear_head_dim, cfg.linear_conv_kernel_dim
+
+    def qkv(name):
+        proj_BxSxC = linear(p[f"{name}_proj"], x_BxSxD)
+        tail = cache[f"conv_{name}"]
+        seq_BxUxC = torch.cat([tail.to(proj_BxSxC.dtype), proj_BxSxC], 1)
+        tail.copy_(seq_BxUxC[:, seq_BxUxC.shape[1] - tail.shape[1]:])
+        return _ShortConv.apply(seq_BxUxC, p[f"{name}_conv1d"]["weight"], None, K, name != "v")[:, W - 1:]
+
+    q, k, v = (qkv(name) for name in "qkv")
+    f = linear(p["f_b_proj"], linear(p["f_a_proj"], x_BxSxD))
+    g = _ForgetGate.apply(f, p["dt_bias"], p["A_log"], K, cfg.linear_lower_bound)
+    beta = torch.sigmoid(linear(p["b_proj"], x_BxSxD))
+    state = cache["recurrent"]
+    if x_BxSxD.shape[1] == 1:
+        o, new_state = kda_recurrent(q, k, v, g, beta, K ** -0.5, state)
+    else:
+        o, new_state = kda(q, k, v, g, beta, K ** -0.5, state)
+    state.copy_(new_state)
+    gate = linear(p["g_b_proj"], linear(p["g_a_proj"], x_BxSxD)).unflatten(-1, (-1, K))
+    return linear(p["o_proj"], _GatedNorm.apply(o.to(x_BxSxD.dtype), gate, p["o_norm"]["weight"],
+                                                cfg.rms_norm_eps).flatten(-2))

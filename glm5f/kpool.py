@@ -79,6 +79,11 @@ def pool_keys(keys_BxTxJ: torch.Tensor, gate_BxTxJ: torch.Tensor, ape_KxJ: torch
     return pooled_BxTxJ.masked_fill(~where.end[..., None], 0)
 
 
+def candidates(mask: Mask, where: Pools) -> Mask:
+    """The mask of the pool keys each query may score: `mask` with its key_valid narrowed to complete pools' ends."""
+    return Mask(mask.q_index, mask.num_keys, key_valid=where.end, q_segment=mask.q_segment, k_segment=mask.k_segment)
+
+
 def pooled_selection(q_BxSxIxJ: torch.Tensor, w_BxSxI: torch.Tensor, pooled_BxTxJ: torch.Tensor, where: Pools,
                      mask: Mask, index_topk: int, kpool: int, tail: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(token indices [B, S, W], allowed [B, S, W]) each query attends: its top index_topk / index_kpool candidate
@@ -87,7 +92,7 @@ def pooled_selection(q_BxSxIxJ: torch.Tensor, w_BxSxI: torch.Tensor, pooled_BxTx
     slots). Padding queries attend to nothing."""
     B, S = q_BxSxIxJ.shape[:2]
     T = pooled_BxTxJ.shape[1]
-    pool_mask = Mask(mask.q_index, T, key_valid=where.end, q_segment=mask.q_segment, k_segment=mask.k_segment)
+    pool_mask = candidates(mask, where)
     k = min(index_topk // kpool, T)
     ends_BxSxG = kernels.indexer_topk(q_BxSxIxJ, w_BxSxI, pooled_BxTxJ.to(q_BxSxIxJ.dtype), pool_mask.q_index,
                                       pool_mask.key_valid, pool_mask.q_segment, pool_mask.k_segment, None, None, k)
@@ -114,12 +119,19 @@ def pooled_indexer(ip: dict, x_BxSxD: torch.Tensor, q_BxSxQ: torch.Tensor, keys_
     """`pooled_selection` of one layer's indexer (ip: wq_b, weights_proj, index_kpool_compress_ape) from its input
     x, the q latent and keys_BxTx_ [B, T, 2J], every key's index key and gate logits (`index_key_and_gate`)."""
     J = ip["index_kpool_compress_ape"].shape[1]
-    q_BxSxIxJ = wide(linear(ip["wq_b"], q_BxSxQ).unflatten(-1, (-1, J)))
-    w_BxSxI = linear(ip["weights_proj"], wide(x_BxSxD)) * q_BxSxIxJ.shape[2] ** -0.5
+    q_BxSxIxJ, w_BxSxI = index_queries(ip, x_BxSxD, q_BxSxQ)
     keys_BxTxJ, gate_BxTxJ = keys_BxTx_.split([J, J], dim=-1)
     where = pools(mask, x_BxSxD.shape[0], kpool)
     pooled_BxTxJ = pool_keys(keys_BxTxJ, gate_BxTxJ, ip["index_kpool_compress_ape"], where, kpool)
     return pooled_selection(q_BxSxIxJ, w_BxSxI, pooled_BxTxJ, where, mask, index_topk, kpool, tail)
+
+
+def index_queries(ip: dict, x_BxSxD: torch.Tensor, q_BxSxQ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index queries [B, S, I, J] from the q latent, head weights [B, S, I] scaled by I^-0.5), both wide (no
+    rope: GLM-5.3 is NoPE)."""
+    J = ip["index_kpool_compress_ape"].shape[1]
+    q_BxSxIxJ = wide(linear(ip["wq_b"], q_BxSxQ).unflatten(-1, (-1, J)))
+    return q_BxSxIxJ, linear(ip["weights_proj"], wide(x_BxSxD)) * q_BxSxIxJ.shape[2] ** -0.5
 
 
 def index_key_and_gate(ip: dict, x_BxSxD: torch.Tensor) -> torch.Tensor:

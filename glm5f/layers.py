@@ -157,8 +157,13 @@ def _mla_dsa_cache(c: GLM5Config, spec: LayerSpec, batch: int, capacity: int, dt
 
 def _kda_cache(c: GLM5Config, spec: LayerSpec, batch: int, capacity: int, dtype: torch.dtype,
                device: torch.device | str) -> dict[str, torch.Tensor]:
-    raise ValueError("decoding GLM-5.3 needs a KDA recurrent and short-convolution cache, which glm5f does not have "
-                     "yet: generate with Transformers (save_hf, then Glm5NextForConditionalGeneration.generate)")
+    """The state `kda.kda_attention_step` carries (not per position: it holds the tokens so far, whatever the
+    capacity): "recurrent" [B, H, d_k, d_v] the delta rule's state in the wider of fp32 and dtype, "conv_q",
+    "conv_k", "conv_v" [B, kernel - 1, H d] each short convolution's last inputs."""
+    H, K, W = c.linear_num_heads, c.linear_head_dim, c.linear_conv_kernel_dim
+    out = {"recurrent": torch.zeros(batch, H, K, K, dtype=wide_dtype(dtype), device=device)}
+    out.update({f"conv_{n}": torch.zeros(batch, W - 1, H * K, dtype=dtype, device=device) for n in "qkv"})
+    return out
 
 
 # ---- FLOPs ---------------------------------------------------------------------------------------------------------
@@ -242,7 +247,8 @@ class Kind:
     (pattern, LeafKind) rows of `params.LEAF_KINDS`. macs(cfg, spec, seq): (multiply-adds per token the backward
     also runs, forward-only ones) for `glm5f.flops`. transient(cfg, spec, B, S, T, act dtype, weight dtype): the
     (forward, backward) bytes of buffers inside custom ops that the memory plan cannot trace. cache(cfg, spec, B,
-    capacity, dtype, device): its decode cache, {name: buffer}, None where it keeps none. cp: whether it runs under
+    capacity, dtype, device): its decode cache, {name: buffer}, None where it keeps none. recurrent: that cache is a
+    state the layer carries from call to call (`Env.state`), not rows per position. cp: whether it runs under
     context parallelism (the memory plan's search tries cp > 1 only where every layer's kinds do).
     """
 
@@ -251,6 +257,7 @@ class Kind:
     macs: Callable[[GLM5Config, LayerSpec, int], tuple[float, float]] = _no_macs
     transient: Callable = _no_transient
     cache: Callable | None = None
+    recurrent: bool = False
     cp: bool = True
 
 
@@ -289,7 +296,7 @@ ATTENTION = {
             (r"\.self_attn\.b_proj\.weight$", LeafKind(("linear_heads", "embed"))),
             (r"\.self_attn\.o_norm\.weight$", LeafKind(("linear_dim",))),
         ),
-        macs=_kda_macs, cache=_kda_cache, cp=False),
+        macs=_kda_macs, cache=_kda_cache, recurrent=True, cp=False),
 }
 MLP = {  # "moe" first: its experts' rows are more specific than the dense projections'
     "moe": Kind(
@@ -354,3 +361,8 @@ def layer_cache(cfg: GLM5Config, layer: int, batch: int, capacity: int, dtype: t
         if kind.cache is not None:
             out.update(kind.cache(cfg, spec, batch, capacity, dtype, device))
     return out
+
+
+def carries_state(cfg: GLM5Config, layer: int) -> bool:
+    """Whether layer `layer`'s decode cache is a recurrent state (a kind with `recurrent`)."""
+    return any(kind.recurrent for kind in kinds(layer_spec(cfg, layer)))

@@ -24,10 +24,12 @@ from glm5f.ops import wide_dtype
 from glm5f.parallel import full_tensor
 from glm5f.params import flatten
 
-# GLM-5's LoRA recipe: the attention projections (the DSA indexer's own projections are not adapted).
-DEFAULT_TARGETS = r"self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)$"
-# Weights that are not linear projections of activations: never adapted.
-NOT_ADAPTABLE = re.compile(r"(embed_tokens|lm_head|shared_head\.head|mlp\.gate)$")
+# GLM-5's LoRA recipe: the attention projections, MLA's and (GLM-5.3) KDA's q, k, v and o (the DSA indexer's own
+# projections and KDA's gates are not adapted unless --lora.targets names them).
+DEFAULT_TARGETS = r"self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|q_proj|k_proj|v_proj)$"
+# Weights that are not linear projections of activations: never adapted (KDA's depthwise short convolutions
+# neither: [H d, 1, kernel], no matrix).
+NOT_ADAPTABLE = re.compile(r"(embed_tokens|lm_head|shared_head\.head|mlp\.gate|_conv1d)$")
 
 
 @dataclass(frozen=True)

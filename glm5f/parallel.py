@@ -1,10 +1,11 @@
 """How a run is laid out over processes. `Layout` is one process: the whole batch, all parameters, all experts.
 Several processes: `glm5f.distributed.DistLayout`, with the same methods.
 
-The model's layers use four verbs, through their `Env`: `gather` (a subtree's weights for compute), `keys` (a
-layer's keys over the whole sequence), `experts` (routed experts over rows sorted by expert) and `seq_sum`. The
-train loop uses the others: which rows and positions of a batch are this rank's (`share`), the params as stored
-(`local_params`, `shard_params`) and sums over ranks (`sum`).
+The model's layers use five verbs, through their `Env`: `gather` (a subtree's weights for compute), `keys` (a
+layer's keys over the whole sequence), `state` (a recurrent layer's state carried between calls), `experts`
+(routed experts over rows sorted by expert) and `seq_sum`. The train loop uses the others: which rows and
+positions of a batch are this rank's (`share`), the params as stored (`local_params`, `shard_params`) and sums
+over ranks (`sum`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ class Layout:
     def keys(self, layer: int, name: str, local: torch.Tensor) -> torch.Tensor:
         """Layer `layer`'s keys `name` ("latent", "index_keys") over all T positions from this rank's [B, S, ...]."""
         return local
+
+    def state(self, layer: int) -> dict[str, torch.Tensor] | None:
+        """Layer `layer`'s recurrent state carried from call to call ({name: buffer}, which the layer reads and
+        updates in place; a decode cache's), or None: every forward starts at its sequences' beginnings."""
+        return None
 
     def experts(self, p: dict, x_MxD: torch.Tensor, counts_E: torch.Tensor, ffn: Callable) -> torch.Tensor:
         """The routed experts' outputs of rows sorted by expert (counts_E rows each), in the same order, computed by

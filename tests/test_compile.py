@@ -1,6 +1,9 @@
 """--train.compile: each decoder layer is one torch.compile graph (no graph breaks; the glm5f custom ops stay
 opaque inside it), and a compiled step computes what the eager step does, to fp32 summation-order noise."""
 
+import math
+
+import pytest
 import torch
 import tyro
 
@@ -85,3 +88,43 @@ def test_grouped_mm_op_passes_opcheck_and_has_torchs_gradients():
     for got, want in zip(torch.autograd.grad(y_MxOut, [x_MxIn, w_ExOutxIn], dy),
                          torch.autograd.grad(ref, [x_MxIn, w_ExOutxIn], dy)):
         assert torch.equal(got, want)
+
+
+# ---- GLM-5.3: KDA (its custom op and autograd Functions), DSA with the pooled indexer, mHC streams -------------
+
+GLM53 = glm5f.preset("glm53-tiny")
+
+
+def test_glm53_every_decoder_layer_is_one_graph_without_breaks():
+    """glm53-tiny's layers (KDA + dense, DSA with the pooled indexer and its loss + MoE, KDA + MoE) on packed rows
+    of mHC streams: each one graph, no break."""
+    run = tyro.cli(Config, use_underscores=True, args=[
+        "--model.preset", "glm53-tiny", "--train.indexer_loss", "sparse", "--train.seq_aux_loss_coeff", "0.001"])
+    params, step = glm5f.init_params(GLM53), Step.of(run.train, GLM53)
+    _, env = make_env(GLM53, packed_batch(), torch.float32, objectives=step.objectives)
+    x_BxSxNxD = torch.randn(B, S, GLM53.hc_mult, GLM53.hidden_size, generator=torch.Generator().manual_seed(1))
+    carry, kinds = None, set()
+    for layer, p in enumerate(params["model"]["layers"]):
+        explained = torch._dynamo.explain(decoder_layer)(p, x_BxSxNxD, GLM53, layer, env, carry)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), (layer, explained.break_reasons)
+        _, carry, aux = decoder_layer(p, x_BxSxNxD, GLM53, layer, env, carry)
+        kinds.add((glm5f.layers.layer_spec(GLM53, layer).attention, "indexer_loss" in aux, "expert_idx" in aux))
+    assert kinds == {("kda", False, False), ("mla_dsa", True, True), ("kda", False, True)}, kinds
+
+
+@pytest.mark.slow
+def test_glm53_compiled_bf16_training_learns(tmp_path):
+    """glm53-tiny trained under --train.compile in bfloat16 (with the pooled indexer's loss): every loss finite,
+    the last steps' below the first, and each step's loss within bf16 noise of the eager bf16 run's."""
+    from conftest import cli
+    from train import train
+
+    args = ["--model.preset", "glm53-tiny", "--data.batch_size", "2", "--data.seq_len", "64", "--train.steps", "12",
+            "--train.dtype", "bfloat16", "--train.indexer_loss", "sparse",
+            "--checkpoint.every", "0", "--eval.every", "0"]
+    eager = train(cli(*args, "--checkpoint.dir", str(tmp_path / "eager")))
+    compiled = train(cli(*args, "--train.compile", "--checkpoint.dir", str(tmp_path / "compiled")))
+    losses = [r["loss"] for r in compiled]
+    assert all(math.isfinite(v) for v in losses) and sum(losses[-3:]) / 3 < losses[0] - 0.3, losses
+    assert all(math.isfinite(r["indexer_loss"]) for r in compiled)
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(eager, compiled)) < 0.05

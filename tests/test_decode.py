@@ -196,3 +196,86 @@ def test_shared_mtp_depths_draft_through_one_layer():
     assert torch.equal(out, glm5f.generate(params, cfg, prompt, n))
     assert stats["proposed"] <= B * 3 * stats["steps"] and stats["steps"] >= math.ceil((n - 1) / 4)
     assert stats["tokens_per_step"] == pytest.approx((n - 1) / stats["steps"])
+
+
+# ---- GLM-5.3: KDA layers carry a recurrent state, DSA layers their latents and pooled-indexer keys ----------------
+
+def glm53_params(cfg, seed, dtype=torch.float64):
+    """init_params of `cfg` with every leaf moved off its constant init (decays, pool terms, mHC base and scale)."""
+    g = torch.Generator().manual_seed(seed)
+    params = glm5f.init_params(cfg, seed=seed)
+    return glm5f.params.map_with_path(
+        lambda path, t: (t.double() + 0.3 * torch.randn(t.shape, generator=g, dtype=torch.float64)).to(dtype)
+        if t.is_floating_point() else t, params)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["plain", "left-padded"])
+def test_glm53_cached_logits_are_the_full_forwards(padded):
+    """glm53-tiny (KDA, DSA with pools of 2 and the tail, mHC, dense and MoE MLPs): a prompt of 7 tokens (not a
+    multiple of index_kpool) prefilled, then pieces of 1 to 4 tokens on the cache (the recurrence for one, the
+    chunked rule from the carried state for more), 25 positions in all (past index_topk + kpool: sparse): every
+    position's logits equal the full forward's, within 1e-12 in fp64 and in fp32 within 4x the fp32 forward's own
+    distance from the fp64 one."""
+    cfg = glm5f.preset("glm53-tiny")
+    assert cfg.index_kpool_always_select_tail and {"kda", "mla_dsa"} == {
+        glm5f.layers.layer_spec(cfg, i).attention for i in range(cfg.num_hidden_layers)}
+    B, S, pieces = 2, 25, [7, 1, 3, 1, 4, 1, 1, 2, 1, 1, 1, 1, 1]
+    assert sum(pieces) == S and S > cfg.index_topk + cfg.index_kpool and 7 % cfg.index_kpool
+    ids = torch.randint(0, cfg.vocab_size, (B, S), generator=torch.Generator().manual_seed(1))
+    mask, kw = None, {}
+    if padded:  # row 1: 3 padding tokens, then 4 real ones in the prompt: its pools start at position 3
+        mask = torch.ones(B, S, dtype=torch.long)
+        mask[1, :3] = 0
+        kw = dict(attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+    positions = kw.get("position_ids", torch.arange(S).expand(B, S))
+    exact = None
+    for dtype in (torch.float64, torch.float32):
+        params = glm53_params(cfg, 5, dtype)
+        cache = init_cache(cfg, B, S, dtype)
+        out, t = [], 0
+        for n in pieces:
+            out.append(extend(params, cfg, cache, ids[:, t:t + n], positions[:, t:t + n],
+                              None if mask is None else mask.bool()))
+            t += n
+        cached = torch.cat(out, 1).double()
+        full = glm5f.forward(params, cfg, ids, **kw).double()
+        real = torch.ones(B, S, dtype=torch.bool) if mask is None else mask.bool()
+        if dtype == torch.float64:
+            exact = full
+            assert float((cached - full)[real].abs().max()) <= 1e-12
+        else:
+            bound = 4 * float((full - exact)[real].abs().max())
+            assert 0 < bound and float((cached - exact)[real].abs().max()) <= bound
+
+
+def test_glm53_greedy_generation_matches_transformers(tmp_path):
+    """Greedy decoding of a random GLM-5.3 (KDA and DSA layers, pools of 2 with the tail) against Transformers'
+    Glm5NextForConditionalGeneration.generate with its cache (KDA conv and recurrent states, KV cache): the same
+    tokens, and every step's logits within 1e-5."""
+    from conftest import stable_topk
+    from test_glm53 import hf_glm53, random_config
+
+    cfg = random_config(1, 2, 2)  # layers: KDA and DSA, dense and MoE
+    model = hf_glm53(cfg, 1)
+    model.save_pretrained(tmp_path)
+    cfg, params = glm5f.load_hf(tmp_path)
+    prompt = torch.randint(0, cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(2))
+    n = 16
+    assert 7 + n > cfg.index_topk + cfg.index_kpool
+    with torch.no_grad(), stable_topk():
+        ref = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, output_logits=True, return_dict_in_generate=True, use_cache=True)
+    steps = list(decode.stream(params, cfg, prompt, n, with_logits=True))
+    assert torch.equal(torch.stack([t for t, _ in steps], 1), ref.sequences[:, 7:])
+    assert max(float((ours - theirs).abs().max()) for (_, ours), theirs in zip(steps, ref.logits)) <= 1e-5
+
+
+def test_glm53_cache_cannot_drop_positions():
+    cfg = glm5f.preset("glm53-tiny")
+    params = glm5f.init_params(cfg)
+    cache = init_cache(cfg, 1, 8)
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    extend(params, cfg, cache, ids, torch.arange(4)[None])
+    cache.length = 2
+    with pytest.raises(ValueError, match="cannot drop any"):
+        extend(params, cfg, cache, ids[:, :1], torch.tensor([[2]]))

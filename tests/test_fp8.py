@@ -198,3 +198,50 @@ def test_fp8_without_block_size_is_an_error(tmp_path):
     (ckpt / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="no quantization_config.weight_block_size"):
         glm5f.load_hf(ckpt)
+
+
+def test_glm53_fp8_release_exports_dequantized_with_its_vision_tower(tmp_path):
+    """A tiny FP8 GLM-5.3 release (text model, vision tower and an MTP layer quantized in 16x16 blocks): load_hf
+    dequantizes the text model, save_hf with the release as source writes every tensor dequantized (the copied
+    vision and MTP tensors equal fp8 x scale, no weight_scale_inv, no quantization_config), and Transformers
+    loads the export with the text model's weights as glm5f holds them and the vision tower's dequantized."""
+    from test_glm53 import hf_glm53, random_config
+    from transformers import Glm5NextForConditionalGeneration
+
+    block = (16, 16)
+    cfg = random_config(0, 2, 2)
+    hf_glm53(cfg, 0).save_pretrained(tmp_path / "plain")
+    tensors = load_file(tmp_path / "plain" / "model.safetensors")
+    mtp = f"model.language_model.layers.{cfg.num_hidden_layers}.eh_proj.weight"  # Transformers has no MTP layer
+    tensors[mtp] = torch.randn(cfg.hidden_size, 2 * cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    out, reference = {}, {}
+    for key, t in tensors.items():
+        if converted(key, t) and t.ndim == 2 and "conv1d" not in key:
+            q, s = quantize(t, block)
+            out[key], out[key + "_scale_inv"] = q, s
+            reference[key] = dequantize(q, s, block)
+        else:
+            out[key] = reference[key] = t
+    assert any(k.startswith("model.visual.") and k + "_scale_inv" in out for k in out) and mtp + "_scale_inv" in out
+    (tmp_path / "fp8").mkdir()
+    save_file(out, tmp_path / "fp8" / "model.safetensors")
+    config = json.loads((tmp_path / "plain" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block), "modules_to_not_convert": NOT_CONVERTED}
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg2, params = glm5f.load_hf(tmp_path / "fp8")
+    glm5f.save_hf(tmp_path / "out", cfg2, params, source=tmp_path / "fp8")
+    written = load_file(tmp_path / "out" / "model.safetensors")
+    assert written.keys() == reference.keys()
+    assert all(torch.equal(written[k], reference[k].to(written[k].dtype)) for k in reference
+               if k.startswith("model.visual.") or k == mtp)
+    ours = glm5f.hf_state_dict(params, fused_experts=True, cfg=cfg2)
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "quantization_config" not in saved and saved["vision_config"] == config["vision_config"]
+    model, info = Glm5NextForConditionalGeneration.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"]
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in ours.items())
+    assert all(torch.equal(state[k], reference[k]) for k in reference if k.startswith("model.visual."))

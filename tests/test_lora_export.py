@@ -27,13 +27,15 @@ def random_adapters(params: dict, spec: lora.LoraSpec, seed: int = 0) -> dict:
     return {k: torch.randn(v.shape, generator=g) * 0.1 for k, v in lora.init_adapters(params, spec).items()}
 
 
-def peft_model(base_path, adapter_dir):
-    """Transformers' model of `base_path` with the PEFT adapter of `adapter_dir` (un-merged), checking that every
-    tensor of the file lands in an adapter (no missing, no unexpected key) with its value."""
+def peft_model(base_path, adapter_dir, model_class=None):
+    """Transformers' model of `base_path` (AutoModelForCausalLM, or `model_class`) with the PEFT adapter of
+    `adapter_dir` (un-merged), checking that every tensor of the file lands in an adapter (no missing, no
+    unexpected key) with its value."""
     from peft import PeftModel, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(base_path, attn_implementation="eager").eval()
+    model_class = model_class or AutoModelForCausalLM
+    base = model_class.from_pretrained(base_path, attn_implementation="eager").eval()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = PeftModel.from_pretrained(base, adapter_dir).eval()
@@ -240,3 +242,41 @@ def test_export_directory_rules(tmp_path, monkeypatch):
     assert torch.equal(load_file(out / "adapter_model.safetensors")[next(iter(again))], next(iter(again.values())))
     with pytest.raises(ValueError, match="--checkpoint.export_peft"):
         hf.check_export_dir(tmp_path, run_dir=out, flag="--checkpoint.export_peft")
+
+
+@pytest.mark.parametrize("targets", ["default", "every"])
+def test_glm53_adapters_load_onto_transformers_glm5next(tmp_path, targets):
+    """GLM-5.3 (KDA and DSA layers, dense and MoE MLPs): the PEFT export loads onto Transformers'
+    Glm5NextForConditionalGeneration (modules under model.language_model, KDA's forget gate under forget_gate; the
+    vision tower's mlp projections untouched) and gives glm5f's logits with the adapters, merged and unmerged.
+    Default targets: MLA's and KDA's q, k, v, o projections; every: KDA's gates, the indexer and the MLPs too."""
+    from peft.tuners.lora import LoraLayer
+    from test_glm53 import hf_glm53, random_config
+    from transformers import Glm5NextForConditionalGeneration
+
+    hf_glm53(random_config(1, 2, 2), 1).save_pretrained(tmp_path / "base")
+    cfg, params = glm5f.load_hf(tmp_path / "base")
+    spec = lora.LoraSpec(rank=3, alpha=5.0, targets=lora.DEFAULT_TARGETS if targets == "default" else ".")
+    adapters = random_adapters(params, spec, seed=2)
+    kda_names = {m.rpartition(".")[2] for m in lora.target_modules(params, spec.targets)
+                 if glm5f.layers.layer_spec(cfg, int(m.split(".")[2])).attention == "kda"}
+    assert kda_names >= {"q_proj", "k_proj", "v_proj", "o_proj"} and not any("conv" in n for n in kda_names)
+    hf.save_peft(tmp_path / "peft", cfg, adapters, spec, base_model_name_or_path=str(tmp_path / "base"))
+    model = peft_model(tmp_path / "base", tmp_path / "peft", Glm5NextForConditionalGeneration)
+    assert not [n for n, m in model.named_modules() if "visual" in n and isinstance(m, LoraLayer)]
+    assert {m.scaling["default"] for m in model.modules() if isinstance(m, LoraLayer)} == {spec.scale}
+    ids = torch.randint(0, cfg.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), stable_topk():
+        theirs = model(ids).logits
+        ours = glm5f.forward(lora.attach(params, adapters), cfg, ids, lora=spec)
+        merged = glm5f.forward(lora.merge(params, adapters, spec), cfg, ids)
+        base = glm5f.forward(params, cfg, ids)
+    assert (ours - base).abs().max() > 0.05
+    assert (theirs - ours).abs().max() <= 1e-5 and (merged - ours).abs().max() <= 1e-5
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    kda = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"}
+    assert kda <= set(config["target_modules"])
+    if targets == "every":
+        assert {"self_attn.forget_gate.f_a_proj", "self_attn.forget_gate.f_b_proj", "self_attn.b_proj",
+                "self_attn.g_a_proj", "self_attn.g_b_proj"} <= set(config["target_modules"])
+        assert "mlp.gate_proj.weight" not in config["target_parameters"]  # it would adapt the vision tower too

@@ -515,3 +515,111 @@ def test_shared_mtp_depths_equal_a_naive_loop_over_one_layer():
     for k, g in want.items():
         assert rel_err(grads[k], g) <= 1e-10, f"{k}: relative gradient error {rel_err(grads[k], g):.2e}"
     assert float(want[f"model.layers.{L}.eh_proj.weight"].norm()) > 0
+
+
+# ---- GLM-5.3: the pooled indexer's loss ------------------------------------------------------------------------
+
+CFG53 = glm5f.preset("glm53-tiny", initializer_range=0.2)  # layer 1: DSA with pools of 2 and the tail, top 4 pools
+
+
+def naive_pool_ends(valid_BxS, seg_BxS, kpool):
+    """[B, S] bool, a loop: the last token of each complete pool, pools tiling each document from its first real
+    token, a pool complete when its kpool tokens are all real and in the document."""
+    ends = torch.zeros_like(valid_BxS)
+    for b in range(valid_BxS.shape[0]):
+        start = None
+        for t in range(valid_BxS.shape[1]):
+            if t == 0 or seg_BxS[b, t] != seg_BxS[b, t - 1]:
+                start = None
+            if start is None and valid_BxS[b, t]:
+                start = t
+            if start is not None and (t - start + 1) % kpool == 0:
+                toks = range(t - kpool + 1, t + 1)
+                ends[b, t] = all(bool(valid_BxS[b, u]) and seg_BxS[b, u] == seg_BxS[b, t] for u in toks)
+    return ends
+
+
+def naive_pooled_kl(p, x, allowed_BxSxT, valid_BxS, seg_BxS, selected_BxSxT, mode):
+    """(KL sum, recall sum) of the pooled indexer's loss from the README's definition, fp64, loops over pools.
+    selected_BxSxT: the tokens the layer attends (the pooled selection with its tail)."""
+    c = CFG53
+    H, N, I, J, K = c.num_attention_heads, c.qk_nope_head_dim, c.index_n_heads, c.index_head_dim, c.index_kpool
+    eps = c.rms_norm_eps
+    with torch.no_grad():  # the target: MLA (NoPE) probabilities over the key set, head-summed, normalised
+        q = (rms_norm(p["q_a_layernorm"]["weight"], x @ p["q_a_proj"]["weight"].T, eps)
+             @ p["q_b_proj"]["weight"].T).view(B, S, H, N + c.v_head_dim * 0)[..., :N]
+        lat = rms_norm(p["kv_a_layernorm"]["weight"], x @ p["kv_a_proj_with_mqa"]["weight"].T, eps)
+        k = (lat @ p["kv_b_proj"]["weight"].T).view(B, S, H, N + c.v_head_dim)[..., :N]
+        keyset = allowed_BxSxT & selected_BxSxT if mode == "sparse" else allowed_BxSxT
+        scores = torch.einsum("bshn,bthn->bhst", q, k) * c.softmax_scale
+        target = torch.softmax(scores.masked_fill(~keyset[:, None], float("-inf")), -1).nan_to_num(0).sum(1)
+        target = target / target.sum(-1, keepdim=True).clamp(min=1e-300)
+    ip = p["indexer"]
+    q_lat = rms_norm(p["q_a_layernorm"]["weight"], x @ p["q_a_proj"]["weight"].T, eps)
+    qi = (q_lat @ ip["wq_b"]["weight"].T).view(B, S, I, J)
+    w = x @ ip["weights_proj"]["weight"].T * I ** -0.5
+    keys = layer_norm(ip["k_norm"], x @ ip["wk"]["weight"].T)
+    gate = x @ ip["index_kpool_compress_gate"].T
+    ends = naive_pool_ends(valid_BxS, seg_BxS, K)
+    loss = recall = 0.0
+    for b in range(B):
+        for s in range(S):
+            if not valid_BxS[b, s]:
+                continue
+            pools = [e for e in range(S) if ends[b, e] and allowed_BxSxT[b, s, e]]
+            if mode == "sparse":  # the chosen pools: those whose tokens are all selected
+                pools = [e for e in pools if bool(selected_BxSxT[b, s, e - K + 1:e + 1].all())]
+            if not pools:
+                recall += 1.0
+                continue
+            mass = torch.stack([target[b, s, e - K + 1:e + 1].sum() for e in pools])
+            score = []
+            for e in pools:
+                weights = torch.softmax(gate[b, e - K + 1:e + 1] + ip["index_kpool_compress_ape"], dim=0)
+                key = (weights * keys[b, e - K + 1:e + 1]).sum(0)
+                score.append((w[b, s] * torch.relu(qi[b, s] @ key / J ** 0.5)).sum())
+            t = mass / mass.sum()
+            loss = loss + (t * (torch.log(t) - torch.log_softmax(torch.stack(score), 0))).sum()
+            chosen = [bool(selected_BxSxT[b, s, e - K + 1:e + 1].all()) for e in pools]
+            recall += float(t[torch.tensor(chosen)].sum())
+    return loss, recall
+
+
+@pytest.mark.parametrize("blocks", ["one", "many"])
+@pytest.mark.parametrize("kind", ["causal", "padding", "packed"])
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+def test_pooled_indexer_kl_and_its_gradients_match_the_definition(mode, kind, blocks):
+    """GLM-5.3's DSA layer with --train.indexer_loss: the loss, recall and every indexer leaf's gradient (the pool
+    terms included) equal the naive fp64 definition's (README, "Indexer loss"), over one or many query blocks."""
+    block_elems = 4000 if blocks == "many" else glm5f.indexer_loss.INDEXER_LOSS_BLOCK_ELEMS
+    am, pos, allowed, valid = inputs(kind)
+    seg = torch.zeros(B, S, dtype=torch.long) if pos is None else \
+        (torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+    layer = 1
+    assert glm5f.layers.layer_spec(CFG53, layer).indexer == "pooled"
+    g = torch.Generator().manual_seed(0)
+    p = glm5f.params.map_with_path(  # the constant inits (norms, pool terms) perturbed
+        lambda path, t: t + 0.3 * torch.randn(t.shape, generator=g, dtype=t.dtype),
+        glm5f.init_params(CFG53, seed=0, dtype=torch.float64)["model"]["layers"][layer]["self_attn"])
+    x = torch.randn(B, S, CFG53.hidden_size, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    env = env_of(CFG53, (B, S), am, pos, torch.float64, indexer_loss=mode)
+    live = glm5f.params.map_with_path(lambda path, t: t.clone().requires_grad_(".indexer." in f".{path}"), p)
+    _, carry, aux = attention(live, x, CFG53, layer, env, None, kl_block_elems=block_elems)
+    selected = torch.zeros(B, S, S + 1, dtype=torch.bool).scatter_(
+        2, torch.where(carry.allowed, carry.topk, S), True)[..., :S]
+    assert (selected.sum(-1) < allowed.sum(-1))[valid].any(), "the selection must be sparse for some query"
+    ref_live = glm5f.params.map_with_path(lambda path, t: t.clone().requires_grad_(".indexer." in f".{path}"), p)
+    ref_loss, ref_recall = naive_pooled_kl(ref_live, x, allowed, valid, seg, selected, mode)
+    loss = float(ref_loss.detach())
+    assert loss > 0.1
+    assert abs(float(aux["indexer_loss"].detach()) - loss) <= 1e-10 * loss
+    assert abs(float(aux["indexer_recall"]) - ref_recall) <= 1e-10 * ref_recall
+    if mode == "dense":
+        assert ref_recall < int(valid.sum()) - 0.5  # the chosen pools miss some of the target's mass
+    leaves = {k: t for k, t in glm5f.flatten(live).items() if t.requires_grad}
+    assert {"indexer.index_kpool_compress_ape", "indexer.index_kpool_compress_gate"} <= set(leaves)
+    grads = torch.autograd.grad(aux["indexer_loss"], list(leaves.values()))
+    ref_grads = torch.autograd.grad(ref_loss, [glm5f.flatten(ref_live)[k] for k in leaves])
+    for name, gr, r in zip(leaves, grads, ref_grads):
+        assert float(r.norm()) > 0, name
+        assert float((gr - r).norm() / r.norm()) <= 1e-9, name
