@@ -31,7 +31,7 @@ from glm5f.data import (check_first_batch, make_eval_source, make_source, make_t
 from glm5f.distributed import (TIMEOUT_EXIT, DistLayout, StallWatch, WorkerFailure, check_device, collective_timeout,
                                init_process, silent_ranks, spawn, under_torchrun)
 from glm5f.hf import EXPORT_MARKER, check_export_dir, check_loaded_finite, note_base, save_peft
-from glm5f.loss import Step, eval_loss, step_grads
+from glm5f.loss import Step, eval_loss, step_grads, unused_weights
 from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
 from glm5f.model import check_input_ids
 from glm5f.optim import (Optimizer, balance_router_bias, clip_by_global_norm, lr_schedule, make_optimizer,
@@ -111,6 +111,8 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     adapters = init_adapters(cfg, spec, params, layout) if spec else None
     base = lora_base(cfg, params, layout) if spec else None
     step = Step.of(cfg.train, model_cfg, spec)
+    for message in unused_weights(cfg.train, model_cfg) if layout.is_main else ():
+        print_warning(message)
     optimizer = make_optimizer(cfg.optim, model_cfg)
     opt_state = optimizer.init(adapters, list(adapters)) if spec else optimizer.init(params, step.trained(params))
     data, eval_batches = make_data(cfg, model_cfg, layout, say, tokenizer.path)

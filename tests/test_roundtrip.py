@@ -318,3 +318,32 @@ def test_warnings_print_as_one_line_in_the_scripts():
     out = run("-c", "import warnings; from glm5f.data import warnings_as_lines; warnings_as_lines(); "
                     "warnings.warn('an FP8 checkpoint: dequantized as read')")
     assert out.returncode == 0 and out.stderr == "warning: an FP8 checkpoint: dequantized as read\n", out.stderr
+
+
+def test_mtp_loss_weight_given_for_a_model_without_mtp_layers_is_one_warning(tmp_path, capsys):
+    """--train.mtp_loss_weight on a model without MTP layers: one warning line (no MTP loss exists to weight).
+    Not given: no warning, and a model with MTP layers trains with 0.1 (the same losses as --train.mtp_loss_weight
+    0.1, and Step.of's weight)."""
+    from configs import Config
+    from glm5f.loss import Step
+
+    tiny = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", *RUN[:4], "--train.steps", "2",
+            "--eval.every", "0"]
+    assert main(tiny + ["--train.mtp_loss_weight", "0.5", "--checkpoint.dir", str(tmp_path / "set")]) == 0
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if "mtp_loss_weight" in line] == [
+        "warning: --train.mtp_loss_weight 0.5 is not used: the model has no MTP layers "
+        "(--model.num_nextn_predict_layers), so there is no mtp_loss to weight; drop the flag or train a model "
+        "with them"], err
+    mtp = tiny + ["--model.num_nextn_predict_layers", "1"]
+    assert main(tiny + ["--checkpoint.dir", str(tmp_path / "plain")]) == 0
+    assert main(mtp + ["--checkpoint.dir", str(tmp_path / "default")]) == 0
+    assert main(mtp + ["--train.mtp_loss_weight", "0.1", "--checkpoint.dir", str(tmp_path / "given")]) == 0
+    assert "mtp_loss_weight" not in capsys.readouterr().err
+    records = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+               for name in ("default", "given")}
+    assert [(r["loss"], r["mtp_loss"]) for r in records["default"]] == \
+        [(r["loss"], r["mtp_loss"]) for r in records["given"]]
+    run = checkpoint.read_meta(checkpoint.latest(str(tmp_path / "default")))["run"]
+    assert run["train"]["mtp_loss_weight"] is None
+    assert Step.of(Config().train, glm5f.preset("glm5-tiny", num_nextn_predict_layers=1)).coeffs["mtp_loss"] == 0.1
