@@ -26,8 +26,8 @@ import glm5f
 from configs import CONFIG_FILE, Config, mesh_errors, parse, validate, with_data_type, write_config
 from glm5f import checkpoint, lora, preempt
 from glm5f.chat import RUN_TOKENIZER_DIR, check_same_tokenizer, resolve_tokenizer
-from glm5f.data import (check_first_batch, make_eval_source, make_source, make_tokenizer, print_warning,
-                        warnings_as_lines)
+from glm5f.data import (PresetSource, check_first_batch, make_eval_source, make_source, make_tokenizer,
+                        print_warning, warnings_as_lines)
 from glm5f.distributed import (TIMEOUT_EXIT, DistLayout, StallWatch, WorkerFailure, check_device, collective_timeout,
                                init_process, silent_ranks, spawn, under_torchrun)
 from glm5f.hf import EXPORT_MARKER, check_export_dir, check_loaded_finite, note_base, save_peft
@@ -126,7 +126,7 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     log = MetricsLog(cfg.checkpoint.dir, start, print_warning) if layout.is_main else None
     progress = Progress(cfg.train.steps, start, cfg.train.log_every) if layout.is_main else None
     say(f"glm5f: {cfg.model.init_from or cfg.model.preset} ({glm5f.param_count(model_cfg):,} parameters), "
-        f"{cfg.data.type} data, {cfg.data.batch_size}x{cfg.data.seq_len} tokens/step, {cfg.train.dtype} on "
+        f"{cfg.data.type} data, {batch_sizes(cfg, data)}, {cfg.train.dtype} on "
         f"{layout.device} x{layout.world} (dp_shard {cfg.parallel.dp_shard} x cp {cfg.parallel.cp}, ep "
         f"{cfg.parallel.ep}), steps {start}->{cfg.train.steps}, run dir {cfg.checkpoint.dir}")
     say(f"tokenizer: {tokenizer.how}")
@@ -196,6 +196,14 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     report(cfg, layout, say)
     export(cfg, model_cfg, params, adapters, layout, say, tokenizer)
     return records
+
+
+def batch_sizes(cfg: Config, data) -> str:
+    """The batch x sequence sizes the run trains on, for its start line: those of --data.path's batches (one or
+    several) for preset_pt data, else --data.batch_size x --data.seq_len."""
+    if isinstance(data, PresetSource):
+        return " or ".join(f"{B}x{S}" for B, S in data.shapes) + f" tokens/step (the batches of {cfg.data.path})"
+    return f"{cfg.data.batch_size}x{cfg.data.seq_len} tokens/step"
 
 
 # ---- the run's edges ----------------------------------------------------------------------------------------------

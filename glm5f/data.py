@@ -571,7 +571,8 @@ def load_batches(path: str):
 
 
 class PresetSource:
-    """Fixed batches saved with torch.save (a list of dicts of [B, S] tensors), replayed in order, cycling."""
+    """Fixed batches saved with torch.save (a list of dicts of [B, S] tensors), replayed in order, cycling;
+    `shapes`: their distinct [B, S] (what --data.batch_size and --data.seq_len are for the other sources)."""
 
     KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 
@@ -601,6 +602,7 @@ class PresetSource:
                                  f"(use {IGNORE_INDEX} where no loss is taken): fix the labels or raise "
                                  f"--model.vocab_size")
         self.batches, self.index = list(batches), 0
+        self.shapes = list(dict.fromkeys(tuple(b["input_ids"].shape) for b in self.batches))  # [B, S]s, in order
 
     def next_batch(self) -> dict[str, torch.Tensor]:
         b = dict(self.batches[self.index % len(self.batches)])

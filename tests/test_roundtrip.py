@@ -347,3 +347,18 @@ def test_mtp_loss_weight_given_for_a_model_without_mtp_layers_is_one_warning(tmp
     run = checkpoint.read_meta(checkpoint.latest(str(tmp_path / "default")))["run"]
     assert run["train"]["mtp_loss_weight"] is None
     assert Step.of(Config().train, glm5f.preset("glm5-tiny", num_nextn_predict_layers=1)).coeffs["mtp_loss"] == 0.1
+
+
+def test_a_preset_pt_runs_start_line_shows_the_sizes_of_its_batches(tmp_path, capsys):
+    """--data.type preset_pt trains on the batches of its file, whatever --data.batch_size and --data.seq_len say:
+    the start line shows their sizes (the tokens each step's metrics record counts), not the flags'."""
+    path = tmp_path / "batches.pt"
+    g = torch.Generator().manual_seed(0)
+    torch.save([{"input_ids": torch.randint(0, 200, (4, 48), generator=g)},
+                {"input_ids": torch.randint(0, 200, (2, 64), generator=g)}], path)
+    assert main(["--model.preset", "glm5-tiny", "--data.path", str(path), "--data.batch_size", "16",
+                 "--data.seq_len", "128", "--train.steps", "2", "--checkpoint.dir", str(tmp_path / "run")]) == 0
+    start = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("glm5f:"))
+    assert f"preset_pt data, 4x48 or 2x64 tokens/step (the batches of {path})," in start and "16x128" not in start
+    assert [json.loads(line)["tokens"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] \
+        == [4 * 48, 2 * 64]
