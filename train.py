@@ -300,7 +300,8 @@ def make_data(cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout, say, tok
              f"rate peaks at {cfg.optim.lr * steps / warmup:.2e}, not --optim.lr {cfg.optim.lr:.2e}")
     with user_errors():
         data = make_source(d.type, path=d.path, split=d.split, warn=warn, allow_changed=d.allow_changed, **common)
-        held_out = make_eval_source(d.type, path=cfg.eval.path, split=cfg.eval.split, train_path=d.path, **common)
+        held_out = make_eval_source(d.type, path=cfg.eval.path, split=cfg.eval.split, train_path=d.path,
+                                    train_split=d.split, **common)
         eval_batches = [] if held_out is None or not cfg.eval.every else \
             [{k: v.to(layout.device) for k, v in held_out.next_batch().items()} for _ in range(cfg.eval.batches)]
         for b in eval_batches:
