@@ -166,6 +166,8 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         rec = {"step": i + 1, **metrics, "lr": lr, "grad_norm": float(grad_norm), "tokens": tokens,
                "tokens_per_s": tokens / dt, "step_time_s": dt, **({"skipped": True} if skipped else {})}
         if eval_batches and ((i + 1) % cfg.eval.every == 0 or i + 1 == cfg.train.steps):
+            if cfg.train.compile and not any("eval_loss" in r for r in records):  # no gradients: other graphs
+                say("compiling the evaluation (the first one takes a while; the next ones reuse it)...", flush=True)
             rec["eval_loss"] = eval_loss(lora.attach(params, adapters) if spec else params, eval_batches, model_cfg,
                                          layout, step)
             rec["eval_ppl"] = math.exp(rec["eval_loss"]) if rec["eval_loss"] < 700 else math.inf

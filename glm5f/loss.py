@@ -162,9 +162,9 @@ class Objective:
     """One term of the step's value: `coeff` its weight (a number, or the name of the --train flag holding it;
     None: a metric, logged but not optimized), `denom` the `step_denoms` count its sum is averaged over, `source`
     where its sum comes from ("head": the main LM head, "mtp": the MTP heads, "layers": the layers' aux, summed),
-    `on`: whether a step with these Objectives computes it, `default`: the weight when its flag is None (not given;
-    `needs`: what the model must have to compute it; a flag given for an objective it cannot compute is warned
-    about, see `unused_weights`)."""
+    `on`: whether a step with these Objectives computes it; `default`: the weight when its flag is None (not
+    given), `needs`: what the model must have to compute it (a flag given for an objective it cannot compute is
+    warned about: `unused_weights`)."""
 
     coeff: float | str | None
     denom: str
@@ -211,7 +211,9 @@ class Step:
             raise ValueError(f"--train.indexer_loss must be one of {INDEXER_LOSSES}, got {train.indexer_loss!r}")
         objectives = Objectives(train.indexer_loss, train.indexer_target, train.seq_aux_loss_coeff > 0,
                                 model_cfg.mtp_depths)
-        flag = lambda o: o.default if getattr(train, o.coeff) is None else getattr(train, o.coeff)  # noqa: E731
+        def flag(o: Objective) -> float:  # its --train flag's value, its default when not given
+            return o.default if getattr(train, o.coeff) is None else getattr(train, o.coeff)
+
         coeffs = {name: o.coeff if isinstance(o.coeff, float) else flag(o)
                   for name, o in OBJECTIVES.items() if o.coeff is not None and o.on(objectives)}
         return cls(objectives, coeffs, getattr(torch, train.dtype),
