@@ -220,9 +220,10 @@ class TrainConfig:
     seq_aux_loss_coeff: float = 0.0
     """Weight of DeepSeek-V3's sequence-wise auxiliary balance loss (per MoE layer, mean over sequences, summed
     over layers; logged as seq_aux_loss), beside the aux-loss-free bias update; 0: off."""
-    mtp_loss_weight: float = 0.1
+    mtp_loss_weight: Optional[float] = None
     """Weight of the multi-token-prediction loss (mean over MTP depths of each depth's token mean; mtp_loss in
-    metrics.jsonl), added to the LM loss. Used when the model has MTP layers (--model.num_nextn_predict_layers)."""
+    metrics.jsonl), added to the LM loss, when the model has MTP layers (--model.num_nextn_predict_layers).
+    None: 0.1. Given for a model without MTP layers: a warning (there is no MTP loss to weight)."""
 
 
 @dataclass

@@ -26,12 +26,12 @@ import glm5f
 from configs import CONFIG_FILE, Config, mesh_errors, parse, validate, with_data_type, write_config
 from glm5f import checkpoint, lora, preempt
 from glm5f.chat import RUN_TOKENIZER_DIR, check_same_tokenizer, resolve_tokenizer
-from glm5f.data import (check_first_batch, make_eval_source, make_source, make_tokenizer, print_warning,
-                        warnings_as_lines)
+from glm5f.data import (PresetSource, check_first_batch, make_eval_source, make_source, make_tokenizer,
+                        print_warning, warnings_as_lines)
 from glm5f.distributed import (TIMEOUT_EXIT, DistLayout, StallWatch, WorkerFailure, check_device, collective_timeout,
                                init_process, silent_ranks, spawn, under_torchrun)
 from glm5f.hf import EXPORT_MARKER, check_export_dir, check_loaded_finite, note_base, save_peft
-from glm5f.loss import Step, eval_loss, step_grads
+from glm5f.loss import Step, eval_loss, step_grads, unused_weights
 from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
 from glm5f.model import check_input_ids
 from glm5f.optim import (Optimizer, balance_router_bias, clip_by_global_norm, lr_schedule, make_optimizer,
@@ -111,6 +111,8 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     adapters = init_adapters(cfg, spec, params, layout) if spec else None
     base = lora_base(cfg, params, layout) if spec else None
     step = Step.of(cfg.train, model_cfg, spec)
+    for message in unused_weights(cfg.train, model_cfg) if layout.is_main else ():
+        print_warning(message)
     optimizer = make_optimizer(cfg.optim, model_cfg)
     opt_state = optimizer.init(adapters, list(adapters)) if spec else optimizer.init(params, step.trained(params))
     data, eval_batches = make_data(cfg, model_cfg, layout, say, tokenizer.path)
@@ -124,7 +126,7 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     log = MetricsLog(cfg.checkpoint.dir, start, print_warning) if layout.is_main else None
     progress = Progress(cfg.train.steps, start, cfg.train.log_every) if layout.is_main else None
     say(f"glm5f: {cfg.model.init_from or cfg.model.preset} ({glm5f.param_count(model_cfg):,} parameters), "
-        f"{cfg.data.type} data, {cfg.data.batch_size}x{cfg.data.seq_len} tokens/step, {cfg.train.dtype} on "
+        f"{cfg.data.type} data, {batch_sizes(cfg, data)}, {cfg.train.dtype} on "
         f"{layout.device} x{layout.world} (dp_shard {cfg.parallel.dp_shard} x cp {cfg.parallel.cp}, ep "
         f"{cfg.parallel.ep}), steps {start}->{cfg.train.steps}, run dir {cfg.checkpoint.dir}")
     say(f"tokenizer: {tokenizer.how}")
@@ -164,6 +166,8 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         rec = {"step": i + 1, **metrics, "lr": lr, "grad_norm": float(grad_norm), "tokens": tokens,
                "tokens_per_s": tokens / dt, "step_time_s": dt, **({"skipped": True} if skipped else {})}
         if eval_batches and ((i + 1) % cfg.eval.every == 0 or i + 1 == cfg.train.steps):
+            if cfg.train.compile and not any("eval_loss" in r for r in records):  # no gradients: other graphs
+                say("compiling the evaluation (the first one takes a while; the next ones reuse it)...", flush=True)
             rec["eval_loss"] = eval_loss(lora.attach(params, adapters) if spec else params, eval_batches, model_cfg,
                                          layout, step)
             rec["eval_ppl"] = math.exp(rec["eval_loss"]) if rec["eval_loss"] < 700 else math.inf
@@ -194,6 +198,14 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     report(cfg, layout, say)
     export(cfg, model_cfg, params, adapters, layout, say, tokenizer)
     return records
+
+
+def batch_sizes(cfg: Config, data) -> str:
+    """The batch x sequence sizes the run trains on, for its start line: those of --data.path's batches (one or
+    several) for preset_pt data, else --data.batch_size x --data.seq_len."""
+    if isinstance(data, PresetSource):
+        return " or ".join(f"{B}x{S}" for B, S in data.shapes) + f" tokens/step (the batches of {cfg.data.path})"
+    return f"{cfg.data.batch_size}x{cfg.data.seq_len} tokens/step"
 
 
 # ---- the run's edges ----------------------------------------------------------------------------------------------
@@ -290,7 +302,8 @@ def make_data(cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout, say, tok
              f"rate peaks at {cfg.optim.lr * steps / warmup:.2e}, not --optim.lr {cfg.optim.lr:.2e}")
     with user_errors():
         data = make_source(d.type, path=d.path, split=d.split, warn=warn, allow_changed=d.allow_changed, **common)
-        held_out = make_eval_source(d.type, path=cfg.eval.path, split=cfg.eval.split, train_path=d.path, **common)
+        held_out = make_eval_source(d.type, path=cfg.eval.path, split=cfg.eval.split, train_path=d.path,
+                                    train_split=d.split, **common)
         eval_batches = [] if held_out is None or not cfg.eval.every else \
             [{k: v.to(layout.device) for k, v in held_out.next_batch().items()} for _ in range(cfg.eval.batches)]
         for b in eval_batches:

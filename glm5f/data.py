@@ -571,7 +571,8 @@ def load_batches(path: str):
 
 
 class PresetSource:
-    """Fixed batches saved with torch.save (a list of dicts of [B, S] tensors), replayed in order, cycling."""
+    """Fixed batches saved with torch.save (a list of dicts of [B, S] tensors), replayed in order, cycling;
+    `shapes`: their distinct [B, S] (what --data.batch_size and --data.seq_len are for the other sources)."""
 
     KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 
@@ -601,6 +602,7 @@ class PresetSource:
                                  f"(use {IGNORE_INDEX} where no loss is taken): fix the labels or raise "
                                  f"--model.vocab_size")
         self.batches, self.index = list(batches), 0
+        self.shapes = list(dict.fromkeys(tuple(b["input_ids"].shape) for b in self.batches))  # [B, S]s, in order
 
     def next_batch(self) -> dict[str, torch.Tensor]:
         b = dict(self.batches[self.index % len(self.batches)])
@@ -620,13 +622,14 @@ class PresetSource:
 
 def make_eval_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, seed: int = 0,
                      path: str | None = None, split: str | None = None, train_path: str | None = None,
-                     tokenizer_path: str | None = None, pack: bool = True, shuffle_buffer: int = 10_000,
-                     chat_template: str | None = None, train_on: str = "assistant", held_out: float = 0.0):
+                     train_split: str | None = None, tokenizer_path: str | None = None, pack: bool = True,
+                     shuffle_buffer: int = 10_000, chat_template: str | None = None, train_on: str = "assistant",
+                     held_out: float = 0.0):
     """The held-out data of a run of `--data.type kind`: `path` (default the training data's `train_path`) and
     `split` when given, in that data type's format (JSONL for text and synthetic runs); else the held-out part of
     the embedded text, of the chat sample or of the synthetic stream. None when there is none (json_file,
     hf_datasets, preset_pt without a path or split; chat with a --data.path) unless `held_out`
-    (--eval.split_fraction) holds out a part of the training records."""
+    (--eval.split_fraction) holds out a part of the training records (of `train_split` for hf_datasets)."""
     common = dict(vocab_size=vocab_size, batch_size=batch_size, seq_len=seq_len, seed=seed,
                   tokenizer_path=tokenizer_path, pack=pack, shuffle_buffer=shuffle_buffer,
                   chat_template=chat_template, train_on=train_on)
@@ -637,7 +640,7 @@ def make_eval_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: in
         except FileNotFoundError as e:  # the readers name the training flag; this file came from --eval.path
             raise FileNotFoundError(str(e).replace("--data.path", "--eval.path") if path else str(e)) from None
     if held_out and train_path is not None:
-        return make_source(kind, path=train_path, split=split, warn=lambda message: None, held_out=held_out,
+        return make_source(kind, path=train_path, split=train_split, warn=lambda message: None, held_out=held_out,
                            part="eval", **common)
     if kind == "synthetic":
         return SyntheticSource(batch_size, seq_len, vocab_size, seed, step=SyntheticSource.HELD_OUT_STEP)

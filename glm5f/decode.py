@@ -16,6 +16,8 @@ from glm5f.model import apply, check_input_ids, head_logits, mtp_layer
 from glm5f.ops import rope_tables
 from glm5f.parallel import Layout
 
+Eos = int | tuple[int, ...] | None | str  # an eos id, several, None (never stop) or "config" (cfg.eos_token_id)
+
 
 @dataclass
 class Cache:
@@ -101,22 +103,39 @@ def sample(logits_BxV: torch.Tensor, temperature: float = 0.0, top_p: float = 1.
     return torch.multinomial(probs_BxV, 1, generator=generator)[:, 0]
 
 
+def stop_ids(cfg: GLM5Config, eos_token_id: Eos, device: torch.device) -> torch.Tensor | None:
+    """The ids [E] decoding stops at: `eos_token_id`'s (an id or a tuple of ids), with "config" the config's
+    eos_token_id; None when there is none."""
+    if isinstance(eos_token_id, str):
+        if eos_token_id != "config":
+            raise ValueError(f"eos_token_id must be an id, a tuple of ids, None (never stop) or 'config' (the "
+                             f"config's eos_token_id), got {eos_token_id!r}")
+        eos_token_id = cfg.eos_token_id
+    if eos_token_id is None:
+        return None
+    ids = (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
+    return torch.tensor(ids, dtype=torch.long, device=device) if ids else None
+
+
 @torch.no_grad()
 def stream(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, max_new_tokens: int, *,
-           attention_mask: torch.Tensor | None = None, eos_token_id: int | None = None, temperature: float = 0.0,
+           attention_mask: torch.Tensor | None = None, eos_token_id: Eos = "config", temperature: float = 0.0,
            top_p: float = 1.0, generator: torch.Generator | None = None, with_logits: bool = False):
     """Yield the new tokens [B] one step at a time (see `generate`); with `with_logits`, each with the logits
     [B, V] it was chosen from."""
     valid, positions = prompt_positions(input_ids, cfg, attention_mask, max_new_tokens)
+    eos = stop_ids(cfg, eos_token_id, input_ids.device)
     B, S = input_ids.shape
     cache = init_cache(cfg, B, S + max_new_tokens, params["model"]["embed_tokens"]["weight"].dtype, input_ids.device)
     logits = extend(params, cfg, cache, input_ids, positions[:, :S], valid)[:, -1]
     done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+    token = None
     for step in range(max_new_tokens):
-        token = sample(logits, temperature, top_p, generator)
-        if eos_token_id is not None:
-            token = torch.where(done, torch.full_like(token, eos_token_id), token)
-            done = done | (token == eos_token_id)
+        new = sample(logits, temperature, top_p, generator)
+        if eos is not None:  # a row that is done repeats the eos it emitted
+            new = new if token is None else torch.where(done, token, new)
+            done = done | torch.isin(new, eos)
+        token = new
         yield (token, logits) if with_logits else token
         if step == max_new_tokens - 1 or bool(done.all()):
             break
@@ -143,14 +162,16 @@ def prompt_positions(input_ids: torch.Tensor, cfg: GLM5Config, attention_mask: t
 
 
 def generate(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, max_new_tokens: int, *,
-             attention_mask: torch.Tensor | None = None, eos_token_id: int | None = None,
+             attention_mask: torch.Tensor | None = None, eos_token_id: Eos = "config",
              temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None,
              draft: str | None = None, stats: dict | None = None) -> torch.Tensor:
     """Prompt + up to max_new_tokens tokens [B, S + n]. Greedy when temperature == 0, else sampled (nucleus
     sampling with top_p < 1).
 
-    attention_mask [B, S] marks left padding of the prompts (positions then count real tokens only). Rows that
-    produced eos_token_id keep emitting it; decoding stops early once every row has.
+    attention_mask [B, S] marks left padding of the prompts (positions then count real tokens only). Decoding
+    stops at eos_token_id: by default ("config") the config's cfg.eos_token_id, as Transformers' generate does;
+    an id or a tuple of ids; None never stops (always max_new_tokens new tokens). A row that produced an eos keeps
+    emitting it; decoding stops early once every row has.
 
     draft="mtp" (greedy only): the MTP layers draft cfg.mtp_depths tokens per step (one per MTP layer, or
     mtp_shared_depths through the one shared layer), the main model checks them in one pass; the output is the
@@ -191,7 +212,7 @@ def mtp_propose(params: dict, cfg: GLM5Config, tokens_BxM: torch.Tensor, hidden_
 
 @torch.no_grad()
 def speculative(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, max_new_tokens: int, *,
-                attention_mask: torch.Tensor | None = None, eos_token_id: int | None = None,
+                attention_mask: torch.Tensor | None = None, eos_token_id: Eos = "config",
                 stats: dict | None = None) -> torch.Tensor:
     """The greedy new tokens [B, n] by self-speculative decoding (see `generate`, draft="mtp").
 
@@ -199,6 +220,7 @@ def speculative(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, max_new_
     drafts against the cache, and the leading drafts that equal its greedy choices (in every row) are kept with
     its next token; the cache drops the rest. So each step adds 1 to k + 1 tokens, all of them greedy."""
     valid, positions = prompt_positions(input_ids, cfg, attention_mask, max_new_tokens)
+    eos = stop_ids(cfg, eos_token_id, input_ids.device)
     depths, layers = cfg.mtp_depths, cfg.num_nextn_predict_layers
     if depths < 1 or len(params["model"]["layers"]) < cfg.num_hidden_layers + layers:
         raise ValueError(f"draft='mtp' needs MTP layers: the config has num_nextn_predict_layers={layers} and the "
@@ -213,7 +235,7 @@ def speculative(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, max_new_
         logits, hidden = extend(params, cfg, cache, input_ids, positions[:, :S], valid, with_hidden=True)
         tokens = torch.cat([input_ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     while tokens.shape[1] - S < max_new_tokens:
-        if eos_token_id is not None and bool((tokens[:, S:] == eos_token_id).any(-1).all()):
+        if eos is not None and bool(torch.isin(tokens[:, S:], eos).any(-1).all()):
             break
         M = tokens.shape[1]  # the cache and `hidden` hold positions 0..M-2; token M-1 is not run yet
         k = min(depths, S + max_new_tokens - M - 1)
@@ -231,10 +253,11 @@ def speculative(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, max_new_
         stats.update(proposed=proposed, accepted=accepted, acceptance_rate=accepted / proposed if proposed else 0.0,
                      steps=steps, tokens_per_step=(steps + accepted / B) / steps if steps else 0.0)
     new = tokens[:, S:]
-    if eos_token_id is not None and new.shape[1]:  # as `stream`: eos repeats once emitted, stop when all did
-        done = (new == eos_token_id).long().cummax(-1).values.bool()
+    if eos is not None and new.shape[1]:  # as `stream`: a row's eos repeats once emitted, stop when all did
+        done = torch.isin(new, eos).long().cummax(-1).values.bool()
+        first = done.long().argmax(-1, keepdim=True)  # each row's first eos (0 in a row without one: unused)
         after = torch.cat([torch.zeros_like(done[:, :1]), done[:, :-1]], dim=1)
-        new = new.masked_fill(after, eos_token_id)
+        new = torch.where(after, new.gather(1, first), new)
         all_done = done.all(0)
         if bool(all_done.any()):
             new = new[:, :int(all_done.nonzero()[0]) + 1]

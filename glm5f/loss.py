@@ -162,17 +162,22 @@ class Objective:
     """One term of the step's value: `coeff` its weight (a number, or the name of the --train flag holding it;
     None: a metric, logged but not optimized), `denom` the `step_denoms` count its sum is averaged over, `source`
     where its sum comes from ("head": the main LM head, "mtp": the MTP heads, "layers": the layers' aux, summed),
-    `on`: whether a step with these Objectives computes it."""
+    `on`: whether a step with these Objectives computes it; `default`: the weight when its flag is None (not
+    given), `needs`: what the model must have to compute it (a flag given for an objective it cannot compute is
+    warned about: `unused_weights`)."""
 
     coeff: float | str | None
     denom: str
     source: str
     on: Callable[[Objectives], bool]
+    default: float | None = None
+    needs: str = ""
 
 
 OBJECTIVES = {
     "loss": Objective(1.0, "targets", "head", lambda o: True),
-    "mtp_loss": Objective("mtp_loss_weight", "mtp_depths", "mtp", lambda o: o.mtp_depths > 0),
+    "mtp_loss": Objective("mtp_loss_weight", "mtp_depths", "mtp", lambda o: o.mtp_depths > 0, default=0.1,
+                          needs="MTP layers (--model.num_nextn_predict_layers)"),
     "indexer_loss": Objective("indexer_loss_coeff", "queries", "layers", lambda o: o.indexer_loss != "off"),
     "indexer_recall": Objective(None, "indexer_queries", "layers", lambda o: o.indexer_loss != "off"),
     "seq_aux_loss": Objective("seq_aux_loss_coeff", "sequences", "layers", lambda o: o.seq_aux),
@@ -206,7 +211,10 @@ class Step:
             raise ValueError(f"--train.indexer_loss must be one of {INDEXER_LOSSES}, got {train.indexer_loss!r}")
         objectives = Objectives(train.indexer_loss, train.indexer_target, train.seq_aux_loss_coeff > 0,
                                 model_cfg.mtp_depths)
-        coeffs = {name: o.coeff if isinstance(o.coeff, float) else getattr(train, o.coeff)
+        def flag(o: Objective) -> float:  # its --train flag's value, its default when not given
+            return o.default if getattr(train, o.coeff) is None else getattr(train, o.coeff)
+
+        coeffs = {name: o.coeff if isinstance(o.coeff, float) else flag(o)
                   for name, o in OBJECTIVES.items() if o.coeff is not None and o.on(objectives)}
         return cls(objectives, coeffs, getattr(torch, train.dtype),
                    getattr(torch, train.reduce_dtype) if train.reduce_dtype else None,
@@ -221,6 +229,16 @@ class Step:
         """Paths of the leaves this step trains (the indexer's only with its loss on; with LoRA the adapters')."""
         return trained_paths(params, self.trainable, indexer=self.objectives.indexer_loss != "off",
                              lora=self.lora is not None)
+
+
+def unused_weights(train, model_cfg: GLM5Config) -> list[str]:
+    """A warning for each objective weight given (its flag not None) that the run's TrainConfig `train` and the
+    model of model_cfg do not compute."""
+    objectives = Step.of(train, model_cfg).objectives
+    return [f"--train.{o.coeff} {getattr(train, o.coeff):g} is not used: the model has no {o.needs}, so there is no "
+            f"{name} to weight; drop the flag or train a model with them"
+            for name, o in OBJECTIVES.items() if o.default is not None and getattr(train, o.coeff) is not None
+            and not o.on(objectives)]
 
 
 def with_targets(batch: dict, mtp_depths: int = 0) -> dict:

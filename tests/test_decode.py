@@ -28,7 +28,7 @@ def test_greedy_generate_matches_full_forward_loop():
     cfg = glm5f.preset("glm5-tiny")  # prompt + new tokens cross index_topk: decoding turns sparse midway
     params = glm5f.init_params(cfg, seed=4)
     prompt = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
-    assert torch.equal(generate(params, cfg, prompt, 20), naive_greedy(params, cfg, prompt, 20))
+    assert torch.equal(generate(params, cfg, prompt, 20, eos_token_id=None), naive_greedy(params, cfg, prompt, 20))
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["plain", "left-padded"])
@@ -45,7 +45,7 @@ def test_cached_decode_logits_are_the_full_forwards_at_every_step(padded):
         mask[1, :4] = 0
         full_mask = torch.cat([mask, torch.ones(2, n, dtype=torch.long)], 1)
         kw = dict(attention_mask=full_mask, position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0))
-    steps = list(decode.stream(params, cfg, prompt, n, attention_mask=mask, with_logits=True))
+    steps = list(decode.stream(params, cfg, prompt, n, attention_mask=mask, eos_token_id=None, with_logits=True))
     tokens = torch.stack([t for t, _ in steps], 1)
     logits = torch.stack([step_logits for _, step_logits in steps], 1)  # [B, n, V]: step i's, predicting token i
     assert tokens.shape == (2, n) and torch.equal(tokens, logits.argmax(-1))
@@ -66,20 +66,55 @@ def test_left_padded_batch_generates_like_each_prompt_alone():
     mask = torch.zeros(2, 12, dtype=torch.long)
     batch[0], mask[0] = a[0], 1
     batch[1, 7:], mask[1, 7:] = b[0], 1
-    out = generate(params, cfg, batch, 10, attention_mask=mask)
-    assert torch.equal(out[0, 12:], generate(params, cfg, a, 10)[0, 12:])
-    assert torch.equal(out[1, 12:], generate(params, cfg, b, 10)[0, 5:])
+    out = generate(params, cfg, batch, 10, attention_mask=mask, eos_token_id=None)
+    assert torch.equal(out[0, 12:], generate(params, cfg, a, 10, eos_token_id=None)[0, 12:])
+    assert torch.equal(out[1, 12:], generate(params, cfg, b, 10, eos_token_id=None)[0, 5:])
 
 
 def test_eos_stops_rows():
     cfg = glm5f.preset("glm5-tiny")
     params = glm5f.init_params(cfg, seed=6)
     prompt = torch.randint(0, cfg.vocab_size, (1, 4), generator=torch.Generator().manual_seed(2))
-    free = generate(params, cfg, prompt, 6)
+    free = generate(params, cfg, prompt, 6, eos_token_id=None)
     eos = int(free[0, 6])  # the third generated token
     stopped = generate(params, cfg, prompt, 6, eos_token_id=eos)
     assert eos not in free[0, 4:6].tolist()  # so decoding stops right after the third token
     assert torch.equal(stopped, free[:, :7])
+
+
+def stopped_at(free_BxN: torch.Tensor, eos: set[int]) -> torch.Tensor:
+    """The reference of decoding that stops at `eos`, from the tokens of decoding that never stops: a row repeats
+    the first eos it emits; the output ends at the step every row has emitted one."""
+    rows = []
+    for row in free_BxN.tolist():
+        out = []
+        for t in row:
+            out.append(out[-1] if out and out[-1] in eos else t)
+        rows.append(out)
+    n = max(next((i + 1 for i, t in enumerate(r) if t in eos), len(r)) for r in rows)
+    return torch.tensor([r[:n] for r in rows])
+
+
+@pytest.mark.parametrize("draft", [None, "mtp"], ids=["stream", "speculative"])
+def test_generate_stops_at_the_configs_eos_by_default(draft):
+    """glm5f.generate stops at cfg.eos_token_id without being told (as Transformers' generate does, and as
+    scripts/generate.py does with its tokenizer's eos); a tuple of eos ids stops each row at the first it emits;
+    eos_token_id=None never stops. Against a full-forward greedy loop cut by hand (`stopped_at`)."""
+    params = glm5f.init_params(MTP_CFG, seed=4)
+    prompt = torch.randint(0, MTP_CFG.vocab_size, (2, 4), generator=torch.Generator().manual_seed(2))
+    n = 8
+    free = naive_greedy(params, MTP_CFG, prompt, n)[:, 4:]
+    a, b = int(free[0, 2]), int(free[1, 5])  # row 0 emits a third, row 1 emits b sixth
+    assert a not in free[0, :2].tolist() + free[1, :5].tolist() and b not in free[0, :2].tolist() + free[1, :5].tolist()
+    for eos, ends in ((a, None), ((b, a), 6)):
+        cfg = dataclasses.replace(MTP_CFG, eos_token_id=eos)
+        out = glm5f.generate(params, cfg, prompt, n, draft=draft)
+        expected = stopped_at(free, {eos} if isinstance(eos, int) else set(eos))
+        assert torch.equal(out[:, 4:], expected), (out[:, 4:], expected)
+        assert ends is None or expected.shape[1] == ends
+    assert torch.equal(glm5f.generate(params, cfg, prompt, n, draft=draft, eos_token_id=None)[:, 4:], free)
+    with pytest.raises(ValueError, match="eos_token_id must be an id, a tuple of ids, None"):
+        glm5f.generate(params, cfg, prompt, n, eos_token_id="eos")
 
 
 @settings(max_examples=20, deadline=None, derandomize=True)
@@ -104,8 +139,8 @@ def test_speculative_decoding_is_greedy_decoding(seed, prompt_len, new, batch, d
     params = glm5f.init_params(cfg, seed=seed % 97)
     prompt = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(seed))
     stats = {}
-    out = glm5f.generate(params, cfg, prompt, new, draft="mtp", stats=stats)
-    assert torch.equal(out, glm5f.generate(params, cfg, prompt, new))
+    out = glm5f.generate(params, cfg, prompt, new, eos_token_id=None, draft="mtp", stats=stats)
+    assert torch.equal(out, glm5f.generate(params, cfg, prompt, new, eos_token_id=None))
     assert 0 <= stats["acceptance_rate"] <= 1 and stats["accepted"] <= stats["proposed"]
     assert stats["proposed"] <= batch * depths * max(new - 1, 0)
 
@@ -118,7 +153,7 @@ def test_accepted_drafts_are_kept_and_rejected_ones_dropped(monkeypatch, wrong_e
     params = glm5f.init_params(cfg, seed=11)
     prompt = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(4))
     n = 25
-    greedy = glm5f.generate(params, cfg, prompt, n)
+    greedy = glm5f.generate(params, cfg, prompt, n, eos_token_id=None)
     calls, expected = [0], [0, 0]
 
     def oracle(params_, cfg_, tokens, hidden, positions, valid, k):
@@ -137,7 +172,7 @@ def test_accepted_drafts_are_kept_and_rejected_ones_dropped(monkeypatch, wrong_e
 
     monkeypatch.setattr(decode, "mtp_propose", oracle)
     stats = {}
-    assert torch.equal(glm5f.generate(params, cfg, prompt, n, draft="mtp", stats=stats), greedy)
+    assert torch.equal(glm5f.generate(params, cfg, prompt, n, eos_token_id=None, draft="mtp", stats=stats), greedy)
     assert (stats["proposed"], stats["accepted"]) == tuple(expected)
     if not wrong_every:
         assert stats["acceptance_rate"] == 1.0 and calls[0] <= math.ceil(n / 4) + 1
@@ -152,8 +187,9 @@ def test_speculative_decoding_with_padding_and_eos():
     batch = torch.randint(0, cfg.vocab_size, (2, 12), generator=g)
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[1, :7] = 0
-    free = glm5f.generate(params, cfg, batch, 10, attention_mask=mask)
-    assert torch.equal(glm5f.generate(params, cfg, batch, 10, attention_mask=mask, draft="mtp"), free)
+    free = glm5f.generate(params, cfg, batch, 10, attention_mask=mask, eos_token_id=None)
+    assert torch.equal(glm5f.generate(params, cfg, batch, 10, attention_mask=mask, eos_token_id=None, draft="mtp"),
+                       free)
     eos = int(free[0, 14])
     assert torch.equal(glm5f.generate(params, cfg, batch, 10, attention_mask=mask, eos_token_id=eos, draft="mtp"),
                        glm5f.generate(params, cfg, batch, 10, attention_mask=mask, eos_token_id=eos))
@@ -192,8 +228,8 @@ def test_shared_mtp_depths_draft_through_one_layer():
         seq = torch.cat([seq, head_logits(head, h, one.rms_norm_eps)[:, -1].argmax(-1, keepdim=True)], 1)
     assert torch.equal(drafts, seq[:, -3:])
     stats, n = {}, 14
-    out = glm5f.generate(params, cfg, prompt, n, draft="mtp", stats=stats)
-    assert torch.equal(out, glm5f.generate(params, cfg, prompt, n))
+    out = glm5f.generate(params, cfg, prompt, n, eos_token_id=None, draft="mtp", stats=stats)
+    assert torch.equal(out, glm5f.generate(params, cfg, prompt, n, eos_token_id=None))
     assert stats["proposed"] <= B * 3 * stats["steps"] and stats["steps"] >= math.ceil((n - 1) / 4)
     assert stats["tokens_per_step"] == pytest.approx((n - 1) / stats["steps"])
 

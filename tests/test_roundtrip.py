@@ -318,3 +318,137 @@ def test_warnings_print_as_one_line_in_the_scripts():
     out = run("-c", "import warnings; from glm5f.data import warnings_as_lines; warnings_as_lines(); "
                     "warnings.warn('an FP8 checkpoint: dequantized as read')")
     assert out.returncode == 0 and out.stderr == "warning: an FP8 checkpoint: dequantized as read\n", out.stderr
+
+
+def test_mtp_loss_weight_given_for_a_model_without_mtp_layers_is_one_warning(tmp_path, capsys):
+    """--train.mtp_loss_weight on a model without MTP layers: one warning line (no MTP loss exists to weight).
+    Not given: no warning, and a model with MTP layers trains with 0.1 (the same losses as --train.mtp_loss_weight
+    0.1, and Step.of's weight)."""
+    from configs import Config
+    from glm5f.loss import Step
+
+    tiny = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", *RUN[:4], "--train.steps", "2",
+            "--eval.every", "0"]
+    assert main(tiny + ["--train.mtp_loss_weight", "0.5", "--checkpoint.dir", str(tmp_path / "set")]) == 0
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if "mtp_loss_weight" in line] == [
+        "warning: --train.mtp_loss_weight 0.5 is not used: the model has no MTP layers "
+        "(--model.num_nextn_predict_layers), so there is no mtp_loss to weight; drop the flag or train a model "
+        "with them"], err
+    mtp = tiny + ["--model.num_nextn_predict_layers", "1"]
+    assert main(tiny + ["--checkpoint.dir", str(tmp_path / "plain")]) == 0
+    assert main(mtp + ["--checkpoint.dir", str(tmp_path / "default")]) == 0
+    assert main(mtp + ["--train.mtp_loss_weight", "0.1", "--checkpoint.dir", str(tmp_path / "given")]) == 0
+    assert "mtp_loss_weight" not in capsys.readouterr().err
+    records = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+               for name in ("default", "given")}
+    assert [(r["loss"], r["mtp_loss"]) for r in records["default"]] == \
+        [(r["loss"], r["mtp_loss"]) for r in records["given"]]
+    run = checkpoint.read_meta(checkpoint.latest(str(tmp_path / "default")))["run"]
+    assert run["train"]["mtp_loss_weight"] is None
+    assert Step.of(Config().train, glm5f.preset("glm5-tiny", num_nextn_predict_layers=1)).coeffs["mtp_loss"] == 0.1
+
+
+def test_a_preset_pt_runs_start_line_shows_the_sizes_of_its_batches(tmp_path, capsys):
+    """--data.type preset_pt trains on the batches of its file, whatever --data.batch_size and --data.seq_len say:
+    the start line shows their sizes (the tokens each step's metrics record counts), not the flags'."""
+    path = tmp_path / "batches.pt"
+    g = torch.Generator().manual_seed(0)
+    torch.save([{"input_ids": torch.randint(0, 200, (4, 48), generator=g)},
+                {"input_ids": torch.randint(0, 200, (2, 64), generator=g)}], path)
+    assert main(["--model.preset", "glm5-tiny", "--data.path", str(path), "--data.batch_size", "16",
+                 "--data.seq_len", "128", "--train.steps", "2", "--checkpoint.dir", str(tmp_path / "run")]) == 0
+    start = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("glm5f:"))
+    assert f"preset_pt data, 4x48 or 2x64 tokens/step (the batches of {path})," in start and "16x128" not in start
+    assert [json.loads(line)["tokens"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] \
+        == [4 * 48, 2 * 64]
+
+
+def test_eval_split_fraction_on_a_saved_dataset_holds_out_the_records_a_jsonl_file_would(tmp_path):
+    """--eval.split_fraction on hf_datasets data (a datasets.save_to_disk directory, one of several splits chosen
+    by --data.split): every N-th row of the training split is held out and never trained on, and the run's losses
+    and eval_loss are those of the same records as a JSONL file."""
+    datasets = pytest.importorskip("datasets")
+    from glm5f.data import make_eval_source, make_source
+
+    ids = datasets.DatasetDict({"train": datasets.Dataset.from_list([{"input_ids": [r] * 4} for r in range(1, 11)]),
+                                "test": datasets.Dataset.from_list([{"input_ids": [99] * 4}])})
+    ids.save_to_disk(str(tmp_path / "ids"))
+    common = dict(vocab_size=512, batch_size=1, seq_len=4, pack=False, shuffle_buffer=1, held_out=0.2)
+    train = make_source("hf_datasets", path=str(tmp_path / "ids"), split="train", **common)
+    held = make_eval_source("hf_datasets", train_path=str(tmp_path / "ids"), train_split="train", **common)
+    seen = lambda source, n: {int(source.next_batch()["input_ids"][0, 0]) for _ in range(n)}  # noqa: E731
+    assert seen(train, 16) == {1, 2, 3, 4, 6, 7, 8, 9} and seen(held, 4) == {5, 10}
+    records = [{"text": f"record {i}: " + "the quick brown fox " * (1 + i % 3)} for i in range(30)]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(records), "test": datasets.Dataset.from_list(
+        records[:3])}).save_to_disk(str(tmp_path / "text"))
+    (tmp_path / "text.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    flags = ["--model.preset", "glm5-tiny", *RUN[:4], "--train.steps", "2", "--eval.split_fraction", "0.1"]
+    assert main(flags + ["--data.path", str(tmp_path / "text"), "--data.split", "train",
+                         "--checkpoint.dir", str(tmp_path / "hf")]) == 0
+    assert main(flags + ["--data.path", str(tmp_path / "text.jsonl"), "--checkpoint.dir", str(tmp_path / "jsonl")]) == 0
+    metrics = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+               for name in ("hf", "jsonl")}
+    assert [(r["loss"], r.get("eval_loss")) for r in metrics["hf"]] == \
+        [(r["loss"], r.get("eval_loss")) for r in metrics["jsonl"]] and "eval_loss" in metrics["hf"][-1]
+
+
+def test_the_first_compiled_step_and_evaluation_are_announced_before_they_compile(monkeypatch, tmp_path, capsys):
+    """--train.compile: a line says the step is compiling before the first step runs (in a resumed run too: a new
+    process compiles again) and another before the first evaluation (no gradients: other graphs), each once;
+    without --train.compile neither. What was printed is read when the step and the evaluation are called."""
+    import train as train_mod
+
+    calls = []
+
+    def spy(name, real):
+        def call(*args, **kwargs):
+            step = args[-1]
+            calls.append((name, step.compile, capsys.readouterr().out))
+            return real(*args, **kwargs)
+        return call
+    monkeypatch.setattr(train_mod, "step_grads", spy("step", train_mod.step_grads))
+    monkeypatch.setattr(train_mod, "eval_loss", spy("eval", train_mod.eval_loss))
+    monkeypatch.setattr(glm5f.model, "compiled_decoder_layer", lambda: glm5f.model.decoder_layer)  # eager: fast
+    flags = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", *RUN[:4], "--train.log_every", "1",
+             "--eval.every", "1", "--eval.batches", "1", "--checkpoint.dir", str(tmp_path / "run")]
+    step_line = "compiling the step (the first step takes a while; the next ones reuse it)...\n"
+    eval_line = "compiling the evaluation (the first one takes a while; the next ones reuse it)...\n"
+    assert main(flags + ["--train.steps", "2", "--train.compile"]) == 0
+    assert [(name, compiled) for name, compiled, _ in calls] == [("step", True), ("eval", True)] * 2
+    (_, _, before_step), (_, _, before_eval), (_, _, later_step), (_, _, later_eval) = calls
+    assert before_step.endswith(step_line) and before_eval == eval_line, (before_step, before_eval)
+    assert "compiling" not in later_step + later_eval + capsys.readouterr().out
+    calls.clear()
+    assert main(flags + ["--train.steps", "3", "--train.compile", "--checkpoint.resume", "latest"]) == 0
+    assert calls[0][2].endswith(step_line) and calls[1][2] == eval_line
+    calls.clear()
+    assert main(flags + ["--train.steps", "4", "--checkpoint.resume", "latest"]) == 0
+    assert [compiled for _, compiled, _ in calls] == [False, False]
+    assert "compiling" not in "".join(out for _, _, out in calls) + capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_the_compiling_line_reaches_a_pipe_before_the_first_step_ends(tmp_path):
+    """A real `train.py --train.compile` (one layer; minutes on a loaded CPU) writing to a pipe, as under a job
+    scheduler or `| tee`: the compiling line arrives while the first step still compiles (no metrics yet)."""
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "train.py", "--model.preset", "glm5-tiny", "--model.num_hidden_layers",
+                             "1", "--data.type", "synthetic", "--data.batch_size", "2", "--data.seq_len", "16",
+                             "--train.steps", "1", "--eval.every", "0", "--train.compile", "--checkpoint.dir",
+                             str(run_dir)], cwd=ROOT, env={k: v for k, v in ENV.items() if k != "PYTHONUNBUFFERED"},
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # buffered, as a user's
+    try:
+        for line in proc.stdout:
+            if line.startswith("compiling the step"):
+                assert not (run_dir / "metrics.jsonl").exists(), "the line came after the first step"
+                break
+        else:
+            raise AssertionError("no compiling line")
+        proc.stdout.read()
+        assert proc.wait(timeout=900) == 0 and (run_dir / "metrics.jsonl").exists()
+    finally:
+        proc.kill()
