@@ -200,8 +200,8 @@ def state_bytes(cfg: GLM5Config, run: RunShape, rank: int = 0, groups: Counter |
 # ([M, in] inputs), as balanced routing does.
 
 class TraceLayout(Layout):
-    """CP rank 0 of a run, to trace its layers: its positions of each sequence, keys over all T positions as a
-    fresh tensor (as the CP all-gather makes them), every expert local."""
+    """CP rank 0 of a run, to trace its layers: its positions of each sequence, keys over all T positions and
+    per-chunk values over all chunks as fresh tensors (as the CP all-gather makes them), every expert local."""
 
     def __init__(self, cp: int):
         super().__init__()
@@ -211,6 +211,9 @@ class TraceLayout(Layout):
         return slice(None), None if self.cp == 1 else cp_positions(S, self.cp, 0)
 
     def keys(self, layer: int, name: str, local: torch.Tensor) -> torch.Tensor:
+        return self.chunks(local)
+
+    def chunks(self, local: torch.Tensor) -> torch.Tensor:
         return local if self.cp == 1 else local.repeat(1, self.cp, *[1] * (local.ndim - 2))
 
 
