@@ -609,9 +609,10 @@ def kda_attention(p: dict, x_BxSxD: torch.Tensor, cfg, segment_BxS: torch.Tensor
 # before each chunk from the rank that holds them. Gradients flow back through the exchanges.
 
 def _chunk_docs(docs_BxT: torch.Tensor, start: int, length: int, before: int) -> torch.Tensor:
-    """Document ids [B, before + length] of positions start - before .. start + length - 1, -1 before position 0."""
+    """Document ids [B, before + length] of positions start - before .. start + length - 1 (the first document's
+    before position 0, whose rows are zero: the projections have no bias, so taps over them add nothing)."""
     pos = torch.arange(start - before, start + length, device=docs_BxT.device)
-    return torch.where(pos >= 0, docs_BxT[:, pos.clamp(min=0)], -1)
+    return docs_BxT[:, pos.clamp(min=0)]
 
 
 def _halo(tails_BxNxHxD: torch.Tensor, c: int, rows: int) -> torch.Tensor:

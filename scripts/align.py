@@ -107,8 +107,8 @@ def main(argv=None) -> int:
     if "--train.reduce_dtype" in flags:
         dtype += f" (sums in {flags['--train.reduce_dtype']})"
     logged = [key for key in METRICS if key in runs["baseline"][0]]
-    print(f"{args.steps} steps, {dtype}, glm5-scaled-moe, synthetic data; |metric - baseline| per step, the "
-          f"largest of {', '.join(logged)}:")
+    print(f"{args.steps} steps, {dtype}, {flags['--model.preset']}, {flags['--data.type']} data; |metric - baseline| "
+          f"per step, the largest of {', '.join(logged)}:")
     print(f"{'layout':<14}{'avg':>12}{'max':>12}{'bound':>12}{'seconds':>10}")
     for name, c in results.items():
         bound = f"{bounds[name]:>12.2e}" if name in LAYOUTS else " " * 12
