@@ -623,19 +623,37 @@ def _halo(tails_BxNxHxD: torch.Tensor, c: int, rows: int) -> torch.Tensor:
     return F.pad(before, (0, 0, rows - before.shape[1], 0))
 
 
-def compose_states(maps_BxNxHxKx_: torch.Tensor, continues_BxN: torch.Tensor, upto: int) -> list[torch.Tensor]:
-    """The state [B, H, d_k, d_v] entering each of the first `upto` chunks, from every chunk's map [B | A]
-    (S_out = A S_in + B) in sequence order and whether each chunk's first token continues the document before it
-    (the first chunk enters with a zero state)."""
-    K = maps_BxNxHxKx_.shape[-2]
-    offset, transition = maps_BxNxHxKx_.split([maps_BxNxHxKx_.shape[-1] - K, K], -1)
-    S = offset.new_zeros(offset[:, 0].shape)
-    states = []
-    for c in range(upto):
-        S = S * continues_BxN[:, c, None, None, None].to(S.dtype)
-        states.append(S)
-        S = transition[:, c] @ S + offset[:, c]
-    return states
+class _ComposeStates(torch.autograd.Function):
+    """The state [B, upto, H, d_k, d_v] entering each of the first `upto` chunks, from every chunk's map
+    [B, N, H, d_k, d_v + d_k] = [B | A] (S_out = A S_in + B) in sequence order and continues_BxN, whether each
+    chunk's first token continues the document before it (the first chunk enters with a zero state). Its own
+    backward walks the chunks back, so autograd keeps the maps and states whatever the number of chunks."""
+
+    @staticmethod
+    def forward(ctx, maps, continues_BxN, upto: int):
+        K = maps.shape[-2]
+        offset, transition = maps.split([maps.shape[-1] - K, K], -1)
+        cont = continues_BxN[:, :upto, None, None, None].to(maps.dtype)
+        states = offset.new_empty(offset[:, :upto].shape)
+        S = offset.new_zeros(offset[:, 0].shape)
+        for c in range(upto):
+            S = S * cont[:, c]
+            states[:, c] = S
+            S = transition[:, c] @ S + offset[:, c]
+        ctx.save_for_backward(transition, states, cont)
+        return states
+
+    @staticmethod
+    def backward(ctx, dstates):
+        transition, states, cont = ctx.saved_tensors
+        upto, K = states.shape[1], transition.shape[-1]
+        dmaps = transition.new_zeros(*transition.shape[:-1], states.shape[-1] + K)
+        dS = torch.zeros_like(states[:, 0])  # the gradient of the state leaving chunk c
+        for c in reversed(range(upto)):
+            dmaps[:, c, ..., :-K] = dS
+            dmaps[:, c, ..., -K:] = dS @ states[:, c].mT
+            dS = (dstates[:, c] + transition[:, c].mT @ dS) * cont[:, c]
+        return dmaps, None, None
 
 
 def kda_attention_cp(p: dict, x_BxSxD: torch.Tensor, cfg, starts: tuple[int, ...], segment_BxT: torch.Tensor | None,
@@ -686,7 +704,7 @@ def kda_attention_cp(p: dict, x_BxSxD: torch.Tensor, cfg, starts: tuple[int, ...
     maps_BxNxHxKx_ = gather(maps.unflatten(0, (n, B)).movedim(0, 1))
     first = torch.arange(1, N, device=docs_BxT.device) * L
     continues_BxN = F.pad(docs_BxT[:, first] == docs_BxT[:, first - 1], (1, 0), value=False)
-    states = compose_states(maps_BxNxHxKx_, continues_BxN, max(index) + 1)
-    incoming = torch.cat([states[c] for c in index])
+    states = _ComposeStates.apply(maps_BxNxHxKx_, continues_BxN, max(index) + 1)
+    incoming = torch.cat([states[:, c] for c in index])
     o = o0 + torch.einsum("bthk,bhkv->bthv", p_t, incoming.to(p_t.dtype))
     return checkpoint(out, o.unflatten(0, (n, B)).movedim(0, 1).flatten(1, 2), use_reentrant=False)

@@ -104,7 +104,7 @@ def test_saved_activations_match_what_autograd_saves(B, S, layers, pattern, dtyp
                                                         ("glm5-scaled-moe", 256, "float32", "float64"),
                                                         ("glm5-scaled-moe", 48, "float32", None)])
 def test_activations_of_any_batch_and_cp_split_are_those_traced_at_that_size(preset, seq_len, dtype, reduce):
-    """The plan traces at B = 2, 3 rows (or 1) and S = T, T / 2 queries and extends each saved storage
+    """The plan traces at B = 2, 3 rows (or 1) and S = T / 2, T / 4 queries and extends each saved storage
     bilinearly: the bytes of every storage at B = 1 and 5, cp 4 and 8 (S = T / 8) equal a trace at that size
     (sparse layers, index_topk < T, whose keys outgrow their queries at cp 4; and the dense path at T = 48)."""
     cfg = glm5f.preset(preset, **({} if preset == "glm5-tiny" else {"num_hidden_layers": 2}))
