@@ -114,6 +114,17 @@ def test_activations_of_any_batch_and_cp_split_are_those_traced_at_that_size(pre
             assert traced_activations(cfg, run) == trace(cfg, run, B), (B, cp)
 
 
+def test_glm53_plans_its_kda_layers_under_cp():
+    """GLM-5.3's KDA layers run under CP on their own path (`kda.kda_attention_cp`: halo, chunk maps, their
+    composition): the plan traces it, its storages at B = 5, cp 4 are a trace at that size, and the search tries
+    cp > 1."""
+    cfg = glm5f.preset("glm53-tiny")
+    run = RunShape(dp_shard=1, cp=4, batch_size=5, seq_len=64)
+    assert traced_activations(cfg, run) == trace(cfg, run, 5)
+    found = search(cfg, RunShape(batch_size=4, seq_len=64), 10 * GB, max_world=4)
+    assert {p["cp"] for p in found} == {1, 2, 4}
+
+
 def test_plan_json_prints_and_writes_nothing(tmp_path, capsys):
     run_dir = tmp_path / "run"
     t = time.perf_counter()
