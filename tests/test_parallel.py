@@ -374,7 +374,7 @@ def test_glm53_first_step_gradients_equal_single_process_fp64(layout, tmp_path):
 
 @pytest.mark.slow
 def test_glm53_layouts_are_exact_in_float64(tmp_path):
-    """scripts/align.py on glm53-tiny (packed text): every layout's losses are one process's within 1e-9."""
+    """scripts/align.py on glm53-tiny (the embedded text): every layout's losses are one process's within 1e-9."""
     from scripts.align import main as align
 
     assert align(["--steps", "10", "--layouts", "dp2", "ep2", "cp2", "cp2-ep2", "--out", str(tmp_path), "--tolerance",
@@ -384,7 +384,7 @@ def test_glm53_layouts_are_exact_in_float64(tmp_path):
 
 @pytest.mark.slow
 def test_glm53_layouts_within_the_noise_floor(tmp_path):
-    """scripts/align.py's fp32 rule on glm53-tiny (packed text): each layout within 2x its noise floor."""
+    """scripts/align.py's fp32 rule on glm53-tiny (the embedded text): each layout within 2x its noise floor."""
     from scripts.align import main as align
 
     assert align(["--steps", "10", "--layouts", "dp2", "ep2", "cp2", "cp2-ep2", "--out", str(tmp_path),
