@@ -108,8 +108,9 @@ class Env:
     """What every layer gets beside its params and activations: rope tables of this rank's queries, the mask, the
     objectives, `valid_BxS` (this rank's real tokens), and the layout's five verbs: `weights` (a subtree's compute
     weights: cast to weight_dtype, FSDP-gathered), `keys` (a layer's keys over all T positions: identity, a CP
-    all-gather, a decode cache), `chunks` (a value per CP chunk of every rank, in sequence order), `experts` (the routed experts over rows sorted by expert: local or EP
-    all-to-all) and `seq_sum` (a sum over the ranks holding parts of this rank's sequences). `remat` recomputes
+    all-gather, a decode cache), `chunks` (a value per CP chunk of every rank, in sequence order), `experts` (the
+    routed experts over rows sorted by expert: local or EP all-to-all) and `seq_sum` (a sum over the ranks holding
+    parts of this rank's sequences). `remat` recomputes
     each decoder layer in the backward pass; `compile` runs decoder layers under torch.compile; `lora`: the LoRA
     spec (scale, dropout) of the adapters in the params, None without; `query_parts`: the parts of the queries
     sparse attention runs over (`attention.sparse_mla`)."""

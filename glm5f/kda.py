@@ -615,10 +615,10 @@ def _chunk_docs(docs_BxT: torch.Tensor, start: int, length: int, before: int) ->
     return docs_BxT[:, pos.clamp(min=0)]
 
 
-def _halo(tails_BxNxHxD: torch.Tensor, c: int, rows: int) -> torch.Tensor:
+def _halo(tails_BxNxRxD: torch.Tensor, c: int, rows: int) -> torch.Tensor:
     """The `rows` rows of x before chunk c [B, rows, D] from every chunk's last rows in order, zero before the
     sequence (a chunk shorter than the halo lends all its rows)."""
-    before = tails_BxNxHxD[:, :c].flatten(1, 2)
+    before = tails_BxNxRxD[:, :c].flatten(1, 2)
     before = before[:, before.shape[1] - min(rows, before.shape[1]):]
     return F.pad(before, (0, 0, rows - before.shape[1], 0))
 
@@ -668,13 +668,13 @@ def kda_attention_cp(p: dict, x_BxSxD: torch.Tensor, cfg, starts: tuple[int, ...
     n = len(starts)
     L = S // n
     x_BxnxLxD = x_BxSxD.unflatten(1, (n, L))
-    tails_BxNxHxD = gather(x_BxnxLxD[:, :, L - min(W - 1, L):])
-    N = tails_BxNxHxD.shape[1]
+    tails_BxNxRxD = gather(x_BxnxLxD[:, :, L - min(W - 1, L):])
+    N = tails_BxNxRxD.shape[1]
     index = [s // L for s in starts]
     docs_BxT = torch.zeros(B, N * L, dtype=torch.long, device=x_BxSxD.device) if segment_BxT is None else \
         document_ids(segment_BxT).expand(B, -1)
     # the held chunks side by side in the batch dim [n B, ...], each after the W - 1 rows before it
-    xe = torch.cat([torch.cat([_halo(tails_BxNxHxD, c, W - 1), x_BxnxLxD[:, i]], 1) for i, c in enumerate(index)])
+    xe = torch.cat([torch.cat([_halo(tails_BxNxRxD, c, W - 1), x_BxnxLxD[:, i]], 1) for i, c in enumerate(index)])
     docs_e = torch.cat([_chunk_docs(docs_BxT, c * L, L, W - 1) for c in index])
     x_c = x_BxnxLxD.movedim(1, 0).flatten(0, 1)
 

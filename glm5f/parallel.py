@@ -3,9 +3,9 @@ Several processes: `glm5f.distributed.DistLayout`, with the same methods.
 
 The model's layers use five verbs, through their `Env`: `gather` (a subtree's weights for compute), `keys` (a
 layer's keys over the whole sequence), `chunks` (per-chunk values of every context-parallel rank, in sequence
-order), `experts` (routed experts over rows sorted by expert) and `seq_sum`. The
-train loop uses the others: which rows and positions of a batch are this rank's (`share`), the params as stored
-(`local_params`, `shard_params`) and sums over ranks (`sum`).
+order), `experts` (routed experts over rows sorted by expert) and `seq_sum`. The train loop uses the others: which
+rows and positions of a batch are this rank's (`share`), the params as stored (`local_params`, `shard_params`) and
+sums over ranks (`sum`).
 """
 
 from __future__ import annotations
