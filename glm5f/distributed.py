@@ -174,6 +174,14 @@ class DistLayout(Layout):
 
     def keys(self, layer: int, name: str, local: torch.Tensor) -> torch.Tensor:
         """All-gather this rank's keys over the CP group into global sequence order (gradients flow back)."""
+        return self._in_order(local)
+
+    def chunks(self, local: torch.Tensor) -> torch.Tensor:
+        return self._in_order(local)
+
+    def _in_order(self, local: torch.Tensor) -> torch.Tensor:
+        """This rank's [B, S, ...] of the positions `share` gives it, all-gathered over the CP group into the
+        [B, S cp, ...] of the whole sequence in order (gradients flow back)."""
         if self.cp == 1:
             return local
         held = torch.cat([cp_positions(local.shape[1] * self.cp, self.cp, r) for r in range(self.cp)])

@@ -109,8 +109,9 @@ class Env:
     objectives, `valid_BxS` (this rank's real tokens), and the layout's verbs: `weights` (a subtree's compute
     weights: cast to weight_dtype, FSDP-gathered), `keys` (a layer's keys over all T positions: identity, a CP
     all-gather, a decode cache), `state` (a recurrent layer's state carried between calls: a decode cache's, else
-    None), `experts` (the routed experts over rows sorted by expert: local or EP
-    all-to-all) and `seq_sum` (a sum over the ranks holding parts of this rank's sequences). `remat` recomputes
+    None), `chunks` (a value per CP chunk of every rank, in sequence order), `experts` (the routed experts over
+    rows sorted by expert: local or EP all-to-all) and `seq_sum` (a sum over the ranks holding parts of this
+    rank's sequences). `remat` recomputes
     each decoder layer in the backward pass; `compile` runs decoder layers under torch.compile; `lora`: the LoRA
     spec (scale, dropout) of the adapters in the params, None without; `query_parts`: the parts of the queries
     sparse attention runs over (`attention.sparse_mla`)."""
@@ -146,6 +147,9 @@ class Env:
 
     def state(self, layer: int) -> dict[str, torch.Tensor] | None:
         return self.layout.state(layer)
+
+    def chunks(self, local: torch.Tensor) -> torch.Tensor:
+        return self.layout.chunks(local)
 
     def experts(self, p: dict, x_MxD: torch.Tensor, counts_E: torch.Tensor, ffn: Callable) -> torch.Tensor:
         return self.layout.experts(p, x_MxD, counts_E, ffn)

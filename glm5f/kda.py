@@ -629,3 +629,114 @@ def kda_attention_step(p: dict, x_BxSxD: torch.Tensor, cfg, cache: dict[str, tor
     gate = linear(p["g_b_proj"], linear(p["g_a_proj"], x_BxSxD)).unflatten(-1, (-1, K))
     return linear(p["o_proj"], _GatedNorm.apply(o.to(x_BxSxD.dtype), gate, p["o_norm"]["weight"],
                                                 cfg.rms_norm_eps).flatten(-2))
+
+
+# ---- context parallelism ------------------------------------------------------------------------------------------
+# Under CP a rank holds some of the N equal chunks of each sequence (two of 2 cp: `distributed.cp_positions`). A
+# chunk's final state and outputs are affine in the state S_in entering it: S_out = A S_in + B and
+# o_t = o0_t + S_in^T p_t. The delta rule run over the chunk from the state [0 | I] with d_k zero value columns
+# appended gives them all: the final state [B | A] and the outputs [o0 | p]. The ranks exchange their chunks' maps
+# ([d_k, d_v + d_k] per head), each composes those before its own chunks in sequence order (a chunk whose first
+# token starts a document enters with a zero state), and the short convolution reads the kernel - 1 rows of x
+# before each chunk from the rank that holds them. Gradients flow back through the exchanges.
+
+def _chunk_docs(docs_BxT: torch.Tensor, start: int, length: int, before: int) -> torch.Tensor:
+    """Document ids [B, before + length] of positions start - before .. start + length - 1 (the first document's
+    before position 0, whose rows are zero: the projections have no bias, so taps over them add nothing)."""
+    pos = torch.arange(start - before, start + length, device=docs_BxT.device)
+    return docs_BxT[:, pos.clamp(min=0)]
+
+
+def _halo(tails_BxNxRxD: torch.Tensor, c: int, rows: int) -> torch.Tensor:
+    """The `rows` rows of x before chunk c [B, rows, D] from every chunk's last rows in order, zero before the
+    sequence (a chunk shorter than the halo lends all its rows)."""
+    before = tails_BxNxRxD[:, :c].flatten(1, 2)
+    before = before[:, before.shape[1] - min(rows, before.shape[1]):]
+    return F.pad(before, (0, 0, rows - before.shape[1], 0))
+
+
+class _ComposeStates(torch.autograd.Function):
+    """The state [B, upto, H, d_k, d_v] entering each of the first `upto` chunks, from every chunk's map
+    [B, N, H, d_k, d_v + d_k] = [B | A] (S_out = A S_in + B) in sequence order and continues_BxN, whether each
+    chunk's first token continues the document before it (the first chunk enters with a zero state). Its own
+    backward walks the chunks back, so autograd keeps the maps and states whatever the number of chunks."""
+
+    @staticmethod
+    def forward(ctx, maps, continues_BxN, upto: int):
+        K = maps.shape[-2]
+        offset, transition = maps.split([maps.shape[-1] - K, K], -1)
+        cont = continues_BxN[:, :upto, None, None, None].to(maps.dtype)
+        states = offset.new_empty(offset[:, :upto].shape)
+        S = offset.new_zeros(offset[:, 0].shape)
+        for c in range(upto):
+            S = S * cont[:, c]
+            states[:, c] = S
+            S = transition[:, c] @ S + offset[:, c]
+        ctx.save_for_backward(transition, states, cont)
+        return states
+
+    @staticmethod
+    def backward(ctx, dstates):
+        transition, states, cont = ctx.saved_tensors
+        upto, K = states.shape[1], transition.shape[-1]
+        dmaps = transition.new_zeros(*transition.shape[:-1], states.shape[-1] + K)
+        dS = torch.zeros_like(states[:, 0])  # the gradient of the state leaving chunk c
+        for c in reversed(range(upto)):
+            dmaps[:, c, ..., :-K] = dS
+            dmaps[:, c, ..., -K:] = dS @ states[:, c].mT
+            dS = (dstates[:, c] + transition[:, c].mT @ dS) * cont[:, c]
+        return dmaps, None, None
+
+
+def kda_attention_cp(p: dict, x_BxSxD: torch.Tensor, cfg, starts: tuple[int, ...], segment_BxT: torch.Tensor | None,
+                     gather, chunk: int = 64) -> torch.Tensor:
+    """`kda_attention` on a context-parallel rank: x_BxSxD holds len(starts) equal chunks of the sequences back to
+    back, chunk i from sequence position starts[i]; segment_BxT: document ids of all T positions (None: one document
+    per row); gather: the layout's `chunks` verb ([B, len(starts), ...], a value per chunk held -> [B, N, ...], one
+    per chunk of the sequence, in order). Returns [B, S, D]: what `kda_attention` over the whole sequences gives at
+    these positions."""
+    K, W = cfg.linear_head_dim, cfg.linear_conv_kernel_dim
+    B, S, D = x_BxSxD.shape
+    n = len(starts)
+    L = S // n
+    x_BxnxLxD = x_BxSxD.unflatten(1, (n, L))
+    tails_BxNxRxD = gather(x_BxnxLxD[:, :, L - min(W - 1, L):])
+    N = tails_BxNxRxD.shape[1]
+    index = [s // L for s in starts]
+    docs_BxT = torch.zeros(B, N * L, dtype=torch.long, device=x_BxSxD.device) if segment_BxT is None else \
+        document_ids(segment_BxT).expand(B, -1)
+    # the held chunks side by side in the batch dim [n B, ...], each after the W - 1 rows before it
+    xe = torch.cat([torch.cat([_halo(tails_BxNxRxD, c, W - 1), x_BxnxLxD[:, i]], 1) for i, c in enumerate(index)])
+    docs_e = torch.cat([_chunk_docs(docs_BxT, c * L, L, W - 1) for c in index])
+    x_c = x_BxnxLxD.movedim(1, 0).flatten(0, 1)
+
+    def qkv(name):
+        return _ShortConv.apply(linear(p[f"{name}_proj"], xe), p[f"{name}_conv1d"]["weight"], docs_e, K,
+                                name != "v")[:, W - 1:]
+
+    def gate_log_decay():
+        f = linear(p["f_b_proj"], linear(p["f_a_proj"], x_c))
+        return _ForgetGate.apply(f, p["dt_bias"], p["A_log"], K, cfg.linear_lower_bound)
+
+    def out(o):
+        gate = linear(p["g_b_proj"], linear(p["g_a_proj"], x_BxSxD)).unflatten(-1, (-1, K))
+        return linear(p["o_proj"], _GatedNorm.apply(o.to(x_BxSxD.dtype), gate, p["o_norm"]["weight"],
+                                                    cfg.rms_norm_eps).flatten(-2))
+
+    q, k, v = (checkpoint(qkv, name, use_reentrant=False) for name in "qkv")
+    g = checkpoint(gate_log_decay, use_reentrant=False)
+    beta = torch.sigmoid(linear(p["b_proj"], x_c))
+    nB, _, H, V = v.shape
+    dt = _compute_dtype(q, k, v, g, beta)
+    eye = torch.eye(K, dtype=dt, device=v.device).expand(nB, H, K, K)
+    start_state = torch.cat([eye.new_zeros(nB, H, K, V), eye], -1)
+    o, maps = kda(q, k, torch.cat([v, v.new_zeros(nB, L, H, K)], -1), g, beta, K ** -0.5, start_state,
+                  docs_e[:, W - 1:], chunk)
+    o0, p_t = o.split([V, K], -1)
+    maps_BxNxHxKx_ = gather(maps.unflatten(0, (n, B)).movedim(0, 1))
+    first = torch.arange(1, N, device=docs_BxT.device) * L
+    continues_BxN = F.pad(docs_BxT[:, first] == docs_BxT[:, first - 1], (1, 0), value=False)
+    states = _ComposeStates.apply(maps_BxNxHxKx_, continues_BxN, max(index) + 1)
+    incoming = torch.cat([states[:, c] for c in index])
+    o = o0 + torch.einsum("bthk,bhkv->bthv", p_t, incoming.to(p_t.dtype))
+    return checkpoint(out, o.unflatten(0, (n, B)).movedim(0, 1).flatten(1, 2), use_reentrant=False)

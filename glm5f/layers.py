@@ -296,7 +296,7 @@ ATTENTION = {
             (r"\.self_attn\.b_proj\.weight$", LeafKind(("linear_heads", "embed"))),
             (r"\.self_attn\.o_norm\.weight$", LeafKind(("linear_dim",))),
         ),
-        macs=_kda_macs, cache=_kda_cache, recurrent=True, cp=False),
+        macs=_kda_macs, cache=_kda_cache, recurrent=True),
 }
 MLP = {  # "moe" first: its experts' rows are more specific than the dense projections'
     "moe": Kind(

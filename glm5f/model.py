@@ -14,7 +14,7 @@ from glm5f.attention import Selection, attention
 from glm5f.config import GLM5Config
 from glm5f.env import Env, make_env
 from glm5f.hyper import hc_head, hc_streams, hyper_residual
-from glm5f.kda import kda_attention, kda_attention_step
+from glm5f.kda import kda_attention, kda_attention_cp, kda_attention_step
 from glm5f.layers import layer_spec
 from glm5f.lora import LoraSpec
 from glm5f.moe import moe
@@ -58,15 +58,18 @@ def moe_mlp(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, env: Env) -> tuple[
 def kda_block(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, env: Env, carry: Selection | None):
     """A GLM-5.3 linear-attention layer (`kda.kda_attention`): padding tokens' inputs zeroed (as the reference
     does), packed documents restart its state and convolution. With a carried state (`env.state`: decoding) it
-    continues the sequence from it (`kda.kda_attention_step`). It passes no top-k on (the reference neither)."""
+    continues the sequence from it (`kda.kda_attention_step`). Under CP (`kda.kda_attention_cp`) this rank's
+    queries are two equal chunks of each sequence (`Layout.share`). It passes no top-k on (the reference neither)."""
     if env.mask.dense is not None:
         raise ValueError("GLM-5.3's KDA layers take a 2D padding mask or packed position_ids, not a 4D mask")
     state = env.state(layer)
     x_BxSxD = x_BxSxD * env.mask.query_valid(x_BxSxD.shape[0])[..., None].to(x_BxSxD.dtype)
     if state is not None:
         return kda_attention_step(p, x_BxSxD, cfg, state), None, {}
-    if env.mask.q_index.numel() != env.mask.num_keys:
-        raise ValueError("GLM-5.3's KDA layers do not run under context parallelism yet: use --parallel.cp 1")
+    if env.layout.cp > 1:
+        half = x_BxSxD.shape[1] // 2
+        starts = (env.mask.q_index_host[0], env.mask.q_index_host[half])
+        return kda_attention_cp(p, x_BxSxD, cfg, starts, env.mask.k_segment, env.chunks), None, {}
     return kda_attention(p, x_BxSxD, cfg, env.mask.q_segment), None, {}
 
 

@@ -2,10 +2,10 @@
 Several processes: `glm5f.distributed.DistLayout`, with the same methods.
 
 The model's layers use five verbs, through their `Env`: `gather` (a subtree's weights for compute), `keys` (a
-layer's keys over the whole sequence), `state` (a recurrent layer's state carried between calls), `experts`
-(routed experts over rows sorted by expert) and `seq_sum`. The train loop uses the others: which rows and
-positions of a batch are this rank's (`share`), the params as stored (`local_params`, `shard_params`) and sums
-over ranks (`sum`).
+layer's keys over the whole sequence), `state` (a recurrent layer's state carried between calls), `chunks`
+(per-chunk values of every context-parallel rank, in sequence order), `experts` (routed experts over rows
+sorted by expert) and `seq_sum`. The train loop uses the others: which rows and positions of a batch are this
+rank's (`share`), the params as stored (`local_params`, `shard_params`) and sums over ranks (`sum`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from glm5f.params import Region, flatten
 class Layout:
     """A single process: it holds the whole batch, all parameters and all experts."""
 
-    rank, world, is_main = 0, 1, True
+    rank, world, is_main, cp = 0, 1, True, 1
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
@@ -61,6 +61,12 @@ class Layout:
         """Layer `layer`'s recurrent state carried from call to call ({name: buffer}, which the layer reads and
         updates in place; a decode cache's), or None: every forward starts at its sequences' beginnings."""
         return None
+
+    def chunks(self, local: torch.Tensor) -> torch.Tensor:
+        """A value per chunk of every CP rank, in sequence order: this rank's [B, 2, ...] (one per chunk it holds, in
+        the order `share` gives them: `distributed.cp_positions`) -> [B, 2 cp, ...], gradients flowing back. One
+        process holds both halves of each sequence, in order: `local`."""
+        return local
 
     def experts(self, p: dict, x_MxD: torch.Tensor, counts_E: torch.Tensor, ffn: Callable) -> torch.Tensor:
         """The routed experts' outputs of rows sorted by expert (counts_E rows each), in the same order, computed by

@@ -202,8 +202,8 @@ def state_bytes(cfg: GLM5Config, run: RunShape, rank: int = 0, groups: Counter |
 # ([M, in] inputs), as balanced routing does.
 
 class TraceLayout(Layout):
-    """CP rank 0 of a run, to trace its layers: its positions of each sequence, keys over all T positions as a
-    fresh tensor (as the CP all-gather makes them), every expert local."""
+    """CP rank 0 of a run, to trace its layers: its positions of each sequence, keys over all T positions and
+    per-chunk values over all chunks as fresh tensors (as the CP all-gather makes them), every expert local."""
 
     def __init__(self, cp: int):
         super().__init__()
@@ -213,6 +213,9 @@ class TraceLayout(Layout):
         return slice(None), None if self.cp == 1 else cp_positions(S, self.cp, 0)
 
     def keys(self, layer: int, name: str, local: torch.Tensor) -> torch.Tensor:
+        return self.chunks(local)
+
+    def chunks(self, local: torch.Tensor) -> torch.Tensor:
         return local if self.cp == 1 else local.repeat(1, self.cp, *[1] * (local.ndim - 2))
 
 
@@ -280,18 +283,20 @@ def trace(cfg: GLM5Config, run: RunShape, B: int) -> dict[object, list[int]]:
 
 def traced_activations(cfg: GLM5Config, run: RunShape, cache: dict | None = None) -> dict[object, list[int]]:
     """`trace` of the run's micro-batch (B rows, S = T / cp queries) from traces at B = 2, 3 (B = 1 lays some saved
-    tensors out as views of larger ones: it is traced itself) and S = T, T / 2, each storage's bytes bilinear in
-    B and S; the traces are kept in `cache`."""
+    tensors out as views of larger ones: it is traced itself) and, under CP, S = T / 2, T / 4 (the layers' CP
+    paths, e.g. KDA's, are other ops than one process's), each storage's bytes bilinear in B and S; the traces are
+    kept in `cache`."""
     cache = {} if cache is None else cache
     B, T = run.micro_batch, run.seq_len
-    bs, cps = (1, 1) if B == 1 else (2, 3), (1, 2) if T % 4 == 0 and run.cp > 1 else (1, 1)  # cp_positions: 2 chunks
+    bs = (1, 1) if B == 1 else (2, 3)
+    cps = (1, 1) if run.cp == 1 else (2, 4) if T % 8 == 0 else (2, 2)  # cp_positions: 2 cp chunks
     for b, cp in {(b, cp) for b in bs for cp in cps}:
         key = ("trace", T, run.dtype, run.reduce_dtype, b, cp)
         if key not in cache:
             cache[key] = trace(cfg, dataclasses.replace(run, cp=cp), b)
     at = lambda b, cp: cache["trace", T, run.dtype, run.reduce_dtype, b, cp]  # noqa: E731
     v = (B - bs[0]) / (bs[1] - bs[0]) if bs[1] != bs[0] else 0  # where B and S lie between the traced sizes
-    u = (T // run.cp - T) / (T // cps[1] - T) if cps[1] != cps[0] else 0
+    u = (T // run.cp - T // cps[0]) / (T // cps[1] - T // cps[0]) if cps[1] != cps[0] else 0
     out = {}
     for kind in at(bs[0], cps[0]):
         sizes = [at(b, cp)[kind] for cp in cps for b in bs]

@@ -7,6 +7,7 @@ per-step losses with the one-process baseline.
     python scripts/align.py --steps 100 --out runs/align-r64 --extra --train.reduce_dtype float64   # fp32, fp64 sums
     python scripts/align.py --steps 100 --out runs/align64 --extra --train.dtype float64   # exactness, fp64
     python scripts/align.py --steps 10 --objectives     # with the indexer (sparse KL), MTP and balance losses on
+    python scripts/align.py --steps 10 --layouts dp2 ep2 cp2 cp2-ep2 --extra --model.preset glm53-tiny --data.type text
 
 In plain fp32 the layouts compute one process's forward bit for bit but sum gradients in another order: data
 parallelism each weight gradient over two halves of the tokens, context parallelism also each latent row's gradient
@@ -107,8 +108,8 @@ def main(argv=None) -> int:
     if "--train.reduce_dtype" in flags:
         dtype += f" (sums in {flags['--train.reduce_dtype']})"
     logged = [key for key in METRICS if key in runs["baseline"][0]]
-    print(f"{args.steps} steps, {dtype}, glm5-scaled-moe, synthetic data; |metric - baseline| per step, the "
-          f"largest of {', '.join(logged)}:")
+    print(f"{args.steps} steps, {dtype}, {flags['--model.preset']}, {flags['--data.type']} data; |metric - baseline| "
+          f"per step, the largest of {', '.join(logged)}:")
     print(f"{'layout':<14}{'avg':>12}{'max':>12}{'bound':>12}{'seconds':>10}")
     for name, c in results.items():
         bound = f"{bounds[name]:>12.2e}" if name in LAYOUTS else " " * 12

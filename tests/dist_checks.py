@@ -46,7 +46,7 @@ def first_step_grads(argv: list[str], out_path: str | None) -> dict:
     model_cfg = cfg.model.build()
     params = layout.local_params(lambda region: glm5f.init_params(model_cfg, cfg.train.seed, region=region))
     data = glm5f.data.make_source(cfg.data.type, vocab_size=model_cfg.vocab_size, batch_size=cfg.data.batch_size,
-                                  seq_len=cfg.data.seq_len, seed=cfg.data.seed)
+                                  seq_len=cfg.data.seq_len, seed=cfg.data.seed, path=cfg.data.path)
     metrics, grads, counts = step_grads(params, data.next_batch(), model_cfg, layout, Step.of(cfg.train, model_cfg))
     result = {"loss": metrics["loss"], "metrics": metrics, "grad_norm": float(global_norm(grads)),
               "grads": {k: full_tensor(g) for k, g in grads.items()},

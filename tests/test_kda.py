@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import glm5f.kda
-from glm5f.kda import KDAConfig, kda, kda_attention, kda_op, kda_backward_op, kda_recurrent
+from glm5f.kda import KDAConfig, kda, kda_attention, kda_attention_cp, kda_op, kda_backward_op, kda_recurrent
 
 SETTINGS = settings(max_examples=15, deadline=None, derandomize=True)
 F64 = torch.float64
@@ -214,3 +214,42 @@ def test_kda_attention_gradcheck_fp64(lower_bound):
         return kda_attention(p, x, cfg, segment, chunk=4)
 
     assert torch.autograd.gradcheck(block, (x, *leaves), fast_mode=True)
+
+
+# ---- context parallelism ----------------------------------------------------------------------------------------
+
+def held_in_order(order):
+    """The `chunks` verb of one process holding every chunk in `order`: its values put back in sequence order."""
+    inverse = torch.argsort(torch.tensor(order))
+    return lambda local: local[:, inverse]
+
+
+@pytest.mark.parametrize("T,N,starts,seed", [
+    (48, 8, [6, 13, 30], 0),   # documents starting at a chunk's first token and inside chunks
+    (16, 8, [4, 5], 1),        # chunks of 2 tokens, shorter than the convolution's 3-row halo; a 1-token document
+    (40, 4, [], 2),            # one document per row
+    (24, 2, [1, 12, 23], 3),   # cp 1's two halves
+])
+def test_kda_attention_cp_equals_the_whole_sequence_fp64(T, N, starts, seed):
+    """`kda_attention_cp` over the N chunks of a sequence held in a shuffled order (the exchange a reordering, as
+    CP ranks' all-gather makes it): outputs and every gradient (x and each weight) those of `kda_attention` over
+    the whole packed sequence, to fp64 rounding."""
+    layer, cfg = transformers_layer(-5.0, seed=seed)
+    layer.double()
+    names = [n for n, _ in layer.named_parameters()]
+    B, L = 2, T // N
+    x = torch.randn(B, T, cfg.hidden_size, dtype=F64, generator=torch.Generator().manual_seed(seed),
+                    requires_grad=True)
+    segment = torch.zeros(B, T, dtype=torch.long)
+    for s in starts:
+        segment[:, s:] += 1
+    segment[1] = 0  # the second row is one document
+    order = torch.randperm(N, generator=torch.Generator().manual_seed(seed)).tolist()
+    held = lambda y: torch.cat([y[:, c * L:(c + 1) * L] for c in order], 1)  # noqa: E731
+    p = params_of(layer)
+    y = kda_attention_cp(p, held(x), cfg, tuple(c * L for c in order), segment, held_in_order(order), chunk=4)
+    y_ref = held(kda_attention(p, x, cfg, segment, chunk=4))
+    assert (y - y_ref).abs().max() <= 1e-12 * y_ref.abs().max()
+    inputs = [x, *layer.parameters()]
+    for name, a, b in zip(["x", *names], block_grads(y, inputs, seed), block_grads(y_ref, inputs, seed)):
+        assert (a - b).abs().max() <= 1e-12 * b.abs().max(), f"gradient of {name}: {(a - b).abs().max():.3g}"

@@ -334,3 +334,58 @@ def test_context_and_expert_parallel_mtp_equals_one_process(tmp_path):
         assert torch.equal(got["counts"][k], c), k
     for k, g in ref["grads"].items():
         assert rel_err(got["grads"][k], g) <= 1e-5, f"{k}: relative gradient error {rel_err(got['grads'][k], g):.2e}"
+
+
+# ---- GLM-5.3 ------------------------------------------------------------------------------------------------------
+
+GLM53 = ["--model.preset", "glm53-tiny", "--data.batch_size", "2", "--data.seq_len", "64", "--train.dtype", "float64",
+         "--checkpoint.every", "0", "--train.steps", "1"]
+
+
+def packed_batches(path):
+    """One batch of 2 x 64 tokens whose documents start at a CP2 chunk's first token (16), inside chunks (33, 37),
+    as a 1-token document (37), at a chunk's last token, running on into the next rank's chunk (47), and at 62."""
+    starts = [[0, 16, 37, 38, 47, 62], [0, 33]]
+    position_ids = torch.zeros(2, 64, dtype=torch.long)
+    for row, bounds in enumerate(starts):
+        for a, b in zip(bounds, bounds[1:] + [64]):
+            position_ids[row, a:b] = torch.arange(b - a)
+    ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
+    torch.save([{"input_ids": ids, "labels": ids.clone(), "position_ids": position_ids}], path)
+    return str(path)
+
+
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=[] if name == "cp2" else [pytest.mark.slow])
+                                    for name in ("cp2", "cp2-ep2", "dp2", "ep2")])
+def test_glm53_first_step_gradients_equal_single_process_fp64(layout, tmp_path):
+    """GLM-5.3 (KDA layers whose state crosses CP ranks as affine maps, their short convolutions' halo, the pooled
+    indexer over the gathered keys, mHC streams, MoE) on packed documents: the one-process loss and every gradient,
+    to fp64 rounding."""
+    argv = GLM53 + ["--data.type", "preset_pt", "--data.path", packed_batches(tmp_path / "batches.pt")]
+    ref = dist_checks.first_step_grads(argv, None)
+    spawn(dist_checks.first_step_grads, 2, argv + LAYOUTS[layout], str(tmp_path / "g.pt"))
+    got = torch.load(tmp_path / "g.pt", weights_only=True)
+    assert abs(got["loss"] - ref["loss"]) <= 1e-12
+    assert got["grads"].keys() == ref["grads"].keys()
+    for k, g in ref["grads"].items():
+        err = float((got["grads"][k] - g).norm() / g.norm().clamp(min=1e-30))
+        assert err <= 1e-10, f"{layout} {k}: relative gradient error {err:.2e}"
+
+
+@pytest.mark.slow
+def test_glm53_layouts_are_exact_in_float64(tmp_path):
+    """scripts/align.py on glm53-tiny (the embedded text): every layout's losses are one process's within 1e-9."""
+    from scripts.align import main as align
+
+    assert align(["--steps", "10", "--layouts", "dp2", "ep2", "cp2", "cp2-ep2", "--out", str(tmp_path), "--tolerance",
+                  "1e-9", "--extra", "--model.preset", "glm53-tiny", "--train.dtype", "float64",
+                  "--data.type", "text"]) == 0
+
+
+@pytest.mark.slow
+def test_glm53_layouts_within_the_noise_floor(tmp_path):
+    """scripts/align.py's fp32 rule on glm53-tiny (the embedded text): each layout within 2x its noise floor."""
+    from scripts.align import main as align
+
+    assert align(["--steps", "10", "--layouts", "dp2", "ep2", "cp2", "cp2-ep2", "--out", str(tmp_path),
+                  "--extra", "--model.preset", "glm53-tiny", "--data.type", "text"]) == 0

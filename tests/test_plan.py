@@ -104,7 +104,7 @@ def test_saved_activations_match_what_autograd_saves(B, S, layers, pattern, dtyp
                                                         ("glm5-scaled-moe", 256, "float32", "float64"),
                                                         ("glm5-scaled-moe", 48, "float32", None)])
 def test_activations_of_any_batch_and_cp_split_are_those_traced_at_that_size(preset, seq_len, dtype, reduce):
-    """The plan traces at B = 2, 3 rows (or 1) and S = T, T / 2 queries and extends each saved storage
+    """The plan traces at B = 2, 3 rows (or 1) and S = T / 2, T / 4 queries and extends each saved storage
     bilinearly: the bytes of every storage at B = 1 and 5, cp 4 and 8 (S = T / 8) equal a trace at that size
     (sparse layers, index_topk < T, whose keys outgrow their queries at cp 4; and the dense path at T = 48)."""
     cfg = glm5f.preset(preset, **({} if preset == "glm5-tiny" else {"num_hidden_layers": 2}))
@@ -112,6 +112,17 @@ def test_activations_of_any_batch_and_cp_split_are_those_traced_at_that_size(pre
         for cp in (4, 8):
             run = RunShape(dp_shard=1, cp=cp, batch_size=B, seq_len=seq_len, dtype=dtype, reduce_dtype=reduce)
             assert traced_activations(cfg, run) == trace(cfg, run, B), (B, cp)
+
+
+def test_glm53_plans_its_kda_layers_under_cp():
+    """GLM-5.3's KDA layers run under CP on their own path (`kda.kda_attention_cp`: halo, chunk maps, their
+    composition): the plan traces it, its storages at B = 5, cp 4 are a trace at that size, and the search tries
+    cp > 1."""
+    cfg = glm5f.preset("glm53-tiny")
+    run = RunShape(dp_shard=1, cp=4, batch_size=5, seq_len=64)
+    assert traced_activations(cfg, run) == trace(cfg, run, 5)
+    found = search(cfg, RunShape(batch_size=4, seq_len=64), 10 * GB, max_world=4)
+    assert {p["cp"] for p in found} == {1, 2, 4}
 
 
 def test_plan_json_prints_and_writes_nothing(tmp_path, capsys):
