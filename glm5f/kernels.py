@@ -16,6 +16,7 @@ from glm5f.ops import wide, wide_dtype
 
 SPARSE_BLOCK_ELEMS = 1 << 23  # bound on one query block's gathered rows plus scores, [B, s, K, C + 2H] elements
 INDEXER_QUERY_CHUNK_ELEMS = 1 << 24  # bound on the indexer's per-chunk [B, S, I, T] fp32 scores
+INDEXER_CAUSAL_CHUNKS = 4  # the CPU's fewest query chunks under a causal mask: 4 score 5/8 of the keys 1 would
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # fp64 compute keeps the torch code (fp32 accumulators)
 
 
@@ -396,6 +397,8 @@ def _indexer_topk_torch(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, key_valid_BxT
     B, S, I, _ = q_BxSxIxJ.shape
     T = keys_BxTxJ.shape[1]
     chunk = max(1, chunk_elems // max(1, B * I * T))
+    if dense_BxSxT is None:  # at least INDEXER_CAUSAL_CHUNKS chunks, each scoring only the keys its queries see
+        chunk = min(chunk, -(-S // INDEXER_CAUSAL_CHUNKS))
     idx_BxSxK = torch.empty(B, S, k, dtype=torch.long, device=q_BxSxIxJ.device)
     # the last chunk first: causal chunks see more keys the later they are, so each chunk's buffers fit in the
     # memory the one before freed (in ascending order every chunk needs more, and the host heap only grows)
