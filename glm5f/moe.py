@@ -210,6 +210,9 @@ def routed_experts(p: dict, x_NxD: torch.Tensor, idx_NxK: torch.Tensor, w_NxK: t
     x_MxD = x_NxD.index_select(0, order_M // K)
     ffn = expert_ffn if limit is None else functools.partial(expert_ffn, limit=limit)
     y_MxD = ffn(p, x_MxD, counts_E) if experts is None else experts(p, x_MxD, counts_E, ffn)
+    if torch._C._are_functorch_transforms_active():  # torch.func differentiates the op-by-op form itself
+        y_MxD = y_MxD * w_NxK.reshape(-1)[order_M, None]
+        return torch.zeros_like(y_MxD).index_copy(0, order_M, y_MxD).view(N, K, -1).sum(1).to(x_NxD.dtype)
     return WeightedSum.apply(y_MxD, w_NxK, order_M).to(x_NxD.dtype)
 
 
