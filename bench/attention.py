@@ -17,7 +17,8 @@ import os
 
 import torch
 
-from common import BENCH_MODEL, add_run_flags, median_seconds, peak_memory_gb, run_child, serve_child
+from common import (BENCH_MODEL, add_run_flags, median_seconds, median_times, peak_memory_gb, run_child, run_flags,
+                    serve_child, threads_of)
 
 def run_side(side: str, seq: int, topk: int, steps: int, dtype: torch.dtype, device: str) -> dict:
     import glm5f
@@ -67,8 +68,9 @@ def run_side(side: str, seq: int, topk: int, steps: int, dtype: torch.dtype, dev
 
         indexer_only = None
     base = peak_memory_gb(device)
-    seconds = median_seconds(step, steps, device)
-    out = {"side": side, "seq": seq, "topk": topk, "seconds": seconds, "tokens_per_s": seq / seconds,
+    times = median_times(step, steps, device)
+    seconds = times["seconds"]
+    out = {"side": side, "seq": seq, "topk": topk, **times, "tokens_per_s": seq / seconds,
            "peak_rss_gb": peak_memory_gb(device), "rss_before_gb": base}
     if indexer_only is not None:
         out["indexer_seconds"] = median_seconds(indexer_only, steps, device)
@@ -77,8 +79,8 @@ def run_side(side: str, seq: int, topk: int, steps: int, dtype: torch.dtype, dev
 
 def child(args, side: str, seq: int) -> dict:
     return run_child(os.path.abspath(__file__), ["--child", side, "--seq", str(seq), "--topk", str(args.topk),
-                                                 "--steps", str(args.steps), "--dtype", args.dtype,
-                                                 "--device", args.device], f"the {side} side at L={seq}")
+                                                 "--steps", str(args.steps), *run_flags(args)],
+                     f"the {side} side at L={seq}")
 
 
 def show(r: dict) -> str:
@@ -86,7 +88,7 @@ def show(r: dict) -> str:
     if "indexer_seconds" in r:
         split = f"  (indexer {r['indexer_seconds']:.2f} s, attention {r['seconds'] - r['indexer_seconds']:.2f} s)"
     return (f"  {r['side']:12s} L={r['seq']:6d}  {r['seconds']:8.2f} s  {r['tokens_per_s']:9.0f} tok/s  "
-            f"peak {r['peak_rss_gb']:6.2f} GB{split}")
+            f"peak {r['peak_rss_gb']:6.2f} GB  (CPU time {r['cpu_seconds']:.2f} s){split}")
 
 
 def main():
@@ -103,7 +105,7 @@ def main():
         return
     seqs = [int(s) for s in args.sweep.split(",")] if args.sweep else [args.seq]
     print(f"one attention layer fwd+bwd, top-k {args.topk}, {args.dtype} on {args.device} "
-          f"({torch.get_num_threads()} threads), median of {args.steps}")
+          f"({threads_of(args)} threads), median of {args.steps}")
     rows = []
     for seq in seqs:
         ours = child(args, "glm5f", seq) if args.side in ("both", "glm5f") else None
@@ -114,7 +116,8 @@ def main():
                 print(show(r), flush=True)
         if ours and ref:
             print(f"  ratio        L={seq:6d}  {ref['seconds'] / ours['seconds']:8.2f}x faster, "
-                  f"{ours['peak_rss_gb'] / ref['peak_rss_gb']:.3f} of the peak memory", flush=True)
+                  f"{ours['peak_rss_gb'] / ref['peak_rss_gb']:.3f} of the peak memory  "
+                  f"(CPU time {ref['cpu_seconds'] / ours['cpu_seconds']:.2f}x)", flush=True)
         rows.append(ours)
     if len(rows) > 1 and all(rows):
         a, b = rows[0], rows[-1]

@@ -20,6 +20,12 @@ _BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 if sys.path and os.path.abspath(sys.path[0] or os.curdir) == _BENCH_DIR:
     sys.path.append(sys.path.pop(0))
 
+# Other shapes of the bench model (--shape), each a set of overrides of BENCH_MODEL: more heads and a wider latent,
+# and more experts with a larger top-k (narrower experts).
+SHAPES = {"base": {},
+          "heads16-latent256": dict(num_attention_heads=16, kv_lora_rank=256),
+          "experts64-top8": dict(n_routed_experts=64, num_experts_per_tok=8, moe_intermediate_size=128)}
+
 # The issue's bench model: hidden 512, 8 heads, q_lora 256, kv_lora 128, nope 64, rope 32, v 64, indexer 16 x 64,
 # 16 experts top-2 + 1 shared, vocab 4096. bench/attention.py uses one layer of it, bench/forward_backward.py four.
 BENCH_MODEL = dict(vocab_size=4096, hidden_size=512, num_attention_heads=8, q_lora_rank=256,
@@ -38,17 +44,25 @@ def peak_memory_gb(device: str) -> float:
 
 def median_seconds(fn, steps: int, device: str) -> float:
     """Median wall time of fn over `steps` calls, after one warm-up call."""
+    return median_times(fn, steps, device)["seconds"]
+
+
+def median_times(fn, steps: int, device: str) -> dict:
+    """Median wall time ("seconds") and CPU time of this process ("cpu_seconds", all its threads) of fn over
+    `steps` calls, after one warm-up call. On a shared CPU the CPU time is the figure that does not depend on the
+    load (at one thread, --threads 1, it is the work done)."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
     def once():
         sync()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         fn()
         sync()
-        return time.perf_counter() - t
+        return time.perf_counter() - t, time.process_time() - c
 
     once()
-    return statistics.median(once() for _ in range(steps))
+    wall, cpu = zip(*(once() for _ in range(steps)))
+    return {"seconds": statistics.median(wall), "cpu_seconds": statistics.median(cpu)}
 
 
 def matmul_peak_flops(device: str, dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
@@ -80,34 +94,50 @@ def add_model_flags(ap, steps_help: str) -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=3, help=f"timed steps per side ({steps_help})")
     ap.add_argument("--topk", type=int, default=None, help="index_topk (default: 128 for 'bench', else the preset's)")
+    ap.add_argument("--shape", default="base", choices=list(SHAPES), help="the 'bench' preset's shape (SHAPES)")
 
 
 def model_flags(args) -> list[str]:
     """The flags of `add_model_flags` and `add_run_flags` as parsed, to hand to a side's subprocess."""
     return ["--preset", args.preset, "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
-            "--dtype", args.dtype, "--device", args.device, *(["--topk", str(args.topk)] if args.topk else [])]
+            "--shape", args.shape, *run_flags(args), *(["--topk", str(args.topk)] if args.topk else [])]
 
 
 def model_config(args):
     """The GLM5Config of --preset ('bench': BENCH_MODEL with 4 layers) and --topk."""
     import glm5f
     if args.preset == "bench":
-        return glm5f.preset("glm5-tiny", **{**BENCH_MODEL, "num_hidden_layers": 4, "index_topk": args.topk or 128,
-                                            "max_position_embeddings": max(4096, args.seq)})
+        return glm5f.preset("glm5-tiny", **{**BENCH_MODEL, **SHAPES[args.shape], "num_hidden_layers": 4,
+                                            "index_topk": args.topk or 128, "max_position_embeddings": max(4096, args.seq)})
+    if args.shape != "base":
+        sys.exit(f"error: --shape {args.shape} reshapes the 'bench' preset; with --preset {args.preset} leave it out")
     return glm5f.preset(args.preset, **({"index_topk": args.topk} if args.topk else {}))
 
 
 def add_run_flags(ap) -> None:
-    """--device, --dtype, and the hidden --child a bench passes to the subprocess of one side."""
+    """--device, --dtype, --threads, and the hidden --child a bench passes to the subprocess of one side."""
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=0, help="CPU threads of each side (0: torch's default)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+
+
+def run_flags(args) -> list[str]:
+    """The flags of `add_run_flags` as parsed (but --child), to hand to a side's subprocess."""
+    return ["--dtype", args.dtype, "--device", args.device, "--threads", str(args.threads)]
+
+
+def threads_of(args) -> int:
+    """The threads each side runs (--threads, else torch's default)."""
+    return args.threads or torch.get_num_threads()
 
 
 def serve_child(args, run_side) -> bool:
     """In a side's subprocess (--child SIDE): run it and print its JSON result; returns whether it did."""
     if not args.child:
         return False
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(json.dumps(run_side(args)))
     return True

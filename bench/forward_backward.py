@@ -2,11 +2,14 @@
 
     python bench/forward_backward.py --batch 4 --seq 512            # the bench model (4 layers), index_topk 128
     python bench/forward_backward.py --batch 1 --seq 2048
+    python bench/forward_backward.py --shape heads16-latent256        # 16 heads, kv_lora_rank 256 (common.SHAPES)
+    python bench/forward_backward.py --shape experts64-top8           # 64 experts top-8, expert width 128
+    python bench/forward_backward.py --threads 1 ...                  # each side on one thread (a shared CPU)
     python bench/forward_backward.py --preset glm5-scaled-moe --batch 2 --seq 512
     python bench/forward_backward.py --device cuda --dtype bfloat16 --side glm5f --batch 8 --seq 4096   # MFU
 
 Each side runs in its own subprocess (peak memory is that side's alone). Prints the median seconds, tokens/s, peak
-memory, both ratios, and each side's utilisation: model FLOPs of the step (bench/common.py `train_flops`, indexer
+memory, the median CPU time of the side's process, the ratios, and each side's utilisation: model FLOPs of the step (bench/common.py `train_flops`, indexer
 included) over its time over the matmul peak measured in the same run (an n^3 matmul in the same dtype).
 """
 
@@ -18,8 +21,8 @@ import tempfile
 
 import torch
 
-from common import (add_model_flags, add_run_flags, matmul_peak_flops, median_seconds, model_config, model_flags,
-                    peak_memory_gb, run_child, serve_child, train_flops)
+from common import (add_model_flags, add_run_flags, matmul_peak_flops, median_times, model_config, model_flags,
+                    peak_memory_gb, run_child, serve_child, threads_of, train_flops)
 
 
 def run_side(args) -> dict:
@@ -46,8 +49,7 @@ def run_side(args) -> dict:
         def step():
             model.zero_grad(set_to_none=True)
             model(ids, labels=ids).loss.backward()
-    seconds = median_seconds(step, args.steps, args.device)
-    return {"side": args.child, "seconds": seconds, "peak_gb": peak_memory_gb(args.device)}
+    return {"side": args.child, **median_times(step, args.steps, args.device), "peak_gb": peak_memory_gb(args.device)}
 
 
 def main():
@@ -59,12 +61,15 @@ def main():
     if serve_child(args, run_side):
         return
     dtype = getattr(torch, args.dtype)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     peak = matmul_peak_flops(args.device, dtype)
     cfg = model_config(args)
     flops = train_flops(cfg, args.batch, args.seq)
     tokens = args.batch * args.seq
-    print(f"{args.preset} B{args.batch}xS{args.seq} index_topk {cfg.index_topk}, {args.dtype} on {args.device} "
-          f"({torch.get_num_threads()} threads), median of {args.steps}; model {flops / 1e9:.1f} GFLOP per step, "
+    shape = f" {args.shape}" if args.preset == "bench" else ""
+    print(f"{args.preset}{shape} B{args.batch}xS{args.seq} index_topk {cfg.index_topk}, {args.dtype} on {args.device} "
+          f"({threads_of(args)} threads), median of {args.steps}; model {flops / 1e9:.1f} GFLOP per step, "
           f"matmul peak {peak / 1e9:.1f} GFLOP/s (2048^3, this run)")
     flags = model_flags(args)
     sides = ["glm5f", "transformers"] if args.side == "both" else [args.side]
@@ -72,11 +77,11 @@ def main():
     res = {s: run_child(here, ["--child", s, *flags], f"the {s} side") for s in sides}
     for s, r in res.items():
         print(f"  {s:12s} {r['seconds']:8.3f} s  {tokens / r['seconds']:9.0f} tok/s  peak {r['peak_gb']:6.2f} GB  "
-              f"utilisation {flops / r['seconds'] / peak:6.1%}", flush=True)
+              f"utilisation {flops / r['seconds'] / peak:6.1%}  (CPU time {r['cpu_seconds']:.3f} s)", flush=True)
     if len(res) == 2:
         a, b = res["glm5f"], res["transformers"]
         print(f"  ratio        {b['seconds'] / a['seconds']:8.2f}x faster, {a['peak_gb'] / b['peak_gb']:.3f} of the "
-              f"peak memory")
+              f"peak memory  (CPU time {b['cpu_seconds'] / a['cpu_seconds']:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -3,8 +3,10 @@ against Transformers' GlmMoeDsaMoE, same weights and tokens.
 
     python bench/moe.py                                  # 64 experts top-8, 4096 tokens
     python bench/moe.py --experts 16 --top 2 --tokens 2048
+    python bench/moe.py --threads 1                      # each side on one thread (a shared CPU)
 
-Each side runs in its own subprocess; prints the median seconds, tokens/s, peak memory and both ratios.
+Each side runs in its own subprocess; prints the median seconds, tokens/s, peak memory,
+the median CPU time of the side's process and the ratios.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import tempfile
 
 import torch
 
-from common import BENCH_MODEL, add_run_flags, median_seconds, peak_memory_gb, run_child, serve_child
+from common import BENCH_MODEL, add_run_flags, median_times, peak_memory_gb, run_child, run_flags, serve_child, threads_of
 
 
 def run_side(args) -> dict:
@@ -48,8 +50,7 @@ def run_side(args) -> dict:
             module.zero_grad(set_to_none=True)
             xg = x.detach().requires_grad_()
             module(xg).float().square().mean().backward()
-    seconds = median_seconds(step, args.steps, args.device)
-    return {"side": args.child, "seconds": seconds, "peak_gb": peak_memory_gb(args.device)}
+    return {"side": args.child, **median_times(step, args.steps, args.device), "peak_gb": peak_memory_gb(args.device)}
 
 
 def main():
@@ -63,16 +64,17 @@ def main():
     if serve_child(args, run_side):
         return
     flags = ["--experts", str(args.experts), "--top", str(args.top), "--tokens", str(args.tokens),
-             "--steps", str(args.steps), "--device", args.device, "--dtype", args.dtype]
+             "--steps", str(args.steps), *run_flags(args)]
     print(f"one MoE layer fwd+bwd, {args.experts} experts top-{args.top} + 1 shared, {args.tokens} tokens, "
-          f"{args.dtype} on {args.device} ({torch.get_num_threads()} threads), median of {args.steps}")
+          f"{args.dtype} on {args.device} ({threads_of(args)} threads), median of {args.steps}")
     here = os.path.abspath(__file__)
     res = {s: run_child(here, ["--child", s, *flags], f"the {s} side") for s in ("glm5f", "transformers")}
     for s, r in res.items():
-        print(f"  {s:12s} {r['seconds']:8.3f} s  {args.tokens / r['seconds']:9.0f} tok/s  peak {r['peak_gb']:6.2f} GB")
+        print(f"  {s:12s} {r['seconds']:8.3f} s  {args.tokens / r['seconds']:9.0f} tok/s  peak {r['peak_gb']:6.2f} GB  "
+              f"(CPU time {r['cpu_seconds']:.3f} s)")
     a, b = res["glm5f"], res["transformers"]
     print(f"  ratio        {b['seconds'] / a['seconds']:8.2f}x faster, {a['peak_gb'] / b['peak_gb']:.3f} of the peak "
-          f"memory")
+          f"memory  (CPU time {b['cpu_seconds'] / a['cpu_seconds']:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from glm5f.ops import wide, wide_dtype
 
 SPARSE_BLOCK_ELEMS = 1 << 23  # bound on one query block's gathered rows plus scores, [B, s, K, C + 2H] elements
 INDEXER_QUERY_CHUNK_ELEMS = 1 << 24  # bound on the indexer's per-chunk [B, S, I, T] fp32 scores
+INDEXER_CAUSAL_CHUNKS = 4  # the CPU's fewest query chunks under a causal mask: 4 score 5/8 of the keys 1 would
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # fp64 compute keeps the torch code (fp32 accumulators)
 
 
@@ -67,22 +68,103 @@ def block_scores(q_BxSxHxC, sel_BxSxKxC, allowed_BxSxK, bias_BxSxK, scale):
                                              torch.finfo(wide_dtype(q_BxSxHxC.dtype)).min)
 
 
+UNION_BLOCK_ROWS = 256  # queries x heads of one block of the union path: the rows of its GEMMs
+
+
+def union_width(K: int, H: int) -> int:
+    """The most distinct rows a block of queries may select for the union path to take it: per selected row it
+    does the work of every query of the block (about 4x more row-GEMM throughput than one query's [H, C] x [C, K]
+    at H = 8 on this CPU, about even at H = 64)."""
+    return int(K * max(1.0, 32 / H))
+
+
+def union_plan(idx_sxK, allowed_sxK, num_keys, max_width):
+    """How one batch row's block of s queries attends the union of its selections in one GEMM, or None (the
+    union is wider than max_width, or a query selects a row twice, which the gather path counts twice): (the
+    union's key indices [U], sorted; keep [s, U]: selected and allowed; selected [s, U]; each selection's column
+    in the union [s, K])."""
+    s, K = idx_sxK.shape
+    present_T = torch.zeros(num_keys, dtype=torch.bool, device=idx_sxK.device)
+    present_T[idx_sxK.flatten()] = True
+    cols_U = present_T.nonzero().flatten()
+    if cols_U.numel() > max_width:
+        return None
+    loc_sxK = (present_T.cumsum(0) - 1)[idx_sxK]
+    selected_sxU = torch.zeros(s, cols_U.numel(), dtype=torch.bool, device=idx_sxK.device).scatter_(1, loc_sxK, True)
+    if int(selected_sxU.sum()) != s * K:
+        return None
+    keep_sxU = torch.zeros_like(selected_sxU).scatter_(1, loc_sxK, allowed_sxK)
+    return cols_U, keep_sxU, selected_sxU, loc_sxK
+
+
+def union_scores(q_sxHxC, rows_UxC, plan, bias_sxK, scale, dtype):
+    """`block_scores` of one batch row's block over its union rows: scores [s, H, U] (wide), finfo.min where
+    selected but not allowed, -inf where not selected (so a query with no allowed selection averages its K rows)."""
+    cols_U, keep_sxU, selected_sxU, loc_sxK = plan
+    s, H, C = q_sxHxC.shape
+    scores_sxHxU = torch.matmul(q_sxHxC.reshape(s * H, C), rows_UxC.T).mul_(scale).view(s, H, -1)
+    if bias_sxK is not None:
+        bias_sxU = bias_sxK.new_zeros(s, cols_U.numel()).scatter_(1, loc_sxK, bias_sxK)
+        scores_sxHxU = scores_sxHxU + bias_sxU[:, None, :]
+    wd = wide_dtype(dtype)
+    fill_sxU = torch.full(selected_sxU.shape, float("-inf"), dtype=wd, device=q_sxHxC.device)
+    fill_sxU.masked_fill_(selected_sxU, torch.finfo(wd).min)
+    return torch.where(keep_sxU[:, None, :], wide(scores_sxHxU), fill_sxU[:, None, :])
+
+
+def softmax_lse(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax over the last dim, its log-sum-exp as fp32): the log-sum-exp read off the largest probability,
+    max - log(p_max) (p_max >= 1 / K, so well conditioned), which saves logsumexp's own exp pass."""
+    probs = torch.softmax(scores, dim=-1)
+    lse = scores.amax(-1).sub_(probs.amax(-1).log_())
+    return probs, lse.float()
+
+
+def _query_blocks(B, S, K, C, H, block, union):
+    """Start and stop of each block of queries: `block` when given, else the union path's or the gather path's."""
+    step = block or (max(1, UNION_BLOCK_ROWS // H) if union else sparse_block_size(B, K, C, H))
+    return [(a, min(S, a + step)) for a in range(0, S, step)]
+
+
+def _union_plans(latent_BxTxC, idx_BxSxK, allowed_BxSxK, a, b, H):
+    """Each batch row's `union_plan` for queries a:b, or None when any row has none."""
+    B, T = latent_BxTxC.shape[:2]
+    plans = []
+    for i in range(B):
+        plan = union_plan(idx_BxSxK[i, a:b], allowed_BxSxK[i, a:b], T, union_width(idx_BxSxK.shape[-1], H))
+        if plan is None:
+            return None
+        plans.append(plan)
+    return plans
+
+
 def _sparse_mla_torch(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale, value_dim, block):
-    """(out [B, S, H, value_dim], lse [B, S, H] fp32) over blocks of `block` queries (0: `sparse_block_size`);
-    the forward keeps no gathered rows."""
+    """(out [B, S, H, value_dim], lse [B, S, H] fp32) over blocks of `block` queries (0: `sparse_block_size`, or
+    the union path's); the forward keeps no gathered rows. A block whose queries select few distinct rows (and
+    the latent in q's dtype) attends their union in one GEMM per batch row (`union_plan`), the others gather
+    each query's rows."""
     B, S, H, C = q_BxSxHxC.shape
     dt = q_BxSxHxC.dtype
-    block = block or sparse_block_size(B, idx_BxSxK.shape[-1], C, H)
+    union = latent_BxTxC.dtype == dt
     out_BxSxHxR = q_BxSxHxC.new_empty(B, S, H, value_dim)
     lse_BxSxH = q_BxSxHxC.new_empty(B, S, H, dtype=torch.float32)
-    for a in range(0, S, block):
-        b = min(S, a + block)
+    for a, b in _query_blocks(B, S, idx_BxSxK.shape[-1], C, H, block, union):
+        bias = None if bias_BxSxK is None else bias_BxSxK[:, a:b]
+        plans = _union_plans(latent_BxTxC, idx_BxSxK, allowed_BxSxK, a, b, H) if union else None
+        if plans is not None:
+            for i, plan in enumerate(plans):
+                rows_UxC = latent_BxTxC[i].index_select(0, plan[0])
+                scores = union_scores(q_BxSxHxC[i, a:b], rows_UxC, plan, None if bias is None else bias[i],
+                                      scale, dt)
+                probs, lse_BxSxH[i, a:b] = softmax_lse(scores)
+                probs = probs.to(dt)
+                out_BxSxHxR[i, a:b] = torch.matmul(probs.view(-1, probs.shape[-1]), rows_UxC[:, :value_dim]).view(
+                    b - a, H, value_dim)
+            continue
         sel = gather_rows(latent_BxTxC, idx_BxSxK[:, a:b], dt)
-        scores = block_scores(q_BxSxHxC[:, a:b], sel, allowed_BxSxK[:, a:b],
-                               None if bias_BxSxK is None else bias_BxSxK[:, a:b], scale)
-        probs = torch.softmax(scores, dim=-1).to(dt)
-        out_BxSxHxR[:, a:b] = torch.matmul(probs, sel[..., :value_dim])
-        lse_BxSxH[:, a:b] = torch.logsumexp(scores, dim=-1)
+        scores = block_scores(q_BxSxHxC[:, a:b], sel, allowed_BxSxK[:, a:b], bias, scale)
+        probs, lse_BxSxH[:, a:b] = softmax_lse(scores)
+        out_BxSxHxR[:, a:b] = torch.matmul(probs.to(dt), sel[..., :value_dim])
     return out_BxSxHxR, lse_BxSxH
 
 
@@ -91,18 +173,35 @@ def _sparse_mla_backward_torch(dout_BxSxHxR, q_BxSxHxC, latent_BxTxC, idx_BxSxK,
     """(dq, dlatent): each block's rows gathered again and its softmax recomputed (identical to the forward's)."""
     B, S, H, C = q_BxSxHxC.shape
     T, dt, R = latent_BxTxC.shape[1], q_BxSxHxC.dtype, value_dim
-    block = block or sparse_block_size(B, idx_BxSxK.shape[-1], C, H)
+    union = latent_BxTxC.dtype == dt
     dq_BxSxHxC = torch.empty_like(q_BxSxHxC)
     # each selected row's gradient is summed over the queries that chose it in the latent's dtype (as the
-    # unblocked path's index_select backward does): exact, so independent of blocks and of rank layouts
+    # unblocked path's index_select backward does): with a wider latent exact, so independent of blocks and of
+    # rank layouts (the union path, which sums a block's queries in its GEMM, runs only with the latent in q's dtype)
     dlatent = torch.zeros(B * T, C, dtype=latent_BxTxC.dtype, device=latent_BxTxC.device)
     offsets = T * torch.arange(B, device=idx_BxSxK.device)[:, None, None]
-    for a in range(0, S, block):
-        b = min(S, a + block)
+    for a, b in _query_blocks(B, S, idx_BxSxK.shape[-1], C, H, block, union):
         q, dout, allowed = q_BxSxHxC[:, a:b], dout_BxSxHxR[:, a:b].to(dt), allowed_BxSxK[:, a:b]
+        bias = None if bias_BxSxK is None else bias_BxSxK[:, a:b]
+        plans = _union_plans(latent_BxTxC, idx_BxSxK, allowed_BxSxK, a, b, H) if union else None
+        if plans is not None:
+            for i, plan in enumerate(plans):
+                rows_UxC = latent_BxTxC[i].index_select(0, plan[0])
+                probs_w = torch.softmax(union_scores(q[i], rows_UxC, plan, None if bias is None else bias[i], scale,
+                                                     dt), dim=-1)
+                U = rows_UxC.shape[0]
+                probs = probs_w.to(dt).view(-1, U)
+                dout_i = dout[i].reshape(-1, R)
+                dprobs_w = wide(torch.matmul(dout_i, rows_UxC[:, :R].T)).view(probs_w.shape)
+                dscores_w = probs_w * (dprobs_w - (probs_w * dprobs_w).sum(-1, keepdim=True))
+                dscores = dscores_w.masked_fill_(~plan[1][:, None, :], 0).to(dt).mul_(scale).view(-1, U)
+                dq_BxSxHxC[i, a:b] = torch.matmul(dscores, rows_UxC).view(b - a, H, C)
+                drows_UxC = torch.matmul(dscores.T, q[i].reshape(-1, C))
+                drows_UxC[:, :R] += torch.matmul(probs.T, dout_i)
+                dlatent.index_add_(0, plan[0] + i * T, drows_UxC)
+            continue
         sel = gather_rows(latent_BxTxC, idx_BxSxK[:, a:b], dt)
-        probs_w = torch.softmax(block_scores(q, sel, allowed, None if bias_BxSxK is None else bias_BxSxK[:, a:b],
-                                              scale), dim=-1)
+        probs_w = torch.softmax(block_scores(q, sel, allowed, bias, scale), dim=-1)
         probs = probs_w.to(dt)
         dprobs_w = wide(torch.matmul(dout, sel[..., :R].transpose(-1, -2)))
         dscores_w = probs_w * (dprobs_w - (probs_w * dprobs_w).sum(-1, keepdim=True))
@@ -298,6 +397,8 @@ def _indexer_topk_torch(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, key_valid_BxT
     B, S, I, _ = q_BxSxIxJ.shape
     T = keys_BxTxJ.shape[1]
     chunk = max(1, chunk_elems // max(1, B * I * T))
+    if dense_BxSxT is None:  # at least INDEXER_CAUSAL_CHUNKS chunks, each scoring only the keys its queries see
+        chunk = min(chunk, -(-S // INDEXER_CAUSAL_CHUNKS))
     idx_BxSxK = torch.empty(B, S, k, dtype=torch.long, device=q_BxSxIxJ.device)
     # the last chunk first: causal chunks see more keys the later they are, so each chunk's buffers fit in the
     # memory the one before freed (in ascending order every chunk needs more, and the host heap only grows)

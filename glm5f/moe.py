@@ -138,9 +138,58 @@ def expert_linear(p: dict, x_MxIn: torch.Tensor, counts_E: torch.Tensor) -> torc
 
 def expert_ffn(p: dict, x_MxD: torch.Tensor, counts_E: torch.Tensor, limit: float | None = None) -> torch.Tensor:
     """SwiGLU of each expert over its block of rows (rows sorted by expert), with GLM-5.3's clamp at `limit`."""
+    weights = [p[k]["weight"] for k in ("gate_proj", "up_proj", "down_proj")]
+    if _fused_ok(p, x_MxD, weights):
+        return ExpertSwiGLU.apply(x_MxD, counts_E, *weights, limit)
     gate = expert_linear(p["gate_proj"], x_MxD, counts_E)
     up = expert_linear(p["up_proj"], x_MxD, counts_E)
     return expert_linear(p["down_proj"], swiglu(gate, up, limit), counts_E)
+
+
+def _fused_ok(p: dict, x: torch.Tensor, weights: list[torch.Tensor]) -> bool:
+    """Whether `ExpertSwiGLU` computes the experts: no adapter, weights in the rows' dtype (a run with fp64 sums
+    keeps the op-by-op path), torch's grouped GEMM applies, and no torch.func transform is active."""
+    return (not any("lora_A" in p[k] for k in ("gate_proj", "up_proj", "down_proj"))
+            and all(w.dtype == x.dtype for w in weights)
+            and (_grouped_mm_ok(x, *weights) or isinstance(x, FakeTensor))
+            and not torch._C._are_functorch_transforms_active())
+
+
+class ExpertSwiGLU(torch.autograd.Function):
+    """`expert_ffn`'s grouped SwiGLU, the same products in the same order, keeping for the backward only the rows
+    and the gate and up projections [M, F] (autograd would keep silu(gate) and the product too): the backward
+    recomputes those two from the gate and up."""
+
+    @staticmethod
+    def forward(ctx, x_MxD, counts_E, w_gate_ExFxD, w_up_ExFxD, w_down_ExDxF, limit):
+        offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
+        gate_MxF = grouped_mm(x_MxD, w_gate_ExFxD, offs_E)
+        up_MxF = grouped_mm(x_MxD, w_up_ExFxD, offs_E)
+        ctx.save_for_backward(x_MxD, offs_E, w_gate_ExFxD, w_up_ExFxD, w_down_ExDxF, gate_MxF, up_MxF)
+        ctx.limit = limit
+        return grouped_mm(swiglu(gate_MxF, up_MxF, limit), w_down_ExDxF, offs_E)
+
+    @staticmethod
+    def backward(ctx, dy_MxD):
+        x_MxD, offs_E, w_gate_ExFxD, w_up_ExFxD, w_down_ExDxF, gate_MxF, up_MxF = ctx.saved_tensors
+        limit = ctx.limit
+        if limit is not None:
+            gate_c, up_c = gate_MxF.clamp(max=limit), up_MxF.clamp(-limit, limit)
+        else:
+            gate_c, up_c = gate_MxF, up_MxF
+        silu_MxF = F.silu(gate_c)
+        dh_MxF, dw_down = grouped_mm_backward(dy_MxD, silu_MxF * up_c, w_down_ExDxF, offs_E)
+        dgate_MxF = torch.ops.aten.silu_backward(dh_MxF * up_c, gate_c)
+        dup_MxF = dh_MxF.mul_(silu_MxF)
+        del silu_MxF, dh_MxF
+        if limit is not None:  # outside the clamps' ranges their gradients are zero
+            dgate_MxF = dgate_MxF.masked_fill_(gate_MxF > limit, 0)
+            dup_MxF = dup_MxF.masked_fill_((up_MxF > limit) | (up_MxF < -limit), 0)
+        dx_MxD, dw_gate = grouped_mm_backward(dgate_MxF, x_MxD, w_gate_ExFxD, offs_E)
+        del dgate_MxF
+        dx_up_MxD, dw_up = grouped_mm_backward(dup_MxF, x_MxD, w_up_ExFxD, offs_E)
+        dx_MxD += dx_up_MxD
+        return dx_MxD, None, dw_gate, dw_up, dw_down, None
 
 
 def sort_by_expert(idx_NxK: torch.Tensor, num_experts: int):
@@ -161,9 +210,32 @@ def routed_experts(p: dict, x_NxD: torch.Tensor, idx_NxK: torch.Tensor, w_NxK: t
     x_MxD = x_NxD.index_select(0, order_M // K)
     ffn = expert_ffn if limit is None else functools.partial(expert_ffn, limit=limit)
     y_MxD = ffn(p, x_MxD, counts_E) if experts is None else experts(p, x_MxD, counts_E, ffn)
-    y_MxD = y_MxD * w_NxK.reshape(-1)[order_M, None]
-    unsorted_MxD = torch.zeros_like(y_MxD).index_copy(0, order_M, y_MxD)
-    return unsorted_MxD.view(N, K, x_NxD.shape[-1]).sum(1).to(x_NxD.dtype)
+    if torch._C._are_functorch_transforms_active():  # torch.func differentiates the op-by-op form itself
+        y_MxD = y_MxD * w_NxK.reshape(-1)[order_M, None]
+        return torch.zeros_like(y_MxD).index_copy(0, order_M, y_MxD).view(N, K, -1).sum(1).to(x_NxD.dtype)
+    return WeightedSum.apply(y_MxD, w_NxK, order_M).to(x_NxD.dtype)
+
+
+class WeightedSum(torch.autograd.Function):
+    """sum_k w[n, k] * y[row of (n, k)] -> [N, D] from the expert outputs y [M, D] in expert order (order_M: the
+    (token, slot) row of each), keeping for the backward the outputs once, in token order (autograd would keep them
+    in expert order and weighted as well)."""
+
+    @staticmethod
+    def forward(ctx, y_MxD, w_NxK, order_M):
+        N, K = w_NxK.shape
+        at_M = torch.empty_like(order_M).scatter_(0, order_M, torch.arange(len(order_M), device=order_M.device))
+        y_NKxD = y_MxD.index_select(0, at_M)
+        ctx.save_for_backward(y_NKxD, w_NxK, order_M)
+        return (y_NKxD * w_NxK.reshape(-1, 1)).view(N, K, -1).sum(1)
+
+    @staticmethod
+    def backward(ctx, dout_NxD):
+        y_NKxD, w_NxK, order_M = ctx.saved_tensors
+        N, K = w_NxK.shape
+        dw_NxK = (dout_NxD[:, None, :] * y_NKxD.view(N, K, -1)).sum(-1)
+        dy_MxD = dout_NxD.index_select(0, order_M // K).mul_(w_NxK.reshape(-1)[order_M, None])
+        return dy_MxD, dw_NxK, None
 
 
 def seq_aux_loss(scores_BxSxE: torch.Tensor, idx_BxSxK: torch.Tensor, env: Env) -> torch.Tensor:

@@ -67,8 +67,8 @@ def test_sparse_attention_equals_masked_dense_oracle(case):
 
 def test_sparse_attention_in_query_parts_sums_each_parts_key_gradients_apart():
     """parts=2 (--train.query_parts): every output as with all queries at once, bit for bit; each latent row's
-    gradient is the sum of the two halves' gradients, each taken over its own queries alone (as CP ranks take
-    theirs), which in fp32 rounds differently from the one sum over all queries."""
+    gradient is the sum of the two halves' gradients, each taken over its own queries alone (each half run as a
+    CP rank runs its queries), which in fp32 rounds differently from the one sum over all queries."""
     cfg = small_cfg(num_attention_heads=2, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4,
                     index_topk=8)
     B, T = 2, 48
@@ -81,8 +81,9 @@ def test_sparse_attention_in_query_parts_sums_each_parts_key_gradients_apart():
     assert torch.equal(split, whole)
     g_split = torch.autograd.grad((split * weight).sum(), latent)[0]
     g_whole = torch.autograd.grad((whole * weight).sum(), latent, retain_graph=True)[0]
-    g_halves = [torch.autograd.grad((whole * weight)[:, a:a + T // 2].sum(), latent, retain_graph=True)[0]
-                for a in (0, T // 2)]
+    g_halves = [torch.autograd.grad((sparse_mla(kv_b, q_nope[:, a:a + T // 2], q_rot[:, a:a + T // 2], latent,
+                                                idx[:, a:a + T // 2], Mask(torch.arange(a, a + T // 2), T), cfg)
+                                     * weight[:, a:a + T // 2]).sum(), latent)[0] for a in (0, T // 2)]
     assert torch.equal(g_split, g_halves[0] + g_halves[1])
     assert not torch.equal(g_split, g_whole) and torch.allclose(g_split, g_whole, rtol=1e-5, atol=1e-6)
 

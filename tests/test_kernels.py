@@ -4,6 +4,7 @@ Triton kernels of glm5f.triton_dsa (interpreted, or on a GPU) against an fp64 or
 import os
 import sys
 import warnings
+from unittest import mock
 
 # The Triton tests run interpreted on the CPU; GLM5F_KERNEL_DEVICE=cuda runs them compiled on a GPU instead.
 DEVICE = os.environ.get("GLM5F_KERNEL_DEVICE", "cpu")
@@ -27,6 +28,8 @@ except ImportError as e:
     triton_dsa, NO_TRITON = None, f"triton is not importable ({e}); it installs on Linux x86_64 with the test extra"
 
 SCALE = 0.3
+# how the CPU core's blocks attend: all through the union GEMM, all by the per-query gather, or by the union's width
+PATHS = {"union": lambda K, H: 1 << 30, "gather": lambda K, H: 0, "width": lambda K, H: K + K // 2}
 
 
 def selection_case(B=2, S=7, T=19, H=5, K=11, R=24, P=5, mask="causal", bias=False, seed=0, q_dtype=torch.float64,
@@ -194,13 +197,15 @@ def test_indexer_op_is_the_formula(mask_kind, chunk_elems):
         assert not torch.equal(ours.sort(-1).values, wrong.sort(-1).values)
 
 
-@settings(max_examples=20, deadline=None, derandomize=True)
+@settings(max_examples=30, deadline=None, derandomize=True)
 @given(st.integers(1, 2), st.integers(1, 40), st.integers(1, 12), st.integers(1, 3), st.integers(1, 50),
-       st.sampled_from(["causal", "padded", "packed", "bias"]), st.booleans(), st.integers(0, 2**31 - 1))
-def test_blocked_sparse_core_equals_unblocked_oracle(B, T, K, H, block, kind, cp_shard, seed):
+       st.sampled_from(["causal", "padded", "packed", "bias"]), st.booleans(), st.sampled_from(list(PATHS)),
+       st.booleans(), st.integers(0, 2**31 - 1))
+def test_blocked_sparse_core_equals_unblocked_oracle(B, T, K, H, block, kind, cp_shard, path, repeat, seed):
     """The blocked core (query blocks, gathers recomputed in the backward) against the all-at-once oracle, fp64:
     values and both gradients, ragged last blocks, padding, packed documents, an additive bias, a CP-like shard
-    of the queries (global keys, local queries)."""
+    of the queries (global keys, local queries); each block through the union GEMM or the per-query gather (or
+    either, by the union's width), and with a row selected twice by a query (counted twice, by the gather)."""
     g = torch.Generator().manual_seed(seed)
     K, R, P = min(K, T), 6, 2
     q_index = torch.arange(T)
@@ -213,16 +218,19 @@ def test_blocked_sparse_core_equals_unblocked_oracle(B, T, K, H, block, kind, cp
     mask = Mask(q_index, T, key_valid=key_valid, q_segment=None if seg is None else seg[:, q_index], k_segment=seg)
     scores = torch.randn(B, S, T, generator=g).masked_fill(~mask.rows(0, S), float("-inf"))
     idx = topk_first(scores, K)
+    if repeat and K > 1:
+        idx[:, ::2, -1] = idx[:, ::2, 0]
     allowed = mask.at(idx)
     bias = torch.randn(B, S, K, generator=g, dtype=torch.float64) if kind == "bias" else None
     q = torch.randn(B, S, H, R + P, generator=g, dtype=torch.float64).requires_grad_()
     latent = torch.randn(B, T, R + P, generator=g, dtype=torch.float64).requires_grad_()
-    blocked = sparse_attention(q, latent, idx, allowed, 0.7, R, bias, block=block)
+    w = torch.randn(B, S, H, R, generator=g, dtype=torch.float64)
+    with mock.patch.object(kernels, "union_width", PATHS[path]):
+        blocked = sparse_attention(q, latent, idx, allowed, 0.7, R, bias, block=block)
+        grads = torch.autograd.grad((blocked * w).sum(), (q, latent))
     oracle = sparse_attention_unblocked(q, latent, idx, allowed, 0.7, R, bias)
     assert torch.allclose(blocked, oracle, atol=1e-12, rtol=1e-10)
-    w = torch.randn(blocked.shape, generator=g, dtype=torch.float64)
-    for a, b in zip(torch.autograd.grad((blocked * w).sum(), (q, latent)),
-                    torch.autograd.grad((oracle * w).sum(), (q, latent))):
+    for a, b in zip(grads, torch.autograd.grad((oracle * w).sum(), (q, latent))):
         assert torch.allclose(a, b, atol=1e-12, rtol=1e-10)
 
 
