@@ -567,6 +567,19 @@ class _GatedNorm(torch.autograd.Function):
         return do, dgate, dweight.to(weight.dtype), None
 
 
+def _log_decay(p: dict, x_BxSxD: torch.Tensor, cfg) -> torch.Tensor:
+    """The forget gate's per-channel log decay g [B, S, H, d_k] (f_b_proj(f_a_proj(x)), bounded below)."""
+    f = linear(p["f_b_proj"], linear(p["f_a_proj"], x_BxSxD))
+    return _ForgetGate.apply(f, p["dt_bias"], p["A_log"], cfg.linear_head_dim, cfg.linear_lower_bound)
+
+
+def _gated_out(p: dict, o_BxSxHxV: torch.Tensor, x_BxSxD: torch.Tensor, cfg) -> torch.Tensor:
+    """The delta rule's output through the gated per-head RMSNorm (gate from x) and o_proj: [B, S, D]."""
+    gate = linear(p["g_b_proj"], linear(p["g_a_proj"], x_BxSxD)).unflatten(-1, (-1, cfg.linear_head_dim))
+    return linear(p["o_proj"], _GatedNorm.apply(o_BxSxHxV.to(x_BxSxD.dtype), gate, p["o_norm"]["weight"],
+                                                cfg.rms_norm_eps).flatten(-2))
+
+
 def kda_attention(p: dict, x_BxSxD: torch.Tensor, cfg, segment_BxS: torch.Tensor | None = None,
                   chunk: int = 64) -> torch.Tensor:
     """GLM-5.3's KDA attention block over a linear-attention layer's `self_attn` params (checkpoint names:
@@ -583,20 +596,11 @@ def kda_attention(p: dict, x_BxSxD: torch.Tensor, cfg, segment_BxS: torch.Tensor
         return _ShortConv.apply(linear(p[f"{name}_proj"], x_BxSxD), p[f"{name}_conv1d"]["weight"], docs, K,
                                 name != "v")
 
-    def gate_log_decay():
-        f = linear(p["f_b_proj"], linear(p["f_a_proj"], x_BxSxD))
-        return _ForgetGate.apply(f, p["dt_bias"], p["A_log"], K, cfg.linear_lower_bound)
-
-    def out(o):
-        gate = linear(p["g_b_proj"], linear(p["g_a_proj"], x_BxSxD)).unflatten(-1, (-1, K))
-        return linear(p["o_proj"], _GatedNorm.apply(o.to(x_BxSxD.dtype), gate, p["o_norm"]["weight"],
-                                                    cfg.rms_norm_eps).flatten(-2))
-
     q, k, v = (checkpoint(qkv, name, use_reentrant=False) for name in "qkv")
-    g = checkpoint(gate_log_decay, use_reentrant=False)
+    g = checkpoint(_log_decay, p, x_BxSxD, cfg, use_reentrant=False)
     beta = torch.sigmoid(linear(p["b_proj"], x_BxSxD))
     o, _ = kda(q, k, v, g, beta, K ** -0.5, None, segment_BxS, chunk)
-    return checkpoint(out, o, use_reentrant=False)
+    return checkpoint(_gated_out, p, o, x_BxSxD, cfg, use_reentrant=False)
 
 
 # ---- decoding: a layer's state carried from one call to the next --------------------------------------------------
@@ -617,8 +621,7 @@ def kda_attention_step(p: dict, x_BxSxD: torch.Tensor, cfg, cache: dict[str, tor
         return _ShortConv.apply(seq_BxUxC, p[f"{name}_conv1d"]["weight"], None, K, name != "v")[:, W - 1:]
 
     q, k, v = (qkv(name) for name in "qkv")
-    f = linear(p["f_b_proj"], linear(p["f_a_proj"], x_BxSxD))
-    g = _ForgetGate.apply(f, p["dt_bias"], p["A_log"], K, cfg.linear_lower_bound)
+    g = _log_decay(p, x_BxSxD, cfg)
     beta = torch.sigmoid(linear(p["b_proj"], x_BxSxD))
     state = cache["recurrent"]
     if x_BxSxD.shape[1] == 1:
@@ -626,9 +629,7 @@ def kda_attention_step(p: dict, x_BxSxD: torch.Tensor, cfg, cache: dict[str, tor
     else:
         o, new_state = kda(q, k, v, g, beta, K ** -0.5, state)
     state.copy_(new_state)
-    gate = linear(p["g_b_proj"], linear(p["g_a_proj"], x_BxSxD)).unflatten(-1, (-1, K))
-    return linear(p["o_proj"], _GatedNorm.apply(o.to(x_BxSxD.dtype), gate, p["o_norm"]["weight"],
-                                                cfg.rms_norm_eps).flatten(-2))
+    return _gated_out(p, o, x_BxSxD, cfg)
 
 
 # ---- context parallelism ------------------------------------------------------------------------------------------
@@ -714,17 +715,8 @@ def kda_attention_cp(p: dict, x_BxSxD: torch.Tensor, cfg, starts: tuple[int, ...
         return _ShortConv.apply(linear(p[f"{name}_proj"], xe), p[f"{name}_conv1d"]["weight"], docs_e, K,
                                 name != "v")[:, W - 1:]
 
-    def gate_log_decay():
-        f = linear(p["f_b_proj"], linear(p["f_a_proj"], x_c))
-        return _ForgetGate.apply(f, p["dt_bias"], p["A_log"], K, cfg.linear_lower_bound)
-
-    def out(o):
-        gate = linear(p["g_b_proj"], linear(p["g_a_proj"], x_BxSxD)).unflatten(-1, (-1, K))
-        return linear(p["o_proj"], _GatedNorm.apply(o.to(x_BxSxD.dtype), gate, p["o_norm"]["weight"],
-                                                    cfg.rms_norm_eps).flatten(-2))
-
     q, k, v = (checkpoint(qkv, name, use_reentrant=False) for name in "qkv")
-    g = checkpoint(gate_log_decay, use_reentrant=False)
+    g = checkpoint(_log_decay, p, x_c, cfg, use_reentrant=False)
     beta = torch.sigmoid(linear(p["b_proj"], x_c))
     nB, _, H, V = v.shape
     dt = _compute_dtype(q, k, v, g, beta)
@@ -739,4 +731,5 @@ def kda_attention_cp(p: dict, x_BxSxD: torch.Tensor, cfg, starts: tuple[int, ...
     states = _ComposeStates.apply(maps_BxNxHxKx_, continues_BxN, max(index) + 1)
     incoming = torch.cat([states[:, c] for c in index])
     o = o0 + torch.einsum("bthk,bhkv->bthv", p_t, incoming.to(p_t.dtype))
-    return checkpoint(out, o.unflatten(0, (n, B)).movedim(0, 1).flatten(1, 2), use_reentrant=False)
+    o = o.unflatten(0, (n, B)).movedim(0, 1).flatten(1, 2)
+    return checkpoint(_gated_out, p, o, x_BxSxD, cfg, use_reentrant=False)
