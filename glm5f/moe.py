@@ -212,7 +212,7 @@ def routed_experts(p: dict, x_NxD: torch.Tensor, idx_NxK: torch.Tensor, w_NxK: t
     y_MxD = ffn(p, x_MxD, counts_E) if experts is None else experts(p, x_MxD, counts_E, ffn)
     if torch._C._are_functorch_transforms_active():  # torch.func differentiates the op-by-op form itself
         y_MxD = y_MxD * w_NxK.reshape(-1)[order_M, None]
-        return torch.zeros_like(y_MxD).index_copy(0, order_M, y_MxD).view(N, K, -1).sum(1).to(x_NxD.dtype)
+        return torch.zeros_like(y_MxD).index_copy(0, order_M, y_MxD).view(N, K, y_MxD.shape[-1]).sum(1).to(x_NxD.dtype)
     return WeightedSum.apply(y_MxD, w_NxK, order_M).to(x_NxD.dtype)
 
 
@@ -227,13 +227,13 @@ class WeightedSum(torch.autograd.Function):
         at_M = torch.empty_like(order_M).scatter_(0, order_M, torch.arange(len(order_M), device=order_M.device))
         y_NKxD = y_MxD.index_select(0, at_M)
         ctx.save_for_backward(y_NKxD, w_NxK, order_M)
-        return (y_NKxD * w_NxK.reshape(-1, 1)).view(N, K, -1).sum(1)
+        return (y_NKxD * w_NxK.reshape(-1, 1)).view(N, K, y_NKxD.shape[-1]).sum(1)
 
     @staticmethod
     def backward(ctx, dout_NxD):
         y_NKxD, w_NxK, order_M = ctx.saved_tensors
         N, K = w_NxK.shape
-        dw_NxK = (dout_NxD[:, None, :] * y_NKxD.view(N, K, -1)).sum(-1)
+        dw_NxK = (dout_NxD[:, None, :] * y_NKxD.view(N, K, y_NKxD.shape[-1])).sum(-1)
         dy_MxD = dout_NxD.index_select(0, order_M // K).mul_(w_NxK.reshape(-1)[order_M, None])
         return dy_MxD, dw_NxK, None
 

@@ -135,11 +135,17 @@ def test_resume_across_layouts(first, then, tmp_path):
     _train("--checkpoint.dir", run, "--checkpoint.resume", "latest", *then)
     switched = [r["loss"] for r in read_metrics(run)]
     assert len(switched) == 6
-    assert max(abs(a - b) for a, b in zip(switched, straight)) <= 1e-4
-    evals = [{r["step"]: r["eval_loss"] for r in read_metrics(d) if "eval_loss" in r}
-             for d in (tmp_path / "straight", run)]
+    # fp32: a layout drifts from one process by its sums' order (CP's most: each latent row's gradient is summed
+    # over other blocks of queries); switching must add no more than that layout's own 6-step drift, twice
+    _train("--checkpoint.dir", str(tmp_path / "first"), *first)
+    first_run = read_metrics(tmp_path / "first")
+    drift = max(abs(r["loss"] - b) for r, b in zip((r for r in first_run if "loss" in r), straight))
+    evals = [{r["step"]: r["eval_loss"] for r in metrics if "eval_loss" in r}
+             for metrics in (read_metrics(tmp_path / "straight"), read_metrics(run), first_run)]
+    drift = max(drift, abs(evals[2][6] - evals[0][6]))
+    assert max(abs(a - b) for a, b in zip(switched, straight)) <= max(1e-4, 2 * drift)
     assert evals[0].keys() == {6} and evals[1].keys() == {3, 6}  # held-out loss at each run's end, in its layout
-    assert abs(evals[0][6] - evals[1][6]) <= 1e-4
+    assert abs(evals[0][6] - evals[1][6]) <= max(1e-4, 2 * drift)
 
 
 @pytest.mark.parametrize("args,message", [
