@@ -264,3 +264,19 @@ def step_hook_script(tmp_path, rank: int, at: int, action: str) -> str:
     path = tmp_path / f"hook_rank{rank}_step{at}.py"
     path.write_text(STEP_HOOK.format(root=root, rank=rank, at=at, action=action))
     return str(path)
+
+
+def random_batch(cfg, B, S, padded, seed=0, right=7, left=10):
+    """(ids, mask, labels) of random tokens; padded: row 0 ends in `right` padding tokens, row 1 starts with `left`
+    (and the label predicted from its last padding position is ignored), so a parity test sees both paddings."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
+    labels = ids.clone()
+    mask = None
+    if padded:
+        mask = torch.ones(B, S, dtype=torch.long)
+        mask[0, S - right:] = 0
+        mask[1, :left] = 0
+        labels[mask == 0] = glm5f.IGNORE_INDEX
+        labels[1, left] = glm5f.IGNORE_INDEX  # predicted from a padding position
+    return ids, mask, labels

@@ -166,20 +166,6 @@ def hf_glm53(cfg, seed: int = 0):
     return model
 
 
-def glm53_batch(cfg, B, S, padded, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
-    labels = ids.clone()
-    mask = None
-    if padded:
-        mask = torch.ones(B, S, dtype=torch.long)
-        mask[0, S - 5:] = 0  # right padding
-        mask[1, :6] = 0  # left padding: the pools start at the first real token
-        labels[mask == 0] = glm5f.IGNORE_INDEX
-        labels[1, 6] = glm5f.IGNORE_INDEX  # predicted from a padding position
-    return ids, mask, labels
-
-
 # every (hc_mult, kpool) pair, padded or not; the other half of the combinations run with -m slow
 GLM53_CASES = [pytest.param(seed, hc, kpool, padded, marks=[pytest.mark.slow] if (seed % 3 == 0) == padded else [])
                for seed, (hc, kpool) in enumerate([(2, 2), (4, 4), (4, 2), (2, 4)]) for padded in (False, True)]
@@ -189,7 +175,7 @@ GLM53_CASES = [pytest.param(seed, hc, kpool, padded, marks=[pytest.mark.slow] if
 def test_matches_transformers(seed, hc_mult, kpool, padded, tmp_path):
     from torch.func import functional_call
 
-    from conftest import assert_grads_match, stable_topk, with_grad
+    from conftest import assert_grads_match, random_batch, stable_topk, with_grad
     from glm5f.loss import causal_lm_loss
 
     cfg = random_config(seed, hc_mult, kpool)
@@ -199,7 +185,7 @@ def test_matches_transformers(seed, hc_mult, kpool, padded, tmp_path):
     assert cfg2 == cfg
     B, S = 3, 29
     assert S > cfg.index_topk + kpool
-    ids, mask, labels = glm53_batch(cfg, B, S, padded, seed)
+    ids, mask, labels = random_batch(cfg, B, S, padded, seed, right=5, left=6)  # the pools start at row 1's first real token
     real = torch.ones(B, S, dtype=torch.bool) if mask is None else mask.bool()
     with torch.no_grad(), stable_topk():
         ref = model(ids, attention_mask=mask).logits

@@ -14,7 +14,7 @@ from torch.func import functional_call
 
 import glm5f
 from configs import Config
-from conftest import assert_grads_match, boundary_ties, hf_model, with_grad
+from conftest import assert_grads_match, boundary_ties, hf_model, random_batch, with_grad
 from glm5f.loss import Step, step_grads
 from glm5f.optim import adamw_init, adamw_update, balance_router_bias
 from glm5f.parallel import Layout
@@ -35,27 +35,13 @@ CASES = [
 MTP_CFG = glm5f.preset("glm5-tiny", num_nextn_predict_layers=1)  # the MTP layer is MoE with a full indexer
 
 
-def batch(cfg, B, S, padded, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, cfg.vocab_size, (B, S), generator=g)
-    labels = ids.clone()
-    mask = None
-    if padded:
-        mask = torch.ones(B, S, dtype=torch.long)
-        mask[0, S - 7:] = 0  # right padding
-        mask[1, :10] = 0  # left padding
-        labels[mask == 0] = glm5f.IGNORE_INDEX
-        labels[1, 10] = glm5f.IGNORE_INDEX  # predicted from a padding position
-    return ids, mask, labels
-
-
 @pytest.mark.parametrize("name,cfg,B,S,padded", CASES, ids=[c[0] for c in CASES])
 def test_matches_transformers(name, cfg, B, S, padded, hf_checkpoint):
     assert S > cfg.index_topk, "the sequence must be longer than index_topk so DSA is sparse"
     model, path = hf_checkpoint(cfg)
     cfg2, params = glm5f.load_hf(path)
     assert cfg2 == cfg
-    ids, mask, labels = batch(cfg, B, S, padded)
+    ids, mask, labels = random_batch(cfg, B, S, padded)
     assert boundary_ties(params, cfg, ids, mask) == 0, "top-k ties would make the reference's choice arbitrary"
 
     real = torch.ones(B, S, dtype=torch.bool) if mask is None else mask.bool()
