@@ -82,7 +82,8 @@ def indexer_topk(q_BxSxIxJ: torch.Tensor, w_BxSxI: torch.Tensor, keys_BxTxJ: tor
     """Top-k key indices [B, S, k] per query of the index scores sum_i w_i relu(q_i . key / sqrt(J)) under the
     mask, equal scores to the lower index (the `glm5f::indexer_topk` op). Masked keys score -inf; when a query
     has fewer than k visible keys the remaining picks are masked keys, which `Mask.at` reports as not allowed,
-    so attention never uses them."""
+    so attention never uses them. The products q_i . key take q and the keys in q's dtype, summed in fp32 (fp64
+    for fp64 inputs): half-precision q runs on CUDA's tensor cores (`index_queries_narrow`)."""
     return kernels.indexer_topk(q_BxSxIxJ, w_BxSxI, keys_BxTxJ.to(q_BxSxIxJ.dtype), mask.q_index, mask.key_valid,
                                 mask.q_segment, mask.k_segment, mask.dense, mask.bias, k)
 
@@ -119,8 +120,17 @@ def select(ip: dict, x_BxSxD: torch.Tensor, q_BxSxQ: torch.Tensor, cfg: GLM5Conf
         q_BxSxIxJ, w_BxSxI = indexer_queries(ip, x_BxSxD, q_BxSxQ, cfg, env)
     topk = None
     if num_keys > cfg.index_topk:
-        topk = indexer_topk(q_BxSxIxJ.detach(), w_BxSxI.detach(), keys_BxTxJ.detach(), env.mask, cfg.index_topk)
+        topk = indexer_topk(index_queries_narrow(q_BxSxIxJ.detach(), env.dtype), w_BxSxI.detach(),
+                            keys_BxTxJ.detach(), env.mask, cfg.index_topk)
     return Selection(topk, (q_BxSxIxJ, w_BxSxI, keys_BxTxJ) if train else None)
+
+
+def index_queries_narrow(q_BxSxIxJ: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The index queries as the top-k's products take them: in the activations' `dtype` when it is a half type
+    (bf16, fp16), else as they are. The cast loses nothing: q and the keys were computed in that dtype and only
+    widened after (`indexer_queries`), so the CPU, which widens them again, scores the same fp32 bits, and CUDA's
+    kernel multiplies them on tensor cores with fp32 sums (fp32 and fp64 runs keep their exact scores)."""
+    return q_BxSxIxJ.to(dtype) if dtype in (torch.bfloat16, torch.float16) else q_BxSxIxJ
 
 
 def select_pooled(ip: dict, x_BxSxD: torch.Tensor, q_BxSxQ: torch.Tensor, cfg: GLM5Config, layer: int,

@@ -138,3 +138,26 @@ def test_fewer_visible_keys_than_k_never_attends_masked_keys():
     alone = glm5f.forward(params, cfg, ids[:, S - 5:])
     padded = glm5f.forward(params, cfg, ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
     assert (padded[0, S - 5:] - alone[0]).abs().max() <= 1e-5
+
+
+def test_half_run_scores_the_indexer_in_its_own_precision(monkeypatch):
+    """A bf16 forward hands the indexer's top-k bf16 queries and keys (on CUDA: the kernel's tensor cores) and fp32
+    head weights; an fp32 forward fp32 ones. The narrowing loses nothing, so on the CPU every layer picks what the
+    widened (fp32) inputs pick."""
+    cfg = small_cfg(index_topk=8)
+    ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    seen = []
+
+    def spy(q, w, keys, *rest):
+        picks = orig(q, w, keys, *rest)
+        wide_picks = orig(q.float(), w, keys.float(), *rest)
+        seen.append((q.dtype, w.dtype, keys.dtype, torch.equal(picks, wide_picks)))
+        return picks
+
+    orig = glm5f.kernels.indexer_topk
+    monkeypatch.setattr(glm5f.kernels, "indexer_topk", spy)
+    for dtype in (torch.bfloat16, torch.float32):
+        seen.clear()
+        glm5f.forward(glm5f.init_params(cfg, dtype=dtype), cfg, ids)
+        assert len(seen) == cfg.num_hidden_layers
+        assert seen == [(dtype, torch.float32, dtype, True)] * len(seen)

@@ -419,3 +419,29 @@ def test_cuda_entry_points_run_the_kernels(tk):
             torch.arange(T - S, T), torch.rand(B, T, generator=g) > 0.2, seg[:, T - S:], seg, None, None, 8)
     ours = kernels.indexer_topk_cuda(*on_device(*args[:-1]), args[-1], chunk_elems=4 * B * T)  # chunks of 4 queries
     assert torch.equal(ours.cpu(), kernels.indexer_topk(*args))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_indexer_picks_bf16_values_with_the_tie_rule(tk, dtype):
+    """A bf16 run's index queries and keys (`attention.index_queries_narrow`): the CUDA entry point picks what the
+    CPU op picks from them, equal scores (ReLU zeros with one indexer head, duplicated keys) to the lower index.
+    Interpreted, the kernel takes fp32 tensors holding the bf16 values (the interpreter's bf16 dots are wrong; the
+    products are exact in fp32 either way, only the order of the fp32 sums differs); on a device, bf16 (tensor
+    cores)."""
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        pytest.skip("the interpreter's bf16 dots are wrong: the bf16 kernel runs on a device only")
+    B, S, T, I, J, k = 2, 11, 40, 1, 32, 16
+    g = torch.Generator().manual_seed(5)
+    q, keys = torch.randn(B, S, I, J, generator=g).bfloat16(), torch.randn(B, T, J, generator=g).bfloat16()
+    keys[:, 7] = keys[:, 25]  # equal scores for every query that sees both
+    keys[:, 30] = keys[:, 12]
+    w = torch.rand(B, S, I, generator=g) + 0.5
+    q_index, key_valid = torch.arange(T - S, T), torch.rand(B, T, generator=g) > 0.1
+    args = (q_index, key_valid, None, None, None, None)
+    expected = kernels.indexer_topk(q, w, keys, *args, k)
+    scores = kernels._indexer_scores_torch(q, w, keys, 0, S, T).masked_fill(
+        ~kernels.allowed_rows(q_index, key_valid, None, None, None, 0, S, T), float("-inf"))
+    top = scores.sort(-1, descending=True).values
+    assert ((top[..., k - 1] == top[..., k]) & (top[..., k] == 0)).sum() >= 4  # ties at the boundary decide picks
+    ours = kernels.indexer_topk_cuda(*on_device(q.to(dtype), w, keys.to(dtype), *args), k, chunk_elems=4 * B * T)
+    assert torch.equal(ours.cpu(), expected)
