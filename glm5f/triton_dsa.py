@@ -52,32 +52,65 @@ def _load_query(q_ptr, H: tl.constexpr, R: tl.constexpr, C: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _load_selections(latent_ptr, idx_ptr, allowed_ptr, bias_ptr, query, S, T, K, C, k, r, r_ok, c, c_ok,
-                     HAS_BIAS: tl.constexpr):
-    """Selections k (a tile) of one query: (in range, allowed, bias fp32, value half [k, R], rope half [k, C - R])
-    with the rows in the latent's dtype."""
+def _load_selections(idx_ptr, allowed_ptr, bias_ptr, query, S, T, K, C, k, HAS_BIAS: tl.constexpr, latent_ptr):
+    """Selections k (a tile) of one query: (in range, allowed, bias fp32, the pointers of their latent rows)."""
     k_ok = k < K
     rows = tl.load(idx_ptr + query * K + k, mask=k_ok, other=0)
     allowed = tl.load(allowed_ptr + query * K + k, mask=k_ok, other=0) != 0
     bias = tl.zeros(k.shape, tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + query * K + k, mask=k_ok, other=0.0).to(tl.float32)
-    row_ptrs = latent_ptr + ((query // S) * T + rows[:, None]) * C
+    return k_ok, allowed, bias, latent_ptr + ((query // S) * T + rows[:, None]) * C
+
+
+@triton.jit
+def _load_rows(row_ptrs, k_ok, r, r_ok, c, c_ok, dtype: tl.constexpr):
+    """The selected latent rows in `dtype`: value half [k, R], rope half [k, C - R]."""
     v = tl.load(row_ptrs + r[None, :], mask=k_ok[:, None] & r_ok[None, :], other=0.0)
     kp = tl.load(row_ptrs + c[None, :], mask=k_ok[:, None] & c_ok[None, :], other=0.0)
-    return k_ok, allowed, bias, v, kp
+    return v.to(dtype), kp.to(dtype)
+
+
+@triton.jit
+def _masked(s, allowed, k_ok, bias, scale):
+    """Scores [heads, k] in fp32 from the products s = q . row: s * scale + bias, finfo.min where not allowed, -inf
+    past K."""
+    s = s * scale + bias[None, :]
+    s = tl.where(allowed[None, :], s, FP32_MIN)
+    return tl.where(k_ok[None, :], s, float("-inf"))
 
 
 @triton.jit
 def _masked_scores(q_r, q_p, v, kp, allowed, k_ok, bias, scale, ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Scores [heads, k] in fp32: (q . row) * scale + bias, finfo.min where not allowed, -inf past K. Without
-    ROPE (C = R: GLM-5.3's latent) the rope half is empty and not multiplied."""
+    """`_masked` scores of whole rows. Without ROPE (C = R: GLM-5.3's latent) the rope half is empty and not
+    multiplied."""
     s = tl.dot(q_r, tl.trans(v), input_precision=DOT_PRECISION)
     if ROPE:
         s += tl.dot(q_p, tl.trans(kp), input_precision=DOT_PRECISION)
-    s = s * scale + bias[None, :]
-    s = tl.where(allowed[None, :], s, FP32_MIN)
-    return tl.where(k_ok[None, :], s, float("-inf"))
+    return _masked(s, allowed, k_ok, bias, scale)
+
+
+@triton.jit
+def _chunked_products(q_ptrs, dout_ptrs, row_ptrs, h_ok, k_ok, R: tl.constexpr, C: tl.constexpr,
+                      BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
+    """(q . row, dout . value) [heads, k] in fp32, summed over chunks of BLOCK_C channels loaded from memory (q and
+    dout rows h at q_ptrs, dout_ptrs; latent rows k at row_ptrs). For IEEE fp32 dots, which Triton 3.9 runs on
+    the CUDA cores holding each thread's whole reduction in registers: over R = 512 channels that spills, over a
+    chunk it does not (the chunks come again from L1, not from HBM)."""
+    s = tl.zeros([BLOCK_H, BLOCK_K], tl.float32)
+    dprob = tl.zeros([BLOCK_H, BLOCK_K], tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        cc = c0 + tl.arange(0, BLOCK_C)
+        value = cc < R
+        rows_c = tl.load(row_ptrs + cc[None, :], mask=k_ok[:, None] & (cc < C)[None, :], other=0.0)
+        q_c = tl.load(q_ptrs + cc[None, :], mask=h_ok[:, None] & (cc < C)[None, :], other=0.0)
+        rows_c = rows_c.to(q_c.dtype)
+        s += tl.dot(q_c, tl.trans(rows_c), input_precision=DOT_PRECISION)
+        if c0 < R:  # a chunk holding value channels
+            dout_c = tl.load(dout_ptrs + cc[None, :], mask=h_ok[:, None] & value[None, :], other=0.0)
+            dprob += tl.dot(dout_c, tl.trans(rows_c), input_precision=DOT_PRECISION)
+    return s, dprob
 
 
 @triton.jit
@@ -94,9 +127,9 @@ def _sparse_mla_fwd_kernel(q_ptr, latent_ptr, idx_ptr, allowed_ptr, bias_ptr, ou
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)  # sum of exp(score - m) * value
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_ok, allowed, bias, v, kp = _load_selections(latent_ptr, idx_ptr, allowed_ptr, bias_ptr, query, S, T, K, C,
-                                                      k, r, r_ok, c, c_ok, HAS_BIAS)
-        v, kp = v.to(dtype), kp.to(dtype)
+        k_ok, allowed, bias, row_ptrs = _load_selections(idx_ptr, allowed_ptr, bias_ptr, query, S, T, K, C, k,
+                                                         HAS_BIAS, latent_ptr)
+        v, kp = _load_rows(row_ptrs, k_ok, r, r_ok, c, c_ok, dtype)
         s = _masked_scores(q_r, q_p, v, kp, allowed, k_ok, bias, scale, C > R, DOT_PRECISION)
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp(m - m_new)
@@ -113,12 +146,14 @@ def _sparse_mla_fwd_kernel(q_ptr, latent_ptr, idx_ptr, allowed_ptr, bias_ptr, ou
 def _sparse_mla_bwd_dq_kernel(q_ptr, latent_ptr, idx_ptr, allowed_ptr, bias_ptr, dout_ptr, lse_ptr, delta_ptr,
                               dq_ptr, S, T, K, scale, H: tl.constexpr, R: tl.constexpr, C: tl.constexpr,
                               HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                              BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """dq [query, heads, C] = dscores @ rows, dscores = prob * (dout . value - delta) * scale where allowed."""
+                              BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+                              DOT_PRECISION: tl.constexpr):
+    """dq [query, heads, C] = dscores @ rows, dscores = prob * (dout . value - delta) * scale where allowed. With
+    BLOCK_C (fp32), the products q . row and dout . value over chunks of channels (`_chunked_products`)."""
     query, h, r, c, h_ok, r_ok, c_ok, q_r, q_p = _load_query(q_ptr, H, R, C, BLOCK_H, BLOCK_R, BLOCK_P)
     dtype = q_r.dtype
-    dout = tl.load(dout_ptr + query * (H * R) + (h[:, None] * R + r[None, :]), mask=h_ok[:, None] & r_ok[None, :],
-                   other=0.0)
+    dout_ptrs = dout_ptr + query * (H * R) + h[:, None] * R
+    dout = tl.load(dout_ptrs + r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
     lse = tl.load(lse_ptr + query * H + h, mask=h_ok, other=0.0)
     delta = tl.load(delta_ptr + query * H + h, mask=h_ok, other=0.0)
 
@@ -126,12 +161,18 @@ def _sparse_mla_bwd_dq_kernel(q_ptr, latent_ptr, idx_ptr, allowed_ptr, bias_ptr,
     dq_p = tl.zeros([BLOCK_H, BLOCK_P], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_ok, allowed, bias, v, kp = _load_selections(latent_ptr, idx_ptr, allowed_ptr, bias_ptr, query, S, T, K, C,
-                                                      k, r, r_ok, c, c_ok, HAS_BIAS)
-        v, kp = v.to(dtype), kp.to(dtype)
-        s = _masked_scores(q_r, q_p, v, kp, allowed, k_ok, bias, scale, C > R, DOT_PRECISION)
+        k_ok, allowed, bias, row_ptrs = _load_selections(idx_ptr, allowed_ptr, bias_ptr, query, S, T, K, C, k,
+                                                         HAS_BIAS, latent_ptr)
+        if BLOCK_C:  # the rows' chunks first, then the whole rows again (from L1) for dq
+            s, dprob = _chunked_products(q_ptr + query * (H * C) + h[:, None] * C, dout_ptrs, row_ptrs, h_ok, k_ok,
+                                         R, C, BLOCK_H, BLOCK_K, BLOCK_C, DOT_PRECISION)
+            s = _masked(s, allowed, k_ok, bias, scale)
+            v, kp = _load_rows(row_ptrs, k_ok, r, r_ok, c, c_ok, dtype)
+        else:
+            v, kp = _load_rows(row_ptrs, k_ok, r, r_ok, c, c_ok, dtype)
+            s = _masked_scores(q_r, q_p, v, kp, allowed, k_ok, bias, scale, C > R, DOT_PRECISION)
+            dprob = tl.dot(dout, tl.trans(v), input_precision=DOT_PRECISION)
         prob = tl.exp(s - lse[:, None])
-        dprob = tl.dot(dout, tl.trans(v), input_precision=DOT_PRECISION)
         dscore = tl.where(allowed[None, :] & k_ok[None, :], prob * (dprob - delta[:, None]), 0.0) * scale
         dq_r += tl.dot(dscore.to(dtype), v, input_precision=DOT_PRECISION)
         if C > R:
@@ -146,20 +187,22 @@ def _sparse_mla_bwd_dq_kernel(q_ptr, latent_ptr, idx_ptr, allowed_ptr, bias_ptr,
 def _sparse_mla_bwd_rows_kernel(q_ptr, latent_ptr, idx_ptr, allowed_ptr, bias_ptr, dout_ptr, lse_ptr, delta_ptr,
                                 has_key_ptr, drow_ptr, first_query, S, T, K, scale, H: tl.constexpr, R: tl.constexpr,
                                 C: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                                BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                                BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+                                DOT_PRECISION: tl.constexpr):
     """Each selection's row gradient [k, C] (not yet summed over queries), over all heads in blocks of BLOCK_H:
     dscores^T @ q, plus prob^T @ dout on the value channels. A query with no allowed key averaged its K rows.
-    A query's tiles are neighbouring programs, so its q and dout come from L2 after the first tile reads them."""
+    A query's tiles are neighbouring programs, so its q and dout come from L2 after the first tile reads them.
+    With BLOCK_C (fp32), the products q . row and dout . value over chunks of channels (`_chunked_products`)."""
     k_blocks = tl.cdiv(K, BLOCK_K)
     query = first_query + tl.program_id(0).to(tl.int64) // k_blocks
     k = (tl.program_id(0) % k_blocks) * BLOCK_K + tl.arange(0, BLOCK_K)
     r = tl.arange(0, BLOCK_R)
     c = R + tl.arange(0, BLOCK_P)
     r_ok, c_ok = _below(r, R, BLOCK_R), _below(c - R, C - R, BLOCK_P)
-    k_ok, allowed, bias, v, kp = _load_selections(latent_ptr, idx_ptr, allowed_ptr, bias_ptr, query, S, T, K, C,
-                                                  k, r, r_ok, c, c_ok, HAS_BIAS)
+    k_ok, allowed, bias, row_ptrs = _load_selections(idx_ptr, allowed_ptr, bias_ptr, query, S, T, K, C, k, HAS_BIAS,
+                                                     latent_ptr)
     dtype = q_ptr.dtype.element_ty
-    v, kp = v.to(dtype), kp.to(dtype)
+    v, kp = _load_rows(row_ptrs, k_ok, r, r_ok, c, c_ok, dtype)  # not kept with BLOCK_C (only its chunks are read)
     has_key = tl.load(has_key_ptr + query) != 0
     uniform = tl.where(k_ok, 1.0 / K, 0.0)
 
@@ -169,16 +212,21 @@ def _sparse_mla_bwd_rows_kernel(q_ptr, latent_ptr, idx_ptr, allowed_ptr, bias_pt
         h = h0 + tl.arange(0, BLOCK_H)
         h_ok = _below(h, H, BLOCK_H)
         q_ptrs = q_ptr + query * (H * C) + h[:, None] * C
-        q_r = tl.load(q_ptrs + r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
-        q_p = tl.load(q_ptrs + c[None, :], mask=h_ok[:, None] & c_ok[None, :], other=0.0)
-        dout = tl.load(dout_ptr + query * (H * R) + (h[:, None] * R + r[None, :]), mask=h_ok[:, None] & r_ok[None, :],
-                       other=0.0)
+        dout_ptrs = dout_ptr + query * (H * R) + h[:, None] * R
         lse = tl.load(lse_ptr + query * H + h, mask=h_ok, other=0.0)
         delta = tl.load(delta_ptr + query * H + h, mask=h_ok, other=0.0)
-        s = _masked_scores(q_r, q_p, v, kp, allowed, k_ok, bias, scale, C > R, DOT_PRECISION)
+        if BLOCK_C:
+            s, dprob = _chunked_products(q_ptrs, dout_ptrs, row_ptrs, h_ok, k_ok, R, C, BLOCK_H, BLOCK_K, BLOCK_C,
+                                         DOT_PRECISION)
+            s = _masked(s, allowed, k_ok, bias, scale)
+        q_r = tl.load(q_ptrs + r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+        q_p = tl.load(q_ptrs + c[None, :], mask=h_ok[:, None] & c_ok[None, :], other=0.0)
+        dout = tl.load(dout_ptrs + r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+        if not BLOCK_C:
+            s = _masked_scores(q_r, q_p, v, kp, allowed, k_ok, bias, scale, C > R, DOT_PRECISION)
+            dprob = tl.dot(dout, tl.trans(v), input_precision=DOT_PRECISION)
         prob = tl.exp(s - lse[:, None])
         prob = tl.where(h_ok[:, None], tl.where(has_key, prob, uniform[None, :]), 0.0)
-        dprob = tl.dot(dout, tl.trans(v), input_precision=DOT_PRECISION)
         dscore = tl.where(allowed[None, :] & k_ok[None, :], prob * (dprob - delta[:, None]), 0.0) * scale
         dscore_t = tl.trans(dscore.to(dtype))
         drow_r += tl.dot(dscore_t, q_r, input_precision=DOT_PRECISION)
@@ -224,25 +272,29 @@ def _check_selections(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_Bx
         raise ValueError(f"sparse MLA kernels: value_dim must be in 1..C={C}, got {value_dim}")
 
 
-# Blocks and warps of each sparse MLA kernel: (BLOCK_H, BLOCK_K, num_warps, num_stages) for half-precision inputs
-# (tensor-core dots) and for fp32 (IEEE dots on the CUDA cores), the choices of bench/kernels.py's report at GLM-5's
-# shapes on sm_90a (README, "Kernel fitness"). The forward keeps all 64 heads of a query in one program (8 warps: a
-# [64, 512] fp32 accumulator is 128 registers a thread), so each selected row is read once per query.
+# Blocks and warps of each sparse MLA kernel: (BLOCK_H, BLOCK_K, BLOCK_C, num_warps, num_stages) for half-precision
+# inputs (tensor-core dots) and for fp32 (IEEE dots on the CUDA cores), the choices of bench/kernels.py's report at
+# GLM-5's shapes on sm_90a (README, "Kernel fitness"). The forward keeps all 64 heads of a query in one program (8
+# warps: a [64, 512] fp32 accumulator is 128 registers a thread), so each selected row is read once per query.
+# BLOCK_C: the backward's fp32 products over chunks of that many channels (`_chunked_products`; 0: whole rows, and
+# the forward always takes whole rows).
 MLA_BLOCKS = {
-    "forward": {"half": (64, 16, 8, 2), "fp32": (32, 16, 16, 2)},
-    "dq": {"half": (32, 16, 8, 2), "fp32": (16, 16, 8, 2)},
-    "rows": {"half": (32, 32, 8, 2), "fp32": (16, 16, 8, 2)},
+    "forward": {"half": (64, 16, 0, 8, 2), "fp32": (32, 16, 0, 16, 2)},
+    "dq": {"half": (32, 16, 0, 8, 2), "fp32": (16, 32, 32, 16, 2)},
+    "rows": {"half": (32, 32, 0, 8, 2), "fp32": (16, 32, 32, 16, 2)},
 }
 
 
 def mla_constants(kernel: str, dtype: torch.dtype, H: int, R: int, C: int, has_bias: bool,
-                  block_h: int | None = None, block_k: int | None = None) -> dict:
+                  block_h: int | None = None, block_k: int | None = None, block_c: int | None = None) -> dict:
     """The constexprs and launch options (num_warps, num_stages) of sparse MLA kernel `kernel` ("forward", "dq",
-    "rows") for q's dtype and the layer's sizes (H heads, R value channels of C); block_h, block_k override."""
-    bh, bk, warps, stages = MLA_BLOCKS[kernel]["fp32" if dtype == torch.float32 else "half"]
+    "rows") for q's dtype and the layer's sizes (H heads, R value channels of C); block_h, block_k, block_c
+    (0: whole rows) override."""
+    bh, bk, bc, warps, stages = MLA_BLOCKS[kernel]["fp32" if dtype == torch.float32 else "half"]
+    chunks = {} if kernel == "forward" else dict(BLOCK_C=bc if block_c is None else block_c)
     return dict(H=H, R=R, C=C, HAS_BIAS=has_bias, BLOCK_H=min(block_h or bh, _pow2(H)), BLOCK_K=block_k or bk,
-                BLOCK_R=_pow2(R), BLOCK_P=_pow2(C - R), DOT_PRECISION=_dot_precision(dtype), num_warps=warps,
-                num_stages=stages)
+                BLOCK_R=_pow2(R), BLOCK_P=_pow2(C - R), **chunks, DOT_PRECISION=_dot_precision(dtype),
+                num_warps=warps, num_stages=stages)
 
 
 def segment_sum_constants(C: int) -> dict:
@@ -274,7 +326,7 @@ def sparse_mla_forward(q_BxSxHxC: torch.Tensor, latent_BxTxC: torch.Tensor, idx_
 def sparse_mla_backward(dout_BxSxHxR: torch.Tensor, q_BxSxHxC: torch.Tensor, latent_BxTxC: torch.Tensor,
                         idx_BxSxK: torch.Tensor, allowed_BxSxK: torch.Tensor, bias_BxSxK: torch.Tensor | None,
                         out_BxSxHxR: torch.Tensor, lse_BxSxH: torch.Tensor, scale: float, block_h: int | None = None,
-                        block_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        block_k: int | None = None, block_c: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dq [B, S, H, C], dlatent [B, T, C] in the latent's dtype): `glm5f::sparse_mla_backward` on the device.
 
     dlatent is deterministic: per query chunk, every selection's row gradient is written out, the selections are
@@ -285,8 +337,8 @@ def sparse_mla_backward(dout_BxSxHxR: torch.Tensor, q_BxSxHxC: torch.Tensor, lat
     B, S, H, C = q_BxSxHxC.shape
     T, K = latent_BxTxC.shape[1], idx_BxSxK.shape[-1]
     operands, sizes = _mla_operands(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK)
-    dq_consts, rows_consts = (mla_constants(kernel, q_BxSxHxC.dtype, H, R, C, bias_BxSxK is not None, block_h, block_k)
-                              for kernel in ("dq", "rows"))
+    dq_consts, rows_consts = (mla_constants(kernel, q_BxSxHxC.dtype, H, R, C, bias_BxSxK is not None, block_h, block_k,
+                                            block_c) for kernel in ("dq", "rows"))
     dout = dout_BxSxHxR.to(q_BxSxHxC.dtype).contiguous()
     delta_BxSxH = (dout.float() * out_BxSxHxR.float()).sum(-1)  # sum_k prob * dprob: the softmax's backward term
     lse_BxSxH = lse_BxSxH.contiguous()

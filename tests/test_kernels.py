@@ -332,14 +332,17 @@ def oracle(q, latent, idx, allowed, b, dout):
     return out.detach(), q64.grad, l64.grad
 
 
+@pytest.mark.parametrize("block_c", [0, 16])
 @pytest.mark.parametrize("name", list(TRITON_CASES))
-def test_triton_sparse_mla_matches_fp64_oracle(tk, name):
+def test_triton_sparse_mla_matches_fp64_oracle(tk, name, block_c):
+    """block_c 0: the backward's products over whole rows (the half-precision path, here in fp32); 16: over chunks
+    of 16 channels (the fp32 path), one of them holding value and rope channels where R is not a multiple of 16."""
     q, latent, idx, allowed, b, blocks = triton_case(name)
     R = latent.shape[-1] - TRITON_CASES[name][0].get("P", 5)
     dout = torch.randn(*q.shape[:3], R, dtype=q.dtype)
     args = on_device(q, latent, idx, allowed, b)
     out, lse = tk.sparse_mla_forward(*args, SCALE, R, **blocks)
-    dq, dlatent = tk.sparse_mla_backward(dout.to(DEVICE), *args, out, lse, SCALE, **blocks)
+    dq, dlatent = tk.sparse_mla_backward(dout.to(DEVICE), *args, out, lse, SCALE, **blocks, block_c=block_c)
     lse = lse.cpu()
     out64, dq64, dlatent64 = oracle(q, latent, idx, allowed, b, dout)
     assert_close_rel(out, out64.to(q.dtype))
