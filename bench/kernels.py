@@ -109,26 +109,36 @@ def mla_launches(dtype: torch.dtype, B, S, T, H, R, P, K, block_h=None, block_k=
 
     c = triton_dsa.mla_constants("dq", dtype, H, R, C, False, block_h, block_k)
     bh, bk, br, bp = c["BLOCK_H"], c["BLOCK_K"], c["BLOCK_R"], c["BLOCK_P"] if P else 0  # no rope: no dot
-    blocks, kp = math.ceil(H / bh), math.ceil(K / bk) * bk
+    blocks, tiles, kp = math.ceil(H / bh), math.ceil(K / bk), math.ceil(K / bk) * bk
     per_query = H * (2 * C + R) * e + H * 8  # q, dout, dq; lse and delta
+    products = 2 * br + bp  # q . row and dout . value over whole rows, or (fp32) over chunks of BLOCK_C channels
+    issued = n * (blocks * select + per_query)
+    if c["BLOCK_C"]:  # q and dout chunks again for every tile of selections, the rows again whole for dq
+        products = _padded(C, c["BLOCK_C"]) + _padded(R, c["BLOCK_C"])
+        issued += n * ((tiles - 1) * H * (C + R) * e + blocks * K * C * e)
     out.append(Launch(
         "sparse_mla_bwd_dq", triton_dsa._sparse_mla_bwd_dq_kernel,
         dict(common, dout_ptr=dt, lse_ptr="*fp32", delta_ptr="*fp32", dq_ptr=dt), c,
-        flops=n * blocks * 2 * bh * kp * (3 * br + 2 * bp), bytes=n * (blocks * select + per_query),
+        flops=n * blocks * 2 * bh * kp * (products + br + bp), bytes=issued,
         min_flops=n * 2 * H * K * (2 * C + R), min_bytes=n * (select + per_query),
-        tensor_cores=c.get("DOT_PRECISION", "ieee") != "ieee", rows_per_query=blocks))
+        tensor_cores=c.get("DOT_PRECISION", "ieee") != "ieee", rows_per_query=blocks * (2 if c["BLOCK_C"] else 1)))
 
     c = triton_dsa.mla_constants("rows", dtype, H, R, C, False, block_h, block_k)
     bh, bk, br, bp = c["BLOCK_H"], c["BLOCK_K"], c["BLOCK_R"], c["BLOCK_P"] if P else 0  # no rope: no dot
     tiles, hp = math.ceil(K / bk), math.ceil(H / bh) * bh
     heads = H * (C + R) * e + H * 8  # q, dout, lse and delta of all heads: every tile of the query loads them
+    products = 2 * br + bp
+    issued = n * (select + tiles * (heads + 1) + K * C * e)
+    if c["BLOCK_C"]:  # every head block reads the tile's rows in chunks, and q and dout in chunks too
+        products = _padded(C, c["BLOCK_C"]) + _padded(R, c["BLOCK_C"])
+        issued += n * ((hp // bh - 1) * K * C * e + tiles * H * (C + R) * e)
     out.append(Launch(
         "sparse_mla_bwd_rows", triton_dsa._sparse_mla_bwd_rows_kernel,
         dict(common, dout_ptr=dt, lse_ptr="*fp32", delta_ptr="*fp32", has_key_ptr="*i1", drow_ptr=dt,
              first_query=0), c,
-        flops=n * tiles * 2 * hp * bk * (4 * br + 2 * bp), bytes=n * (select + tiles * (heads + 1) + K * C * e),
+        flops=n * tiles * 2 * hp * bk * (products + 2 * br + bp), bytes=issued,
         min_flops=n * 2 * H * K * (2 * C + 2 * R), min_bytes=n * (select + heads + 1 + K * C * e),
-        tensor_cores=c.get("DOT_PRECISION", "ieee") != "ieee", rows_per_query=1))
+        tensor_cores=c.get("DOT_PRECISION", "ieee") != "ieee", rows_per_query=hp // bh if c["BLOCK_C"] else 1))
 
     c = triton_dsa.segment_sum_constants(C)
     col_blocks = math.ceil(C / c["BLOCK_C"])
@@ -139,6 +149,10 @@ def mla_launches(dtype: torch.dtype, B, S, T, H, R, P, K, block_h=None, block_k=
         flops=n * K * C, bytes=gathered + col_blocks * (n * K + 2 * B * T) * 8, min_flops=n * K * C,
         min_bytes=gathered + (n * K + B * T) * 8, tensor_cores=False))
     return out
+
+
+def _padded(n: int, block: int) -> int:
+    return math.ceil(n / block) * block
 
 
 def indexer_launch(dtype: torch.dtype, B, S, T, I, J, **_) -> Launch:

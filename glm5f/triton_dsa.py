@@ -280,8 +280,8 @@ def _check_selections(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_Bx
 # the forward always takes whole rows).
 MLA_BLOCKS = {
     "forward": {"half": (64, 16, 0, 8, 2), "fp32": (32, 16, 0, 16, 2)},
-    "dq": {"half": (32, 16, 0, 8, 2), "fp32": (16, 32, 32, 16, 2)},
-    "rows": {"half": (32, 32, 0, 8, 2), "fp32": (16, 32, 32, 16, 2)},
+    "dq": {"half": (32, 16, 0, 8, 2), "fp32": (32, 32, 16, 8, 2)},
+    "rows": {"half": (32, 32, 0, 8, 2), "fp32": (16, 32, 16, 16, 2)},
 }
 
 
@@ -425,7 +425,7 @@ def _batched(x: torch.Tensor | None, B: int, inner: tuple, what: str) -> tuple[t
 
 # (BLOCK_S, BLOCK_T, num_warps, num_stages) of the indexer's scores, for half-precision inputs (tensor cores) and
 # fp32 (IEEE dots on the CUDA cores), from bench/kernels.py's report at GLM-5's shapes on sm_90a
-INDEXER_BLOCKS = {"half": (64, 256, 8, 2), "fp32": (16, 16, 8, 3)}
+INDEXER_BLOCKS = {"half": (32, 512, 8, 2), "fp32": (16, 16, 8, 3)}
 
 
 def indexer_constants(dtype: torch.dtype, J: int, block_s: int | None = None, block_t: int | None = None) -> dict:

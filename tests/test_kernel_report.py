@@ -48,6 +48,16 @@ def test_every_kernel_fits_at_tiny_and_glm5_forward_shapes():
     assert code == 0 and " H64 " in line and line.split()[-1] == "1", out  # all heads: each row read once
 
 
+def test_fp32_backward_fits_at_glm5_shapes():
+    """GLM-5's fp32 dq and row gradients on sm_90a: their products over channel chunks (BLOCK_C) leave no 512-long
+    reduction in a thread's registers, so neither spills (over whole rows they spilled 2152 B and 14048 B)."""
+    code, out = run("bench/kernels.py", "--shapes", "glm5", "--archs", "sm_90a", "--dtypes", "fp32", "--kernels",
+                    "sparse_mla_bwd_dq", "sparse_mla_bwd_rows")
+    lines = [x.split() for x in out.splitlines() if x.startswith("sparse_mla_bwd")]
+    # columns: kernel, arch, dtype, shape, H, K, C (the chunk), warps, stages, registers, spill bytes, ...
+    assert code == 0 and len(lines) == 2 and all(x[6] != "C0" and x[10] == "0" for x in lines), out
+
+
 def test_a_spilling_launch_fails_the_report():
     """The same forward at 4 warps holds a [64, 512] fp32 accumulator in 128 threads (256 registers each): ptxas
     spills, and the report's check catches it."""
@@ -77,13 +87,35 @@ def test_counts_of_the_forward_by_hand():
     assert estimate == pytest.approx(max(fwd.flops / 67e12, fwd.bytes / 3.35e12))
 
 
-def test_indexer_counts_only_visible_pairs():
-    """Causal, the S queries the last S of T keys: the math scores S (T - S) + S (S + 1) / 2 pairs; 64-query by
-    256-key tiles wholly above the diagonal are skipped."""
+def test_counts_of_the_chunked_fp32_backward_by_hand():
+    """B2 S3 H20 R40 P9 K19 in fp32, 16 heads and 16 selections a program, chunks of 16 channels (C = 49 padded to
+    64, R to 48): dq reads the rows in chunks and again whole per head block, and q and dout in chunks per tile of
+    selections; the row gradients read the rows in chunks per head block, and q and dout twice per tile."""
     kr = report()
-    shape = dict(B=1, S=256, T=384, H=1, R=16, P=0, K=1, I=2, J=16)
+    shape = dict(B=2, S=3, T=7, H=20, R=40, P=9, K=19, I=2, J=16)
+    _, dq, rows, _ = kr.mla_launches(torch.float32, **shape, block_h=16, block_k=16)
+    assert dq.consts["BLOCK_C"] and rows.consts["BLOCK_C"]
+    n, C, R, e = 6, 49, 40, 4
+    bc = dq.consts["BLOCK_C"]
+    cp, rp = -(-C // bc) * bc, -(-R // bc) * bc
+    select = 19 * (C * e + 8 + 1)
+    assert dq.flops == n * 2 * 2 * 16 * 32 * (cp + rp + 64 + 16)  # s, dprob over chunks; dq over BLOCK_R + BLOCK_P
+    assert dq.bytes == n * (2 * select + 2 * 19 * C * e + 2 * 20 * (C + R) * e + 20 * C * e + 20 * 8)
+    assert dq.rows_per_query == 4
+    assert rows.flops == n * 2 * 2 * 32 * 16 * (cp + rp + 2 * 64 + 16)
+    assert rows.bytes == n * (select + 19 * C * e + 2 * (20 * (C + R) * e + 20 * 8 + 1) + 2 * 20 * (C + R) * e
+                              + 19 * C * e)
+    assert rows.rows_per_query == 2
+
+
+def test_indexer_counts_only_visible_pairs():
+    """Causal, the S queries the last S of T keys: the math scores S (T - S) + S (S + 1) / 2 pairs; 32-query by
+    512-key tiles wholly above the diagonal are skipped."""
+    kr = report()
+    shape = dict(B=1, S=512, T=768, H=1, R=16, P=0, K=1, I=2, J=16)
     launch = kr.indexer_launch(torch.bfloat16, **shape)
-    assert launch.consts["BLOCK_S"] == 64 and launch.consts["BLOCK_T"] == 256
-    assert launch.min_flops == 2 * (256 * 128 + 256 * 257 // 2) * 2 * 16
-    # query block i (queries 128 + 64 i ... 191 + 64 i) sees key tiles 0..(191 + 64 i) // 256: 1, 1, 2, 2
-    assert launch.flops == (1 + 1 + 2 + 2) * 2 * 64 * 256 * 2 * 16
+    assert launch.consts["BLOCK_S"] == 32 and launch.consts["BLOCK_T"] == 512
+    assert launch.min_flops == 2 * (512 * 256 + 512 * 513 // 2) * 2 * 16
+    # query block i (queries 256 + 32 i ... 287 + 32 i) sees key tiles 0..(287 + 32 i) // 512: one tile for i < 8,
+    # two for the 8 blocks after
+    assert launch.flops == (8 * 1 + 8 * 2) * 2 * 32 * 512 * 2 * 16
