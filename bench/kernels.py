@@ -182,9 +182,10 @@ def launches(shape: dict, dtype: torch.dtype) -> list[Launch]:
     return mla_launches(dtype, **shape) + [indexer_launch(dtype, **shape)]
 
 
-def compile_launch(launch: Launch, arch: str) -> dict:
+def compile_launch(launch: Launch, arch: str, keep_ptx: bool = False) -> dict:
     """Compile for arch as Triton's launcher would specialise these arguments (pointers 16-byte aligned, integers
-    divisible by 16 marked so, 1 a constant); ptxas-blackwell -v reads the PTX. {regs, spills, shared}."""
+    divisible by 16 marked so, 1 a constant); ptxas-blackwell -v reads the PTX. {regs, spills, shared}, and the
+    PTX as "ptx" with keep_ptx."""
     names = launch.fn.arg_names
     consts = {k: v for k, v in launch.consts.items() if k not in ("num_warps", "num_stages")}
     options = {k: launch.consts[k] for k in ("num_warps", "num_stages") if k in launch.consts}
@@ -219,7 +220,8 @@ def compile_launch(launch: Launch, arch: str) -> dict:
     regs, spills = re.search(r"Used (\d+) registers", log), re.search(r"(\d+) bytes spill stores", log)
     if res.returncode or not (regs and spills):
         raise RuntimeError(f"ptxas on {launch.kernel} for {arch} failed:\n{log[-2000:]}")
-    return dict(regs=int(regs.group(1)), spills=int(spills.group(1)), shared=kernel.metadata.shared)
+    out = dict(regs=int(regs.group(1)), spills=int(spills.group(1)), shared=kernel.metadata.shared)
+    return dict(out, ptx=kernel.asm["ptx"]) if keep_ptx else out
 
 
 def roofline(launch: Launch, dtype: torch.dtype) -> tuple[float, float]:

@@ -58,6 +58,16 @@ def test_fp32_backward_fits_at_glm5_shapes():
     assert code == 0 and len(lines) == 2 and all(x[6] != "C0" and x[10] == "0" for x in lines), out
 
 
+def test_block_tradeoff_counts_the_loop_spill_traffic():
+    """bench/kernel_blocks.py: GLM-5's fp32 dq over whole rows spills 2152 B, and its main loop moves them to and
+    from local memory on every tile (3636 B a thread, 477 MB a query); over channel chunks nothing."""
+    code, out = run("bench/kernel_blocks.py", "sparse_mla_bwd_dq", "fp32", "16,16,0,8", "32,32,16,8")
+    rows = [x for x in out.splitlines() if x.startswith("  H")]
+    assert code == 0 and len(rows) == 2, out
+    whole, chunked = (float(x.split(", ")[-1].split()[0]) for x in rows)
+    assert " 2152 " in rows[0] and 400 < whole < 600 and chunked == 0, out
+
+
 def test_a_spilling_launch_fails_the_report():
     """The same forward at 4 warps holds a [64, 512] fp32 accumulator in 128 threads (256 registers each): ptxas
     spills, and the report's check catches it."""
