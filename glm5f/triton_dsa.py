@@ -97,7 +97,8 @@ def _chunked_products(q_ptrs, dout_ptrs, row_ptrs, h_ok, k_ok, R: tl.constexpr, 
     """(q . row, dout . value) [heads, k] in fp32, summed over chunks of BLOCK_C channels loaded from memory (q and
     dout rows h at q_ptrs, dout_ptrs; latent rows k at row_ptrs). For IEEE fp32 dots, which Triton 3.9 runs on
     the CUDA cores holding each thread's whole reduction in registers: over R = 512 channels that spills, over a
-    chunk it does not (the chunks come again from L1, not from HBM)."""
+    chunk it does not. The price is reads: q and dout again for every tile (a program's own recent loads, meant
+    to come from L1 or L2; not yet measured on a device)."""
     s = tl.zeros([BLOCK_H, BLOCK_K], tl.float32)
     dprob = tl.zeros([BLOCK_H, BLOCK_K], tl.float32)
     for c0 in range(0, C, BLOCK_C):
@@ -163,7 +164,7 @@ def _sparse_mla_bwd_dq_kernel(q_ptr, latent_ptr, idx_ptr, allowed_ptr, bias_ptr,
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok, allowed, bias, row_ptrs = _load_selections(idx_ptr, allowed_ptr, bias_ptr, query, S, T, K, C, k,
                                                          HAS_BIAS, latent_ptr)
-        if BLOCK_C:  # the rows' chunks first, then the whole rows again (from L1) for dq
+        if BLOCK_C:  # the rows' chunks first, then the whole rows again (just loaded: L1 or L2) for dq
             s, dprob = _chunked_products(q_ptr + query * (H * C) + h[:, None] * C, dout_ptrs, row_ptrs, h_ok, k_ok,
                                          R, C, BLOCK_H, BLOCK_K, BLOCK_C, DOT_PRECISION)
             s = _masked(s, allowed, k_ok, bias, scale)
