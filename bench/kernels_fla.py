@@ -222,17 +222,21 @@ def worker(arch: str, shapes, dtypes, configs: str) -> list[dict]:
             except Exception as e:  # chunk_kda refused these inputs before any kernel: reported as such
                 rows.append(dict(base, kernel="discovery", config="", configs=0, listed=0, regs=0, spills=0,
                                  shared=0, error=_error(e), compile_s=0.0))
-    for base, launch in found:
-        row = dict(base, kernel=launch["kernel"], config=_config_label(json.loads(launch["spec"])),
-                   configs=launch["configs"], listed=launch["listed"])
-        t0 = time.perf_counter()
-        try:
-            row.update(compile_launch(launch), error=None)
-        except Exception as e:  # a compile error is a failed row, reported with the others
-            row.update(regs=0, spills=0, shared=0, error=_error(e))
-        row["compile_s"] = time.perf_counter() - t0
-        rows.append(row)
-    return rows
+    return rows + [compile_row(base, launch) for base, launch in found]
+
+
+def compile_row(base: dict, launch: dict) -> dict:
+    """The report's row of one launch: base (arch, dtype, shape), the kernel, its config and `compile_launch`'s
+    counts, or the compile error."""
+    row = dict(base, kernel=launch["kernel"], config=_config_label(json.loads(launch["spec"])),
+               configs=launch["configs"], listed=launch["listed"])
+    t0 = time.perf_counter()
+    try:
+        row.update(compile_launch(launch), error=None)
+    except Exception as e:  # a compile error is a failed row, reported with the others
+        row.update(regs=0, spills=0, shared=0, error=_error(e))
+    row["compile_s"] = time.perf_counter() - t0
+    return row
 
 
 # ---- the report: one worker process per arch, one row per kernel --------------------------------------------------
