@@ -6,15 +6,16 @@ without a GPU: every launch of its forward and backward, each autotune config co
 
 The launches are discovered without a GPU: one process per arch answers fla's and Triton's device queries as an H100
 (sm_90a) or a B200 (sm_100a) would (fla picks its config lists from them when imported), runs glm5f.kda.fla_kda
-forward and backward on CPU tensors of the dtypes glm5f's KDA layer passes it, and Triton's `jit_cache_hook` records each kernel's specialization (argument types,
-divisibility, constexprs, options) instead of compiling and launching it; the autotuner, which would time each config
-on the device, hands every config (`--configs all`) or its first (`--configs first`) to the kernel instead. Two calls
-cover the paths glm5f takes: no initial state with only the output's gradient (training), and an fp32 initial state
-with the final state's gradient too. Which config fla's autotuner keeps is decided by timings on the device, so all
-are compiled; a row per kernel gives their count, how many compile without spilling, and the range of registers,
-spill stores (bytes) and shared memory over them. Spills in fla's kernels are reported, not failed on (they are not
-glm5f's; the autotuner may still pick a spilling config when it is the fastest); the exit code is 1 when a config
-does not compile or a kernel has no config within a block's shared memory (it could not run).
+forward and backward on CPU tensors of the dtypes glm5f's KDA layer passes it, and Triton's `jit_cache_hook` records
+each kernel's specialization (argument types, divisibility, constexprs, options) instead of compiling and launching
+it; the autotuner, which would time each config on the device, hands every config (`--configs all`) or its first
+(`--configs first`) to the kernel instead. Two calls cover the paths glm5f takes: no initial state with only the
+output's gradient (training), and an fp32 initial state with the final state's gradient too. Which config fla's
+autotuner keeps is decided by timings on the device, so all are compiled (registers and spills from the log of
+Triton's own ptxas run); a row per kernel gives their count, how many compile without spilling, and the range of
+registers, spill stores (bytes) and shared memory over them. Spills in fla's kernels are reported, not failed on
+(they are not glm5f's; the autotuner may still pick a spilling config when it is the fastest); the exit code is 1
+when a config does not compile or a kernel has no config within a block's shared memory (it could not run).
 """
 
 from __future__ import annotations
