@@ -255,7 +255,7 @@ def kda_grads(fn, inputs, cotangents, device, heads=None):
     `heads` heads (all by default)."""
     sl = slice(None, heads)
     leaves = [x[:, :, sl].to(device) for x in inputs[:5]] + [inputs[5][:, sl].to(device)]
-    leaves = [x.requires_grad_() for x in leaves]
+    leaves = [x.detach().requires_grad_() for x in leaves]
     o, state = fn(*leaves[:5], leaves[5])
     do, dstate = cotangents[0][:, :, sl].to(device, o.dtype), cotangents[1][:, sl].to(device, state.dtype)
     return [o, state, *torch.autograd.grad((o, state), leaves, (do, dstate))]
@@ -298,12 +298,15 @@ def check_kda(rows, device, shapes, gen, steps):
         inputs64, cotangents = kda_inputs(B, T, H, K, gen)
         for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
             dtypes = (torch.float32, torch.float32, dtype, torch.float32, dtype, torch.float32)
-            inputs = [x.to(d) for x, d in zip(inputs64, dtypes)]  # what the layer passes, as the oracle's inputs
-            ref = kda_grads(recurrent, [x.double() for x in inputs], cotangents, device, oracle_heads)
+            # what the layer passes, on the device once (the times are the op's), and the oracle's inputs
+            inputs = [x.to(device, d) for x, d in zip(inputs64, dtypes)]
+            ref = kda_grads(recurrent, [x.double() for x in inputs], [c.to(device) for c in cotangents], device,
+                            oracle_heads)
+            cotangents_fp32 = [c.to(device, torch.float32) for c in cotangents]  # o (in q's dtype) and the state
             setting = f"{dtype_name} B{B} T{T} H{H} K{K}"
             for name, fn in sides:
                 try:
-                    got = kda_grads(fn, inputs, cotangents, device)
+                    got = kda_grads(fn, inputs, cotangents_fp32, device)
                 except Exception as e:  # fla's kernels failing to compile or launch is this check's finding
                     print(f"    {name} {setting}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
                     row(rows, f"KDA {name} vs fp64", setting, float("inf"), KDA_BOUNDS[name, dtype_name], ok=False)
@@ -311,7 +314,7 @@ def check_kda(rows, device, shapes, gen, steps):
                 err = max(rel(a.narrow(axis, 0, oracle_heads), b) for a, b, axis in zip(got, ref, KDA_HEAD_AXES))
                 row(rows, f"KDA {name} vs fp64", setting + (f" ({oracle_heads} heads)" if oracle_heads < H else ""),
                     err, KDA_BOUNDS[name, dtype_name])
-                seconds = median_time(lambda: kda_grads(fn, inputs, cotangents, device), device, steps)
+                seconds = median_time(lambda: kda_grads(fn, inputs, cotangents_fp32, device), device, steps)
                 row(rows, "KDA fwd+bwd time", f"{name} {setting}", seconds, None, " s")
                 del got
 
