@@ -12,8 +12,9 @@ it; the autotuner, which would time each config on the device, hands every confi
 (`--configs first`) to the kernel instead. Two calls cover the paths glm5f takes: no initial state with only the
 output's gradient (training), and an fp32 initial state with the final state's gradient too. Which config fla's
 autotuner keeps is decided by timings on the device, so all are compiled (registers and spills from the log of
-Triton's own ptxas run); a row per kernel gives their count, how many compile without spilling, and the range of
-registers, spill stores (bytes) and shared memory over them. Spills in fla's kernels are reported, not failed on
+Triton's own ptxas run); a row per kernel gives their count, how many compile without spilling, how many fit a
+block's shared memory (the autotuner skips the others on the device), and the range of registers, spill stores
+(bytes) and shared memory over them. Spills in fla's kernels are reported, not failed on
 (they are not glm5f's; the autotuner may still pick a spilling config when it is the fastest); the exit code is 1
 when a config does not compile or a kernel has no config within a block's shared memory (it could not run).
 """
@@ -285,7 +286,7 @@ def summarise(rows: list[dict]) -> list[dict]:
         fits = [r for r in good if r["shared"] <= SHARED_LIMIT]
         errors = [r["error"] for r in rs if r["error"]]
         out.append(dict(kernel=kernel, arch=arch, dtype=dtype, shape=shape, compiled=len(rs),
-                        failed=len(errors), no_spill=sum(r["spills"] == 0 for r in good),
+                        failed=len(errors), no_spill=sum(r["spills"] == 0 for r in good), fits=len(fits),
                         regs=[min((r["regs"] for r in good), default=0), max((r["regs"] for r in good), default=0)],
                         spills=[min((r["spills"] for r in good), default=0),
                                 max((r["spills"] for r in good), default=0)],
@@ -295,8 +296,8 @@ def summarise(rows: list[dict]) -> list[dict]:
     return out
 
 
-HEADER = (f"{'kernel':<50}{'arch':<8}{'dtype':<6}{'shape':<7}{'configs':>8}{'no spill':>9}{'regs':>10}"
-          f"{'spill':>13}{'smem KB':>10}")
+HEADER = (f"{'kernel':<50}{'arch':<8}{'dtype':<6}{'shape':<7}{'configs':>8}{'no spill':>9}{'fit smem':>9}"
+          f"{'regs':>10}{'spill':>13}{'smem KB':>10}")
 
 
 def _range(pair, scale=1.0) -> str:
@@ -308,8 +309,8 @@ def format_row(s: dict) -> str:
     head = f"{s['kernel']:<50}{s['arch']:<8}{s['dtype']:<6}{s['shape']:<7}"
     if s["failed"] == s["compiled"]:
         return head + f"COMPILE ERROR {s['error']}"
-    line = (head + f"{s['compiled']:>8}{s['no_spill']:>9}{_range(s['regs']):>10}{_range(s['spills']):>13}"
-            f"{_range(s['shared'], 1024):>10}")
+    line = (head + f"{s['compiled']:>8}{s['no_spill']:>9}{s['fits']:>9}{_range(s['regs']):>10}"
+            f"{_range(s['spills']):>13}{_range(s['shared'], 1024):>10}")
     if s["failed"]:
         line += f"  <- {s['failed']} configs do not compile: {s['error']}"
     elif not s["ok"]:
@@ -321,7 +322,7 @@ def format_config(r: dict) -> str:
     head = f"  {r['kernel'] + ' ' + r['config']:<48}{r['arch']:<8}{r['dtype']:<6}{r['shape']:<7}"
     if r["error"]:
         return head + f"COMPILE ERROR {r['error']}"
-    return head + f"{'':>8}{'':>9}{r['regs']:>10}{r['spills']:>13}{r['shared'] / 1024:>10.0f}"
+    return head + f"{'':>8}{'':>9}{'':>9}{r['regs']:>10}{r['spills']:>13}{r['shared'] / 1024:>10.0f}"
 
 
 def main(argv=None) -> int:
