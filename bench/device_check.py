@@ -1,6 +1,6 @@
 """One command that checks glm5f on an accelerator and prints one table: the kernels against the fp64 oracle, the
-whole model against CPU fp64, a short bf16 run beside CPU fp32, tokens/s and MFU, long-context attention, and peak
-memory against --plan.
+whole model against CPU fp64, KDA (fla's chunk_kda and glm5f's op) against its fp64 recurrence, a short bf16 run
+beside CPU fp32, tokens/s and MFU, long-context attention, and peak memory against --plan.
 
     python bench/device_check.py                  # CUDA (the Triton kernels), about 6 minutes on one H200
     python bench/device_check.py --device cpu     # the same code at tiny sizes, about a minute (CI)
@@ -11,7 +11,9 @@ against H100's roofline), with each kernel's measured time on a GPU. The exit co
 is 1 when a row fails. Bounds: fp32 kernels 1e-5 relative (the issue's); bf16 kernels 4 x 2^-8 (four bf16
 roundings on the longest path: the probabilities or score gradients, the product, the output); the bf16 model's
 logits and gradients 16 x 2^-8 in norm (the weights themselves rounded, and roundings compounding over the
-layers); the bf16 loss curve 4 x 2^-8 relative to the fp32 one; the plan's peak within 25% of the measured one.
+layers); the bf16 loss curve 4 x 2^-8 relative to the fp32 one; the plan's peak within 25% of the measured one; KDA's
+in KDA_BOUNDS. On CUDA fla's autotuner compiles and times every config of its kernels at their first call per shape
+and dtype (bench/kernels_fla.py counts them: a few minutes, counted in the KDA rows' first call, not their times).
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ SIZES = {
     "cpu": dict(kernel=(2, 48, 64, 4, 32, 8, 16, 4, 16), model=("tiny", 2, 32), train=("glm5-tiny", 4, 2, 32),
                 speed=[("tiny", 2, 64)], attention=(64, 128, 256)),
 }
+# the KDA checks' shapes (B, T, H, d_k = d_v, heads the fp64 recurrence checks): a small one, GLM-5.3's layer; the
+# recurrence keeps a state per token for its backward, so at GLM-5.3's size it checks the first two heads (each head
+# is the same program on its own slice)
+SIZES["cuda"]["kda"] = [(2, 512, 4, 64, 4), (1, 4096, 64, 128, 2)]
+SIZES["cpu"]["kda"] = [(2, 64, 2, 16, 2)]  # glm53-tiny's heads
 # GLM-5's widths, 4 layers, 16 experts: 5.6B parameters; its step at B2 x S4096 in bf16 with fp32 params and
 # gradients plans to 97 GB (glm5f.plan: params, gradients, gathered bf16 weights, activations) of an H200's 141
 LARGE = dict(num_hidden_layers=4, first_k_dense_replace=1, n_routed_experts=16, index_topk_pattern=None,
@@ -231,6 +238,87 @@ def check_kernel_fitness(rows, device):
             row(rows, "kernel time / H100 estimate", setting, us / r["estimate_us"], None)
 
 
+# ---- KDA: fla's chunk_kda (glm5f.kda.kda on CUDA) and glm5f's own op against the fp64 recurrence --------------------
+
+def kda_inputs(B, T, H, K, gen):
+    """fp64 CPU inputs of the delta rule as GLM-5.3's layer makes them: L2-normalised q and k, g in (-5, 0) (the
+    forget gate's lower bound -5), beta in (0, 1), an initial state; and the output's and final state's gradients."""
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+    q, k = (torch.nn.functional.normalize(randn(B, T, H, K), dim=-1) for _ in range(2))
+    g, beta = -5 * torch.sigmoid(randn(B, T, H, K)), torch.sigmoid(randn(B, T, H))
+    return (q, k, randn(B, T, H, K), g, beta, randn(B, H, K, K)), (randn(B, T, H, K), randn(B, H, K, K))
+
+
+def kda_grads(fn, inputs, cotangents, device, heads=None):
+    """(o, final state, gradients of q, k, v, g, beta and the initial state) of fn on the device, for the first
+    `heads` heads (all by default)."""
+    sl = slice(None, heads)
+    leaves = [x[:, :, sl].to(device) for x in inputs[:5]] + [inputs[5][:, sl].to(device)]
+    leaves = [x.detach().requires_grad_() for x in leaves]
+    o, state = fn(*leaves[:5], leaves[5])
+    do, dstate = cotangents[0][:, :, sl].to(device, o.dtype), cotangents[1][:, sl].to(device, state.dtype)
+    return [o, state, *torch.autograd.grad((o, state), leaves, (do, dstate))]
+
+
+KDA_HEAD_AXES = (2, 1, 2, 2, 2, 2, 2, 1)  # the heads' axis of o, the final state and the six gradients
+KDA_BOUNDS = {  # max relative error over o, the final state and the six gradients, against the fp64 recurrence
+    # glm5f's op computes in fp32 (v and beta rounded to bf16 are the oracle's inputs too): fp32 roundings over the
+    # chunk's triangular solve and the chain of chunk states (measured 4e-6 on the CPU at T 1024, K 128); in bf16
+    # the gradients of v and beta are bf16: one rounding (measured 2.3e-3)
+    ("glm5f kda_op", "fp32"): 1e-4, ("glm5f kda_op", "bf16"): BF16,
+    # fla's kernels keep their intermediates (w, u, the chunk states) in the inputs' dtype and multiply fp32 in TF32
+    # (2^-11); q and k are rounded to bf16 in the bf16 layer (glm5f.kda.fla_kda): 16 roundings, as the model's bound
+    ("fla chunk_kda", "fp32"): 16 * 2.0 ** -11, ("fla chunk_kda", "bf16"): 16 * BF16,
+}
+
+
+def check_kda(rows, device, shapes, gen, steps):
+    """glm5f.kda.kda (fla-core's chunk_kda on CUDA when installed) and glm5f's op (`kda_op`) in the dtypes GLM-5.3's
+    KDA layer passes under --train.dtype float32 and bfloat16 (q, k, g in fp32; v and beta in the layer's dtype),
+    against kda_recurrent in fp64 on the same rounded inputs: output, final state and every input gradient; and
+    each side's forward + backward time."""
+    from glm5f import kda as kda_module
+    fla = device.startswith("cuda") and kda_module._fla_chunk_kda() is not None
+    if not fla:
+        print("    KDA: fla's chunk_kda skipped ("
+              + ("no CUDA device" if not device.startswith("cuda") else "fla-core is not installed") + ")")
+
+    def op(q, k, v, g, beta, h0):
+        return kda_module.kda_op(q, k, v, g, beta, h0, None, q.shape[-1] ** -0.5, 64)[:2]
+
+    def recurrent(q, k, v, g, beta, h0):
+        return kda_module.kda_recurrent(q, k, v, g, beta, q.shape[-1] ** -0.5, h0)
+
+    def kda(q, k, v, g, beta, h0):
+        return kda_module.kda(q, k, v, g, beta, None, h0)
+
+    sides = ([("fla chunk_kda", kda)] if fla else []) + [("glm5f kda_op", op)]
+    for B, T, H, K, oracle_heads in shapes:
+        inputs64, cotangents = kda_inputs(B, T, H, K, gen)
+        for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            dtypes = (torch.float32, torch.float32, dtype, torch.float32, dtype, torch.float32)
+            # what the layer passes, on the device once (the times are the op's), and the oracle's inputs
+            inputs = [x.to(device, d) for x, d in zip(inputs64, dtypes)]
+            ref = kda_grads(recurrent, [x.double() for x in inputs], [c.to(device) for c in cotangents], device,
+                            oracle_heads)
+            cotangents_fp32 = [c.to(device, torch.float32) for c in cotangents]  # o (in q's dtype) and the state
+            setting = f"{dtype_name} B{B} T{T} H{H} K{K}"
+            for name, fn in sides:
+                try:
+                    got = kda_grads(fn, inputs, cotangents_fp32, device)
+                except Exception as e:  # fla's kernels failing to compile or launch is this check's finding
+                    print(f"    {name} {setting}: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}")
+                    row(rows, f"KDA {name} vs fp64", setting, float("inf"), KDA_BOUNDS[name, dtype_name], ok=False)
+                    continue
+                err = max(rel(a.narrow(axis, 0, oracle_heads), b) for a, b, axis in zip(got, ref, KDA_HEAD_AXES))
+                row(rows, f"KDA {name} vs fp64", setting + (f" ({oracle_heads} heads)" if oracle_heads < H else ""),
+                    err, KDA_BOUNDS[name, dtype_name])
+                seconds = median_time(lambda: kda_grads(fn, inputs, cotangents_fp32, device), device, steps)
+                row(rows, "KDA fwd+bwd time", f"{name} {setting}", seconds, None, " s")
+                del got
+
+
 # ---- the whole model: bf16 on the device against fp64 on the CPU -------------------------------------------------
 
 def loss_and_grads(params, cfg, ids):
@@ -357,6 +445,7 @@ def main(argv=None) -> int:
     print(f"glm5f device check on {torch.cuda.get_device_name() if kind == 'cuda' else 'cpu'}")
     check_kernels(rows, args.device, size["kernel"], gen)
     check_kernel_fitness(rows, args.device)
+    check_kda(rows, args.device, size["kda"], gen, 3 if kind == "cuda" else 1)
     check_model(rows, args.device, size["model"], gen)
     with tempfile.TemporaryDirectory() as tmp:
         check_training(rows, args.device, size["train"], args.out or tmp)

@@ -293,6 +293,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     ap.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
     ap.add_argument("--json", default=None, help="also write the rows to this file")
+    ap.add_argument("--fla", nargs="?", const="all", default=None, choices=["all", "first"],
+                    help="then fla-core's KDA kernels (bench/kernels_fla.py): every autotune config, or each first")
     args = ap.parse_args(argv)
     if os.environ.pop("TRITON_INTERPRET", None) and "glm5f.triton_dsa" in sys.modules:
         print("error: glm5f.triton_dsa was imported with TRITON_INTERPRET set (interpreted kernels do not compile); "
@@ -311,7 +313,14 @@ def main(argv=None) -> int:
     failed = [r for r in rows if not r["ok"]]
     print(f"{len(rows)} kernels compiled in {time.perf_counter() - t0:.0f} s; "
           + ("all fit" if not failed else f"{len(failed)} FAIL (compile error, spills or shared memory)"))
-    return 1 if failed else 0
+    code = 1 if failed else 0
+    if args.fla:  # fla's kernels are not glm5f's: their spills are reported, not failed on
+        from bench import kernels_fla
+        shapes = [s for s in args.shapes if s in kernels_fla.SHAPES] or list(kernels_fla.SHAPES)
+        print()
+        code = max(code, kernels_fla.main(["--shapes", *shapes, "--archs", *args.archs, "--dtypes", *args.dtypes,
+                                           "--configs", args.fla]))
+    return code
 
 
 if __name__ == "__main__":

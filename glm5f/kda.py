@@ -391,20 +391,33 @@ def _fla_chunk_kda():
     return chunk_kda
 
 
+def fla_kda(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxK, beta_BxTxH, scale: float, initial_state_BxHxKxV=None):
+    """`kda` by fla-core's chunk_kda (None when it is not installed). Its kernels take q, k, v and beta in one dtype
+    (a dot of fp32 and bf16 tiles does not compile, bench/kernels_fla.py), so q, k and beta are rounded to v's
+    (the layer's: glm5f's layers normalise q and k in fp32); g (fp32 in glm5f's layers) is passed as it is, and o
+    is returned in q's dtype."""
+    chunk_kda = _fla_chunk_kda()
+    if chunk_kda is None:
+        return None
+    dt = v_BxTxHxV.dtype
+    o, state = chunk_kda(q_BxTxHxK.to(dt), k_BxTxHxK.to(dt), v_BxTxHxV, g_BxTxHxK, beta_BxTxH.to(dt), scale=scale,
+                         initial_state=initial_state_BxHxKxV, output_final_state=True)
+    return o.to(q_BxTxHxK.dtype), state
+
+
 def kda(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxK, beta_BxTxH, scale: float | None = None,
         initial_state_BxHxKxV=None, segment_BxT=None, chunk: int = 64):
     """o_t = scale * S_t^T q_t of the delta rule S_t = (I - b_t k_t k_t^T) Diag(exp g_t) S_{t-1} + b_t k_t v_t^T
     (g <= 0: the per-channel log decay; the state is reset at each document start of segment_BxT) ->
     (o [B, T, H, d_v] in q's dtype, final state [B, H, d_k, d_v]). scale defaults to d_k ** -0.5.
 
-    On CUDA without segments, fla-core's `chunk_kda` when it is installed (not exercised by this project's CPU
-    tests), else the `glm5f::kda` op."""
+    On CUDA without segments, fla-core's `chunk_kda` when it is installed (`fla_kda`; its kernels are compiled
+    ahead of time by bench/kernels_fla.py and run by bench/device_check.py), else the `glm5f::kda` op."""
     scale = q_BxTxHxK.shape[-1] ** -0.5 if scale is None else scale
     if q_BxTxHxK.is_cuda and segment_BxT is None and q_BxTxHxK.dtype != torch.float64:
-        fla_kda = _fla_chunk_kda()
-        if fla_kda is not None:
-            return fla_kda(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxK, beta_BxTxH, scale=scale,
-                           initial_state=initial_state_BxHxKxV, output_final_state=True)
+        out = fla_kda(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxK, beta_BxTxH, scale, initial_state_BxHxKxV)
+        if out is not None:
+            return out
     o, state, _ = kda_op(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxK, beta_BxTxH, initial_state_BxHxKxV,
                          segment_BxT, scale, chunk)
     return o, state

@@ -45,6 +45,6 @@ def test_device_check_runs_on_the_cpu(capsys):
     for check in ("indexer top-k vs fp64", "sparse MLA fwd+bwd vs fp64", "model logits vs CPU fp64",
                   "model gradients vs CPU fp64", "bf16 loss curve vs CPU fp32", "peak memory / --plan",
                   "tokens/s (fwd+bwd)", "MFU of measured peak", "attention layer fwd+bwd", "attention layer peak",
-                  "kernel spill bytes"):
+                  "kernel spill bytes", "KDA glm5f kda_op vs fp64", "KDA fwd+bwd time"):
         assert check in table, check
     assert "float32" in table and "bfloat16" in table and "DEVICE CHECK PASSED" in out
