@@ -19,6 +19,12 @@ import torch
 _BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 if sys.path and os.path.abspath(sys.path[0] or os.curdir) == _BENCH_DIR:
     sys.path.append(sys.path.pop(0))
+# and the checkout's own glm5f comes first (not an installed one from another checkout): what a bench measures is
+# the code beside it; its side subprocesses inherit the path through PYTHONPATH
+_ROOT = os.path.dirname(_BENCH_DIR)
+if os.path.abspath(sys.path[0] or os.curdir) != _ROOT:
+    sys.path.insert(0, _ROOT)
+os.environ["PYTHONPATH"] = os.pathsep.join([_ROOT, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
 
 # Other shapes of the bench model (--shape), each a set of overrides of BENCH_MODEL: more heads and a wider latent,
 # and more experts with a larger top-k (narrower experts).
