@@ -19,6 +19,12 @@ import torch
 _BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 if sys.path and os.path.abspath(sys.path[0] or os.curdir) == _BENCH_DIR:
     sys.path.append(sys.path.pop(0))
+# and the checkout's own glm5f comes first (not an installed one from another checkout): what a bench measures is
+# the code beside it; its side subprocesses inherit the path through PYTHONPATH
+_ROOT = os.path.dirname(_BENCH_DIR)
+if os.path.abspath(sys.path[0] or os.curdir) != _ROOT:
+    sys.path.insert(0, _ROOT)
+os.environ["PYTHONPATH"] = os.pathsep.join([_ROOT, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
 
 # Other shapes of the bench model (--shape), each a set of overrides of BENCH_MODEL: more heads and a wider latent,
 # and more experts with a larger top-k (narrower experts).
@@ -141,3 +147,129 @@ def serve_child(args, run_side) -> bool:
     torch.manual_seed(0)
     print(json.dumps(run_side(args)))
     return True
+
+
+# ---- where a step's time goes (--profile) ------------------------------------------------------------------------
+
+GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::_grouped_mm"}
+# Families of the step's work, looked up on the Python frames and module calls above each op (innermost first): a
+# frame is (file, function) for glm5f and Transformers code, or the class of an nn.Module call.
+FAMILY_OF_FRAME = [  # (file or module class, functions or None for any, family)
+    ("kernels.py", ("indexer_topk", "_indexer_topk_torch", "_indexer_scores_torch", "topk_first", "allowed_rows"),
+     "indexer"),
+    ("attention.py", ("select", "indexer_keys", "indexer_queries", "indexer_topk"), "indexer"),
+    ("GlmMoeDsaIndexer", None, "indexer"),
+    ("kernels.py", None, "attention core"),
+    ("modeling_glm_moe_dsa.py", ("eager_attention_forward", "expand_kv"), "attention core"),
+    ("ops.py", ("rms_norm", "layer_norm", "apply_rope", "swiglu"), "norms, rope, SwiGLU"),
+    ("GlmMoeDsaRMSNorm", None, "norms, rope, SwiGLU"), ("LayerNorm", None, "norms, rope, SwiGLU"),
+    ("modeling_glm_moe_dsa.py", ("apply_rotary_pos_emb_interleave",), "norms, rope, SwiGLU"),
+    ("activations.py", None, "norms, rope, SwiGLU"), ("GlmMoeDsaMLP", None, "norms, rope, SwiGLU"),
+    ("moe.py", None, "MoE routing, gathers, sums"), ("GlmMoeDsaExperts", None, "MoE routing, gathers, sums"),
+    ("GlmMoeDsaTopkRouter", None, "MoE routing, gathers, sums"), ("GlmMoeDsaMoE", None, "MoE routing, gathers, sums"),
+    ("loss.py", None, "loss"), ("loss_utils.py", None, "loss"),
+    ("attention.py", None, "attention core"), ("GlmMoeDsaAttention", None, "attention core"),
+]
+FAMILIES = ["linear layers", "MoE experts", "attention core", "indexer", "MoE routing, gathers, sums",
+            "norms, rope, SwiGLU", "loss", "other"]
+
+
+def _frame(name: str):
+    """(file, function) of a profiled Python frame 'path/file.py(line): function' in glm5f's or Transformers'
+    code, (class,) of an nn.Module call, None for anything else (torch's own frames)."""
+    if name.startswith("nn.Module: "):
+        return (name[len("nn.Module: "):].rsplit("_", 1)[0],)
+    head, sep, func = name.partition("): ")
+    if not sep or ".py(" not in head or not any(d in head for d in ("glm5f/", "transformers/")):
+        return None
+    return os.path.basename(head.split("(")[0]), func
+
+
+def _family(frames: list, op: str) -> str:
+    """The family of an op from its frames (innermost first): the expert GEMMs (glm5f's and Transformers'
+    grouped_mm); a linear layer (ops.linear or an
+    nn.Linear; Transformers' kv_b_proj expansion counts as attention); else the first frame FAMILY_OF_FRAME names."""
+    for i, f in enumerate(frames):
+        if f in (("moe.py", "grouped_mm"), ("moe.py", "grouped_mm_backward"), ("moe.py", "_grouped_mm")):
+            return "MoE experts"
+        if f in (("ops.py", "linear"), ("Linear",)):
+            above = frames[i + 1:i + 3]
+            return "attention core" if ("modeling_glm_moe_dsa.py", "expand_kv") in above else "linear layers"
+        for where, funcs, fam in FAMILY_OF_FRAME:
+            if f[0] == where and (funcs is None or (len(f) > 1 and f[1] in funcs)):
+                return fam
+    return "other"
+
+
+def profile_split(step, reps: int = 3) -> dict:
+    """Seconds of op self time per (family, "GEMM" or "other"), and ("autograd engine", "other"), each the least
+    of `reps` profiled calls of step (torch.profiler with Python frames). The profiler's times are wall times: each
+    call's are scaled by its process CPU time over its wall time (on one thread, the share of the wall the process
+    ran; other work on a shared machine takes the rest). A backward op takes the frames of the forward op that
+    made its autograd node (same sequence number). Python time is left out (the profiler's tracing inflates it):
+    the caller sets the sum against the step's unprofiled CPU time."""
+    splits = [_profile_once(step) for _ in range(reps)]
+    return {k: min(s.get(k, 0.0) for s in splits) for k in set().union(*splits)}
+
+
+def _profile_once(step) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        wall, cpu = time.perf_counter(), time.process_time()
+        step()
+        ran = min(1.0, (time.process_time() - cpu) / (time.perf_counter() - wall))
+    events = prof.events()
+
+    def is_op(e):
+        return e.name.startswith(("aten::", "glm5f::"))
+
+    def frames_of(e, stop=None):
+        out = []
+        while e is not None and e is not stop:
+            f = None if is_op(e) else _frame(e.name)
+            if f is not None:
+                out.append(f)
+            e = e.cpu_parent
+        return out
+
+    def node_of(e):
+        while e is not None and not e.name.startswith("autograd::engine::evaluate_function"):
+            e = e.cpu_parent
+        return e
+
+    forward_op = {}  # the last forward op of each sequence number: the one that made the node (the number moves on)
+    for e in events:
+        if is_op(e) and e.sequence_nr >= 0 and node_of(e) is None:
+            forward_op[e.sequence_nr] = e
+    split = {}
+    for e in events:
+        if e.name.startswith("autograd::engine"):
+            key = ("autograd engine", "other")
+        elif is_op(e):
+            frames = frames_of(e)
+            node = node_of(e)
+            if node is not None and not frames_of(e, stop=node):  # no Python backward of ours between them
+                fwd = forward_op.get(node.sequence_nr)
+                frames = frames_of(fwd) if fwd is not None else []
+            key = (_family(frames, e.name), "GEMM" if e.name in GEMM_OPS else "other")
+        else:
+            continue
+        split[key] = split.get(key, 0.0) + e.self_cpu_time_total / 1e6 * ran
+    return split
+
+
+def print_profile_split(splits: dict, cpu_seconds: dict) -> None:
+    """A table of `profile_split`s, one column per side: seconds per family and kind, the ops' sum, and the
+    unprofiled CPU time of a step less that sum (Python and dispatch)."""
+    sides = list(splits)
+    print(f"  {'family':34s}" + "".join(f"{s:>14s}" for s in sides))
+    rows = [(f, k) for f in FAMILIES for k in ("GEMM", "other")] + [("autograd engine", "other")]
+    for f, k in rows:
+        vals = [splits[s].get((f, k), 0.0) for s in sides]
+        if any(v >= 0.0005 for v in vals):
+            print(f"  {f + ' (' + k + ')':34s}" + "".join(f"{v:14.3f}" for v in vals))
+    sums = [sum(splits[s].values()) for s in sides]
+    print(f"  {'ops in all (profiled)':34s}" + "".join(f"{v:14.3f}" for v in sums))
+    print(f"  {'step CPU time (unprofiled)':34s}" + "".join(f"{cpu_seconds[s]:14.3f}" for s in sides))
+    print(f"  {'  less the ops: Python, dispatch':34s}" + "".join(f"{cpu_seconds[s] - v:14.3f}"
+                                                                for s, v in zip(sides, sums)))

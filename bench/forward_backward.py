@@ -5,6 +5,7 @@
     python bench/forward_backward.py --shape heads16-latent256        # 16 heads, kv_lora_rank 256 (common.SHAPES)
     python bench/forward_backward.py --shape experts64-top8           # 64 experts top-8, expert width 128
     python bench/forward_backward.py --threads 1 ...                  # each side on one thread (a shared CPU)
+    python bench/forward_backward.py --threads 1 --profile ...        # and where each side's time goes
     python bench/forward_backward.py --preset glm5-scaled-moe --batch 2 --seq 512
     python bench/forward_backward.py --device cuda --dtype bfloat16 --side glm5f --batch 8 --seq 4096   # MFU
 
@@ -22,7 +23,8 @@ import tempfile
 import torch
 
 from common import (add_model_flags, add_run_flags, matmul_peak_flops, median_times, model_config, model_flags,
-                    peak_memory_gb, run_child, serve_child, threads_of, train_flops)
+                    peak_memory_gb, print_profile_split, profile_split, run_child, serve_child, threads_of,
+                    train_flops)
 
 
 def run_side(args) -> dict:
@@ -49,13 +51,18 @@ def run_side(args) -> dict:
         def step():
             model.zero_grad(set_to_none=True)
             model(ids, labels=ids).loss.backward()
-    return {"side": args.child, **median_times(step, args.steps, args.device), "peak_gb": peak_memory_gb(args.device)}
+    res = {"side": args.child, **median_times(step, args.steps, args.device), "peak_gb": peak_memory_gb(args.device)}
+    if args.profile:
+        res["profile"] = [[f, k, t] for (f, k), t in profile_split(step).items()]
+    return res
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_flags(ap, "after one warm-up")
     ap.add_argument("--side", default="both", choices=["both", "glm5f", "transformers"])
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timed steps, profile one step of each side: op self time per family (CPU)")
     add_run_flags(ap)
     args = ap.parse_args()
     if serve_child(args, run_side):
@@ -74,7 +81,8 @@ def main():
     flags = model_flags(args)
     sides = ["glm5f", "transformers"] if args.side == "both" else [args.side]
     here = os.path.abspath(__file__)
-    res = {s: run_child(here, ["--child", s, *flags], f"the {s} side") for s in sides}
+    res = {s: run_child(here, ["--child", s, *flags, *(["--profile"] if args.profile else [])], f"the {s} side")
+           for s in sides}
     for s, r in res.items():
         print(f"  {s:12s} {r['seconds']:8.3f} s  {tokens / r['seconds']:9.0f} tok/s  peak {r['peak_gb']:6.2f} GB  "
               f"utilisation {flops / r['seconds'] / peak:6.1%}  (CPU time {r['cpu_seconds']:.3f} s)", flush=True)
@@ -82,6 +90,10 @@ def main():
         a, b = res["glm5f"], res["transformers"]
         print(f"  ratio        {b['seconds'] / a['seconds']:8.2f}x faster, {a['peak_gb'] / b['peak_gb']:.3f} of the "
               f"peak memory  (CPU time {b['cpu_seconds'] / a['cpu_seconds']:.2f}x)")
+    if args.profile:
+        print("where a step's CPU time goes (op self time, s; one profiled step a side):")
+        print_profile_split({s: {(f, k): t for f, k, t in r["profile"]} for s, r in res.items()},
+                            {s: r["cpu_seconds"] for s, r in res.items()})
 
 
 if __name__ == "__main__":
