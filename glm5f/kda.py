@@ -258,6 +258,18 @@ def _blocks(B, T, H, C):
     return [(c0, c0 * C, min((c0 + per) * C, T)) for c0 in range(0, N, per)]
 
 
+def workspace_bytes(B: int, T: int, H: int, d_k: int, d_v: int, dtype: torch.dtype,
+                    chunk: int = CHUNK) -> tuple[int, int]:
+    """(forward, backward) bytes the op holds beyond its inputs and outputs: one block of chunks' WY matrices,
+    states and temporaries, in the wider of fp32 and dtype, with d = max(d_k, d_v) and N the block's token-heads:
+    44 N d forward, (49 + 3 d / chunk) N d backward (a bound on the most torch's allocator held at once at d 32-256,
+    T 512-4K, one or many blocks: tests/test_kda.py)."""
+    per = max(1, BLOCK_ELEMS // (B * H * chunk))
+    N = B * H * min(per * chunk, -(-T // chunk) * chunk)
+    d, size = max(d_k, d_v), wide_dtype(dtype).itemsize
+    return 44 * N * d * size, round((49 + 3 * d / chunk) * N * d * size)
+
+
 def _block(q, k, v, g, beta, docs, t0, t1, C, dt, scale):
     masks = None if docs is None else _segment_masks(docs, t0, t1, C)
     return _Block(*(_chunked(x, t0, t1, C, dt) for x in (q, k, v, g, beta)), masks, scale)

@@ -116,6 +116,39 @@ def test_fp32_inputs_compute_in_fp32_and_match_fp64():
     assert (o - o64).abs().max() < 1e-5 and (s - s64).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("B,T,H,d,block_elems", [(1, 1024, 4, 128, 1024), (1, 1000, 4, 128, 1024),
+                                                   (2, 512, 2, 64, 1024), (1, 512, 4, 256, 512),
+                                                   (2, 512, 4, 32, 4096)])
+def test_workspace_bytes_bound_what_the_allocator_holds(B, T, H, d, block_elems, monkeypatch):
+    """The memory plan's row for the op (`kda.workspace_bytes`) against torch's allocator, as the profiler records
+    its allocations and frees: the most held at once beyond the inputs and outputs, forward and backward, is at most
+    the row and at least half of it (one block over the whole sequence needs fewer copies)."""
+    from torch.profiler import ProfilerActivity, profile
+    monkeypatch.setattr(glm5f.kda, "BLOCK_ELEMS", block_elems)
+    q, k, v, g, beta, _ = delta_inputs(B, T, H, d, d, 0, dtype=torch.float32)
+
+    def held(fn):
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = fn()
+        events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                        key=lambda e: e.start_ns())
+        now = peak = 0
+        for e in events:
+            now += e.nbytes()
+            peak = max(peak, now)
+        return peak - sum(x.nbytes for x in out), out
+
+    with torch.no_grad():
+        fwd, (o, state, states) = held(lambda: kda_op(q, k, v, g, beta, None, None, d ** -0.5, glm5f.kda.CHUNK))
+        do, dstate = torch.randn_like(o), torch.zeros_like(state)
+        bwd, _ = held(lambda: kda_backward_op(do, dstate, q, k, v, g, beta, None, None, states, d ** -0.5,
+                                              glm5f.kda.CHUNK))
+    plan_fwd, plan_bwd = glm5f.kda.workspace_bytes(B, T, H, d, d, torch.float32)
+    for what, got, row in (("forward", fwd, plan_fwd), ("backward", bwd, plan_bwd)):
+        assert 0.5 * row <= got <= row, f"{what}: the allocator held {got / 2**20:.2f} MiB beyond the inputs " \
+                                         f"and outputs, the plan's row says {row / 2**20:.2f} MiB"
+
+
 def test_opcheck_kda():
     q, k, v, g, beta, state = delta_inputs(2, 21, 2, 8, 4, seed=11)
     segment = torch.tensor([[0] * 5 + [1] * 16, [0] * 21])
