@@ -251,21 +251,37 @@ def _unchunk(x, length):
     return x.movedim(1, 2) if x.ndim == 4 else x.transpose(1, 2)
 
 
-def _blocks(B, T, H, C):
-    """(first chunk, first token, end token) of each block of chunks (a function of the shapes only)."""
-    per = max(1, BLOCK_ELEMS // (B * H * C))
-    N = -(-T // C)
-    return [(c0, c0 * C, min((c0 + per) * C, T)) for c0 in range(0, N, per)]
+def _layout(B, H, K, C):
+    """(chunks per block, batch rows, heads) of the lane groups the op runs one after another: blocks of at least
+    K tokens (the op saves one [d_k, d_v] state per block, so per token and head at most d_v numbers), as many rows
+    and heads as keep a group's block within BLOCK_ELEMS token-heads (at least one head of one row), and with room
+    left, longer blocks."""
+    per = max(-(-K // C), 1)
+    lanes = max(1, BLOCK_ELEMS // (per * C))
+    heads = min(H, lanes)
+    rows = min(B, max(1, lanes // heads))
+    return max(per, BLOCK_ELEMS // (rows * heads * C)), rows, heads
+
+
+def _groups(B, H, K, C):
+    """(chunks per block, the (batch slice, head slice) of each lane group)."""
+    per, rows, heads = _layout(B, H, K, C)
+    return per, [(slice(b, b + rows), slice(h, h + heads)) for b in range(0, B, rows) for h in range(0, H, heads)]
+
+
+def _blocks(T, C, per):
+    """(first token, end token) of each block of `per` chunks (a function of the shapes only)."""
+    return [(c0 * C, min((c0 + per) * C, T)) for c0 in range(0, -(-T // C), per)]
 
 
 def workspace_bytes(B: int, T: int, H: int, d_k: int, d_v: int, dtype: torch.dtype,
                     chunk: int = CHUNK) -> tuple[int, int]:
-    """(forward, backward) bytes the op holds beyond its inputs and outputs: one block of chunks' WY matrices,
-    states and temporaries, in the wider of fp32 and dtype, with d = max(d_k, d_v) and N the block's token-heads:
-    44 N d forward, (49 + 3 d / chunk) N d backward (a bound on the most torch's allocator held at once at d 32-256,
-    T 512-4K, one or many blocks: tests/test_kda.py)."""
-    per = max(1, BLOCK_ELEMS // (B * H * chunk))
-    N = B * H * min(per * chunk, -(-T // chunk) * chunk)
+    """(forward, backward) bytes the op holds beyond its inputs and outputs: one block of one lane group, its WY
+    matrices, states and temporaries, in the wider of fp32 and dtype, with d = max(d_k, d_v) and N the block's
+    token-heads: 44 N d forward, (49 + 3 d / chunk) N d backward (a bound on the most torch's allocator held at
+    once at d 32-256, T 512-4K, one or many blocks: tests/test_kda.py)."""
+    per, rows, heads = _layout(B, H, d_k, chunk)
+    N = rows * heads * min(per * chunk, -(-T // chunk) * chunk)
     d, size = max(d_k, d_v), wide_dtype(dtype).itemsize
     return 44 * N * d * size, round((49 + 3 * d / chunk) * N * d * size)
 
@@ -289,18 +305,24 @@ def _scan(blk, S):
 
 def _kda_forward(q, k, v, g, beta, initial_state, segment, scale, chunk):
     B, T, H, K = k.shape
+    V = v.shape[-1]
     dt = _compute_dtype(q, k, v, g, beta)
     docs = None if segment is None else document_ids(segment)
-    o = q.new_empty(B, T, H, v.shape[-1])
-    blocks = _blocks(B, T, H, chunk)
-    states = q.new_empty(B, H, len(blocks), K, v.shape[-1], dtype=dt)
-    S = q.new_zeros(B, H, K, v.shape[-1], dtype=dt) if initial_state is None else initial_state.to(dt)
-    for b, (c0, t0, t1) in enumerate(blocks):
-        blk = _block(q, k, v, g, beta, docs, t0, t1, chunk, dt, scale)
-        states[:, :, b] = S
-        S_n, delta, S = _scan(blk, S)
-        o[:, t0:t1] = _unchunk(blk.Qg @ S_n + blk.Aqk @ delta, t1 - t0)
-    return o, S, states
+    per, groups = _groups(B, H, K, chunk)
+    blocks = _blocks(T, chunk, per)
+    o = q.new_empty(B, T, H, V)
+    states = q.new_empty(B, H, len(blocks), K, V, dtype=dt)
+    final = q.new_empty(B, H, K, V, dtype=dt)
+    for bs, hs in groups:
+        lanes = [x[bs, :, hs] for x in (q, k, v, g, beta)]
+        S = final[bs, hs].zero_() if initial_state is None else initial_state[bs, hs].to(dt)
+        for b, (t0, t1) in enumerate(blocks):
+            blk = _block(*lanes, None if docs is None else docs[bs], t0, t1, chunk, dt, scale)
+            states[bs, hs, b] = S
+            S_n, delta, S = _scan(blk, S)
+            o[bs, t0:t1, hs] = _unchunk(blk.Qg @ S_n + blk.Aqk @ delta, t1 - t0)
+        final[bs, hs] = S
+    return o, final, states
 
 
 def _kda_backward(do, dstate, q, k, v, g, beta, initial_state, segment, states, scale, chunk):
@@ -308,26 +330,30 @@ def _kda_backward(do, dstate, q, k, v, g, beta, initial_state, segment, states, 
     dt = states.dtype
     docs = None if segment is None else document_ids(segment)
     grads = [torch.empty_like(x) for x in (q, k, v, g, beta)]
-    dS = dstate.to(dt)
-    blocks = _blocks(B, T, H, chunk)
-    for b in reversed(range(len(blocks))):
-        c0, t0, t1 = blocks[b]
-        blk = _block(q, k, v, g, beta, docs, t0, t1, chunk, dt, scale)
-        n = blk.U.shape[2]
-        S_n, delta, _ = _scan(blk, states[:, :, b])
-        dO = _chunked(do, t0, t1, chunk, dt)
-        from_o, from_o_state = blk.Aqk.mT @ dO, blk.Qg.mT @ dO
-        dS_after = torch.empty_like(S_n)  # the gradient of the state leaving each chunk
-        ddelta = torch.empty_like(delta)
-        for i in reversed(range(n)):
-            dS_after[:, :, i] = dS
-            ddelta[:, :, i] = from_o[:, :, i] + blk.Kd[:, :, i] @ dS
-            dS = from_o_state[:, :, i] + blk.gC[:, :, i, :, None] * dS - blk.W[:, :, i].mT @ ddelta[:, :, i]
-        block_grads = blk.backward(ddelta, -ddelta @ S_n.mT, dO @ S_n.mT, dO @ delta.mT, delta @ dS_after.mT,
-                                   (S_n * dS_after).sum(-1))
-        for full, part in zip(grads, block_grads):
-            full[:, t0:t1] = _unchunk(part, t1 - t0)
-    dinit = dS if initial_state is None else dS.to(initial_state.dtype)
+    dinit = torch.empty_like(dstate, dtype=dt if initial_state is None else initial_state.dtype)
+    per, groups = _groups(B, H, K, chunk)
+    blocks = _blocks(T, chunk, per)
+    for bs, hs in groups:
+        lanes = [x[bs, :, hs] for x in (q, k, v, g, beta)]
+        dS = dstate[bs, hs].to(dt)
+        for b in reversed(range(len(blocks))):
+            t0, t1 = blocks[b]
+            blk = _block(*lanes, None if docs is None else docs[bs], t0, t1, chunk, dt, scale)
+            n = blk.U.shape[2]
+            S_n, delta, _ = _scan(blk, states[bs, hs, b])
+            dO = _chunked(do[bs, :, hs], t0, t1, chunk, dt)
+            from_o, from_o_state = blk.Aqk.mT @ dO, blk.Qg.mT @ dO
+            dS_after = torch.empty_like(S_n)  # the gradient of the state leaving each chunk
+            ddelta = torch.empty_like(delta)
+            for i in reversed(range(n)):
+                dS_after[:, :, i] = dS
+                ddelta[:, :, i] = from_o[:, :, i] + blk.Kd[:, :, i] @ dS
+                dS = from_o_state[:, :, i] + blk.gC[:, :, i, :, None] * dS - blk.W[:, :, i].mT @ ddelta[:, :, i]
+            block_grads = blk.backward(ddelta, -ddelta @ S_n.mT, dO @ S_n.mT, dO @ delta.mT, delta @ dS_after.mT,
+                                       (S_n * dS_after).sum(-1))
+            for full, part in zip(grads, block_grads):
+                full[bs, t0:t1, hs] = _unchunk(part, t1 - t0)
+        dinit[bs, hs] = dS
     return (*grads, dinit)
 
 
@@ -363,7 +389,7 @@ def _(q, k, v, g, beta, initial_state, segment, scale, chunk):
     B, T, H, K = k.shape
     V, dt = v.shape[-1], _compute_dtype(q, k, v, g, beta)
     return (q.new_empty(B, T, H, V), q.new_empty(B, H, K, V, dtype=dt),
-            q.new_empty(B, H, len(_blocks(B, T, H, chunk)), K, V, dtype=dt))
+            q.new_empty(B, H, len(_blocks(T, chunk, _layout(B, H, K, chunk)[0])), K, V, dtype=dt))
 
 
 @torch.library.custom_op("glm5f::kda_backward", mutates_args=())

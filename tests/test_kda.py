@@ -50,11 +50,12 @@ def assert_chunked_equals_recurrent(B, T, H, K, V, chunk, seed, segment=None, to
 
 
 @pytest.mark.parametrize("T,chunk,per_block", [(1, 64, 0), (37, 8, 0), (64, 64, 0), (150, 64, 0), (150, 16, 0),
-                                               (70, 16, 1), (70, 8, 3)])
+                                               (70, 16, 1), (70, 8, 3), (70, 8, -1), (150, 16, -1)])
 def test_chunked_equals_recurrent_fp64(T, chunk, per_block, monkeypatch):
-    """per_block: chunks per block of chunks (0: the default, one block here)."""
+    """per_block: chunks per block of chunks (0: the default, one block here; -1: lane groups of one head of one
+    row, blocks of d_k tokens)."""
     if per_block:
-        monkeypatch.setattr(glm5f.kda, "BLOCK_ELEMS", 2 * 3 * chunk * per_block)
+        monkeypatch.setattr(glm5f.kda, "BLOCK_ELEMS", chunk if per_block < 0 else 2 * 3 * chunk * per_block)
     assert_chunked_equals_recurrent(2, T, 3, 16, 8, chunk, seed=T + chunk)
 
 
@@ -72,15 +73,17 @@ def packed_case(draw):
     chunk = draw(st.sampled_from([4, 8, 16]))
     T = draw(st.integers(1, 3 * chunk + 3))
     starts = draw(st.lists(st.integers(1, max(T - 1, 1)), max_size=5)) if T > 1 else []
-    return B, T, H, chunk, sorted(set(starts)), draw(st.integers(0, 2**31 - 1))
+    return B, T, H, chunk, sorted(set(starts)), draw(st.integers(0, 2**31 - 1)), draw(st.booleans())
 
 
 @SETTINGS
 @given(packed_case())
 def test_chunked_equals_recurrent_packed(case):
-    """Any T (not a multiple of the chunk, 1-token documents) and document starts; the same starts in every row."""
-    B, T, H, chunk, starts, seed = case
-    glm5f.kda.BLOCK_ELEMS, default = B * H * chunk * 2, glm5f.kda.BLOCK_ELEMS  # blocks of two chunks
+    """Any T (not a multiple of the chunk, 1-token documents) and document starts; the same starts in every row; in
+    one lane group or in groups of two lanes (a head of two rows, or two heads)."""
+    B, T, H, chunk, starts, seed, split = case
+    blocks = chunk * 2 if split else B * H * chunk * 2  # blocks of two chunks, or two lanes of one chunk
+    glm5f.kda.BLOCK_ELEMS, default = blocks, glm5f.kda.BLOCK_ELEMS
     segment = torch.zeros(B, T, dtype=torch.long)
     for s in starts:
         segment[:, s:] += 1
