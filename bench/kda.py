@@ -87,9 +87,10 @@ def run_side(side: str, seq: int, steps: int) -> dict:
             layer(xg).square().mean().backward()
     before = peak_memory_gb("cpu")
     times = median_times(step, steps, "cpu")
+    rss = peak_memory_gb("cpu")  # before the profiled step, whose records take memory too
     held = (x.nbytes + sum(w.nbytes for w in weights)) / 2**30
     return {"side": side, "seq": seq, **times, "tensor_gb": held + allocated_peak_gb(step, "cpu"),
-            "peak_rss_gb": peak_memory_gb("cpu"), "rss_before_gb": before}
+            "peak_rss_gb": rss, "rss_before_gb": before}
 
 
 def child(args, side: str, seq: int) -> dict:
