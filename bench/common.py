@@ -48,6 +48,30 @@ def peak_memory_gb(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def allocated_peak_gb(fn, device: str) -> float:
+    """The most tensor memory fn holds at once beyond what was allocated before it: the caching allocator's peak on
+    CUDA; on the CPU, the sum over torch's CPU allocations and frees while fn runs, in order, as the profiler records
+    them (the resident set size also counts the interpreter, the libraries and memory malloc keeps after a free).
+    A block allocated before fn and freed during it is not subtracted, so the figure errs high."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**30
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    held = peak = 0
+    for e in events:
+        held += e.nbytes()  # negative for a free
+        peak = max(peak, held)
+    return peak / 2**30
+
+
 def median_seconds(fn, steps: int, device: str) -> float:
     """Median wall time of fn over `steps` calls, after one warm-up call."""
     return median_times(fn, steps, device)["seconds"]

@@ -3,10 +3,13 @@ fallback: fla's kernels need CUDA).
 
     python bench/kda.py --sweep 1024,4096,16384,65536 --ref-max-seq 16384
 
-Each side runs in its own subprocess (so each peak RSS is that side's alone) on the same weights and inputs, at
-a scaled GLM-5.3 KDA layer: hidden 256, 4 heads of dim 128 (GLM-5.3's head dim; its q/k/v width is twice the
-hidden size, as here), short convolution 4, lower bound -5. Prints seconds (median of --steps after one warm-up
-step; and the CPU time of a step: the machine may be shared), peak RSS and the RSS growth during the steps (peak less the RSS before the first step). The Transformers
+Each side runs in its own subprocess (so each peak is that side's alone) on the same weights and inputs, at a
+scaled GLM-5.3 KDA layer: hidden 256, 4 heads of dim 128 (GLM-5.3's head dim; its q/k/v width is twice the hidden
+size, as here), short convolution 4, lower bound -5. Prints seconds (median of --steps after one warm-up step; and
+the CPU time of a step: the machine may be shared); the peak tensor memory of a step (the inputs and weights plus
+the most the allocator held at once during one more step: `common.allocated_peak_gb`, the figure an accelerator's
+allocator reports); and the process's peak RSS (the interpreter and libraries, ~0.3 GB, and what malloc keeps
+included; the RSS before the first step is printed beside it). The ratio line compares both sides. The Transformers
 side runs under --ref-mem-gb of address space and --ref-timeout seconds; a side past either is reported as such.
 """
 
@@ -18,12 +21,10 @@ import os
 import resource
 import subprocess
 import sys
-import statistics
-import time
 
 import torch
 
-from common import add_run_flags, median_seconds, peak_memory_gb, serve_child
+from common import add_run_flags, allocated_peak_gb, median_times, peak_memory_gb, run_flags, serve_child, threads_of
 
 LAYER = dict(hidden_size=256, linear_num_heads=4, linear_head_dim=128, linear_conv_kernel_dim=4,
              linear_lower_bound=-5.0, rms_norm_eps=1e-5)
@@ -70,6 +71,7 @@ def run_side(side: str, seq: int, steps: int) -> dict:
     if side == "glm5f":
         leaves = [t.requires_grad_() for t in (*(d["weight"] for d in p.values() if isinstance(d, dict)),
                                                p["dt_bias"], p["A_log"])]
+        weights = leaves
 
         def step():
             xg = x.detach().requires_grad_()
@@ -77,23 +79,18 @@ def run_side(side: str, seq: int, steps: int) -> dict:
             torch.autograd.grad(out.square().mean(), [xg, *leaves])
     else:
         layer = transformers_layer(cfg, p)
+        weights = list(layer.parameters())
 
         def step():
             layer.zero_grad(set_to_none=True)
             xg = x.detach().requires_grad_()
             layer(xg).square().mean().backward()
-    base = peak_memory_gb("cpu")
-    cpu = []
-
-    def timed():
-        t = time.process_time()
-        step()
-        cpu.append(time.process_time() - t)
-
-    seconds = median_seconds(timed, steps, "cpu")
-    peak = peak_memory_gb("cpu")
-    return {"side": side, "seq": seq, "seconds": seconds, "cpu_seconds": statistics.median(cpu[1:]),
-            "peak_rss_gb": peak, "growth_gb": peak - base}
+    before = peak_memory_gb("cpu")
+    times = median_times(step, steps, "cpu")
+    rss = peak_memory_gb("cpu")  # before the profiled step, whose records take memory too
+    held = (x.nbytes + sum(w.nbytes for w in weights)) / 2**30
+    return {"side": side, "seq": seq, **times, "tensor_gb": held + allocated_peak_gb(step, "cpu"),
+            "peak_rss_gb": rss, "rss_before_gb": before}
 
 
 def child(args, side: str, seq: int) -> dict:
@@ -103,7 +100,8 @@ def child(args, side: str, seq: int) -> dict:
             limit = int(args.ref_mem_gb * 2**30)
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", side, "--seq", str(seq), "--steps", str(args.steps)]
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", side, "--seq", str(seq), "--steps", str(args.steps),
+           *run_flags(args)]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=cap,
                              timeout=args.ref_timeout if side == "transformers" else None)
@@ -120,8 +118,9 @@ def child(args, side: str, seq: int) -> dict:
 def show(r: dict) -> str:
     if "failed" in r:
         return f"  {r['side']:12s} T={r['seq']:6d}  not measured: {r['failed']}"
-    return (f"  {r['side']:12s} T={r['seq']:6d}  {r['seconds']:8.2f} s ({r['cpu_seconds']:8.2f} s CPU)  peak {r['peak_rss_gb']:6.2f} GB  "
-            f"(+{r['growth_gb']:5.2f} GB during the steps)")
+    return (f"  {r['side']:12s} T={r['seq']:6d}  {r['seconds']:8.2f} s ({r['cpu_seconds']:8.2f} s CPU)  tensors "
+            f"{r['tensor_gb']:6.3f} GB  peak RSS {r['peak_rss_gb']:6.2f} GB "
+            f"({r['rss_before_gb']:.2f} before the first step)")
 
 
 def main():
@@ -130,7 +129,7 @@ def main():
     ap.add_argument("--sweep", default="", help="comma-separated sequence lengths (overrides --seq)")
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--ref-max-seq", type=int, default=16384, help="longest T the Transformers side runs at")
-    ap.add_argument("--ref-mem-gb", type=float, default=8.0, help="address-space cap of the Transformers side")
+    ap.add_argument("--ref-mem-gb", type=float, default=20.0, help="address-space cap of the Transformers side")
     ap.add_argument("--ref-timeout", type=float, default=1200.0, help="seconds cap of the Transformers side")
     add_run_flags(ap)
     args = ap.parse_args()
@@ -138,7 +137,7 @@ def main():
         return
     seqs = [int(s) for s in args.sweep.split(",")] if args.sweep else [args.seq]
     print(f"one KDA layer fwd+bwd (hidden {LAYER['hidden_size']}, {LAYER['linear_num_heads']} heads x "
-          f"{LAYER['linear_head_dim']}), float32 on cpu ({torch.get_num_threads()} threads), median of {args.steps}")
+          f"{LAYER['linear_head_dim']}), float32 on cpu ({threads_of(args)} threads), median of {args.steps}")
     for seq in seqs:
         ours = child(args, "glm5f", seq)
         ref = child(args, "transformers", seq) if seq <= args.ref_max_seq else None
@@ -148,8 +147,8 @@ def main():
         if ref and "failed" not in ref:
             print(f"  ratio        T={seq:6d}  {ref['seconds'] / ours['seconds']:8.2f}x faster "
                   f"({ref['cpu_seconds'] / ours['cpu_seconds']:.2f}x in CPU time), "
-                  f"{ours['peak_rss_gb'] / ref['peak_rss_gb']:.3f} of the peak RSS, "
-                  f"{ours['growth_gb'] / max(ref['growth_gb'], 1e-9):.3f} of the RSS growth", flush=True)
+                  f"{ours['tensor_gb'] / ref['tensor_gb']:.3f} of the tensor memory, "
+                  f"{ours['peak_rss_gb'] / ref['peak_rss_gb']:.3f} of the peak RSS", flush=True)
 
 
 if __name__ == "__main__":

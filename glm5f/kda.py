@@ -14,7 +14,13 @@ from glm5f.ops import linear, wide_dtype
 
 # Tokens x heads of one block of chunks: the op prepares (WY matrices, triangular solve) this many at a time, so its
 # workspace is bounded whatever T is; across blocks only the [d_k, d_v] state per sequence and head travels.
-BLOCK_ELEMS = 2**13
+BLOCK_ELEMS = 2**10
+# Tokens per chunk (a power of two): the chunk's WY matrices are [CHUNK, CHUNK]; 32 is faster than 64 on CPU at 1K
+# tokens and equal at 4K (bench/kda.py).
+CHUNK = 32
+# Elements of one piece of the layer's elementwise Functions (short convolutions, forget gate, gated norm): they
+# work on whole heads at a time, as many as fit, so their temporaries stay small whatever T is.
+PIECE_ELEMS = 2**20
 
 
 @dataclass(frozen=True)
@@ -245,11 +251,39 @@ def _unchunk(x, length):
     return x.movedim(1, 2) if x.ndim == 4 else x.transpose(1, 2)
 
 
-def _blocks(B, T, H, C):
-    """(first chunk, first token, end token) of each block of chunks (a function of the shapes only)."""
-    per = max(1, BLOCK_ELEMS // (B * H * C))
-    N = -(-T // C)
-    return [(c0, c0 * C, min((c0 + per) * C, T)) for c0 in range(0, N, per)]
+def _layout(B, H, K, C):
+    """(chunks per block, batch rows, heads) of the lane groups the op runs one after another: blocks of at least
+    K tokens (the op saves one [d_k, d_v] state per block, so per token and head at most d_v numbers), as many rows
+    and heads as keep a group's block within BLOCK_ELEMS token-heads (at least one head of one row), and with room
+    left, longer blocks."""
+    per = max(-(-K // C), 1)
+    lanes = max(1, BLOCK_ELEMS // (per * C))
+    heads = min(H, lanes)
+    rows = min(B, max(1, lanes // heads))
+    return max(per, BLOCK_ELEMS // (rows * heads * C)), rows, heads
+
+
+def _groups(B, H, K, C):
+    """(chunks per block, the (batch slice, head slice) of each lane group)."""
+    per, rows, heads = _layout(B, H, K, C)
+    return per, [(slice(b, b + rows), slice(h, h + heads)) for b in range(0, B, rows) for h in range(0, H, heads)]
+
+
+def _blocks(T, C, per):
+    """(first token, end token) of each block of `per` chunks (a function of the shapes only)."""
+    return [(c0 * C, min((c0 + per) * C, T)) for c0 in range(0, -(-T // C), per)]
+
+
+def workspace_bytes(B: int, T: int, H: int, d_k: int, d_v: int, dtype: torch.dtype,
+                    chunk: int = CHUNK) -> tuple[int, int]:
+    """(forward, backward) bytes the op holds beyond its inputs and outputs: one block of one lane group, its WY
+    matrices, states and temporaries, in the wider of fp32 and dtype, with d = max(d_k, d_v) and N the block's
+    token-heads: 44 N d forward, (49 + 3 d / chunk) N d backward (a bound on the most torch's allocator held at
+    once at d 32-256, T 512-4K, one or many blocks: tests/test_kda.py)."""
+    per, rows, heads = _layout(B, H, d_k, chunk)
+    N = rows * heads * min(per * chunk, -(-T // chunk) * chunk)
+    d, size = max(d_k, d_v), wide_dtype(dtype).itemsize
+    return 44 * N * d * size, round((49 + 3 * d / chunk) * N * d * size)
 
 
 def _block(q, k, v, g, beta, docs, t0, t1, C, dt, scale):
@@ -271,18 +305,24 @@ def _scan(blk, S):
 
 def _kda_forward(q, k, v, g, beta, initial_state, segment, scale, chunk):
     B, T, H, K = k.shape
+    V = v.shape[-1]
     dt = _compute_dtype(q, k, v, g, beta)
     docs = None if segment is None else document_ids(segment)
-    o = q.new_empty(B, T, H, v.shape[-1])
-    blocks = _blocks(B, T, H, chunk)
-    states = q.new_empty(B, H, len(blocks), K, v.shape[-1], dtype=dt)
-    S = q.new_zeros(B, H, K, v.shape[-1], dtype=dt) if initial_state is None else initial_state.to(dt)
-    for b, (c0, t0, t1) in enumerate(blocks):
-        blk = _block(q, k, v, g, beta, docs, t0, t1, chunk, dt, scale)
-        states[:, :, b] = S
-        S_n, delta, S = _scan(blk, S)
-        o[:, t0:t1] = _unchunk(blk.Qg @ S_n + blk.Aqk @ delta, t1 - t0)
-    return o, S, states
+    per, groups = _groups(B, H, K, chunk)
+    blocks = _blocks(T, chunk, per)
+    o = q.new_empty(B, T, H, V)
+    states = q.new_empty(B, H, len(blocks), K, V, dtype=dt)
+    final = q.new_empty(B, H, K, V, dtype=dt)
+    for bs, hs in groups:
+        lanes = [x[bs, :, hs] for x in (q, k, v, g, beta)]
+        S = final[bs, hs].zero_() if initial_state is None else initial_state[bs, hs].to(dt)
+        for b, (t0, t1) in enumerate(blocks):
+            blk = _block(*lanes, None if docs is None else docs[bs], t0, t1, chunk, dt, scale)
+            states[bs, hs, b] = S
+            S_n, delta, S = _scan(blk, S)
+            o[bs, t0:t1, hs] = _unchunk(blk.Qg @ S_n + blk.Aqk @ delta, t1 - t0)
+        final[bs, hs] = S
+    return o, final, states
 
 
 def _kda_backward(do, dstate, q, k, v, g, beta, initial_state, segment, states, scale, chunk):
@@ -290,26 +330,30 @@ def _kda_backward(do, dstate, q, k, v, g, beta, initial_state, segment, states, 
     dt = states.dtype
     docs = None if segment is None else document_ids(segment)
     grads = [torch.empty_like(x) for x in (q, k, v, g, beta)]
-    dS = dstate.to(dt)
-    blocks = _blocks(B, T, H, chunk)
-    for b in reversed(range(len(blocks))):
-        c0, t0, t1 = blocks[b]
-        blk = _block(q, k, v, g, beta, docs, t0, t1, chunk, dt, scale)
-        n = blk.U.shape[2]
-        S_n, delta, _ = _scan(blk, states[:, :, b])
-        dO = _chunked(do, t0, t1, chunk, dt)
-        from_o, from_o_state = blk.Aqk.mT @ dO, blk.Qg.mT @ dO
-        dS_after = torch.empty_like(S_n)  # the gradient of the state leaving each chunk
-        ddelta = torch.empty_like(delta)
-        for i in reversed(range(n)):
-            dS_after[:, :, i] = dS
-            ddelta[:, :, i] = from_o[:, :, i] + blk.Kd[:, :, i] @ dS
-            dS = from_o_state[:, :, i] + blk.gC[:, :, i, :, None] * dS - blk.W[:, :, i].mT @ ddelta[:, :, i]
-        block_grads = blk.backward(ddelta, -ddelta @ S_n.mT, dO @ S_n.mT, dO @ delta.mT, delta @ dS_after.mT,
-                                   (S_n * dS_after).sum(-1))
-        for full, part in zip(grads, block_grads):
-            full[:, t0:t1] = _unchunk(part, t1 - t0)
-    dinit = dS if initial_state is None else dS.to(initial_state.dtype)
+    dinit = torch.empty_like(dstate, dtype=dt if initial_state is None else initial_state.dtype)
+    per, groups = _groups(B, H, K, chunk)
+    blocks = _blocks(T, chunk, per)
+    for bs, hs in groups:
+        lanes = [x[bs, :, hs] for x in (q, k, v, g, beta)]
+        dS = dstate[bs, hs].to(dt)
+        for b in reversed(range(len(blocks))):
+            t0, t1 = blocks[b]
+            blk = _block(*lanes, None if docs is None else docs[bs], t0, t1, chunk, dt, scale)
+            n = blk.U.shape[2]
+            S_n, delta, _ = _scan(blk, states[bs, hs, b])
+            dO = _chunked(do[bs, :, hs], t0, t1, chunk, dt)
+            from_o, from_o_state = blk.Aqk.mT @ dO, blk.Qg.mT @ dO
+            dS_after = torch.empty_like(S_n)  # the gradient of the state leaving each chunk
+            ddelta = torch.empty_like(delta)
+            for i in reversed(range(n)):
+                dS_after[:, :, i] = dS
+                ddelta[:, :, i] = from_o[:, :, i] + blk.Kd[:, :, i] @ dS
+                dS = from_o_state[:, :, i] + blk.gC[:, :, i, :, None] * dS - blk.W[:, :, i].mT @ ddelta[:, :, i]
+            block_grads = blk.backward(ddelta, -ddelta @ S_n.mT, dO @ S_n.mT, dO @ delta.mT, delta @ dS_after.mT,
+                                       (S_n * dS_after).sum(-1))
+            for full, part in zip(grads, block_grads):
+                full[bs, t0:t1, hs] = _unchunk(part, t1 - t0)
+        dinit[bs, hs] = dS
     return (*grads, dinit)
 
 
@@ -345,7 +389,7 @@ def _(q, k, v, g, beta, initial_state, segment, scale, chunk):
     B, T, H, K = k.shape
     V, dt = v.shape[-1], _compute_dtype(q, k, v, g, beta)
     return (q.new_empty(B, T, H, V), q.new_empty(B, H, K, V, dtype=dt),
-            q.new_empty(B, H, len(_blocks(B, T, H, chunk)), K, V, dtype=dt))
+            q.new_empty(B, H, len(_blocks(T, chunk, _layout(B, H, K, chunk)[0])), K, V, dtype=dt))
 
 
 @torch.library.custom_op("glm5f::kda_backward", mutates_args=())
@@ -406,7 +450,7 @@ def fla_kda(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxK, beta_BxTxH, scale: float
 
 
 def kda(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxK, beta_BxTxH, scale: float | None = None,
-        initial_state_BxHxKxV=None, segment_BxT=None, chunk: int = 64):
+        initial_state_BxHxKxV=None, segment_BxT=None, chunk: int = CHUNK):
     """o_t = scale * S_t^T q_t of the delta rule S_t = (I - b_t k_t k_t^T) Diag(exp g_t) S_{t-1} + b_t k_t v_t^T
     (g <= 0: the per-channel log decay; the state is reset at each document start of segment_BxT) ->
     (o [B, T, H, d_v] in q's dtype, final state [B, H, d_k, d_v]). scale defaults to d_k ** -0.5.
@@ -428,10 +472,12 @@ def kda(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxHxK, beta_BxTxH, scale: float | N
 # layer keeps about as many [T, H, d] tensors as the delta rule needs (the layer's memory is linear in T, with a
 # small constant).
 
-def _heads(n_channels: int, head_dim: int):
-    """The channel slice of each head: the Functions below work one head at a time, so their temporaries are one
-    head's."""
-    return [slice(h, h + head_dim) for h in range(0, n_channels, head_dim)]
+def _heads(rows: int, n_channels: int, head_dim: int):
+    """(head slice, channel slice) of each group of whole heads the Functions below work on at a time: as many
+    heads as keep rows x channels within PIECE_ELEMS (at least one), so their temporaries stay that small."""
+    per = max(1, PIECE_ELEMS // max(1, rows * head_dim))
+    H = n_channels // head_dim
+    return [(slice(h, min(h + per, H)), slice(h * head_dim, min(h + per, H) * head_dim)) for h in range(0, H, per)]
 
 
 class _ShortConv(torch.autograd.Function):
@@ -462,12 +508,13 @@ class _ShortConv(torch.autograd.Function):
         valid = _ShortConv._valid(docs, w.shape[-1])
         out = x.new_empty(*x.shape[:2], x.shape[-1] // head_dim, head_dim,
                           dtype=wide_dtype(x.dtype) if normalize else x.dtype)
-        for h, sl in enumerate(_heads(x.shape[-1], head_dim)):
+        for hs, sl in _heads(x.shape[0] * x.shape[1], x.shape[-1], head_dim):
             y = F.silu(_ShortConv._pre(x[..., sl].to(dt), w[sl].to(dt), valid), inplace=True).to(x.dtype)
+            y = y.unflatten(-1, (-1, head_dim))
             if normalize:
                 y = y.to(out.dtype)
                 y = y * torch.rsqrt((y * y).sum(-1, keepdim=True) + 1e-6)
-            out[:, :, h] = y
+            out[:, :, hs] = y
         return out
 
     @staticmethod
@@ -477,17 +524,18 @@ class _ShortConv(torch.autograd.Function):
         W = w.shape[-1]
         valid = _ShortConv._valid(docs, W)
         dx, dw = torch.empty_like(x), torch.empty_like(w)
-        for h, sl in enumerate(_heads(x.shape[-1], ctx.head_dim)):
+        for hs, sl in _heads(x.shape[0] * x.shape[1], x.shape[-1], ctx.head_dim):
             xs, ws = x[..., sl].to(dt), w[sl].to(dt)
             pre = _ShortConv._pre(xs, ws, valid)
             s = torch.sigmoid(pre)
-            dy = dout[:, :, h].to(dt)
+            dy = dout[:, :, hs].to(dt)
             if ctx.normalize:
-                y = (pre * s).to(x.dtype).to(dt)
+                y = (pre * s).to(x.dtype).to(dt).unflatten(-1, (-1, ctx.head_dim))
                 r = torch.rsqrt((y * y).sum(-1, keepdim=True) + 1e-6)
                 y *= r
                 dy = r * (dy - y * (dy * y).sum(-1, keepdim=True))
                 del y, r
+            dy = dy.flatten(-2)
             dpre = dy * s * (1 + pre * (1 - s))
             del pre, s, dy
             dxs = dpre * ws[:, 0, W - 1]
@@ -507,9 +555,10 @@ class _ForgetGate(torch.autograd.Function):
     lower_bound * sigmoid(rate * z), or -rate * softplus(z) (threshold 20) without a lower bound."""
 
     @staticmethod
-    def _z(f, dt_bias, A_log, h, sl):
+    def _z(f, dt_bias, A_log, hs, sl, head_dim):
+        """(z [B, S, c], the rate of each of the c channels) of the heads hs (channels sl)."""
         dt = wide_dtype(torch.promote_types(f.dtype, dt_bias.dtype))
-        return f[..., sl].to(dt) + dt_bias[sl].to(dt), A_log[h].to(dt).exp()
+        return f[..., sl].to(dt) + dt_bias[sl].to(dt), A_log[hs].to(dt).exp().repeat_interleave(head_dim)
 
     @staticmethod
     def forward(ctx, f, dt_bias, A_log, head_dim: int, lower_bound):
@@ -517,29 +566,31 @@ class _ForgetGate(torch.autograd.Function):
         ctx.head_dim, ctx.lower_bound = head_dim, lower_bound
         g = f.new_empty(*f.shape[:2], f.shape[-1] // head_dim, head_dim,
                         dtype=wide_dtype(torch.promote_types(f.dtype, dt_bias.dtype)))
-        for h, sl in enumerate(_heads(f.shape[-1], head_dim)):
-            z, rate = _ForgetGate._z(f, dt_bias, A_log, h, sl)
+        for hs, sl in _heads(f.shape[0] * f.shape[1], f.shape[-1], head_dim):
+            z, rate = _ForgetGate._z(f, dt_bias, A_log, hs, sl, head_dim)
             if lower_bound is not None:
-                g[:, :, h] = lower_bound * torch.sigmoid(rate * z)
+                gh = lower_bound * torch.sigmoid(rate * z)
             else:
-                g[:, :, h] = -rate * F.softplus(z, threshold=20.0)
+                gh = -rate * F.softplus(z, threshold=20.0)
+            g[:, :, hs] = gh.unflatten(-1, (-1, head_dim))
         return g
 
     @staticmethod
     def backward(ctx, dg):
         f, dt_bias, A_log = ctx.saved_tensors
         df, ddt, dA = torch.empty_like(f), torch.empty_like(dt_bias), torch.empty_like(A_log)
-        for h, sl in enumerate(_heads(f.shape[-1], ctx.head_dim)):
-            z, rate = _ForgetGate._z(f, dt_bias, A_log, h, sl)
-            dgh = dg[:, :, h].to(z.dtype)
+        for hs, sl in _heads(f.shape[0] * f.shape[1], f.shape[-1], ctx.head_dim):
+            z, rate = _ForgetGate._z(f, dt_bias, A_log, hs, sl, ctx.head_dim)
+            dgh = dg[:, :, hs].flatten(-2).to(z.dtype)
             if ctx.lower_bound is not None:
                 s = torch.sigmoid(rate * z)
                 du = dgh * ctx.lower_bound * s * (1 - s)  # the gradient of u = rate * z
-                dz, drate = du * rate, (du * z).sum()
+                dz, drate = du * rate, (du * z).sum((0, 1))
             else:
                 dz = -dgh * rate * torch.where(z > 20.0, 1.0, torch.sigmoid(z))
-                drate = -(dgh * F.softplus(z, threshold=20.0)).sum()
-            df[..., sl], ddt[sl], dA[h] = dz, dz.sum((0, 1)), drate * rate
+                drate = -(dgh * F.softplus(z, threshold=20.0)).sum((0, 1))
+            drate = drate.unflatten(-1, (-1, ctx.head_dim)).sum(-1)  # per head
+            df[..., sl], ddt[sl], dA[hs] = dz, dz.sum((0, 1)), drate * rate[::ctx.head_dim]
         return df, ddt, dA, None, None
 
 
@@ -548,20 +599,24 @@ class _GatedNorm(torch.autograd.Function):
     the weight's dtype, returned in o's."""
 
     @staticmethod
-    def _parts(o, gate, weight, eps, h):
+    def _parts(o, gate, weight, eps, hs):
         dt = wide_dtype(torch.promote_types(o.dtype, weight.dtype))
-        o32 = o[:, :, h].to(dt)
+        o32 = o[:, :, hs].to(dt)
         r = torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + eps)
-        return o32 * r, r, torch.sigmoid(gate[:, :, h].to(dt)), weight.to(dt)
+        return o32 * r, r, torch.sigmoid(gate[:, :, hs].to(dt)), weight.to(dt)
+
+    @staticmethod
+    def _groups(o):
+        return [hs for hs, _ in _heads(o.shape[0] * o.shape[1], o.shape[2] * o.shape[3], o.shape[3])]
 
     @staticmethod
     def forward(ctx, o, gate, weight, eps: float):
         ctx.save_for_backward(o, gate, weight)
         ctx.eps = eps
         out = torch.empty_like(o)
-        for h in range(o.shape[2]):
-            n, _, sg, w = _GatedNorm._parts(o, gate, weight, eps, h)
-            out[:, :, h] = w * n * sg
+        for hs in _GatedNorm._groups(o):
+            n, _, sg, w = _GatedNorm._parts(o, gate, weight, eps, hs)
+            out[:, :, hs] = w * n * sg
         return out
 
     @staticmethod
@@ -569,14 +624,14 @@ class _GatedNorm(torch.autograd.Function):
         o, gate, weight = ctx.saved_tensors
         do, dgate = torch.empty_like(o), torch.empty_like(gate)
         dweight = 0
-        for h in range(o.shape[2]):
-            n, r, sg, w = _GatedNorm._parts(o, gate, weight, ctx.eps, h)
-            dyh = dy[:, :, h].to(n.dtype)
+        for hs in _GatedNorm._groups(o):
+            n, r, sg, w = _GatedNorm._parts(o, gate, weight, ctx.eps, hs)
+            dyh = dy[:, :, hs].to(n.dtype)
             dwn = dyh * sg  # the gradient of w * n
             dweight = dweight + (dwn * n).flatten(0, -2).sum(0)
             dn = dwn * w
-            do[:, :, h] = r * (dn - n * (dn * n).mean(-1, keepdim=True))
-            dgate[:, :, h] = dyh * w * n * sg * (1 - sg)
+            do[:, :, hs] = r * (dn - n * (dn * n).mean(-1, keepdim=True))
+            dgate[:, :, hs] = dyh * w * n * sg * (1 - sg)
         return do, dgate, dweight.to(weight.dtype), None
 
 
@@ -594,7 +649,7 @@ def _gated_out(p: dict, o_BxSxHxV: torch.Tensor, x_BxSxD: torch.Tensor, cfg) -> 
 
 
 def kda_attention(p: dict, x_BxSxD: torch.Tensor, cfg, segment_BxS: torch.Tensor | None = None,
-                  chunk: int = 64) -> torch.Tensor:
+                  chunk: int = CHUNK) -> torch.Tensor:
     """GLM-5.3's KDA attention block over a linear-attention layer's `self_attn` params (checkpoint names:
     {q,k,v}_proj, {q,k,v}_conv1d, f_a_proj, f_b_proj, dt_bias, A_log, b_proj, g_a_proj, g_b_proj, o_norm, o_proj):
     q, k, v projections, a causal depthwise short convolution with SiLU, L2-normalised q and k, the forget gate,
@@ -703,7 +758,7 @@ class _ComposeStates(torch.autograd.Function):
 
 
 def kda_attention_cp(p: dict, x_BxSxD: torch.Tensor, cfg, starts: tuple[int, ...], segment_BxT: torch.Tensor | None,
-                     gather, chunk: int = 64) -> torch.Tensor:
+                     gather, chunk: int = CHUNK) -> torch.Tensor:
     """`kda_attention` on a context-parallel rank: x_BxSxD holds len(starts) equal chunks of the sequences back to
     back, chunk i from sequence position starts[i]; segment_BxT: document ids of all T positions (None: one document
     per row); gather: the layout's `chunks` verb ([B, len(starts), ...], a value per chunk held -> [B, N, ...], one

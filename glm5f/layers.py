@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from glm5f import kda
 from glm5f.config import GLM5Config
 from glm5f.hyper import hc_leaves
 from glm5f.kernels import INDEXER_QUERY_CHUNK_ELEMS, sparse_block_size
@@ -188,11 +189,22 @@ def _mla_dsa_macs(c: GLM5Config, spec: LayerSpec, seq: int) -> tuple[float, floa
 
 def _kda_macs(c: GLM5Config, spec: LayerSpec, seq: int) -> tuple[float, float]:
     """The projections (q, k, v, forget gate, beta, output gate, o_proj), the short convolutions and the delta
-    rule per head as the chunked form computes it (64-token chunks: the state's read and update, 4 d^2, and the
-    causal half of the chunk's scores and values, 64 d)."""
+    rule per head as the chunked form computes it (`kda.CHUNK`-token chunks: the state's read and update, 4 d^2,
+    and the causal half of the chunk's scores and values, CHUNK d)."""
     H, K, D = c.linear_num_heads, c.linear_head_dim, c.hidden_size
     proj = 4 * D * H * K + 2 * (D * K + K * H * K) + D * H
-    return proj + 3 * H * K * c.linear_conv_kernel_dim + H * (4 * K * K + 64 * K), 0.0
+    return proj + 3 * H * K * c.linear_conv_kernel_dim + H * (4 * K * K + kda.CHUNK * K), 0.0
+
+
+def _kda_transient(c: GLM5Config, spec: LayerSpec, B: int, S: int, T: int, act: torch.dtype,
+                   weight: torch.dtype) -> tuple[int, int]:
+    """(forward, backward) bytes inside the `glm5f::kda` op: its block workspace (`kda.workspace_bytes`), and in the
+    backward the gradients of q, k, v and g it returns ([B, S, H, d] each in the wider of fp32 and act). Under CP
+    (S < T) the values carry d_k more columns (`kda.kda_attention_cp`)."""
+    H, K = c.linear_num_heads, c.linear_head_dim
+    V = K if S == T else 2 * K
+    fwd, bwd = kda.workspace_bytes(B, S, H, K, V, act)
+    return fwd, bwd + B * S * H * (3 * K + V) * wide_dtype(act).itemsize
 
 
 def _hyper_macs(c: GLM5Config, spec: LayerSpec, seq: int) -> tuple[float, float]:
@@ -296,7 +308,7 @@ ATTENTION = {
             (r"\.self_attn\.b_proj\.weight$", LeafKind(("linear_heads", "embed"))),
             (r"\.self_attn\.o_norm\.weight$", LeafKind(("linear_dim",))),
         ),
-        macs=_kda_macs, cache=_kda_cache, recurrent=True),
+        macs=_kda_macs, transient=_kda_transient, cache=_kda_cache, recurrent=True),
 }
 MLP = {  # "moe" first: its experts' rows are more specific than the dense projections'
     "moe": Kind(

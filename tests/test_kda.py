@@ -50,11 +50,12 @@ def assert_chunked_equals_recurrent(B, T, H, K, V, chunk, seed, segment=None, to
 
 
 @pytest.mark.parametrize("T,chunk,per_block", [(1, 64, 0), (37, 8, 0), (64, 64, 0), (150, 64, 0), (150, 16, 0),
-                                               (70, 16, 1), (70, 8, 3)])
+                                               (70, 16, 1), (70, 8, 3), (70, 8, -1), (150, 16, -1)])
 def test_chunked_equals_recurrent_fp64(T, chunk, per_block, monkeypatch):
-    """per_block: chunks per block of chunks (0: the default, one block here)."""
+    """per_block: chunks per block of chunks (0: the default, one block here; -1: lane groups of one head of one
+    row, blocks of d_k tokens)."""
     if per_block:
-        monkeypatch.setattr(glm5f.kda, "BLOCK_ELEMS", 2 * 3 * chunk * per_block)
+        monkeypatch.setattr(glm5f.kda, "BLOCK_ELEMS", chunk if per_block < 0 else 2 * 3 * chunk * per_block)
     assert_chunked_equals_recurrent(2, T, 3, 16, 8, chunk, seed=T + chunk)
 
 
@@ -72,15 +73,17 @@ def packed_case(draw):
     chunk = draw(st.sampled_from([4, 8, 16]))
     T = draw(st.integers(1, 3 * chunk + 3))
     starts = draw(st.lists(st.integers(1, max(T - 1, 1)), max_size=5)) if T > 1 else []
-    return B, T, H, chunk, sorted(set(starts)), draw(st.integers(0, 2**31 - 1))
+    return B, T, H, chunk, sorted(set(starts)), draw(st.integers(0, 2**31 - 1)), draw(st.booleans())
 
 
 @SETTINGS
 @given(packed_case())
 def test_chunked_equals_recurrent_packed(case):
-    """Any T (not a multiple of the chunk, 1-token documents) and document starts; the same starts in every row."""
-    B, T, H, chunk, starts, seed = case
-    glm5f.kda.BLOCK_ELEMS, default = B * H * chunk * 2, glm5f.kda.BLOCK_ELEMS  # blocks of two chunks
+    """Any T (not a multiple of the chunk, 1-token documents) and document starts; the same starts in every row; in
+    one lane group or in groups of two lanes (a head of two rows, or two heads)."""
+    B, T, H, chunk, starts, seed, split = case
+    blocks = chunk * 2 if split else B * H * chunk * 2  # blocks of two chunks, or two lanes of one chunk
+    glm5f.kda.BLOCK_ELEMS, default = blocks, glm5f.kda.BLOCK_ELEMS
     segment = torch.zeros(B, T, dtype=torch.long)
     for s in starts:
         segment[:, s:] += 1
@@ -114,6 +117,39 @@ def test_fp32_inputs_compute_in_fp32_and_match_fp64():
     assert o.dtype == torch.float32 and s.dtype == torch.float32
     o64, s64 = kda_recurrent(*(x.double() for x in (q, k, v, g, beta)), 0.25, state.double())
     assert (o - o64).abs().max() < 1e-5 and (s - s64).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("B,T,H,d,block_elems", [(1, 1024, 4, 128, 1024), (1, 1000, 4, 128, 1024),
+                                                   (2, 512, 2, 64, 1024), (1, 512, 4, 256, 512),
+                                                   (2, 512, 4, 32, 4096)])
+def test_workspace_bytes_bound_what_the_allocator_holds(B, T, H, d, block_elems, monkeypatch):
+    """The memory plan's row for the op (`kda.workspace_bytes`) against torch's allocator, as the profiler records
+    its allocations and frees: the most held at once beyond the inputs and outputs, forward and backward, is at most
+    the row and at least half of it (one block over the whole sequence needs fewer copies)."""
+    from torch.profiler import ProfilerActivity, profile
+    monkeypatch.setattr(glm5f.kda, "BLOCK_ELEMS", block_elems)
+    q, k, v, g, beta, _ = delta_inputs(B, T, H, d, d, 0, dtype=torch.float32)
+
+    def held(fn):
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = fn()
+        events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                        key=lambda e: e.start_ns())
+        now = peak = 0
+        for e in events:
+            now += e.nbytes()
+            peak = max(peak, now)
+        return peak - sum(x.nbytes for x in out), out
+
+    with torch.no_grad():
+        fwd, (o, state, states) = held(lambda: kda_op(q, k, v, g, beta, None, None, d ** -0.5, glm5f.kda.CHUNK))
+        do, dstate = torch.randn_like(o), torch.zeros_like(state)
+        bwd, _ = held(lambda: kda_backward_op(do, dstate, q, k, v, g, beta, None, None, states, d ** -0.5,
+                                              glm5f.kda.CHUNK))
+    plan_fwd, plan_bwd = glm5f.kda.workspace_bytes(B, T, H, d, d, torch.float32)
+    for what, got, row in (("forward", fwd, plan_fwd), ("backward", bwd, plan_bwd)):
+        assert 0.5 * row <= got <= row, f"{what}: the allocator held {got / 2**20:.2f} MiB beyond the inputs " \
+                                         f"and outputs, the plan's row says {row / 2**20:.2f} MiB"
 
 
 def test_opcheck_kda():
