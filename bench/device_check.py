@@ -293,7 +293,7 @@ def check_kda(rows, device, shapes, gen, steps):
               + ("no CUDA device" if not device.startswith("cuda") else "fla-core is not installed") + ")")
 
     def op(q, k, v, g, beta, h0):
-        return kda_module.kda_op(q, k, v, g, beta, h0, None, q.shape[-1] ** -0.5, 64)[:2]
+        return kda_module.kda_op(q, k, v, g, beta, h0, None, q.shape[-1] ** -0.5, kda_module.CHUNK)[:2]
 
     def recurrent(q, k, v, g, beta, h0):
         return kda_module.kda_recurrent(q, k, v, g, beta, q.shape[-1] ** -0.5, h0)
