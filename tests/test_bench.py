@@ -20,6 +20,7 @@ BENCHES = {
     "floor": (["--batch", "1", "--seq", "64", "--steps", "1"], "any implementation at most"),
     "floor --moe": (["--moe", "--experts", "8", "--top", "2", "--tokens", "128", "--steps", "1"],
                     "utilisation GEMMs alone"),
+    "kda": (["--seq", "128", "--steps", "1"], "of the tensor memory"),
 }
 
 
