@@ -126,19 +126,14 @@ def test_workspace_bytes_bound_what_the_allocator_holds(B, T, H, d, block_elems,
     """The memory plan's row for the op (`kda.workspace_bytes`) against torch's allocator, as the profiler records
     its allocations and frees: the most held at once beyond the inputs and outputs, forward and backward, is at most
     the row and at least half of it (one block over the whole sequence needs fewer copies)."""
-    from torch.profiler import ProfilerActivity, profile
+    from bench.common import allocated_peak_gb
     monkeypatch.setattr(glm5f.kda, "BLOCK_ELEMS", block_elems)
     q, k, v, g, beta, _ = delta_inputs(B, T, H, d, d, 0, dtype=torch.float32)
 
     def held(fn):
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            out = fn()
-        events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                        key=lambda e: e.start_ns())
-        now = peak = 0
-        for e in events:
-            now += e.nbytes()
-            peak = max(peak, now)
+        """(the most the allocator held while fn ran beyond fn's outputs, the outputs)."""
+        out = []
+        peak = allocated_peak_gb(lambda: out.extend(fn()), "cpu") * 2**30
         return peak - sum(x.nbytes for x in out), out
 
     with torch.no_grad():
