@@ -75,7 +75,7 @@ def union_width(K: int, H: int) -> int:
     """The most distinct rows a block of queries may select for the union path to take it: per selected row it
     does the work of every query of the block (about 4x more row-GEMM throughput than one query's [H, C] x [C, K]
     at H = 8 on this CPU, 3x at H = 16, about even at H = 64; measured at S 512 and 2048, K 128): 32 / H times K,
-    widened to 3K for 16 heads."""
+    and at least min(3, 48 / H) times K (3K at 16 heads; between 17 and 47 heads 48 / H times, not measured)."""
     return int(K * max(1.0, 32 / H, min(3.0, 48 / H)))
 
 
