@@ -21,8 +21,10 @@ Prints a table of avg / max |loss difference| per layout (the largest over every
 OUT/align.png, and exits non-zero when a layout's max difference exceeds --tolerance: an absolute bound (1e-6), or
 by default `2x`, the fp32 layout rule: a layout may differ from one process by up to twice as much as one process
 differs from itself with its sums split as the layout splits them (the noise floors, NOISE_FLOORS, then always
-run): the step's batch in two micro-batches; for CP layouts also the queries in two parts (--train.query_parts 2),
-whichever drifts further (`floor_of`).
+run): the step's batch in micro-batches; for CP layouts also the queries in parts (--train.query_parts), whichever
+drifts furthest (`floor_of`). Each split is taken in two and in four parts: how far a run drifts within a few steps
+is decided by whether its rounding flips a near-tied top-k choice, and one split is one draw of that (glm53-tiny,
+fp32, 20 steps: 2 micro-batches first flip one at step 17, 2 query parts at 13, 4 of either at 5; all reach ~1e-4).
 """
 
 from __future__ import annotations
@@ -47,11 +49,13 @@ LAYOUTS = {
     "cp2-ep2": ["--parallel.cp", "2", "--parallel.ep", "2"],
     "dp2-cp2": ["--parallel.dp_shard", "2", "--parallel.cp", "2"],
 }
-# One process again, the same mathematics with sums in another order: the step's batch in two micro-batches (each
-# weight gradient summed over two halves of the tokens, as every layout's two ranks sum it), and the queries in two
-# parts (each latent row's gradient summed over two parts of the queries, as CP ranks sum it). How far they drift
-# from the baseline is the floor a layout can be held to in this precision (`floor_of`).
-NOISE_FLOORS = {"1proc-accum2": ["--train.grad_accum", "2"], "1proc-qparts2": ["--train.query_parts", "2"]}
+# One process again, the same mathematics with sums in another order: the step's batch in micro-batches (each
+# weight gradient summed over parts of the tokens, as every layout's ranks sum it), and the queries in parts (each
+# latent row's gradient summed over parts of the queries, as CP ranks sum it), each in two and in four parts. How
+# far they drift from the baseline is the floor a layout can be held to in this precision (`floor_of`).
+NOISE_FLOORS = {f"1proc-{name}{n}": [flag, str(n)] for name, flag in (("accum", "--train.grad_accum"),
+                                                                         ("qparts", "--train.query_parts"))
+                for n in (2, 4)}
 # fp32, the MoE + MLA + DSA preset, index_topk 64 < 128 tokens per CP rank < 256 per sequence: DSA is sparse on
 # every rank and over the whole sequence.
 COMMON = ["--model.preset", "glm5-scaled-moe", "--data.type", "synthetic", "--data.batch_size", "4",
@@ -141,10 +145,11 @@ def tolerance(text: str) -> float | tuple[str, float]:
 
 
 def floor_of(layout: str, results: dict) -> str:
-    """The noise floor `layout` is held to: of the floors for the sums it splits (every layout's two ranks split
-    each weight gradient's sum over tokens: 1proc-accum2; CP ranks also each latent row's gradient over queries:
-    1proc-qparts2), the one whose max difference in `results` is larger."""
-    floors = ["1proc-accum2"] + (["1proc-qparts2"] if "--parallel.cp" in LAYOUTS[layout] else [])
+    """The noise floor `layout` is held to: of the floors for the sums it splits (every layout's ranks split each
+    weight gradient's sum over tokens: 1proc-accum2/4; CP ranks also each latent row's gradient over queries:
+    1proc-qparts2/4), the one whose max difference in `results` is largest."""
+    cp = "--parallel.cp" in LAYOUTS[layout]
+    floors = [name for name, (flag, _) in NOISE_FLOORS.items() if cp or flag == "--train.grad_accum"]
     return max(floors, key=lambda name: results[name]["max"])
 
 
