@@ -182,9 +182,10 @@ class TrainConfig:
     grad_accum: int = 1
     """Micro-batches per step; data.batch_size must divide by grad_accum (and by the data-parallel ranks)."""
     query_parts: int = 1
-    """Sparse attention runs over this many contiguous parts of the queries, each part's latent-row gradients
-    summed apart and then added, as CP ranks sum theirs: the same numbers in the forward, the key gradients
-    rounded as a CP run rounds them (scripts/align.py's CP noise floor). 1: all queries at once."""
+    """Sparse attention runs over this many parts of the queries, each holding the queries of one rank of a
+    query_parts-way CP run (chunks r and 2 query_parts - 1 - r), each part's latent-row gradients summed apart and
+    then added, as CP ranks sum theirs: each query's output and the key gradients rounded as a CP run rounds them
+    (scripts/align.py's CP noise floor). 1: all queries at once."""
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"
     """Compute dtype; parameters and optimizer state stay fp32 (fp64 with float64, for exactness checks)."""
     reduce_dtype: Optional[Literal["float32", "float64"]] = None
@@ -453,6 +454,11 @@ def _layout_errors(cfg: Config, model: glm5f.GLM5Config) -> list[str]:
         if seq % (2 * p.cp):
             errs.append(f"context parallelism cuts each sequence into 2 x cp = {2 * p.cp} equal chunks: the sequence "
                         f"length {seq} must divide by {2 * p.cp} (change --data.seq_len)")
+    parts = cfg.train.query_parts
+    if parts > 1 and (cfg.data.seq_len // p.cp) % (2 * parts):
+        errs.append(f"--train.query_parts {parts} holds the queries as a {parts}-way CP run does, in 2 x {parts} "
+                    f"equal chunks: this rank's {cfg.data.seq_len // p.cp} queries must divide by {2 * parts} "
+                    f"(change --data.seq_len or --train.query_parts)")
     return errs
 
 

@@ -24,6 +24,7 @@ from einops import rearrange
 
 from glm5f import indexer_loss, kernels, kpool
 from glm5f.config import GLM5Config
+from glm5f.distributed import cp_position_list
 from glm5f.lora import merged
 from glm5f.env import Env, Mask
 from glm5f.layers import layer_spec
@@ -162,28 +163,88 @@ def select_pooled(ip: dict, x_BxSxD: torch.Tensor, q_BxSxQ: torch.Tensor, cfg: G
 
 def mla_core(p: dict, q_nope_BxSxHxN: torch.Tensor, q_rot_BxSxHxP: torch.Tensor, latent_BxTxC: torch.Tensor,
              topk_BxSxK: torch.Tensor | None, mask: Mask, cfg: GLM5Config, parts: int = 1,
-             allowed_BxSxK: torch.Tensor | None = None) -> torch.Tensor:
+             allowed_BxSxK: torch.Tensor | None = None, topk_dense: bool = True) -> torch.Tensor:
     """Attention of each query over its keys -> [B, S, H, V]: over every allowed key when no top-k narrows them
-    (`dense_mla`), else over its selected latent rows (`sparse_mla`, in `parts` parts of the queries; with
-    `allowed_BxSxK`, over those it marks)."""
+    (`dense_mla`), else over its selected keys (with `allowed_BxSxK`, over those it marks), in `parts` parts of
+    the queries: per head over keys kv_b expands where that costs less (`topk_dense` and `dense_topk_pays`:
+    `topk_dense_mla`), else over their latent rows (`sparse_mla`).
+
+    With `parts` > 1 (`--train.query_parts`) each part holds the queries a CP rank of a `parts`-way CP run holds
+    (`distributed.cp_positions`: chunks r and 2 parts - 1 - r) and runs alone: each query's output as a CP rank computes it,
+    and each latent row's gradient summed over each part's queries apart, then added, as CP ranks sum theirs."""
     B, S = q_nope_BxSxHxN.shape[:2]
+    T = latent_BxTxC.shape[1]
     if topk_BxSxK is None and S > 1:
         return dense_mla(p, q_nope_BxSxHxN, q_rot_BxSxHxP, latent_BxTxC, mask, cfg)
     if topk_BxSxK is None:  # one query (decoding) over at most index_topk keys: all of them
-        T = latent_BxTxC.shape[1]
         topk_BxSxK = torch.arange(T, device=latent_BxTxC.device).expand(B, S, T)
-    return sparse_mla(p, q_nope_BxSxHxN, q_rot_BxSxHxP, latent_BxTxC, topk_BxSxK, mask, cfg, parts, allowed_BxSxK)
+    if parts > 1:
+        if S % (2 * parts):
+            raise ValueError(f"query_parts {parts} splits the queries into 2 x {parts} chunks as CP does; {S} "
+                             f"queries do not divide by {2 * parts}")
+        where = [cp_position_list(S, parts, r) for r in range(parts)]
+        outs = []
+        for held in where:
+            i = torch.tensor(held, device=q_nope_BxSxHxN.device)
+            outs.append(mla_core(p, q_nope_BxSxHxN[:, i], q_rot_BxSxHxP[:, i], latent_BxTxC, topk_BxSxK[:, i],
+                                 mask.queries(held, i), cfg, 1, None if allowed_BxSxK is None else allowed_BxSxK[:, i],
+                                 topk_dense))
+        order = torch.tensor(sum(where, []), device=q_nope_BxSxHxN.device).argsort()
+        return torch.cat(outs, dim=1)[:, order]
+    if topk_dense and dense_topk_pays(cfg, q_nope_BxSxHxN, latent_BxTxC, topk_BxSxK.shape[-1], mask.dense is None):
+        return topk_dense_mla(p, q_nope_BxSxHxN, q_rot_BxSxHxP, latent_BxTxC, topk_BxSxK, mask, cfg, allowed_BxSxK)
+    return sparse_mla(p, q_nope_BxSxHxN, q_rot_BxSxHxP, latent_BxTxC, topk_BxSxK, mask, cfg, allowed_BxSxK)
+
+
+SPARSE_GEMM_COST = 2.0  # the CPU time of one multiply-add in the sparse core's small GEMMs, in dense-GEMM units
+
+
+def dense_topk_pays(cfg: GLM5Config, q_BxSxHxN: torch.Tensor, latent_BxTxC: torch.Tensor, K: int,
+                    causal: bool) -> bool:
+    """Whether `topk_dense_mla` costs this CPU less than `sparse_mla` for S queries over T keys, each attending K.
+
+    Per head, the sparse core absorbs kv_b into every query and output (S R (N + V) multiply-adds) and attends K
+    latent rows in the latent's widths (2 S K (C + R): its small per-block GEMMs run at about half the dense
+    ones' rate on this CPU, `SPARSE_GEMM_COST`); the dense form expands every key through kv_b (T R (N + V)) and
+    scores every key up to a block's last selection in the heads' widths (S t (N + P + V), t about T / 2 + 64
+    under a causal mask). Measured fwd + bwd of one layer (B4, K 128, 1 thread), sparse against dense: 8 heads,
+    R 128: 0.137 / 0.094 s at S 512, 0.171 / 0.168 at 1024, 0.185 / 0.301 at 2048; 16 heads, R 256: 0.451 /
+    0.212 at 512, 0.499 / 0.694 at 2048. Only on the CPU (CUDA runs the Triton sparse kernels) with the latent in
+    the queries' dtype: a wider latent (fp64 sums) keeps the sparse core, whose row gradients are summed in it."""
+    if (latent_BxTxC.device.type != "cpu" or latent_BxTxC.dtype != q_BxSxHxN.dtype
+            or torch._C._are_functorch_transforms_active()):
+        return False
+    S, T = q_BxSxHxN.shape[1], latent_BxTxC.shape[1]
+    R, N, P, V = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    seen = min(T, T / 2 + kernels.DENSE_BLOCK_QUERIES / 2) if causal else T
+    dense = T * R * (N + V) + S * seen * (N + P + V)
+    sparse = S * R * (N + V) + SPARSE_GEMM_COST * S * K * (R + P + R)
+    return dense < sparse
+
+
+def topk_dense_mla(p: dict, q_nope_BxSxHxN: torch.Tensor, q_rot_BxSxHxP: torch.Tensor, latent_BxTxC: torch.Tensor,
+                   idx_BxSxK: torch.Tensor, mask: Mask, cfg: GLM5Config,
+                   allowed_BxSxK: torch.Tensor | None = None) -> torch.Tensor:
+    """`sparse_mla`'s output [B, S, H, V] with keys and values per head (`expand_latent`, as `dense_mla`) and the
+    top-k as a mask (`kernels.topk_attention`)."""
+    q_BxSxHxD = torch.cat([q_nope_BxSxHxN, q_rot_BxSxHxP], dim=-1)
+    explicit = allowed_BxSxK is not None
+    if not explicit:
+        allowed_BxSxK = mask.at(idx_BxSxK)
+    out_BxSxHxV = kernels.topk_attention(q_BxSxHxD, *expand_latent(p, latent_BxTxC, cfg), idx_BxSxK, allowed_BxSxK,
+                                         mask.bias_at(idx_BxSxK), cfg.softmax_scale)
+    if explicit:
+        out_BxSxHxV = out_BxSxHxV * allowed_BxSxK.any(-1)[..., None, None]
+    return out_BxSxHxV
 
 
 def sparse_mla(p: dict, q_nope_BxSxHxN: torch.Tensor, q_rot_BxSxHxP: torch.Tensor, latent_BxTxC: torch.Tensor,
-               idx_BxSxK: torch.Tensor, mask: Mask, cfg: GLM5Config, parts: int = 1,
+               idx_BxSxK: torch.Tensor, mask: Mask, cfg: GLM5Config,
                allowed_BxSxK: torch.Tensor | None = None) -> torch.Tensor:
     """MLA over the selected keys, in latent space: q_nope absorbs W_k, the latent output passes W_v. -> [B,S,H,V]
 
     The contractions with kv_b compute in the latent's dtype (kv_b's; wider than the queries' under
-    --train.reduce_dtype), attention itself in the queries'. With `parts` > 1 the kernel runs once per contiguous
-    part of the queries: each query's output is the same, but a latent row's gradient is summed over each part's
-    queries apart and the parts' sums are then added, as CP ranks sum theirs (`--train.query_parts`).
+    --train.reduce_dtype), attention itself in the queries'.
     """
     dt, act = latent_BxTxC.dtype, q_nope_BxSxHxN.dtype
     w_k_HxNxR, w_v_HxVxR = kv_b_heads(p, cfg)
@@ -192,14 +253,8 @@ def sparse_mla(p: dict, q_nope_BxSxHxN: torch.Tensor, q_rot_BxSxHxP: torch.Tenso
     explicit = allowed_BxSxK is not None
     if not explicit:
         allowed_BxSxK = mask.at(idx_BxSxK)
-    bias_BxSxK = mask.bias_at(idx_BxSxK)
-    S = q_BxSxHxC.shape[1]
-    bounds = [S * i // parts for i in range(parts + 1)]
-    outs = [kernels.sparse_attention(q_BxSxHxC[:, a:b], latent_BxTxC, idx_BxSxK[:, a:b], allowed_BxSxK[:, a:b],
-                                     cfg.softmax_scale, cfg.kv_lora_rank,
-                                     None if bias_BxSxK is None else bias_BxSxK[:, a:b])
-            for a, b in zip(bounds, bounds[1:]) if b > a]
-    out_BxSxHxR = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    out_BxSxHxR = kernels.sparse_attention(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, cfg.softmax_scale,
+                                           cfg.kv_lora_rank, mask.bias_at(idx_BxSxK))
     if explicit:
         out_BxSxHxR = out_BxSxHxR * allowed_BxSxK.any(-1)[..., None, None]
     return torch.einsum("bshr,hvr->bshv", out_BxSxHxR.to(dt), w_v_HxVxR.to(dt)).to(act)
@@ -267,7 +322,7 @@ def attention(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, env: 
     elif "indexer" in p:
         carry = select(p["indexer"], x_BxSxD, q_BxSxQ, cfg, layer, env, latent_BxTxC.shape[1])
     out_BxSxHxV = mla_core(p, q_nope, q_rot, latent_BxTxC, carry.topk, env.mask, cfg, env.query_parts,
-                           carry.allowed)
+                           carry.allowed, env.topk_dense)
     out_BxSxD = linear(p["o_proj"], rearrange(out_BxSxHxV, "b s h v -> b s (h v)"))
     if carry.student is None:
         return out_BxSxD, carry, {}

@@ -85,8 +85,13 @@ def placements(axes: tuple[str, ...]) -> tuple[str, list, list, list]:
 def cp_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     """Sequence indices held by CP rank `rank`: chunks rank and 2cp-1-rank of 2cp equal chunks (each rank gets
     an equal share of the causal attention work)."""
-    chunks_2CPxC = rearrange(torch.arange(seq_len), "(n c) -> n c", n=2 * cp)
-    return rearrange(chunks_2CPxC[[rank, 2 * cp - 1 - rank]], "two c -> (two c)")
+    return torch.tensor(cp_position_list(seq_len, cp, rank))
+
+
+def cp_position_list(seq_len: int, cp: int, rank: int) -> list[int]:
+    """`cp_positions` as host integers."""
+    c = seq_len // (2 * cp)
+    return [*range(rank * c, (rank + 1) * c), *range((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)]
 
 
 def mesh_shapes(dp_shard: int, cp: int, ep: int) -> dict[str, tuple[int, ...]]:

@@ -72,6 +72,14 @@ class Mask:
             allowed = allowed & (k_seg == self.q_segment[:, :, None])
         return allowed
 
+    def queries(self, held: list[int], held_S: torch.Tensor) -> Mask:
+        """The mask of queries `held` (indices among this mask's queries; `held_S` the same on the device)."""
+        def rows(t, dim):
+            return None if t is None else t.index_select(dim, held_S)
+        host = None if self.q_index_host is None else [self.q_index_host[i] for i in held]
+        return Mask(rows(self.q_index, 0), self.num_keys, self.key_valid, rows(self.q_segment, 1), self.k_segment,
+                    rows(self.dense, 1), rows(self.bias, 1), host)
+
     def bias_at(self, idx_BxSxK: torch.Tensor) -> torch.Tensor | None:
         if self.bias is None:
             return None
@@ -114,7 +122,9 @@ class Env:
     rank's sequences). `remat` recomputes
     each decoder layer in the backward pass; `compile` runs decoder layers under torch.compile; `lora`: the LoRA
     spec (scale, dropout) of the adapters in the params, None without; `query_parts`: the parts of the queries
-    sparse attention runs over (`attention.sparse_mla`)."""
+    sparse attention runs over (`attention.sparse_mla`); `topk_dense`: whether a CPU layer may attend its top-k
+    with per-head keys where that costs less (`attention.dense_topk_pays`; off in the memory plan's traces, which
+    follow the accelerators' sparse kernels)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -127,6 +137,7 @@ class Env:
     compile: bool = False
     lora: LoraSpec | None = None
     query_parts: int = 1
+    topk_dense: bool = True
 
     @property
     def dtype(self) -> torch.dtype:

@@ -341,6 +341,133 @@ def sparse_attention(q_BxSxHxC: torch.Tensor, latent_BxTxC: torch.Tensor, idx_Bx
     return sparse_mla(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale, value_dim, block)[0]
 
 
+# ---- glm5f::topk_attention: the CPU's dense form of the same attention -------------------------------------------
+
+DENSE_BLOCK_ELEMS = 1 << 22  # bound on one query block's [B, H, s, t] scores in `topk_attention`
+DENSE_BLOCK_QUERIES = 128  # and its most queries (a block attends keys up to its last selection: causal blocks)
+
+
+def topk_fill(idx_BxsxK: torch.Tensor, allowed_BxsxK: torch.Tensor, bias_BxsxK: torch.Tensor | None, t: int,
+              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fill [B, s, t] to add to a block's scores over keys 0..t-1, the queries with no allowed selection [B, s]):
+    log of how many times a query selected the key allowed (0 once, -inf never: so the softmax over keys equals
+    the sparse one over its K selections, a row selected twice counted twice), plus the bias where selected. A
+    query with no allowed selection averages its K rows: its fill is the log of how many times it selected the
+    key, and its scores are that fill alone (`_dense_block_probs`)."""
+    counts = torch.zeros(*idx_BxsxK.shape[:2], t, dtype=dtype, device=idx_BxsxK.device)
+    none_Bxs = ~allowed_BxsxK.any(-1)
+    weight = torch.where(none_Bxs[..., None], 1.0, allowed_BxsxK.to(dtype))
+    fill = counts.scatter_add_(2, idx_BxsxK, weight).log_()
+    if bias_BxsxK is not None:
+        bias = bias_BxsxK.to(dtype).masked_fill(none_Bxs[..., None], 0)
+        fill += torch.zeros_like(fill).scatter_(2, idx_BxsxK, bias)
+    return fill, none_Bxs
+
+
+def _dense_blocks(B, S, H, T):
+    step = max(1, min(DENSE_BLOCK_QUERIES, DENSE_BLOCK_ELEMS // max(1, B * H * T)))
+    return [(a, min(S, a + step)) for a in range(0, S, step)]
+
+
+def _dense_block_probs(q_BxHxsxD, k_BxHxTxD, idx_Bxsxk, allowed, bias, scale):
+    """A block's probabilities [B, H, s, t] (wide), t keys (those up to its last selection), and its queries with
+    no allowed selection."""
+    t = int(idx_Bxsxk.max()) + 1
+    scores = torch.matmul(q_BxHxsxD, k_BxHxTxD[:, :, :t].transpose(-1, -2)).mul_(scale)
+    fill, none_Bxs = topk_fill(idx_Bxsxk, allowed, bias, t, wide_dtype(scores.dtype))
+    scores = wide(scores).add_(fill[:, None])
+    if bool(none_Bxs.any()):
+        scores = torch.where(none_Bxs[:, None, :, None], fill[:, None], scores)
+    return torch.softmax(scores, dim=-1), t, none_Bxs
+
+
+def _topk_attention_torch(q_BxSxHxD, k_BxHxTxD, v_BxHxTxV, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale):
+    B, S, H, _ = q_BxSxHxD.shape
+    dt = q_BxSxHxD.dtype
+    out_BxSxHxV = q_BxSxHxD.new_empty(B, S, H, v_BxHxTxV.shape[-1])
+    for a, b in _dense_blocks(B, S, H, k_BxHxTxD.shape[2]):
+        bias = None if bias_BxSxK is None else bias_BxSxK[:, a:b]
+        probs, t, _ = _dense_block_probs(q_BxSxHxD[:, a:b].transpose(1, 2), k_BxHxTxD, idx_BxSxK[:, a:b],
+                                         allowed_BxSxK[:, a:b], bias, scale)
+        out_BxSxHxV[:, a:b] = torch.matmul(probs.to(dt), v_BxHxTxV[:, :, :t]).transpose(1, 2)
+    return out_BxSxHxV
+
+
+def _check_topk_attention(q_BxSxHxD, k_BxHxTxD, v_BxHxTxV, idx_BxSxK, allowed_BxSxK):
+    B, S, H, D = q_BxSxHxD.shape
+    if (k_BxHxTxD.shape[:2] != (B, H) or k_BxHxTxD.shape[3] != D or v_BxHxTxV.shape[:3] != k_BxHxTxD.shape[:3]
+            or tuple(idx_BxSxK.shape[:2]) != (B, S) or allowed_BxSxK.shape != idx_BxSxK.shape):
+        raise ValueError(f"topk_attention expects q [B, S, H, D], k [B, H, T, D], v [B, H, T, V], idx and allowed "
+                         f"[B, S, K]; got {tuple(q_BxSxHxD.shape)}, {tuple(k_BxHxTxD.shape)}, "
+                         f"{tuple(v_BxHxTxV.shape)}, {tuple(idx_BxSxK.shape)}, {tuple(allowed_BxSxK.shape)}")
+
+
+@torch.library.custom_op("glm5f::topk_attention", mutates_args=())
+def topk_attention(q_BxSxHxD: torch.Tensor, k_BxHxTxD: torch.Tensor, v_BxHxTxV: torch.Tensor,
+                   idx_BxSxK: torch.Tensor, allowed_BxSxK: torch.Tensor, bias_BxSxK: torch.Tensor | None,
+                   scale: float) -> torch.Tensor:
+    """`sparse_mla`'s attention with per-head keys and values (kv_b applied to every key) -> out [B, S, H, V]:
+    each block of queries scores every key up to its last selection, and `topk_fill` leaves each query the
+    softmax over its K selections. Costs S x t per head instead of S x K, but in head widths (nope + rope, v)
+    rather than the latent's (C, R); `attention.dense_topk_pays` says when that is less. Memory is linear in S."""
+    _check_topk_attention(q_BxSxHxD, k_BxHxTxD, v_BxHxTxV, idx_BxSxK, allowed_BxSxK)
+    return _topk_attention_torch(q_BxSxHxD, k_BxHxTxD, v_BxHxTxV, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale)
+
+
+@topk_attention.register_fake
+def _(q_BxSxHxD, k_BxHxTxD, v_BxHxTxV, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale):
+    _check_topk_attention(q_BxSxHxD, k_BxHxTxD, v_BxHxTxV, idx_BxSxK, allowed_BxSxK)
+    return q_BxSxHxD.new_empty(*q_BxSxHxD.shape[:3], v_BxHxTxV.shape[-1])
+
+
+@torch.library.custom_op("glm5f::topk_attention_backward", mutates_args=())
+def topk_attention_backward(dout_BxSxHxV: torch.Tensor, q_BxSxHxD: torch.Tensor, k_BxHxTxD: torch.Tensor,
+                            v_BxHxTxV: torch.Tensor, idx_BxSxK: torch.Tensor, allowed_BxSxK: torch.Tensor,
+                            bias_BxSxK: torch.Tensor | None, scale: float
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of `topk_attention`, each block's probabilities recomputed; a query with no allowed selection
+    passes no gradient to its scores (as `sparse_mla_backward`)."""
+    B, S, H, _ = q_BxSxHxD.shape
+    dt = q_BxSxHxD.dtype
+    dq = torch.empty_like(q_BxSxHxD)
+    dk, dv = torch.zeros_like(k_BxHxTxD), torch.zeros_like(v_BxHxTxV)
+    for a, b in _dense_blocks(B, S, H, k_BxHxTxD.shape[2]):
+        q = q_BxSxHxD[:, a:b].transpose(1, 2)
+        dout = dout_BxSxHxV[:, a:b].transpose(1, 2).to(dt)
+        bias = None if bias_BxSxK is None else bias_BxSxK[:, a:b]
+        probs_w, t, none_Bxs = _dense_block_probs(q, k_BxHxTxD, idx_BxSxK[:, a:b], allowed_BxSxK[:, a:b], bias,
+                                                  scale)
+        probs = probs_w.to(dt)
+        dv[:, :, :t] += torch.matmul(probs.transpose(-1, -2), dout)
+        dprobs_w = wide(torch.matmul(dout, v_BxHxTxV[:, :, :t].transpose(-1, -2)))
+        dscores_w = dprobs_w.sub_((probs_w * dprobs_w).sum(-1, keepdim=True)).mul_(probs_w)
+        if bool(none_Bxs.any()):
+            dscores_w.masked_fill_(none_Bxs[:, None, :, None], 0)
+        dscores = dscores_w.to(dt).mul_(scale)
+        dq[:, a:b] = torch.matmul(dscores, k_BxHxTxD[:, :, :t]).transpose(1, 2)
+        dk[:, :, :t] += torch.matmul(dscores.transpose(-1, -2), q)
+    return dq, dk, dv
+
+
+@topk_attention_backward.register_fake
+def _(dout_BxSxHxV, q_BxSxHxD, k_BxHxTxD, v_BxHxTxV, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale):
+    return torch.empty_like(q_BxSxHxD), torch.empty_like(k_BxHxTxD), torch.empty_like(v_BxHxTxV)
+
+
+def _topk_attention_setup_context(ctx, inputs, output):
+    q, k, v, idx, allowed, bias, scale = inputs
+    ctx.save_for_backward(q, k, v, idx, allowed, bias)
+    ctx.scale = scale
+
+
+def _topk_attention_autograd(ctx, dout_BxSxHxV):
+    q, k, v, idx, allowed, bias = ctx.saved_tensors
+    return (*topk_attention_backward(dout_BxSxHxV, q, k, v, idx, allowed, bias, ctx.scale), None, None, None, None)
+
+
+topk_attention.register_autograd(_topk_attention_autograd, setup_context=_topk_attention_setup_context)
+
+
 # ---- glm5f::indexer_topk ------------------------------------------------------------------------------------------
 
 def topk_first(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -247,7 +247,8 @@ def trace(cfg: GLM5Config, run: RunShape, B: int) -> dict[object, list[int]]:
         fake = lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t  # noqa: E731
         mask = dataclasses.replace(env.mask, **{f.name: fake(getattr(env.mask, f.name))
                                                 for f in dataclasses.fields(env.mask)})
-        env = dataclasses.replace(env, cos=fake(env.cos), sin=fake(env.sin), mask=mask)
+        # the accelerators' attention: the sparse core (the CPU's dense top-k form is not what the plan sizes)
+        env = dataclasses.replace(env, cos=fake(env.cos), sin=fake(env.sin), mask=mask, topk_dense=False)
         outside = {StorageWeakRef(t.untyped_storage()) for t in [env.cos, env.sin, *vars(mask).values()]
                    if isinstance(t, torch.Tensor)}
 

@@ -1,6 +1,8 @@
-"""glm5f/attention.py: the sparse path against a masked-dense oracle, DSA over every key as plain MLA (the model
-written out layer by layer), and a query with fewer visible keys than k; equivalences searched by hypothesis."""
+"""glm5f/attention.py: the sparse path against a masked-dense oracle, the CPU's dense top-k form against the sparse
+path, DSA over every key as plain MLA (the model written out layer by layer), and a query with fewer visible keys
+than k; equivalences searched by hypothesis."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -8,7 +10,10 @@ from hypothesis import strategies as st
 
 import glm5f
 from conftest import env_of, forward_by_layers
-from glm5f.attention import dense_mla, indexer_keys, indexer_queries, indexer_topk, mla_project, sparse_mla
+from glm5f.attention import (dense_mla, dense_topk_pays, indexer_keys, indexer_queries, indexer_topk, mla_core,
+                             mla_project, sparse_mla, topk_dense_mla)
+from glm5f.distributed import cp_position_list
+from glm5f import kernels
 from glm5f.env import Mask
 from glm5f.kernels import topk_as_mask, topk_first
 from glm5f.ops import linear
@@ -65,10 +70,59 @@ def test_sparse_attention_equals_masked_dense_oracle(case):
         assert torch.allclose(a, b, atol=1e-10, rtol=1e-9)
 
 
-def test_sparse_attention_in_query_parts_sums_each_parts_key_gradients_apart():
-    """parts=2 (--train.query_parts): every output as with all queries at once, bit for bit; each latent row's
-    gradient is the sum of the two halves' gradients, each taken over its own queries alone (each half run as a
-    CP rank runs its queries), which in fp32 rounds differently from the one sum over all queries."""
+@SETTINGS
+@given(attention_case(), st.sampled_from(["plain", "explicit", "bias", "repeats"]), st.sampled_from([1, 3, 128]))
+def test_dense_topk_form_equals_the_sparse_core(case, variant, block):
+    """`topk_dense_mla` (per-head keys, the top-k as a mask: what the CPU runs where it costs less) computes
+    `sparse_mla`'s outputs and gradients in fp64, every query included (padding ones with no allowed key average
+    their K rows in both), in blocks of `block` queries, with an explicit `allowed`
+    (GLM-5.3's pooled selection), a float mask's bias, and rows selected twice (counted twice by both)."""
+    cfg, B, T, seed, padded = case
+    q_nope, q_rot, latent, kv_b, mask, idx = random_inputs(cfg, B, T, seed, padded)
+    g = torch.Generator().manual_seed(seed)
+    allowed = None
+    if variant == "explicit":
+        allowed = mask.at(idx) & (torch.rand(idx.shape, generator=g) > 0.3)
+    if variant == "bias":
+        dense = mask.rows(0, T).expand(B, T, T)
+        mask = Mask(torch.arange(T), T, dense=dense, bias=torch.randn(B, T, T, generator=g, dtype=torch.float64))
+    if variant == "repeats":
+        idx = torch.where(torch.rand(idx.shape, generator=g) > 0.5, idx, idx[..., :1])
+    inputs = [t.requires_grad_() for t in (q_nope, q_rot, latent, kv_b["kv_b_proj"]["weight"])]
+    weight = torch.randn(B, T, cfg.num_attention_heads, cfg.v_head_dim, generator=g, dtype=torch.float64)
+    sparse = sparse_mla(kv_b, q_nope, q_rot, latent, idx, mask, cfg, allowed_BxSxK=allowed)
+    default, kernels.DENSE_BLOCK_QUERIES = kernels.DENSE_BLOCK_QUERIES, block
+    try:
+        dense = topk_dense_mla(kv_b, q_nope, q_rot, latent, idx, mask, cfg, allowed_BxSxK=allowed)
+        assert torch.allclose(dense, sparse, atol=1e-12, rtol=1e-10)
+        for a, b in zip(torch.autograd.grad((dense * weight).sum(), inputs),
+                        torch.autograd.grad((sparse * weight).sum(), inputs)):
+            assert torch.allclose(a, b, atol=1e-11, rtol=1e-9)
+    finally:
+        kernels.DENSE_BLOCK_QUERIES = default
+
+
+def test_the_dense_topk_form_runs_where_it_costs_the_cpu_less():
+    """`dense_topk_pays` at the bench's shapes (B4, index_topk 128): the dense form at 512 tokens, 8 and 16 heads
+    (measured 1.5x and 2.1x faster a layer), the sparse core at 2048 (measured 1.6x and 1.4x slower dense), for
+    one query (decoding), with a latent wider than the queries (fp64 sums), and off the CPU."""
+    def pays(S, heads=8, rank=128, q_dtype=torch.float32, latent_dtype=torch.float32, device="cpu"):
+        cfg = glm5f.preset("glm5-tiny", num_attention_heads=heads, kv_lora_rank=rank, qk_nope_head_dim=64,
+                           qk_rope_head_dim=32, v_head_dim=64, index_topk=128, index_head_dim=64)
+        q = torch.empty(4, S, heads, 64, dtype=q_dtype, device=device)
+        latent = torch.empty(4, S if S > 1 else 4096, rank + 32, dtype=latent_dtype, device=device)
+        return dense_topk_pays(cfg, q, latent, 128, causal=True)
+    assert pays(512) and pays(512, heads=16, rank=256)
+    assert not pays(2048) and not pays(2048, heads=16, rank=256)
+    assert not pays(1) and not pays(512, latent_dtype=torch.float64) and not pays(512, device="meta")
+
+
+@pytest.mark.parametrize("topk_dense", [False, True])
+def test_query_parts_run_as_cp_ranks_hold_the_queries(topk_dense):
+    """parts=2 (--train.query_parts), the sparse core and the dense top-k form: part r holds the queries CP rank r
+    of 2 holds (chunks r and 3 - r of 4) and runs alone, so every output is bit for bit the one that part computes
+    by itself, and each latent row's gradient is the sum of the parts' gradients, each taken over its own queries
+    (as CP ranks sum theirs), which in fp32 rounds differently from one sum over all queries."""
     cfg = small_cfg(num_attention_heads=2, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4,
                     index_topk=8)
     B, T = 2, 48
@@ -76,15 +130,18 @@ def test_sparse_attention_in_query_parts_sums_each_parts_key_gradients_apart():
     q_nope, q_rot, latent = (t.float().requires_grad_() for t in (q_nope, q_rot, latent))
     kv_b = {"kv_b_proj": {"weight": kv_b["kv_b_proj"]["weight"].float()}}
     weight = torch.randn(B, T, cfg.num_attention_heads, cfg.v_head_dim, generator=torch.Generator().manual_seed(1))
-    whole = sparse_mla(kv_b, q_nope, q_rot, latent, idx, mask, cfg)
-    split = sparse_mla(kv_b, q_nope, q_rot, latent, idx, mask, cfg, parts=2)
-    assert torch.equal(split, whole)
-    g_split = torch.autograd.grad((split * weight).sum(), latent)[0]
-    g_whole = torch.autograd.grad((whole * weight).sum(), latent, retain_graph=True)[0]
-    g_halves = [torch.autograd.grad((sparse_mla(kv_b, q_nope[:, a:a + T // 2], q_rot[:, a:a + T // 2], latent,
-                                                idx[:, a:a + T // 2], Mask(torch.arange(a, a + T // 2), T), cfg)
-                                     * weight[:, a:a + T // 2]).sum(), latent)[0] for a in (0, T // 2)]
-    assert torch.equal(g_split, g_halves[0] + g_halves[1])
+    split = mla_core(kv_b, q_nope, q_rot, latent, idx, mask, cfg, 2, topk_dense=topk_dense)
+    whole = mla_core(kv_b, q_nope, q_rot, latent, idx, mask, cfg, 1, topk_dense=topk_dense)
+    g_split = torch.autograd.grad((split * weight).sum(), latent, retain_graph=True)[0]
+    g_whole = torch.autograd.grad((whole * weight).sum(), latent)[0]
+    g_parts = []
+    for r in range(2):
+        i = torch.tensor(cp_position_list(T, 2, r))
+        part = mla_core(kv_b, q_nope[:, i], q_rot[:, i], latent, idx[:, i], Mask(i, T), cfg, 1,
+                        topk_dense=topk_dense)
+        assert torch.equal(split[:, i], part)
+        g_parts.append(torch.autograd.grad((part * weight[:, i]).sum(), latent)[0])
+    assert torch.equal(g_split, g_parts[0] + g_parts[1])
     assert not torch.equal(g_split, g_whole) and torch.allclose(g_split, g_whole, rtol=1e-5, atol=1e-6)
 
 

@@ -254,7 +254,8 @@ def test_invalid_run_configs_fail_before_any_work(tmp_path, capsys):
                           (["--model.n_group", "3"], "divisible by n_group"),
                           (["--data.type", "json_file"], "needs --data.path"),
                           (["--train.dtype", "float64", "--train.reduce_dtype", "float32"], "narrower than"),
-                          (["--parallel.tp", "2"], "tensor parallelism is not built")]:
+                          (["--parallel.tp", "2"], "tensor parallelism is not built"),
+                          (["--data.seq_len", "36", "--train.query_parts", "4"], "queries must divide by 8")]:
         assert main([*args, "--checkpoint.dir", str(run)]) == 1
         err = capsys.readouterr().err
         assert message in err and err.startswith("error: invalid configuration"), (args, err)

@@ -56,7 +56,9 @@ def test_compiled_step_is_as_accurate_as_eager():
     """The bound: compilation fuses and reorders fp32 arithmetic, so the compiled step is held to the eager step's
     own accuracy: against the same step in fp64, each gradient's relative error at most twice the eager one's
     (measured: at most 1.4x; the indexer's gradients, a KL near zero, are 1e-5 off in both), and each metric's
-    error at most twice the eager one's plus 4 fp32 epsilons of its value."""
+    error at most twice the eager one's plus 4 fp32 epsilons of its scale: its value, but for the indexer loss,
+    a KL near zero (1.2e-4 here) made of cross-entropies near ln(index_topk), whose rounding it inherits (eager
+    and compiled are 1.0e-8 and 2.4e-8 from fp64 here, 2e-4 of the KL)."""
     params, batch = glm5f.init_params(CFG), packed_batch()
     eager = step_grads(params, batch, CFG, Layout(), step_of())
     compiled = step_grads(params, batch, CFG, Layout(), step_of("--train.compile"))
@@ -67,7 +69,8 @@ def test_compiled_step_is_as_accurate_as_eager():
     assert not worse, worse
     eps = torch.finfo(torch.float32).eps
     for k, v in truth[0].items():
-        assert abs(compiled[0][k] - v) <= 2 * abs(eager[0][k] - v) + 4 * eps * abs(v), (k, compiled[0][k], v)
+        scale = math.log(CFG.index_topk) if k == "indexer_loss" else abs(v)
+        assert abs(compiled[0][k] - v) <= 2 * abs(eager[0][k] - v) + 4 * eps * scale, (k, compiled[0][k], v)
     for k in eager[2]:
         assert torch.equal(compiled[2][k], eager[2][k]), k  # the same routing
 

@@ -86,7 +86,8 @@ def test_saved_activations_match_what_autograd_saves(B, S, layers, pattern, dtyp
 
     ids = torch.randint(0, cfg.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        hidden, _ = hidden_states(params, cfg, ids, env_of(cfg, ids.shape, dtype=getattr(torch, dtype)))
+        env = dataclasses.replace(env_of(cfg, ids.shape, dtype=getattr(torch, dtype)), topk_dense=False)
+        hidden, _ = hidden_states(params, cfg, ids, env)  # the path the plan sizes: the accelerators' sparse core
         head_loss_sum(main_head(params, cfg), hidden, shift_labels(ids), cfg.rms_norm_eps)
     plan_acts = activation_bytes(cfg, RunShape(batch_size=B, seq_len=S, dtype=dtype, reduce_dtype=reduce), remat=False)
     measured = sum(saved.values())
