@@ -357,7 +357,10 @@ def topk_fill(idx_BxsxK: torch.Tensor, allowed_BxsxK: torch.Tensor, bias_BxsxK: 
     counts = torch.zeros(*idx_BxsxK.shape[:2], t, dtype=dtype, device=idx_BxsxK.device)
     none_Bxs = ~allowed_BxsxK.any(-1)
     weight = torch.where(none_Bxs[..., None], 1.0, allowed_BxsxK.to(dtype))
-    fill = counts.scatter_add_(2, idx_BxsxK, weight).log_()
+    counts.scatter_add_(2, idx_BxsxK, weight)
+    fill = torch.zeros_like(counts).masked_fill_(counts == 0, float("-inf"))  # the log of 0 and 1, without log's cost
+    if bool((counts > 1).any()):
+        fill = torch.where(counts > 1, counts.log(), fill)
     if bias_BxsxK is not None:
         bias = bias_BxsxK.to(dtype).masked_fill(none_Bxs[..., None], 0)
         fill += torch.zeros_like(fill).scatter_(2, idx_BxsxK, bias)
@@ -369,11 +372,11 @@ def _dense_blocks(B, S, H, T):
     return [(a, min(S, a + step)) for a in range(0, S, step)]
 
 
-def _dense_block_probs(q_BxHxsxD, k_BxHxTxD, idx_Bxsxk, allowed, bias, scale):
-    """A block's probabilities [B, H, s, t] (wide), t keys (those up to its last selection), and its queries with
-    no allowed selection."""
+def _dense_block_probs(qs_BxHxsxD, k_BxHxTxD, idx_Bxsxk, allowed, bias):
+    """A block's probabilities [B, H, s, t] (wide) from its queries times the scale, t keys (those up to its last
+    selection), and its queries with no allowed selection."""
     t = int(idx_Bxsxk.max()) + 1
-    scores = torch.matmul(q_BxHxsxD, k_BxHxTxD[:, :, :t].transpose(-1, -2)).mul_(scale)
+    scores = torch.matmul(qs_BxHxsxD, k_BxHxTxD[:, :, :t].transpose(-1, -2))
     fill, none_Bxs = topk_fill(idx_Bxsxk, allowed, bias, t, wide_dtype(scores.dtype))
     scores = wide(scores).add_(fill[:, None])
     if bool(none_Bxs.any()):
@@ -384,11 +387,13 @@ def _dense_block_probs(q_BxHxsxD, k_BxHxTxD, idx_Bxsxk, allowed, bias, scale):
 def _topk_attention_torch(q_BxSxHxD, k_BxHxTxD, v_BxHxTxV, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale):
     B, S, H, _ = q_BxSxHxD.shape
     dt = q_BxSxHxD.dtype
+    v_BxHxTxV = v_BxHxTxV.contiguous()  # (a view of kv_b's output: each block's GEMMs would copy it)
+    qs_BxSxHxD = q_BxSxHxD * scale  # (the scale on the queries, not on each block's scores)
     out_BxSxHxV = q_BxSxHxD.new_empty(B, S, H, v_BxHxTxV.shape[-1])
     for a, b in _dense_blocks(B, S, H, k_BxHxTxD.shape[2]):
         bias = None if bias_BxSxK is None else bias_BxSxK[:, a:b]
-        probs, t, _ = _dense_block_probs(q_BxSxHxD[:, a:b].transpose(1, 2), k_BxHxTxD, idx_BxSxK[:, a:b],
-                                         allowed_BxSxK[:, a:b], bias, scale)
+        probs, t, _ = _dense_block_probs(qs_BxSxHxD[:, a:b].transpose(1, 2), k_BxHxTxD, idx_BxSxK[:, a:b],
+                                         allowed_BxSxK[:, a:b], bias)
         out_BxSxHxV[:, a:b] = torch.matmul(probs.to(dt), v_BxHxTxV[:, :, :t]).transpose(1, 2)
     return out_BxSxHxV
 
@@ -423,46 +428,50 @@ def _(q_BxSxHxD, k_BxHxTxD, v_BxHxTxV, idx_BxSxK, allowed_BxSxK, bias_BxSxK, sca
 @torch.library.custom_op("glm5f::topk_attention_backward", mutates_args=())
 def topk_attention_backward(dout_BxSxHxV: torch.Tensor, q_BxSxHxD: torch.Tensor, k_BxHxTxD: torch.Tensor,
                             v_BxHxTxV: torch.Tensor, idx_BxSxK: torch.Tensor, allowed_BxSxK: torch.Tensor,
-                            bias_BxSxK: torch.Tensor | None, scale: float
+                            bias_BxSxK: torch.Tensor | None, out_BxSxHxV: torch.Tensor, scale: float
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of `topk_attention`, each block's probabilities recomputed; a query with no allowed selection
-    passes no gradient to its scores (as `sparse_mla_backward`)."""
+    """(dq, dk, dv) of `topk_attention`, each block's probabilities recomputed, each query's sum of probability
+    times its probability's gradient taken as dout . out (over V channels instead of t keys); a query with no
+    allowed selection passes no gradient to its scores (as `sparse_mla_backward`)."""
     B, S, H, _ = q_BxSxHxD.shape
     dt = q_BxSxHxD.dtype
+    v_BxHxTxV = v_BxHxTxV.contiguous()
+    qs_BxSxHxD = q_BxSxHxD * scale
     dq = torch.empty_like(q_BxSxHxD)
     dk, dv = torch.zeros_like(k_BxHxTxD), torch.zeros_like(v_BxHxTxV)
+    rowsum_BxHxS = wide(dout_BxSxHxV.to(dt)).mul(wide(out_BxSxHxV)).sum(-1).transpose(1, 2)
     for a, b in _dense_blocks(B, S, H, k_BxHxTxD.shape[2]):
-        q = q_BxSxHxD[:, a:b].transpose(1, 2)
+        qs = qs_BxSxHxD[:, a:b].transpose(1, 2)
         dout = dout_BxSxHxV[:, a:b].transpose(1, 2).to(dt)
         bias = None if bias_BxSxK is None else bias_BxSxK[:, a:b]
-        probs_w, t, none_Bxs = _dense_block_probs(q, k_BxHxTxD, idx_BxSxK[:, a:b], allowed_BxSxK[:, a:b], bias,
-                                                  scale)
+        probs_w, t, none_Bxs = _dense_block_probs(qs, k_BxHxTxD, idx_BxSxK[:, a:b], allowed_BxSxK[:, a:b], bias)
         probs = probs_w.to(dt)
         dv[:, :, :t] += torch.matmul(probs.transpose(-1, -2), dout)
         dprobs_w = wide(torch.matmul(dout, v_BxHxTxV[:, :, :t].transpose(-1, -2)))
-        dscores_w = dprobs_w.sub_((probs_w * dprobs_w).sum(-1, keepdim=True)).mul_(probs_w)
+        dscores_w = dprobs_w.sub_(rowsum_BxHxS[:, :, a:b, None]).mul_(probs_w)
         if bool(none_Bxs.any()):
             dscores_w.masked_fill_(none_Bxs[:, None, :, None], 0)
-        dscores = dscores_w.to(dt).mul_(scale)
-        dq[:, a:b] = torch.matmul(dscores, k_BxHxTxD[:, :, :t]).transpose(1, 2)
-        dk[:, :, :t] += torch.matmul(dscores.transpose(-1, -2), q)
+        dscores = dscores_w.to(dt)
+        dq[:, a:b] = torch.matmul(dscores, k_BxHxTxD[:, :, :t]).mul_(scale).transpose(1, 2)
+        dk[:, :, :t] += torch.matmul(dscores.transpose(-1, -2), qs)
     return dq, dk, dv
 
 
 @topk_attention_backward.register_fake
-def _(dout_BxSxHxV, q_BxSxHxD, k_BxHxTxD, v_BxHxTxV, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale):
+def _(dout_BxSxHxV, q_BxSxHxD, k_BxHxTxD, v_BxHxTxV, idx_BxSxK, allowed_BxSxK, bias_BxSxK, out_BxSxHxV, scale):
     return torch.empty_like(q_BxSxHxD), torch.empty_like(k_BxHxTxD), torch.empty_like(v_BxHxTxV)
 
 
 def _topk_attention_setup_context(ctx, inputs, output):
     q, k, v, idx, allowed, bias, scale = inputs
-    ctx.save_for_backward(q, k, v, idx, allowed, bias)
+    ctx.save_for_backward(q, k, v, idx, allowed, bias, output)
     ctx.scale = scale
 
 
 def _topk_attention_autograd(ctx, dout_BxSxHxV):
-    q, k, v, idx, allowed, bias = ctx.saved_tensors
-    return (*topk_attention_backward(dout_BxSxHxV, q, k, v, idx, allowed, bias, ctx.scale), None, None, None, None)
+    q, k, v, idx, allowed, bias, out = ctx.saved_tensors
+    return (*topk_attention_backward(dout_BxSxHxV, q, k, v, idx, allowed, bias, out, ctx.scale),
+            None, None, None, None)
 
 
 topk_attention.register_autograd(_topk_attention_autograd, setup_context=_topk_attention_setup_context)
