@@ -459,7 +459,7 @@ def topk_attention_backward(dout_BxSxHxV: torch.Tensor, q_BxSxHxD: torch.Tensor,
 
 @topk_attention_backward.register_fake
 def _(dout_BxSxHxV, q_BxSxHxD, k_BxHxTxD, v_BxHxTxV, idx_BxSxK, allowed_BxSxK, bias_BxSxK, out_BxSxHxV, scale):
-    return torch.empty_like(q_BxSxHxD), torch.empty_like(k_BxHxTxD), torch.empty_like(v_BxHxTxV)
+    return torch.empty_like(q_BxSxHxD), torch.empty_like(k_BxHxTxD), v_BxHxTxV.new_empty(v_BxHxTxV.shape)
 
 
 def _topk_attention_setup_context(ctx, inputs, output):

@@ -71,6 +71,26 @@ def test_opcheck_sparse_mla_backward():
                                                         SCALE, 24))
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_opcheck_topk_attention(bias):
+    """The dense top-k form's op and its backward against their fake kernels, with values a strided view of kv_b's
+    output (as `attention.expand_latent` gives them: what torch.compile traces)."""
+    B, S, T, H, D, V, K = 2, 6, 9, 3, 8, 4, 4
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn(B, T, H, D + V, generator=g).transpose(1, 2)
+    k, v = kv[..., :D].contiguous(), kv[..., D:]
+    idx = torch.stack([torch.randperm(T, generator=g)[:K] for _ in range(B * S)]).view(B, S, K)
+    allowed = torch.rand(B, S, K, generator=g) > 0.3
+    b = torch.randn(B, S, K, generator=g) if bias else None
+    q = torch.randn(B, S, H, D, generator=g)
+    torch.library.opcheck(kernels.topk_attention, (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), idx,
+                                                   allowed, b, SCALE))
+    q, k, v = q.detach(), k.detach(), v.detach()
+    out = kernels.topk_attention(q, k, v, idx, allowed, b, SCALE)
+    torch.library.opcheck(kernels.topk_attention_backward, (torch.randn_like(out), q, k, v, idx, allowed, b, out,
+                                                            SCALE))
+
+
 def test_opcheck_indexer_topk():
     B, S, T, I, J = 2, 6, 9, 3, 8
     q_index = torch.arange(T - S, T)
