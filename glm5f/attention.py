@@ -231,7 +231,8 @@ def topk_dense_mla(p: dict, q_nope_BxSxHxN: torch.Tensor, q_rot_BxSxHxP: torch.T
     explicit = allowed_BxSxK is not None
     if not explicit:
         allowed_BxSxK = mask.at(idx_BxSxK)
-    out_BxSxHxV = kernels.topk_attention(q_BxSxHxD, *expand_latent(p, latent_BxTxC, cfg), idx_BxSxK, allowed_BxSxK,
+    k_BxHxTxD, v_BxHxTxV = (t.contiguous() for t in expand_latent(p, latent_BxTxC, cfg))  # (v: a view of kv_b's out)
+    out_BxSxHxV = kernels.topk_attention(q_BxSxHxD, k_BxHxTxD, v_BxHxTxV, idx_BxSxK, allowed_BxSxK,
                                          mask.bias_at(idx_BxSxK), cfg.softmax_scale)
     if explicit:
         out_BxSxHxV = out_BxSxHxV * allowed_BxSxK.any(-1)[..., None, None]

@@ -387,7 +387,7 @@ def _dense_block_probs(qs_BxHxsxD, k_BxHxTxD, idx_Bxsxk, allowed, bias):
 def _topk_attention_torch(q_BxSxHxD, k_BxHxTxD, v_BxHxTxV, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale):
     B, S, H, _ = q_BxSxHxD.shape
     dt = q_BxSxHxD.dtype
-    v_BxHxTxV = v_BxHxTxV.contiguous()  # (a view of kv_b's output: each block's GEMMs would copy it)
+    v_BxHxTxV = v_BxHxTxV.contiguous()  # (a strided view would be copied by each block's GEMMs)
     qs_BxSxHxD = q_BxSxHxD * scale  # (the scale on the queries, not on each block's scores)
     out_BxSxHxV = q_BxSxHxD.new_empty(B, S, H, v_BxHxTxV.shape[-1])
     for a, b in _dense_blocks(B, S, H, k_BxHxTxD.shape[2]):
@@ -437,8 +437,8 @@ def topk_attention_backward(dout_BxSxHxV: torch.Tensor, q_BxSxHxD: torch.Tensor,
     dt = q_BxSxHxD.dtype
     v_BxHxTxV = v_BxHxTxV.contiguous()
     qs_BxSxHxD = q_BxSxHxD * scale
-    dq = torch.empty_like(q_BxSxHxD)
-    dk, dv = torch.zeros_like(k_BxHxTxD), torch.zeros_like(v_BxHxTxV)
+    dq = q_BxSxHxD.new_empty(q_BxSxHxD.shape)  # contiguous whatever the inputs' strides, as the fake kernel says
+    dk, dv = k_BxHxTxD.new_zeros(k_BxHxTxD.shape), v_BxHxTxV.new_zeros(v_BxHxTxV.shape)
     rowsum_BxHxS = wide(dout_BxSxHxV.to(dt)).mul(wide(out_BxSxHxV)).sum(-1).transpose(1, 2)
     for a, b in _dense_blocks(B, S, H, k_BxHxTxD.shape[2]):
         qs = qs_BxSxHxD[:, a:b].transpose(1, 2)
@@ -459,7 +459,7 @@ def topk_attention_backward(dout_BxSxHxV: torch.Tensor, q_BxSxHxD: torch.Tensor,
 
 @topk_attention_backward.register_fake
 def _(dout_BxSxHxV, q_BxSxHxD, k_BxHxTxD, v_BxHxTxV, idx_BxSxK, allowed_BxSxK, bias_BxSxK, out_BxSxHxV, scale):
-    return torch.empty_like(q_BxSxHxD), torch.empty_like(k_BxHxTxD), v_BxHxTxV.new_empty(v_BxHxTxV.shape)
+    return tuple(t.new_empty(t.shape) for t in (q_BxSxHxD, k_BxHxTxD, v_BxHxTxV))
 
 
 def _topk_attention_setup_context(ctx, inputs, output):
