@@ -170,8 +170,9 @@ def mla_core(p: dict, q_nope_BxSxHxN: torch.Tensor, q_rot_BxSxHxP: torch.Tensor,
     `topk_dense_mla`), else over their latent rows (`sparse_mla`).
 
     With `parts` > 1 (`--train.query_parts`) each part holds the queries a CP rank of a `parts`-way CP run holds
-    (`distributed.cp_positions`: chunks r and 2 parts - 1 - r) and runs alone: each query's output as a CP rank computes it,
-    and each latent row's gradient summed over each part's queries apart, then added, as CP ranks sum theirs."""
+    (`distributed.cp_positions`: chunks r and 2 parts - 1 - r) and runs alone: each query's output as a CP rank
+    computes it, and each latent row's gradient summed over each part's queries apart, then added, as CP ranks sum
+    theirs."""
     B, S = q_nope_BxSxHxN.shape[:2]
     T = latent_BxTxC.shape[1]
     if topk_BxSxK is None and S > 1:
@@ -208,8 +209,9 @@ def dense_topk_pays(cfg: GLM5Config, q_BxSxHxN: torch.Tensor, latent_BxTxC: torc
     ones' rate on this CPU, `SPARSE_GEMM_COST`); the dense form expands every key through kv_b (T R (N + V)) and
     scores every key up to a block's last selection in the heads' widths (S t (N + P + V), t about T / 2 + 64
     under a causal mask). Measured fwd + bwd of one layer (B4, K 128, 1 thread), sparse against dense: 8 heads,
-    R 128: 0.137 / 0.094 s at S 512, 0.171 / 0.168 at 1024, 0.185 / 0.301 at 2048; 16 heads, R 256: 0.451 /
-    0.212 at 512, 0.499 / 0.694 at 2048. Only on the CPU (CUDA runs the Triton sparse kernels) with the latent in
+    R 128, S 512: 0.152 / 0.116 s; 16 heads, R 256: 0.466 / 0.249 (this op). With an autograd version of the dense
+    form (probabilities kept, no recompute): 8 heads 0.171 / 0.168 at 1024, 0.185 / 0.301 at 2048; 16 heads
+    0.499 / 0.694 at 2048. Only on the CPU (CUDA runs the Triton sparse kernels) with the latent in
     the queries' dtype: a wider latent (fp64 sums) keeps the sparse core, whose row gradients are summed in it."""
     if (latent_BxTxC.device.type != "cpu" or latent_BxTxC.dtype != q_BxSxHxN.dtype
             or torch._C._are_functorch_transforms_active()):

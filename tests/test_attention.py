@@ -104,8 +104,8 @@ def test_dense_topk_form_equals_the_sparse_core(case, variant, block):
 
 def test_the_dense_topk_form_runs_where_it_costs_the_cpu_less():
     """`dense_topk_pays` at the bench's shapes (B4, index_topk 128): the dense form at 512 tokens, 8 and 16 heads
-    (measured 1.5x and 2.1x faster a layer), the sparse core at 2048 (measured 1.6x and 1.4x slower dense), for
-    one query (decoding), with a latent wider than the queries (fp64 sums), and off the CPU."""
+    (measured 1.3x and 1.9x faster a layer), the sparse core at 2048 (1.6x and 1.4x slower dense, measured with an
+    autograd version), for one query (decoding), with a latent wider than the queries (fp64 sums), and off the CPU."""
     def pays(S, heads=8, rank=128, q_dtype=torch.float32, latent_dtype=torch.float32, device="cpu"):
         cfg = glm5f.preset("glm5-tiny", num_attention_heads=heads, kv_lora_rank=rank, qk_nope_head_dim=64,
                            qk_rope_head_dim=32, v_head_dim=64, index_topk=128, index_head_dim=64)
