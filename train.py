@@ -28,9 +28,10 @@ from glm5f import checkpoint, lora, preempt
 from glm5f.chat import RUN_TOKENIZER_DIR, check_same_tokenizer, resolve_tokenizer
 from glm5f.data import (PresetSource, check_first_batch, make_eval_source, make_source, make_tokenizer,
                         print_warning, warnings_as_lines)
-from glm5f.distributed import (TIMEOUT_EXIT, DistLayout, StallWatch, WorkerFailure, check_device, collective_timeout,
-                               init_process, silent_ranks, spawn, under_torchrun)
+from glm5f.distributed import DistLayout
 from glm5f.hf import EXPORT_MARKER, check_export_dir, check_loaded_finite, note_base, save_peft
+from glm5f.launch import (TIMEOUT_EXIT, StallWatch, WorkerFailure, check_device, collective_timeout, init_process,
+                          silent_ranks, spawn, under_torchrun)
 from glm5f.loss import Step, eval_loss, step_grads, unused_weights
 from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
 from glm5f.model import check_input_ids
@@ -525,8 +526,9 @@ def run_rank(argv: list[str], torchrun: bool = False) -> None:
     with preempt.handling(cfg.checkpoint.preempt_grace_s, launched=not torchrun):
         try:
             with checkpoint.shared_run_lock(cfg.checkpoint.dir) if torchrun else contextlib.nullcontext():
-                layout = DistLayout(p.dp_shard, p.cp, p.ep, device)
-                with StallWatch(cfg.parallel.timeout_s) as layout.stall_watch:
+                watch = StallWatch(cfg.parallel.timeout_s)  # its thread runs from `with` on
+                layout = DistLayout(p.dp_shard, p.cp, p.ep, device, on_step=watch.step_done)
+                with watch:
                     train(cfg, layout)
         except (preempt.Preempted, preempt.StopNow) as e:  # every rank stops here; rank 0 says where
             stopped(e, cfg, argv)
@@ -546,8 +548,16 @@ def stopped(e: BaseException, cfg: Config, argv: list[str]) -> None:
     where, and every rank exits 143."""
     if os.environ.get("RANK") == "0":
         print(e.message(argv) if isinstance(e, preempt.Preempted) else
-              preempt.interrupted_line(f"{e} (without saving)", cfg.checkpoint.dir, argv), file=sys.stderr, flush=True)
+              interrupted_line(f"{e} (without saving)", cfg.checkpoint.dir, argv), file=sys.stderr, flush=True)
     raise SystemExit(preempt.SIGNAL_EXIT[signal.SIGTERM]) from None
+
+
+def interrupted_line(why: str, run_dir: str, argv: list[str]) -> str:
+    """The one line a run stopped at once (Ctrl-C, StopNow) prints: why, its last checkpoint, how to resume."""
+    last = checkpoint.latest(run_dir)
+    if last is None:
+        return f"stopped {why}: no checkpoint was written in {run_dir}; start again with the same command"
+    return f"stopped {why}: the last checkpoint is {last}; resume with: {preempt.resume_command(argv)}"
 
 
 def report_timeout(cfg: Config, e: Exception) -> None:
@@ -626,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
     except (preempt.StopNow, KeyboardInterrupt) as e:
         why = f"{e} (without saving)" if isinstance(e, preempt.StopNow) else "on Ctrl-C (SIGINT)"
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank gets Ctrl-C; rank 0 says it
-            print(preempt.interrupted_line(why, cfg.checkpoint.dir, argv), file=sys.stderr)
+            print(interrupted_line(why, cfg.checkpoint.dir, argv), file=sys.stderr)
         return 130 if isinstance(e, KeyboardInterrupt) else 143
     except WorkerFailure as e:
         print(f"error: {e}; {checkpoint.last_line(cfg.checkpoint.dir)}", file=sys.stderr)

@@ -24,11 +24,11 @@ from einops import rearrange
 
 from glm5f import indexer_loss, kernels, kpool
 from glm5f.config import GLM5Config
-from glm5f.distributed import cp_position_list
 from glm5f.lora import merged
 from glm5f.env import Env, Mask
 from glm5f.layers import layer_spec
 from glm5f.ops import apply_rope, layer_norm, linear, rms_norm, wide
+from glm5f.parallel import cp_position_list
 
 LATENT_NORM_EPS = 1e-6  # GLM-5's q_a_layernorm and kv_a_layernorm use 1e-6, not rms_norm_eps (GLM-5.3's do)
 
@@ -170,7 +170,7 @@ def mla_core(p: dict, q_nope_BxSxHxN: torch.Tensor, q_rot_BxSxHxP: torch.Tensor,
     `topk_dense_mla`), else over their latent rows (`sparse_mla`).
 
     With `parts` > 1 (`--train.query_parts`) each part holds the queries a CP rank of a `parts`-way CP run holds
-    (`distributed.cp_positions`: chunks r and 2 parts - 1 - r) and runs alone: each query's output as a CP rank
+    (`parallel.cp_positions`: chunks r and 2 parts - 1 - r) and runs alone: each query's output as a CP rank
     computes it, and each latent row's gradient summed over each part's queries apart, then added, as CP ranks sum
     theirs."""
     B, S = q_nope_BxSxHxN.shape[:2]

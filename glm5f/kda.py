@@ -701,7 +701,7 @@ def kda_attention_step(p: dict, x_BxSxD: torch.Tensor, cfg, cache: dict[str, tor
 
 
 # ---- context parallelism ------------------------------------------------------------------------------------------
-# Under CP a rank holds some of the N equal chunks of each sequence (two of 2 cp: `distributed.cp_positions`). A
+# Under CP a rank holds some of the N equal chunks of each sequence (two of 2 cp: `parallel.cp_positions`). A
 # chunk's final state and outputs are affine in the state S_in entering it: S_out = A S_in + B and
 # o_t = o0_t + S_in^T p_t. The delta rule run over the chunk from the state [0 | I] with d_k zero value columns
 # appended gives them all: the final state [B | A] and the outputs [o0 | p]. The ranks exchange their chunks' maps

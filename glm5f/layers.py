@@ -58,7 +58,7 @@ class Leaf:
 
 @dataclass(frozen=True)
 class LeafKind:
-    """What a leaf is. axes: the logical axis of each of its dims, which `distributed.MESH_RULES` maps to mesh
+    """What a leaf is. axes: the logical axis of each of its dims, which `parallel.MESH_RULES` maps to mesh
     axes (fused dims are named by their outer axis: q_b_proj's (heads x head dim) rows are "heads"). fp32: kept in
     fp32 (fp64 in fp64 runs) whatever the compute dtype. optim: the label `optim.leaf_rule` reads: "adamw"
     (AdamW whatever the optimizer: weight decay on matrices, none on 1-D leaves), "hidden" (a hidden layer's

@@ -162,7 +162,7 @@ class Held(NamedTuple):
 def fsdp_split(t: torch.Tensor) -> tuple[int | None, int]:
     """(the dim a leaf's FSDP shards split, None if they do not; the ranks of its FSDP group): its placement on
     its mesh's first dim, "fsdp" (every rank), or "edp" for routed experts (the ranks sharing one copy of an EP
-    rank's experts; `distributed.placements`). A plain tensor: (None, 1)."""
+    rank's experts; `parallel.placements`). A plain tensor: (None, 1)."""
     if not isinstance(t, DTensor):
         return None, 1
     first = t.placements[0]

@@ -1,21 +1,94 @@
 """How a run is laid out over processes. `Layout` is one process: the whole batch, all parameters, all experts.
-Several processes: `glm5f.distributed.DistLayout`, with the same methods.
+Several processes: `glm5f.distributed.DistLayout`, with the same methods, laid out by the math here.
 
 The model's layers use five verbs, through their `Env`: `gather` (a subtree's weights for compute), `keys` (a
 layer's keys over the whole sequence), `state` (a recurrent layer's state carried between calls), `chunks`
 (per-chunk values of every context-parallel rank, in sequence order), `experts` (routed experts over rows
 sorted by expert) and `seq_sum`. The train loop uses the others: which rows and positions of a batch are this
 rank's (`share`), the params as stored (`local_params`, `shard_params`) and sums over ranks (`sum`).
+
+The layout math needs no process group. The spec of each leaf comes from the one table of what each leaf is,
+`params.LEAF_KINDS`, which names the logical axis of each of its dims (embed, heads, mlp, experts, ...);
+`MESH_RULES` maps logical axes to mesh axes, and `placements` derives the leaf's DTensor placements from them. Layer
+code never names a mesh axis. Meshes (`mesh_shapes`): "fsdp" is every rank (world = dp_shard x cp); "dp" x "cp"
+splits the world for the data (`cp_positions`: the positions of a sequence a CP rank holds); "edp" x "ep" splits it
+for experts (ep consecutive ranks share one copy of all experts, each owning n_routed_experts / ep).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import functools
+from typing import Callable, NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from glm5f.params import Region, flatten
+
+# Logical axis -> the mesh axes that may shard it, in order: each dim of a leaf takes the first of its axis's mesh
+# axes that no earlier dim took. "fsdp": stored sharded, gathered for the forward, the gradient reduce-scattered
+# (over every rank; on a leaf with an "ep" dim, over the edp ranks sharing one copy of its experts). "ep": the
+# routed experts, stored and computed sharded (each rank runs its own experts).
+MESH_RULES = {
+    "experts": ("ep",),
+    "vocab": ("fsdp",), "embed": ("fsdp",), "heads": ("fsdp",), "mlp": ("fsdp",), "router": ("fsdp",),
+    "q_lora": ("fsdp",), "kv_lora": ("fsdp",), "latent": ("fsdp",),
+    "index_heads": ("fsdp",), "index_dim": ("fsdp",),
+    "lora_rank": (),  # a LoRA factor's rank dim: small, replicated; its other dims shard as its weight's
+    # GLM-5.3: KDA heads (x head dim) and head dim; the small mHC mixing rows, short-convolution taps and pool
+    # positions stay replicated
+    "linear_heads": ("fsdp",), "linear_dim": ("fsdp",), "hc": (), "conv": (), "pool": (),
+}
+GATHERED = ("fsdp",)  # the mesh axes a leaf is gathered over for the forward
+
+
+class Spec(NamedTuple):
+    """How one parameter is laid out: its mesh, its placements as stored, as gathered for the forward, and the
+    placements its gradient arrives in from the gathered (local) tensor."""
+
+    mesh: DeviceMesh
+    stored: list
+    gathered: list
+    grads: list
+
+
+@functools.lru_cache(maxsize=None)
+def placements(axes: tuple[str, ...]) -> tuple[str, list, list, list]:
+    """(mesh name, placements as stored, as gathered for the forward, of the gathered tensor's gradient) of a leaf
+    whose dims have the logical `axes` (its `params.LEAF_KINDS` entry), by MESH_RULES. A leaf with an "ep" dim
+    lives on the "experts" mesh (edp x ep: its fsdp shard is over edp), any other on "fsdp" (every rank)."""
+    taken: dict[str, int] = {}  # mesh axis -> the dim it shards
+    for dim, axis in enumerate(axes):
+        if axis not in MESH_RULES:
+            raise ValueError(f"the logical axis {axis!r} has no row in parallel.MESH_RULES: add one")
+        mesh_axis = next((m for m in MESH_RULES[axis] if m not in taken), None)
+        if mesh_axis is not None:
+            taken[mesh_axis] = dim
+    mesh, mesh_axes = ("experts", ("fsdp", "ep")) if "ep" in taken else ("fsdp", ("fsdp",))
+    stored = [Shard(taken[m]) if m in taken else Replicate() for m in mesh_axes]
+    gathered = [Replicate() if m in GATHERED else pl for m, pl in zip(mesh_axes, stored)]
+    grads = [Partial() if m in GATHERED else pl for m, pl in zip(mesh_axes, stored)]
+    return mesh, stored, gathered, grads
+
+
+def cp_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """Sequence indices held by CP rank `rank`: chunks rank and 2cp-1-rank of 2cp equal chunks (each rank gets
+    an equal share of the causal attention work)."""
+    return torch.tensor(cp_position_list(seq_len, cp, rank))
+
+
+def cp_position_list(seq_len: int, cp: int, rank: int) -> list[int]:
+    """`cp_positions` as host integers."""
+    c = seq_len // (2 * cp)
+    return [*range(rank * c, (rank + 1) * c), *range((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)]
+
+
+def mesh_shapes(dp_shard: int, cp: int, ep: int) -> dict[str, tuple[int, ...]]:
+    """The shape of each named mesh of a dp_shard x cp run with ep expert ranks (what DistLayout builds; the
+    memory plan reads it to size shards without a process group)."""
+    world = dp_shard * cp
+    return {"fsdp": (world,), "data": (dp_shard, cp), "experts": (world // ep, ep)}
 
 
 class Layout:
@@ -45,7 +118,7 @@ class Layout:
         return t
 
     def step_done(self, step: int) -> None:
-        """The train loop finished step `step` (a multi-process layout may watch for the steps that stall)."""
+        """The train loop finished step `step` (a multi-process layout passes it to its `on_step` hook)."""
 
     # ---- the verbs the layers use (see glm5f.env.Env)
     def gather(self, tree: dict, prefix: str = "") -> dict:
@@ -64,7 +137,7 @@ class Layout:
 
     def chunks(self, local: torch.Tensor) -> torch.Tensor:
         """A value per chunk of every CP rank, in sequence order: this rank's [B, 2, ...] (one per chunk it holds, in
-        the order `share` gives them: `distributed.cp_positions`) -> [B, 2 cp, ...], gradients flowing back. One
+        the order `share` gives them: `cp_positions`) -> [B, 2 cp, ...], gradients flowing back. One
         process holds both halves of each sequence, in order: `local`."""
         return local
 

@@ -23,7 +23,7 @@ from glm5f.ops import wide_dtype
 
 # The one table of what each leaf is, by path (re.search on "." + path; the first match wins): each layer kind's
 # rows (`layers.leaf_rows`), then the LoRA factors'. Compute dtypes (`leaf_dtype`), the optimizer
-# (`optim.leaf_rule`), sharding (`distributed.MESH_RULES` by axes), the memory plan and the checkpoint keys (`hf`:
+# (`optim.leaf_rule`), sharding (`parallel.MESH_RULES` by axes), the memory plan and the checkpoint keys (`hf`:
 # one key per routed expert) all read it. As in the reference, the router and the indexer's head stay fp32. Axes:
 # vocab, embed (hidden size), heads (MLA heads), mlp (an MLP's hidden width), experts (routed experts, stacked
 # [E, out, in]), router (one row per expert), q_lora / kv_lora (the latent ranks), latent (kv_lora + rope: a latent

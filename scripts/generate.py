@@ -37,7 +37,7 @@ from glm5f.chat import (ChatFormat, ChatTemplate, RunTokenizer, chat_messages, c
                         resolve_tokenizer, tokenizer_of)
 from glm5f.data import make_tokenizer, warnings_as_lines  # noqa: E402
 from glm5f.decode import speculative, stream  # noqa: E402
-from glm5f.distributed import check_device  # noqa: E402
+from glm5f.launch import check_device  # noqa: E402
 from glm5f.tokens import chat_tokenizer, template_tokens  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""Worker functions for the multi-process tests (run by glm5f.distributed.spawn in fresh processes).
+"""Worker functions for the multi-process tests (run by glm5f.launch.spawn in fresh processes).
 
 Property checks run hypothesis inside every rank with the same derandomized examples, so the ranks stay in
 lockstep through the collectives; a check's verdict is agreed over all ranks before it is asserted.
@@ -20,11 +20,12 @@ import glm5f
 from configs import Config
 from conftest import env_of
 from glm5f.attention import attention
-from glm5f.distributed import DistLayout, cp_positions, init_process
+from glm5f.distributed import DistLayout
+from glm5f.launch import init_process
 from glm5f.loss import Step, step_grads
 from glm5f.moe import routed_experts
 from glm5f.optim import global_norm
-from glm5f.parallel import Layout, full_tensor
+from glm5f.parallel import Layout, cp_positions, full_tensor
 
 PROPERTY = settings(max_examples=16, deadline=None, derandomize=True, database=None)
 

@@ -36,7 +36,8 @@ def probe(argv: list[str], out: str) -> None:
     cfg = tyro.cli(Config, args=argv, use_underscores=True)
     layout = None
     if cfg.parallel.world > 1:
-        from glm5f.distributed import DistLayout, init_process
+        from glm5f.distributed import DistLayout
+        from glm5f.launch import init_process
         device = init_process(torch.device("cpu"))
         layout = DistLayout(cfg.parallel.dp_shard, cfg.parallel.cp, cfg.parallel.ep, device)
     record = {"rank": layout.rank if layout else 0, "cold_runtime_bytes": process_rss_bytes()}
@@ -76,7 +77,7 @@ def _tensors(tree):
 def main(out: str, argv: list[str]) -> list[dict]:
     cfg = tyro.cli(Config, args=argv, use_underscores=True)
     if cfg.parallel.world > 1:
-        from glm5f.distributed import spawn
+        from glm5f.launch import spawn
         spawn(probe, cfg.parallel.world, argv, out)
     else:
         probe(argv, out)

@@ -1,5 +1,5 @@
 """Per-dimension logical axes: every leaf names each of its dims (params.LEAF_KINDS), the placements derived from
-them by distributed.MESH_RULES are those of the former per-kind table, and layers take head counts from shapes
+them by parallel.MESH_RULES are those of the former per-kind table, and layers take head counts from shapes
 (attention over a subset of heads is that subset's share of the output, as tensor parallelism would compute it)."""
 
 import re
@@ -10,7 +10,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 import glm5f
 from glm5f.attention import attention
-from glm5f.distributed import placements
+from glm5f.parallel import placements
 from glm5f.env import make_env
 from glm5f.ops import swiglu_mlp
 from glm5f.params import Leaf, flatten, leaf_kind, param_layout
@@ -40,7 +40,7 @@ def test_every_dim_of_every_leaf_is_named():
         assert len(leaf_kind(path).axes) == len(leaf.shape), path
     with pytest.raises(ValueError, match="no row of params.LEAF_KINDS matches the leaf model.adapter.weight"):
         leaf_kind("model.adapter.weight")
-    with pytest.raises(ValueError, match="the logical axis 'rank' has no row in distributed.MESH_RULES"):
+    with pytest.raises(ValueError, match="the logical axis 'rank' has no row in parallel.MESH_RULES"):
         placements(("rank", "embed"))
 
 

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import glm5f
-from glm5f.distributed import cp_positions
+from glm5f.parallel import cp_positions
 from glm5f.env import split_tokens
 
 

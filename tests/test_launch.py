@@ -13,7 +13,7 @@ import pytest
 
 from conftest import step_hook_script
 from glm5f import checkpoint
-from glm5f.distributed import TIMEOUT_EXIT, free_port
+from glm5f.launch import TIMEOUT_EXIT, free_port
 from glm5f.metrics import read_metrics
 from train import main
 

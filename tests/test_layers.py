@@ -1,8 +1,5 @@
 """glm5f/layers.py: what each layer is follows the config's schedules, and every per-layer table (parameters, decode
-cache, FLOPs) follows what the layer is; the package's modules import one another without cycles."""
-
-import ast
-import pathlib
+cache, FLOPs) follows what the layer is."""
 
 import torch
 from hypothesis import given, settings
@@ -12,10 +9,6 @@ import glm5f
 from glm5f.flops import flops_per_token
 from glm5f.layers import LayerSpec, layer_cache, layer_spec
 from glm5f.params import param_layout
-
-# Cycles between these two modules are cut where tokenizers and examples move under both (issue 28, part 1).
-KNOWN_CYCLE = {"chat", "data"}
-
 
 @settings(max_examples=20, deadline=None, derandomize=True)
 @given(pattern=st.lists(st.sampled_from("FS"), min_size=1, max_size=5).map(lambda s: "F" + "".join(s)),
@@ -54,37 +47,3 @@ def test_flops_count_each_layer_by_its_kinds():
     F = a.moe_intermediate_size
     moe = D * a.n_routed_experts + 3 * D * F * (a.num_experts_per_tok + a.n_shared_experts)
     assert flops_per_token(c, seq) - flops_per_token(a, seq) == 2 * 3 * (3 * D * a.intermediate_size - moe)
-
-
-def test_no_import_cycles():
-    """The import graph of glm5f's modules, TYPE_CHECKING imports included, has no cycle (but KNOWN_CYCLE's)."""
-    root = pathlib.Path(glm5f.__file__).parent
-    mods = {p.stem for p in root.glob("*.py")} - {"__init__"}
-    graph = {}
-    for m in mods:
-        deps = set()
-        for node in ast.walk(ast.parse((root / f"{m}.py").read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module == "glm5f":
-                deps |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("glm5f."):
-                deps.add(node.module.split(".")[1])
-            elif isinstance(node, ast.Import):
-                deps |= {a.name.split(".")[1] for a in node.names if a.name.startswith("glm5f.")}
-        graph[m] = deps & mods
-    cycles, state, stack = [], {}, []
-
-    def visit(u):
-        state[u] = "open"
-        stack.append(u)
-        for v in sorted(graph[u]):
-            if state.get(v) == "open":
-                cycles.append(stack[stack.index(v):] + [v])
-            elif v not in state:
-                visit(v)
-        stack.pop()
-        state[u] = "done"
-
-    for m in sorted(graph):
-        if m not in state:
-            visit(m)
-    assert [c for c in cycles if not set(c) <= KNOWN_CYCLE] == []

@@ -13,12 +13,11 @@ import glm5f
 import train as train_module
 from glm5f import checkpoint, lora
 from glm5f.checkpoint import fingerprint
-from glm5f.distributed import placements
 from glm5f.loss import Step, step_grads
 from glm5f.metrics import read_metrics
 from glm5f.moe import expert_linear
 from glm5f.ops import linear
-from glm5f.parallel import Layout
+from glm5f.parallel import Layout, placements
 from glm5f.params import leaf_kind
 from train import main
 
@@ -172,7 +171,7 @@ def test_fingerprint_does_not_depend_on_the_layout_but_on_every_value(tmp_path):
     """FSDP x EP shards (lora_rank replicated dims included) hash to the one-process tree's fingerprint; two
     swapped values change it."""
     import dist_checks
-    from glm5f.distributed import spawn
+    from glm5f.launch import spawn
 
     params = glm5f.init_params(glm5f.preset("glm5-tiny"), 0)
     attached = lora.attach(params, lora.init_adapters(params, lora.LoraSpec(4, targets=r"self_attn|mlp\."), 0))

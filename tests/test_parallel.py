@@ -14,7 +14,7 @@ import torch
 import dist_checks
 import glm5f
 from conftest import rel_err
-from glm5f.distributed import RankError, spawn
+from glm5f.launch import RankError, spawn
 from glm5f.metrics import read_metrics
 from scripts.align import COMMON, LAYOUTS
 from train import main
@@ -262,7 +262,7 @@ def test_ranks_die_with_a_killed_launcher(tmp_path):
         started=lambda: metrics.exists() and metrics.read_text() != "")
 
 
-LAUNCH = ("import sys; sys.path[:0] = [{root!r}, {tests!r}]; import dist_checks; from glm5f.distributed import RankError, spawn; "
+LAUNCH = ("import sys; sys.path[:0] = [{root!r}, {tests!r}]; import dist_checks; from glm5f.launch import RankError, spawn; "
           "spawn(dist_checks.ignore_sigint_and_wait, 2, {pids!r})")
 
 
@@ -325,7 +325,7 @@ def test_context_and_expert_parallel_mtp_equals_one_process(tmp_path):
     """cp2 x ep2 on packed text: the MTP inputs and targets are shifted on whole sequences before the CP split,
     so the MTP loss, every gradient and the MTP layer's expert counts are the one-process ones."""
     import dist_checks
-    from glm5f.distributed import RankError, spawn
+    from glm5f.launch import RankError, spawn
 
     argv = ["--model.preset", "glm5-tiny", "--model.num_nextn_predict_layers", "1", "--data.type", "text",
             "--data.batch_size", "2", "--data.seq_len", "64", "--train.steps", "1"]

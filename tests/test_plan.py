@@ -19,7 +19,7 @@ from torch.distributed.tensor import Replicate
 import glm5f
 from configs import Config
 from conftest import env_of
-from glm5f.distributed import mesh_shapes, placements
+from glm5f.parallel import mesh_shapes, placements
 from glm5f.loss import head_loss_sum, shift_labels
 from glm5f.model import hidden_states, main_head
 from glm5f.params import flatten
