@@ -1,5 +1,5 @@
 """glm5f/moe.py: the grouped experts against a per-expert oracle, and one MoE layer's sequence-wise auxiliary
-balance loss against a naive fp64 reading of its formula (in the step: test_loss.py; under CP: test_parallel.py)."""
+balance loss against a naive fp64 reading of its formula (in the step: test_loss.py; under CP: test_distributed.py)."""
 
 import dataclasses
 

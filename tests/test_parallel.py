@@ -1,5 +1,5 @@
-"""How a batch is shared over ranks, in one process: context-parallel positions and the split of every per-token
-tensor (the multi-process layouts against one process are in test_parallel.py)."""
+"""glm5f/parallel.py's layout math, in one process: how a batch is shared over ranks (context-parallel positions, the
+split of every per-token tensor, a rank's masks); the multi-process layouts against one process: test_distributed.py."""
 
 import torch
 from hypothesis import given, settings
