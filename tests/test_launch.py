@@ -1,9 +1,10 @@
-"""glm5f/launch.py: the workers of `spawn` stop together when one dies or reports an error, and die with their
-launcher; multi-process runs stopped from outside: Ctrl-C to a DP2 run in the middle of a save, and the ranks of a
-run started by torchrun (or any launcher that sets RANK / WORLD_SIZE, one process per node here) when the run
-directory is locked or a rank hangs."""
+"""glm5f/launch.py: the workers of `spawn` stop together when one dies, reports an error or stops answering (named
+before the collective timeout by the StallWatch, after it by the launcher), and die with their launcher; runs stopped
+from outside: Ctrl-C to a DP2 run in the middle of a save, and the ranks of a run started by torchrun (or any launcher
+that sets RANK / WORLD_SIZE, one process per node here) when the run directory is locked or a rank hangs."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -137,6 +138,41 @@ def test_a_hung_torchrun_rank_is_named_in_one_line(tmp_path):
     assert err.splitlines() == [f"error: a collective timed out after --parallel.timeout_s 5: rank(s) 1 stopped "
                                 f"answering (hung, stopped or dead); no checkpoint was written in {run}"]
     assert not (run / ".lock").exists()
+
+
+def test_a_hung_rank_is_named_after_the_collective_timeout(tmp_path):
+    script = step_hook_script(tmp_path, rank=1, at=1, action="time.sleep(600)")  # rank 1 hangs in its first step
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(script), *TINY, "--train.steps", "3", "--parallel.dp_shard", "2",
+                           "--parallel.timeout_s", "5", "--checkpoint.dir", str(run)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 1
+    assert "error: [rank 0] a collective timed out after --parallel.timeout_s" in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: worker(s) 1 stopped answering: the others' collective timed out after --parallel.timeout_s waiting "
+        f"for them, and they were still running (hung or stopped), so all 2 workers were stopped; no checkpoint was "
+        f"written in {run}")
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_stopped_rank_is_named_before_the_collective_timeout(tmp_path):
+    # rank 1 stops itself (as `kill -STOP` does) in its 4th step, past the first
+    script = step_hook_script(tmp_path, rank=1, at=4, action="os.kill(os.getpid(), signal.SIGSTOP)")
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(script), *TINY, "--train.steps", "10", "--parallel.dp_shard", "2",
+                           "--parallel.timeout_s", "10", "--checkpoint.every", "2", "--checkpoint.dir", str(run)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    warned = [i for i, line in enumerate(lines) if re.fullmatch(
+        r"warning: step 4 has run \d+ s, more than half of --parallel.timeout_s 10: rank\(s\) 1 stopped answering "
+        r"\(hung, stopped or dead\); at 10 s of waiting the run stops", line)]
+    assert len(warned) == 1, proc.stderr
+    assert lines[-1] == (
+        f"error: worker(s) 1 stopped answering: the others' collective timed out after --parallel.timeout_s waiting "
+        f"for them, and they were still running (hung or stopped), so all 2 workers were stopped; the last "
+        f"checkpoint is {run / 'checkpoints' / 'step_00000002'}: resume from it with --checkpoint.resume latest")
+    assert warned[0] < len(lines) - 1 and "Traceback" not in proc.stderr
 
 
 def test_dead_worker_stops_the_others():
