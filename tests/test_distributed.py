@@ -8,10 +8,12 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import dist_checks
 import glm5f
 from conftest import rel_err
+from glm5f.distributed import DistLayout
 from glm5f.launch import spawn
 from glm5f.metrics import read_metrics
 from scripts.align import COMMON, LAYOUTS
@@ -104,6 +106,21 @@ def test_reduce_float64_gradients_equal_single_process_to_the_last_bit(layout, t
 @pytest.mark.parametrize("ep", [1, 2])
 def test_rank_local_init_and_load_are_the_shards_of_the_one_process_ones(ep, tmp_path):
     spawn(dist_checks.rank_local_init_check, 2, 2, ep, str(tmp_path))
+
+
+def test_each_finished_step_reaches_the_on_step_hook():
+    """DistLayout passes the train loop's finished steps to its hook (train.py's: the StallWatch's), in order; with
+    no hook, step_done does nothing. One rank, in this process."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        steps = []
+        layout = DistLayout(1, 1, 1, torch.device("cpu"), on_step=steps.append)
+        for step in (1, 2, 5):
+            layout.step_done(step)
+        assert steps == [1, 2, 5]
+        DistLayout(1, 1, 1, torch.device("cpu")).step_done(1)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_cp_attention_equals_unsharded():
