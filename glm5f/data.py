@@ -87,9 +87,9 @@ HELD_OUT_EVERY = 20  # every 20th document of the embedded corpus is held out fo
 
 
 def embedded_documents(part: str | None = None) -> list[str]:
-    """The corpus shipped with glm5f (see glm5f/data/SOURCE.md): all of it, or its "train" or "eval" part
+    """The corpus shipped with glm5f (see glm5f/assets/SOURCE.md): all of it, or its "train" or "eval" part
     (every HELD_OUT_EVERY-th document, counting from the HELD_OUT_EVERY-th, is "eval")."""
-    with resources.files("glm5f").joinpath("data/corpus.txt.gz").open("rb") as raw:
+    with resources.files("glm5f").joinpath("assets/corpus.txt.gz").open("rb") as raw:
         docs = gzip.decompress(raw.read()).decode("utf-8").split("\f\n")
     held = lambda i: i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1  # noqa: E731
     if part is None:
