@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import glm5f
 from configs import CONFIG_FILE, Config, mesh_errors, parse, validate, with_data_type, write_config
-from glm5f import checkpoint, lora, preempt
+from glm5f import checkpoint, lora, preempt, rundir
 from glm5f.chat import RUN_TOKENIZER_DIR, check_same_tokenizer, resolve_tokenizer
 from glm5f.data import (PresetSource, check_first_batch, make_eval_source, make_source, make_tokenizer,
                         print_warning, warnings_as_lines)
@@ -525,7 +525,7 @@ def run_rank(argv: list[str], torchrun: bool = False) -> None:
     p = cfg.parallel
     with preempt.handling(cfg.checkpoint.preempt_grace_s, launched=not torchrun):
         try:
-            with checkpoint.shared_run_lock(cfg.checkpoint.dir) if torchrun else contextlib.nullcontext():
+            with rundir.shared_run_lock(cfg.checkpoint.dir) if torchrun else contextlib.nullcontext():
                 watch = StallWatch(cfg.parallel.timeout_s)  # its thread runs from `with` on
                 layout = DistLayout(p.dp_shard, p.cp, p.ep, device, on_step=watch.step_done)
                 with watch:
@@ -619,12 +619,12 @@ def main(argv: list[str] | None = None) -> int:
         if errors:  # before any process starts
             raise TrainingError("invalid configuration:\n  - " + "\n  - ".join(errors))
         cfg = with_data_type(cfg)
-        checkpoint.check_run_paths(cfg)
+        rundir.check_run_paths(cfg)
         resolve_device(cfg.train.device)  # a device that is not there: one line, before any process starts
         if under_torchrun():  # rank 0 holds the lock, once the process group is up (see run_rank)
             run_rank(argv, torchrun=True)
             return 0
-        with checkpoint.run_lock(cfg.checkpoint.dir):
+        with rundir.run_lock(cfg.checkpoint.dir):
             if world > 1:
                 spawn(run_rank, world, argv)
             else:

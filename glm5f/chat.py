@@ -27,8 +27,8 @@ _REASONING = ("reasoning_content", "thinking", "reasoning")  # the names a messa
 # ---- templates --------------------------------------------------------------------------------------------------
 
 def default_template() -> str:
-    """The GLM-5-style template shipped with glm5f (glm5f/data/glm5_chat_template.jinja)."""
-    return resources.files("glm5f").joinpath("data/glm5_chat_template.jinja").read_text(encoding="utf-8")
+    """The GLM-5-style template shipped with glm5f (glm5f/assets/glm5_chat_template.jinja)."""
+    return resources.files("glm5f").joinpath("assets/glm5_chat_template.jinja").read_text(encoding="utf-8")
 
 
 def template_source(tokenizer_path: str | None, chat_template: str | None) -> tuple[str, str]:
@@ -329,9 +329,9 @@ class ChatData:
 
 
 def sample_records(part: str | None = None) -> list[tuple[str, dict]]:
-    """(where, record) of the chat sample shipped with glm5f (glm5f/data/chat_sample.jsonl): all of it, or its
+    """(where, record) of the chat sample shipped with glm5f (glm5f/assets/chat_sample.jsonl): all of it, or its
     "train" or "eval" part (every 10th conversation, counting from the 10th, is "eval")."""
-    name = "data/chat_sample.jsonl"
+    name = "assets/chat_sample.jsonl"
     lines = resources.files("glm5f").joinpath(name).read_text(encoding="utf-8").splitlines()
     out = [(f"glm5f/{name}:{n}", json.loads(line)) for n, line in enumerate(lines, 1) if line.strip()]
     if part is None:

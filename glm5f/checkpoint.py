@@ -9,15 +9,12 @@ checkpoint as latest. manifest.json, written last, holds each file's size and CR
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import fcntl
 import json
 import math
 import os
 import random
 import shutil
-import socket
 import warnings
 import zlib
 
@@ -180,6 +177,22 @@ def _prune(root: str, keep: int, newest: str) -> None:
         for n in _complete(root)[:-keep]:
             if n != newest:
                 shutil.rmtree(os.path.join(root, n), ignore_errors=True)
+
+
+def remove_partial_saves(run_dir: str) -> list[str]:
+    """Remove the .tmp-step_* folders a killed save left in RUN/checkpoints (call it holding the run's lock, as
+    glm5f.rundir.RunLock does, so no save is running); returns a line for each one removed."""
+    root = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(root):
+        return []
+    lines = []
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if name.startswith(f".tmp-{PREFIX}") and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+            lines.append(f"removed {path}: a checkpoint a previous run did not finish writing (it was stopped "
+                         f"during the save)")
+    return lines
 
 
 def resolve(path: str) -> str:
@@ -451,170 +464,3 @@ def load_lora_base(path: str) -> tuple[GLM5Config, dict]:
                          f"{recorded['fingerprint']}), but that base now has fingerprint {found}: it changed since "
                          f"the run, so the adapters do not belong to it")
     return cfg, base
-
-
-# ---- the run directory --------------------------------------------------------------------------------------------
-
-LOCK = ".lock"
-
-
-class RunDirBusy(ValueError):
-    """Another live run holds the run directory's lock."""
-
-
-class RunLock:
-    """An exclusive lock on a run directory for the life of a run: RUN/.lock, locked with flock and holding the
-    holder's "host pid". A second run into the same directory stops in __enter__, before writing anything, with a
-    RunDirBusy naming the holder. The kernel drops the lock of a process that dies, so the lock file of a killed
-    run is taken over (saying so through `say`). On entering, partial checkpoint folders left by a killed save
-    are removed (remove_partial_saves); on leaving, the lock file is removed, and the run directory too when this
-    lock created it and it is still empty."""
-
-    def __init__(self, run_dir: str, say=print):
-        self.run_dir, self.say, self.fd, self.created = run_dir, say, None, False
-        self.path = os.path.join(run_dir, LOCK)
-
-    def __enter__(self) -> "RunLock":
-        self.created = not os.path.isdir(self.run_dir)
-        os.makedirs(self.run_dir, exist_ok=True)
-        while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = _read_fd(fd) or "an unknown process"
-                os.close(fd)
-                self._remove_dir_if_created()
-                raise RunDirBusy(f"the run directory {self.run_dir} is in use by another run ({_holder(holder)}, "
-                                 f"lock {self.path}); wait for it to finish or stop it, or pass another "
-                                 f"--checkpoint.dir") from None
-            try:
-                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:  # else its holder removed it as we locked it: lock the new file
-                break
-            os.close(fd)
-        previous = _read_fd(fd)
-        if previous:
-            self.say(f"took over the lock {self.path} of a run that is no longer running ({_holder(previous)}: it "
-                     f"stopped without releasing it)")
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{socket.gethostname()} {os.getpid()}\n".encode(), 0)
-        os.fsync(fd)
-        self.fd = fd
-        for line in remove_partial_saves(self.run_dir):
-            self.say(line)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.fd is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(self.path)
-            os.close(self.fd)  # releases the flock
-            self.fd = None
-            self._remove_dir_if_created()
-
-    def _remove_dir_if_created(self) -> None:
-        if self.created:
-            with contextlib.suppress(OSError):
-                os.rmdir(self.run_dir)  # only when empty: a run that wrote nothing leaves nothing
-
-
-def _read_fd(fd: int) -> str:
-    return os.pread(fd, 256, 0).decode(errors="replace").strip()
-
-
-def _holder(text: str) -> str:
-    host, _, pid = text.partition(" ")
-    return f"pid {pid} on host {host}" if pid else text
-
-
-def run_lock(run_dir: str, say=print):
-    """The run directory's RunLock in the process that owns the run (rank 0, or the one process / launcher: RANK
-    unset or 0); a no-op context elsewhere."""
-    return RunLock(run_dir, say) if os.environ.get("RANK", "0") == "0" else contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def shared_run_lock(run_dir: str, say=print):
-    """The run directory's RunLock for a run whose ranks were started by another launcher (torchrun): rank 0
-    takes it, and every rank learns whether it did (a broadcast), so a refusal stops all of them at once rather
-    than leaving the others to wait for a collective that rank 0 never joins. Rank 0 raises the RunDirBusy, the
-    others SystemExit(1) without a word."""
-    lock, refused = RunLock(run_dir, say) if _rank() == 0 else None, [None]
-    if lock is not None:
-        try:
-            lock.__enter__()
-        except RunDirBusy as e:
-            refused[0] = str(e)
-    dist.broadcast_object_list(refused, src=0)
-    if refused[0] is not None:
-        if lock is not None:
-            raise RunDirBusy(refused[0])
-        raise SystemExit(1)
-    try:
-        yield
-    finally:
-        if lock is not None:
-            lock.__exit__(None, None, None)
-
-
-def remove_partial_saves(run_dir: str) -> list[str]:
-    """Remove the .tmp-step_* folders a killed save left in RUN/checkpoints (call it holding the run's lock, so no
-    save is running); returns a line for each one removed."""
-    root = os.path.join(run_dir, "checkpoints")
-    if not os.path.isdir(root):
-        return []
-    lines = []
-    for name in sorted(os.listdir(root)):
-        path = os.path.join(root, name)
-        if name.startswith(f".tmp-{PREFIX}") and os.path.isdir(path):
-            shutil.rmtree(path, ignore_errors=True)
-            lines.append(f"removed {path}: a checkpoint a previous run did not finish writing (it was stopped "
-                         f"during the save)")
-    return lines
-
-
-def _nearest_existing(path: str) -> str:
-    """`path` or its closest ancestor that exists."""
-    path = os.path.abspath(path)
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    return path
-
-
-def _path_problem(path: str, what: str) -> str | None:
-    """What stops a run from creating and writing directory `path` (named as `what`), or None."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        return f"{what} {path} is a file, not a directory; pass a directory (new or existing)"
-    base = _nearest_existing(path)
-    if not os.path.isdir(base):
-        return f"{what} {path} is under {base}, which is a file, not a directory; pass another path"
-    if not os.access(base, os.W_OK | os.X_OK):
-        verb = "is" if base == os.path.abspath(path) else f"would be created in {base}, which is"
-        return f"{what} {path} {verb} not writable (read-only or not yours); pass a writable directory"
-    return None
-
-
-def check_run_paths(cfg) -> None:
-    """Before any training: a ValueError naming the path and what is wrong when the run directory
-    (--checkpoint.dir) or its checkpoints/ cannot be written, or the --checkpoint.export_hf (export_peft)
-    directory cannot be created beside its parent (a file in the way, read-only, under a file)."""
-    run_dir, export = cfg.checkpoint.dir, cfg.checkpoint.export_hf
-    problem = _path_problem(run_dir, "the run directory (--checkpoint.dir)")
-    ckpts = os.path.join(run_dir, "checkpoints")
-    if problem is None and os.path.exists(ckpts):
-        if not os.path.isdir(ckpts):
-            problem = (f"{ckpts} is a file, but a run keeps its checkpoints in a directory there; move the file "
-                       f"away or pass another --checkpoint.dir")
-        elif not os.access(ckpts, os.W_OK | os.X_OK):
-            problem = f"{ckpts} is not writable (read-only or not yours); pass a writable --checkpoint.dir"
-    for flag, export in (("export_hf", export), ("export_peft", getattr(cfg.checkpoint, "export_peft", None))):
-        if problem is None and export:
-            export = export.rstrip("/") or export
-            problem = _path_problem(os.path.dirname(os.path.abspath(export)), f"the directory of --checkpoint.{flag}")
-            if problem is None and os.path.isdir(export) and not os.access(export, os.W_OK | os.X_OK):
-                problem = f"--checkpoint.{flag} {export} is not writable (read-only or not yours); pass another"
-    if problem:
-        raise ValueError(problem)

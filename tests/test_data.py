@@ -1,4 +1,4 @@
-"""glm5f/data.py: packing, prompt masking and the sources (text, json_file, hf_datasets, preset_pt, a tokenizer);
+"""glm5f/data/: packing, prompt masking and the sources (text, json_file, hf_datasets, preset_pt, a tokenizer);
 streamed files against a naive packer, the shuffle buffer, resume mid-stream, memory that does not grow with the
 corpus; held-out documents; and data that would train on the wrong thing, or on nothing, as an `error:` line naming
 where."""

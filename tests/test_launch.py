@@ -15,7 +15,7 @@ import pytest
 
 import dist_checks
 from conftest import step_hook_script
-from glm5f import checkpoint
+from glm5f import checkpoint, rundir
 from glm5f.launch import TIMEOUT_EXIT, RankError, free_port, spawn
 from glm5f.metrics import read_metrics
 from scripts.align import COMMON
@@ -104,7 +104,7 @@ def start_ranks(script_or_train: str, args: list[str], world: int = 2) -> list[s
 
 def test_a_locked_run_dir_stops_every_torchrun_rank_at_once(tmp_path):
     run = tmp_path / "run"
-    with checkpoint.RunLock(str(run)):
+    with rundir.RunLock(str(run)):
         t0 = time.monotonic()
         ranks = start_ranks("train.py", TINY + ["--train.steps", "2", "--parallel.dp_shard", "2",
                                                 "--parallel.timeout_s", "240", "--checkpoint.dir", str(run)])
