@@ -6,6 +6,7 @@ import os
 import resource
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -47,11 +48,11 @@ def error_line(capsys) -> str:
 
 def test_glm53_stops_at_once_naming_the_memory_it_needs(tmp_path):
     """The GLM-5.3 preset (313B parameters: 6.27 TB with AdamW in fp32) in one process: one error line with the
-    figure, before anything is allocated (the process may not even map 16 GB) or written."""
-    limit = lambda: resource.setrlimit(resource.RLIMIT_AS, (16 << 30, 16 << 30))  # noqa: E731
+    figure, before anything is allocated (the process may not even map 8 GB) or written."""
+    limit = lambda: resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))  # noqa: E731
     proc = subprocess.run([sys.executable, "train.py", "--model.preset", "glm53", "--train.steps", "1",
-                           "--checkpoint.dir", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, preexec_fn=limit)
+                           "--train.device", "cpu", "--checkpoint.dir", str(tmp_path / "run")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, preexec_fn=limit)
     assert proc.returncode == 1, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: this run needs at least 6,265.2"), lines
@@ -144,6 +145,25 @@ def test_spawned_ranks_each_count_this_processs_runtime(tmp_path, capsys, monkey
     assert "the 2 local ranks need at least 20.0" in line and "10.00 GB of runtime a process" in line
     available(monkeypatch, 17)  # 20 GB within 1.25 x 17
     assert train.main(args) == 0 and started == [("spawn", 2)]
+
+
+def test_on_a_gpu_one_ranks_need_counts_against_its_own_gpu(monkeypatch):
+    """On a GPU each local rank has its own: one rank's need (no runtime: it is not host memory) against the free
+    memory of the GPU of this local rank (torchrun's LOCAL_RANK), or for spawned ranks against cuda:0's total
+    (the launcher does not open the GPU its rank 0 will use)."""
+    cfg = train.parse(["--model.preset", "glm5-tiny"])
+    asked = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: asked.append(device) or (10**6, 80 * GB))
+    with pytest.raises(ValueError, match=r"^this run needs at least 5\.0 MB .*, but cuda:1 has 1\.0 MB available "
+                                         r"\(free memory of cuda:1"):
+        preflight.check_run(cfg, torch.device("cuda"), 4, spawned=False, rank=1)
+    assert asked == [torch.device("cuda", 1)]
+    total = lambda device: SimpleNamespace(total_memory=10**6 if device.index == 0 else 80 * GB)  # noqa: E731
+    monkeypatch.setattr(torch.cuda, "get_device_properties", total)
+    with pytest.raises(ValueError, match=r"^this run needs at least 5\.0 MB .*, but cuda:0 has 1\.0 MB available "
+                                         r"\(total memory of cuda:0\)"):
+        preflight.check_run(cfg, torch.device("cuda"), 4, spawned=True)
+    assert len(asked) == 1
 
 
 def test_available_host_memory_is_the_lesser_of_meminfo_and_the_cgroup_room(tmp_path, monkeypatch):
