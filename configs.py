@@ -206,6 +206,10 @@ class TrainConfig:
     """Print a progress line every N steps (when the output is not a terminal)."""
     skip_nonfinite: bool = False
     """On a NaN/inf loss or gradient norm, skip that step's update (logged) and go on; default: stop the run."""
+    skip_memory_check: bool = False
+    """Start even though the run needs more memory than the device has available (at least the part of its memory
+    plan computed without tracing, against host MemAvailable on the CPU, a GPU's free memory; summed over the
+    ranks this machine hosts), or launches more than 8 processes a CPU core; default: stop before allocating."""
     trainable: Optional[str] = None
     """Train only the parameters whose dotted path matches this regex (re.search), e.g. indexer; the others get no
     gradient, no optimizer state, and (routers) no bias balancing. Default: all."""

@@ -38,6 +38,7 @@ from glm5f.model import check_input_ids
 from glm5f.optim import (Optimizer, balance_router_bias, clip_by_global_norm, lr_schedule, make_optimizer,
                          matches, schedule_change, schedule_total)
 from glm5f.parallel import Layout, local_tensor, nonfinite_counts
+from glm5f.preflight import check_inputs, check_run
 from glm5f.params import flatten, region_of
 
 
@@ -620,7 +621,13 @@ def main(argv: list[str] | None = None) -> int:
             raise TrainingError("invalid configuration:\n  - " + "\n  - ".join(errors))
         cfg = with_data_type(cfg)
         rundir.check_run_paths(cfg)
-        resolve_device(cfg.train.device)  # a device that is not there: one line, before any process starts
+        device = resolve_device(cfg.train.device)  # a device that is not there: one line, before any process starts
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if under_torchrun() else world  # ranks on this machine
+        with user_errors():  # what the ranks would read first, and the memory they would hold, checked here
+            check_inputs(cfg)
+            if not cfg.train.skip_memory_check:
+                check_run(cfg, device, local, spawned=not under_torchrun() and world > 1,
+                          rank=int(os.environ.get("LOCAL_RANK", 0)))
         if under_torchrun():  # rank 0 holds the lock, once the process group is up (see run_rank)
             run_rank(argv, torchrun=True)
             return 0

@@ -353,6 +353,50 @@ def activation_bytes(cfg: GLM5Config, run: RunShape, remat: bool | None = None, 
 
 # ---- the plan -----------------------------------------------------------------------------------------------------
 
+def phases(s: dict, run: RunShape, activations: int) -> dict[str, int]:
+    """Rank 0's bytes in each phase of a step, less the runtime, from its `state_bytes` `s` and the activations'
+    peak: "forward_backward" (params, optimizer state, the previous micro-batches' gradients, the gathered weights
+    and the activations), "update" (params, optimizer state, gradients and the optimizer's temporaries), and two of
+    their lines: "gathered" and "reduce_copy" (the copies --train.reduce_dtype makes)."""
+    master = wide_dtype(run.dtypes[0])
+    # --train.reduce_dtype wider than the masters: the step's params copy in it, gradients in it until the end
+    ratio = run.dtypes[1].itemsize // master.itemsize if run.reduce_dtype else 1
+    reduce_extra = s["params"] * ratio + s["trained"] * (ratio - 1) if ratio > 1 else 0
+    grads, state = s["trained"], s["optimizer"]
+    # with activation checkpointing one decoder layer's gathered weights are alive at a time (recomputed with the
+    # layer in the backward); without it autograd keeps every layer's for the backward
+    gathered = s["gathered_once"] + s["largest_layer_gathered"] if run.remat else s["gathered"]
+    fwd_bwd = (s["params"] + state + reduce_extra + (grads if run.grad_accum > 1 else 0) + gathered
+               + activations + s["largest_gathered"] * (run.world > 1))
+    return dict(forward_backward=fwd_bwd, update=s["params"] + state + grads + s["update"], gathered=gathered,
+                reduce_copy=reduce_extra)
+
+
+def kept_activation_bytes(cfg: GLM5Config, run: RunShape) -> int:
+    """What a micro-batch keeps for the backward whether its layers are recomputed or not, by formula (nothing
+    traced, so it costs nothing at any size): each decoder layer's and MTP depth's input [B, S, D] (its residual's
+    streams [B, S, hc_mult, D] under hyper-connections) and the rope tables (cos and sin [B, S, rope_dim / 2]), in
+    the activations' dtype. A lower bound of `activation_bytes`'s peak with or without checkpointing."""
+    B, S = run.micro_batch, run.seq_len // run.cp
+    layers = list(range(cfg.num_hidden_layers)) + [cfg.mtp_layer(d) for d in range(1, cfg.mtp_depths + 1)]
+    streams = sum(cfg.hc_mult if layer_spec(cfg, i).residual == "hyper" else 1 for i in layers)
+    rope = 2 * ((cfg.qk_rope_head_dim + 1) // 2)
+    return B * S * (streams * cfg.hidden_size + rope) * run.dtypes[0].itemsize
+
+
+def least_total(cfg: GLM5Config, run: RunShape, optimizer: Optimizer | None = None,
+                activations: bool = True) -> dict[str, int]:
+    """A lower bound of `plan`'s total less the runtime, in closed form (nothing traced: fast for any model and
+    sequence length): the plan's update phase exactly, its forward/backward with the activations it counts cut
+    to `kept_activation_bytes` (0 without `activations`). {"update", "forward_backward", "activations", "total"},
+    in bytes; a run whose plan fits a memory size has this total within it too."""
+    s = state_bytes(cfg, run, 0, None, optimizer or adamw())
+    kept = kept_activation_bytes(cfg, run) if activations else 0
+    phase = phases(s, run, kept)
+    return dict(update=phase["update"], forward_backward=phase["forward_backward"], activations=kept,
+                total=max(phase["update"], phase["forward_backward"]))
+
+
 def plan(cfg: GLM5Config, run: RunShape, runtime_bytes: int = 0, device_bytes: int | None = None,
          groups: Counter | None = None, cache: dict | None = None, optimizer: Optimizer | None = None) -> dict:
     """The memory plan of rank 0 (the largest shards) of a run: every line in bytes, and which phase peaks.
@@ -365,24 +409,16 @@ def plan(cfg: GLM5Config, run: RunShape, runtime_bytes: int = 0, device_bytes: i
     """
     optimizer = optimizer or adamw()
     s = state_bytes(cfg, run, 0, groups, optimizer)
-    master = wide_dtype(run.dtypes[0])
-    # --train.reduce_dtype wider than the masters: the step's params copy in it, gradients in it until the end
-    ratio = run.dtypes[1].itemsize // master.itemsize if run.reduce_dtype else 1
-    reduce_extra = s["params"] * ratio + s["trained"] * (ratio - 1) if ratio > 1 else 0
-    grads, state = s["trained"], s["optimizer"]
+    grads, state, update = s["trained"], s["optimizer"], s["update"]
     cache = {} if cache is None else cache
     key = (run.micro_batch, run.seq_len, run.cp, run.dtype, run.reduce_dtype)
     if key not in cache:
         cache[key] = activation_bytes(cfg, run, True, cache), activation_bytes(cfg, run, False, cache)
     with_remat, without_remat = cache[key]
     acts = with_remat if run.remat else without_remat
-    update = s["update"]
-    # with activation checkpointing one decoder layer's gathered weights are alive at a time (recomputed with the
-    # layer in the backward); without it autograd keeps every layer's for the backward
-    gathered = s["gathered_once"] + s["largest_layer_gathered"] if run.remat else s["gathered"]
-    fwd_bwd = (s["params"] + state + reduce_extra + (grads if run.grad_accum > 1 else 0) + gathered
-               + acts["peak"] + s["largest_gathered"] * (run.world > 1))
-    step_end = s["params"] + state + grads + update
+    phase = phases(s, run, acts["peak"])
+    fwd_bwd, step_end, gathered, reduce_extra = (phase["forward_backward"], phase["update"], phase["gathered"],
+                                                 phase["reduce_copy"])
     total = runtime_bytes + max(fwd_bwd, step_end)
     return dict(world=run.world, dp_shard=run.dp_shard, cp=run.cp, ep=run.ep, params_bytes=s["params"],
                 grads_bytes=grads, optimizer=optimizer.name, optimizer_bytes=state, gathered_bytes=gathered,

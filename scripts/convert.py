@@ -23,12 +23,15 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import torch  # noqa: E402
+
 import glm5f  # noqa: E402
 from glm5f import checkpoint, lora  # noqa: E402
 from glm5f.config import GLM5Config  # noqa: E402
 from glm5f.data import make_tokenizer, warnings_as_lines  # noqa: E402
 from glm5f.chat import checkpoint_tokenizer  # noqa: E402
 from glm5f.hf import check_export_dir, save_peft  # noqa: E402
+from glm5f.preflight import check_fits, checkpoint_weights, weight_bytes  # noqa: E402
 
 
 def run_tokenizer(path: str) -> tuple[dict, list[str]]:
@@ -40,6 +43,17 @@ def run_tokenizer(path: str) -> tuple[dict, list[str]]:
     files = [os.path.join(copy, n) for n in sorted(os.listdir(copy))] if copy else list(tokens.files().values())
     tok = make_tokenizer(tokens.path)
     return {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}, files
+
+
+def check_memory(path: str) -> None:
+    """Before reading: a ValueError when the params of checkpoint `path` (as `checkpoint.load_params` holds them:
+    the run's master dtype, a LoRA run's base in its --lora.base_dtype) need more host memory than is available
+    (`preflight.check_fits`)."""
+    cfg, dtype = checkpoint_weights(path)
+    need = weight_bytes(cfg, dtype)
+    check_fits(need, torch.device("cpu"), f"reading {path} needs", f"its {glm5f.param_count(cfg):,} parameters in "
+               f"{str(dtype).replace('torch.', '')}", "convert on a machine with more memory; --skip-memory-check "
+               "reads it anyway")
 
 
 def convert(source: str, out_dir: str, replace: bool = False) -> str:
@@ -80,6 +94,9 @@ def main(argv=None) -> int:
     how.add_argument("--peft", action="store_true", help="a LoRA run: write its adapters as a PEFT adapter directory")
     how.add_argument("--merge-lora", action="store_true",
                      help="a LoRA run: write its base with the adapters merged as a Transformers checkpoint")
+    ap.add_argument("--skip-memory-check", action="store_true",
+                    help="read the checkpoint even though its params need more memory than is available (checked "
+                         "before reading)")
     ap.add_argument("--replace-export", action="store_true",
                     help="replace a previous export that another run starts from (--model.init_from), or whose "
                          "tokenizer files this one does not write; files glm5f did not write are never replaced")
@@ -93,6 +110,8 @@ def main(argv=None) -> int:
         if not is_lora and (args.peft or args.merge_lora):
             raise ValueError(f"{args.checkpoint} is not a LoRA run's checkpoint: convert it without "
                              f"{'--peft' if args.peft else '--merge-lora'}")
+        if not args.skip_memory_check and not args.peft:  # --peft reads the adapters only
+            check_memory(checkpoint.resolve(args.checkpoint))
         path = convert_lora(args.checkpoint, args.out_dir, args.merge_lora, args.replace_export) if is_lora else \
             convert(args.checkpoint, args.out_dir, args.replace_export)
     except (ValueError, FileNotFoundError, ImportError) as e:

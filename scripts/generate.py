@@ -38,14 +38,14 @@ from glm5f.chat import (ChatFormat, ChatTemplate, RunTokenizer, chat_messages, c
 from glm5f.data import make_tokenizer, warnings_as_lines  # noqa: E402
 from glm5f.decode import speculative, stream  # noqa: E402
 from glm5f.launch import check_device  # noqa: E402
+from glm5f.preflight import cache_bytes, check_fits, checkpoint_weights, size, weight_bytes  # noqa: E402
 from glm5f.tokens import chat_tokenizer, template_tokens  # noqa: E402
 
 
 def load(path: str, tokenizer: str | None = None, device: str = "cpu"):
     """(cfg, params, tokenizer, RunTokenizer) of a run directory, a checkpoint, or a Transformers checkpoint
     directory; `tokenizer` (a tokenizer.json or a directory with one) overrides the one it carries."""
-    is_hf = os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(os.path.join(path, "meta.json"))
-    if is_hf:
+    if is_hf(path):
         cfg, params = glm5f.load_hf(path, device=device)
         tokens = tokenizer_of(path)
     else:
@@ -60,6 +60,28 @@ def load(path: str, tokenizer: str | None = None, device: str = "cpu"):
         raise ValueError(f"the tokenizer has {tok.vocab_size} ids but the model only {cfg.vocab_size}: "
                          f"pass the tokenizer the model was trained with (--tokenizer)")
     return cfg, params, tok, tokens
+
+
+def check_memory(path: str, max_tokens: int, device: str) -> None:
+    """Before loading: a ValueError when the weights of `path` (as `load` reads it) and the decode cache of
+    --max-tokens new positions need more memory than `device` has available (`preflight.check_fits`). The
+    figure is a lower bound: a Transformers checkpoint's weights at 2 bytes a parameter (the narrowest they load
+    in), the cache's positions without the prompt's."""
+    if is_hf(path):
+        cfg, dtype = glm5f.GLM5Config.from_hf(path), torch.bfloat16
+    else:
+        cfg, dtype = checkpoint_weights(checkpoint.resolve(path))
+    weights, cache = weight_bytes(cfg, dtype), cache_bytes(cfg, 1, max_tokens + 1, dtype)
+    check_fits(weights + cache, torch.device(device), f"loading {path} and decoding needs",
+               f"{size(weights)} of weights in {str(dtype).replace('torch.', '')}, {size(cache)} of "
+               f"decode cache for {max_tokens + 1} positions", "generate where there is more (another --device or "
+               "machine), from a bf16 export (a Transformers checkpoint), or with fewer --max-tokens; "
+               "--skip-memory-check loads it anyway")
+
+
+def is_hf(path: str) -> bool:
+    """Whether `path` is a Transformers checkpoint directory (not a train.py run or checkpoint)."""
+    return os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(os.path.join(path, "meta.json"))
 
 
 def chat_format(tokens: RunTokenizer, template_file: str | None, vocab_size: int) -> ChatFormat:
@@ -200,6 +222,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="auto", help="auto (cuda when there is one, else cpu), cpu, cuda, ...")
     ap.add_argument("--draft-depths", type=int, default=0,
                     help="greedy self-speculative decoding with this many MTP drafts a step (see above); 0: off")
+    ap.add_argument("--skip-memory-check", action="store_true",
+                    help="load even though the weights and decode cache need more memory than the device has "
+                         "available (checked before loading)")
     args = ap.parse_args(argv)
     warnings_as_lines()
     try:
@@ -212,6 +237,8 @@ def main(argv=None) -> int:
         if chat_only and not args.chat:
             raise ValueError(f"{', '.join(chat_only)}: used only with --chat")
         device = resolve_device(args.device)
+        if not args.skip_memory_check:
+            check_memory(args.model, args.max_tokens, device)
         cfg, params, tok, tokens = load(args.model, args.tokenizer, device)
         if args.draft_depths:
             cfg = draft_config(cfg, args.draft_depths)

@@ -23,8 +23,10 @@ from glm5f.parallel import mesh_shapes, placements
 from glm5f.loss import head_loss_sum, shift_labels
 from glm5f.model import hidden_states, main_head
 from glm5f.params import flatten
-from glm5f.plan import (GB, RunShape, activation_bytes, leaf_groups, local_shape, mesh_coords, plan, search,
-                        state_bytes, trace, traced_activations)
+from glm5f.layers import layer_spec
+from glm5f.optim import make_optimizer
+from glm5f.plan import (GB, RunShape, activation_bytes, kept_activation_bytes, leaf_groups, least_total, local_shape,
+                        mesh_coords, plan, search, state_bytes, trace, traced_activations)
 from train import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -325,3 +327,37 @@ def test_glm5_heads_keep_their_hidden_states_and_one_chunk_of_logits():
     whole = tokens * cfg.vocab_size * 2  # the bf16 logits alone, before their fp32 copy and gradient
     assert p["activation_logits_transient_bytes"] < whole / 2
     assert p["activation_logits_bytes"] + p["activation_logits_transient_bytes"] < 1 * GB
+
+
+@pytest.mark.parametrize("preset,cp,dtype", [("glm5-tiny", 1, "float32"), ("glm5-tiny", 2, "bfloat16"),
+                                             ("glm53-tiny", 1, "float32"), ("glm53-tiny", 2, "float32")])
+def test_kept_activations_are_the_layer_inputs_and_rope_tables_a_trace_saves(preset, cp, dtype):
+    """`kept_activation_bytes` (a formula) is what the traced layers keep whether recomputed or not: each decoder
+    layer's and MTP depth's input (GLM-5.3's hyper-connection streams) and the rope tables (none in GLM-5.3), at
+    B = 3 rows on CP rank 0."""
+    cfg = glm5f.preset(preset, **({"num_nextn_predict_layers": 1} if preset == "glm5-tiny" else {}))
+    run = RunShape(cp=cp, batch_size=3, seq_len=64, dtype=dtype)
+    traced = trace(cfg, run, 3)
+    layers = list(range(cfg.num_hidden_layers)) + [cfg.mtp_layer(d) for d in range(1, cfg.mtp_depths + 1)]
+    inputs = sum(traced[layer_spec(cfg, i)][-2] for i in layers)  # [..., input, top-k passed on]
+    assert kept_activation_bytes(cfg, run) == inputs + sum(traced["rope"]) > 0
+
+
+@pytest.mark.parametrize("preset,run,optim", [
+    ("glm5-tiny", RunShape(), "adamw"),
+    ("glm5-tiny", RunShape(remat=True, grad_accum=2, batch_size=4, seq_len=64), "muon"),
+    ("glm5-scaled-moe", RunShape(dp_shard=2, ep=2, batch_size=4, seq_len=64, dtype="bfloat16", remat=True), "adamw"),
+    ("glm5-scaled-moe", RunShape(dp_shard=2, cp=2, batch_size=2, seq_len=64, reduce_dtype="float64"), "adamw"),
+    ("glm53-tiny", RunShape(cp=2, batch_size=2, seq_len=64), "muon"),
+    ("glm5-tiny", RunShape(dp_shard=2, batch_size=4, seq_len=64, lora_rank=8, base_dtype="bfloat16"), "adamw")])
+def test_least_total_is_the_plans_update_and_below_its_total(preset, run, optim):
+    """What the memory check compares (`least_total`, nothing traced) is the plan's update phase exactly and at
+    most its forward/backward and total, so a run the plan says fits a memory size is never refused by it."""
+    cfg = glm5f.preset(preset, **({"num_hidden_layers": 2} if preset == "glm5-scaled-moe" else {}))
+    optimizer = make_optimizer(dataclasses.replace(Config().optim, name=optim), cfg)
+    p, least = plan(cfg, run, optimizer=optimizer), least_total(cfg, run, optimizer)
+    assert least["update"] == p["update_bytes"]
+    assert least["activations"] <= min(p["activations_remat_bytes"], p["activations_no_remat_bytes"])
+    assert least["forward_backward"] <= p["forward_backward_bytes"]
+    assert least["total"] <= p["total_bytes"]
+    assert least["forward_backward"] > least["activations"] > 0
