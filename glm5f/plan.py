@@ -35,6 +35,7 @@ from glm5f.optim import ADAMW_UPDATE_COPIES, Held, Optimizer, adamw, leaf_rule, 
 from glm5f.lora import DEFAULT_TARGETS, LoraSpec, adapter_shapes, is_adapter
 from glm5f.parallel import Layout
 from glm5f.params import Leaf, abstract_params, flatten, leaf_dtype, leaf_kind, map_with_path, param_layout
+from glm5f.step import OBJECTIVES
 
 GB = 10**9  # --parallel.device_memory_gb and the table count decimal gigabytes (an H200 has 141 GB)
 
@@ -55,6 +56,7 @@ class RunShape:
     lora_rank: int = 0
     lora_targets: str = DEFAULT_TARGETS
     base_dtype: str | None = None
+    objective: str = "lm"
 
     @property
     def lora(self) -> LoraSpec | None:
@@ -80,8 +82,10 @@ def run_shape(cfg) -> RunShape:
     """The RunShape of a train.py `Config`."""
     p, t = cfg.parallel, cfg.train
     lo = getattr(cfg, "lora", None)
-    return RunShape(p.dp_shard, p.cp, p.ep, cfg.data.batch_size, cfg.data.seq_len, t.grad_accum, t.dtype,
-                    t.reduce_dtype, t.activation_checkpointing, *((lo.rank, lo.targets, lo.base_dtype) if lo else ()))
+    return dataclasses.replace(
+        RunShape(p.dp_shard, p.cp, p.ep, cfg.data.batch_size, cfg.data.seq_len, t.grad_accum, t.dtype, t.reduce_dtype,
+                 t.activation_checkpointing, *((lo.rank, lo.targets, lo.base_dtype) if lo else ())),
+        objective=getattr(t, "objective", "lm"))
 
 
 # ---- parameters, gradients, optimizer state -----------------------------------------------------------------------
@@ -360,7 +364,8 @@ def plan(cfg: GLM5Config, run: RunShape, runtime_bytes: int = 0, device_bytes: i
 
     total = runtime + max(forward/backward, update): forward/backward holds params, optimizer state, the previous
     micro-batches' gradients (grad_accum > 1), the gathered weights and the activations at their peak (the start of
-    the backward); the update holds params, optimizer state, gradients and the optimizer's temporaries.
+    the backward); the update holds params, optimizer state, gradients and the optimizer's temporaries; both hold
+    what the main objective (`step.OBJECTIVES[run.objective]`) needs beyond the LM step (its `plan_bytes`).
     `optimizer`: default AdamW. `groups` (`leaf_groups(cfg)`) and `cache` (a dict of activations and traces by
     micro-batch shape) save work over many plans.
     """
@@ -381,13 +386,15 @@ def plan(cfg: GLM5Config, run: RunShape, runtime_bytes: int = 0, device_bytes: i
     # with activation checkpointing one decoder layer's gathered weights are alive at a time (recomputed with the
     # layer in the backward); without it autograd keeps every layer's for the backward
     gathered = s["gathered_once"] + s["largest_layer_gathered"] if run.remat else s["gathered"]
+    objective = OBJECTIVES[run.objective].plan_bytes(cfg, run, s)
     fwd_bwd = (s["params"] + state + reduce_extra + (grads if run.grad_accum > 1 else 0) + gathered
-               + acts["peak"] + s["largest_gathered"] * (run.world > 1))
-    step_end = s["params"] + state + grads + update
+               + acts["peak"] + s["largest_gathered"] * (run.world > 1) + objective)
+    step_end = s["params"] + state + grads + update + objective
     total = runtime_bytes + max(fwd_bwd, step_end)
     return dict(world=run.world, dp_shard=run.dp_shard, cp=run.cp, ep=run.ep, params_bytes=s["params"],
                 grads_bytes=grads, optimizer=optimizer.name, optimizer_bytes=state, gathered_bytes=gathered,
-                reduce_copy_bytes=reduce_extra, activations_bytes=acts["peak"],
+                reduce_copy_bytes=reduce_extra, objective=run.objective, objective_bytes=objective,
+                activations_bytes=acts["peak"],
                 activations_remat_bytes=with_remat["peak"], activations_no_remat_bytes=without_remat["peak"],
                 activation_layers_bytes=acts["layers"], activation_logits_bytes=acts["logits"],
                 activation_logits_transient_bytes=acts["logits_transient"],
@@ -440,6 +447,8 @@ def format_table(p: dict, model_name: str, run: RunShape, limit_note: str) -> st
     ]
     if p["reduce_copy_bytes"]:
         rows.append(("params + grads in --train.reduce_dtype", p["reduce_copy_bytes"]))
+    if p["objective_bytes"]:
+        rows.append((f"objective {p['objective']} (beyond the LM step)", p["objective_bytes"]))
     rows += [
         (f"activations {'with' if run.remat else 'without'} checkpointing", p["activations_bytes"]),
         ("  decoder layers (kept for backward)", p["activation_layers_bytes"]),
