@@ -24,6 +24,7 @@ import glm5f
 from glm5f.data import check_path_fits, infer_data_type, load_batches
 from glm5f.lora import DEFAULT_TARGETS, LoraSpec, target_modules
 from glm5f.optim import OPTIMIZERS, trained_paths
+from glm5f.step import OBJECTIVES
 
 @dataclass
 class ModelConfig:
@@ -179,6 +180,9 @@ class OptimConfig:
 class TrainConfig:
     steps: int = 300
     """Total optimizer steps (a resumed run continues up to this)."""
+    objective: str = "lm"
+    """The main objective (glm5f.step.OBJECTIVES): lm, the next-token cross-entropy. The terms (MTP, indexer,
+    balance) are added to it."""
     grad_accum: int = 1
     """Micro-batches per step; data.batch_size must divide by grad_accum (and by the data-parallel ranks)."""
     query_parts: int = 1
@@ -378,6 +382,12 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
                     "pass one of them")
     if cfg.optim.lr <= 0:
         errs.append(f"--optim.lr must be positive, got {cfg.optim.lr}")
+    row = OBJECTIVES.get(cfg.train.objective)
+    if row is None:
+        errs.append(f"--train.objective {cfg.train.objective!r} is unknown; choose one of {', '.join(OBJECTIVES)}")
+    elif row.data_types is not None and cfg.data.type not in row.data_types:
+        errs.append(f"--train.objective {cfg.train.objective} trains on --data.type {' or '.join(row.data_types)}, "
+                    f"not {cfg.data.type}; pass one of them")
     if cfg.optim.name not in OPTIMIZERS:
         errs.append(f"--optim.name {cfg.optim.name!r} is unknown; choose one of {', '.join(OPTIMIZERS)}")
     if not 0 <= cfg.optim.muon_momentum < 1 or cfg.optim.ns_steps < 1:

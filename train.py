@@ -1,4 +1,4 @@
-"""Train GLM-5 with glm5f: config -> params -> data -> [batch -> value_and_grad -> clip -> AdamW -> log -> save].
+"""Train GLM-5 with glm5f: config -> params -> data -> [batch -> train_step -> log -> evaluate -> save].
 
     python train.py                      # glm5-tiny on the embedded text, CPU, about a minute
     python train.py --help               # every flag, with defaults
@@ -32,14 +32,14 @@ from glm5f.distributed import DistLayout
 from glm5f.hf import EXPORT_MARKER, check_export_dir, check_loaded_finite, note_base, save_peft
 from glm5f.launch import (TIMEOUT_EXIT, StallWatch, WorkerFailure, check_device, collective_timeout, init_process,
                           silent_ranks, spawn, under_torchrun)
-from glm5f.loss import Step, eval_loss, step_grads, unused_weights
+from glm5f.loss import Step, eval_loss, unused_weights
 from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
 from glm5f.model import check_input_ids
-from glm5f.optim import (Optimizer, balance_router_bias, clip_by_global_norm, lr_schedule, make_optimizer,
-                         matches, schedule_change, schedule_total)
+from glm5f.optim import Optimizer, schedule_change
 from glm5f.parallel import Layout, local_tensor, nonfinite_counts
 from glm5f.preflight import check_inputs, check_run
 from glm5f.params import flatten, region_of
+from glm5f.step import Trainer, TrainState, train_step
 
 
 class TrainingError(ValueError):
@@ -109,21 +109,19 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     torch.manual_seed(cfg.train.seed)
     model_cfg, params = init_params(cfg, layout)
     spec = cfg.lora.spec()
-    # a LoRA run trains its adapters (a flat tree of their own) and keeps the base frozen; else the params train
-    adapters = init_adapters(cfg, spec, params, layout) if spec else None
+    # a LoRA run trains its adapters (a flat tree of their own) beside the frozen base; else the params train
+    trained, frozen = (init_adapters(cfg, spec, params, layout), params) if spec else (params, None)
     base = lora_base(cfg, params, layout) if spec else None
-    step = Step.of(cfg.train, model_cfg, spec)
     for message in unused_weights(cfg.train, model_cfg) if layout.is_main else ():
         print_warning(message)
-    optimizer = make_optimizer(cfg.optim, model_cfg)
-    opt_state = optimizer.init(adapters, list(adapters)) if spec else optimizer.init(params, step.trained(params))
+    trainer = Trainer.of(cfg, model_cfg, layout)
+    state = trainer.init(trained, frozen)
     data, eval_batches = make_data(cfg, model_cfg, layout, say, tokenizer.path)
-    start, last_ckpt, trained, opt_state = resume(cfg, model_cfg, params, adapters, base, optimizer, opt_state, data,
-                                                  say, tokenizer)
-    params, adapters = (params, trained) if spec else (trained, None)
+    state, last_ckpt = resume(cfg, model_cfg, state, base, trainer.optimizer, data, say, tokenizer)
+    start = state.step
     if start >= cfg.train.steps:
         say(f"nothing to do: step {start} >= --train.steps {cfg.train.steps}")
-        export(cfg, model_cfg, params, adapters, layout, say, tokenizer)
+        export(cfg, model_cfg, state, layout, say, tokenizer)
         return read_metrics(cfg.checkpoint.dir)
     log = MetricsLog(cfg.checkpoint.dir, start, print_warning) if layout.is_main else None
     progress = Progress(cfg.train.steps, start, cfg.train.log_every) if layout.is_main else None
@@ -133,9 +131,12 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         f"{cfg.parallel.ep}), steps {start}->{cfg.train.steps}, run dir {cfg.checkpoint.dir}")
     say(f"tokenizer: {tokenizer.how}")
     if spec:
-        say(f"LoRA: rank {spec.rank}, alpha {spec.alpha:g}, {len(adapters) // 2} adapted weights, "
-            f"{sum(t.numel() for t in adapters.values()):,} trained parameters; the base frozen in "
+        say(f"LoRA: rank {spec.rank}, alpha {spec.alpha:g}, {len(trained) // 2} adapted weights, "
+            f"{sum(t.numel() for t in trained.values()):,} trained parameters; the base frozen in "
             f"{str(next(iter(flatten(params).values())).dtype).replace('torch.', '')}")
+    meta = {"model": model_cfg.to_hf(), "run": dataclasses.asdict(cfg), "optimizer": trainer.optimizer.meta,
+            "tokenizer": tokenizer.fingerprint(), **({"lora_base": base} if base else {})}
+    warn = print_warning if layout.is_main else (lambda message: None)
     records = []
     for i in range(start, cfg.train.steps):
         t0 = time.perf_counter()
@@ -145,33 +146,22 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         if i == start:
             with user_errors():
                 check_first_batch(batch, i, cfg.data.path or cfg.data.type)
-        model = lora.attach(params, adapters) if spec else params
         if i == start and cfg.train.compile:
             say("compiling the step (the first step takes a while; the next ones reuse it)...", flush=True)
         with out_of_memory(i + 1, layout, cfg):
-            metrics, grads, counts = step_grads(model, batch, model_cfg, layout, step)
-        if i == start:
-            check_gradients(grads, layout, print_warning if layout.is_main else (lambda message: None))
-        grads, grad_norm = clip_by_global_norm(grads, cfg.optim.clip_norm)
-        lr = lr_schedule(i, peak=cfg.optim.lr, warmup=cfg.optim.warmup_steps,
-                         total=schedule_total(cfg.optim, cfg.train), min_ratio=cfg.optim.min_lr_ratio)
-        skipped = check_step(cfg, i + 1, metrics["loss"], float(grad_norm), last_ckpt, say)
-        if not skipped and spec:  # the adapters only: the base, router biases included, stays as it is
-            adapters, opt_state = optimizer.update(adapters, grads, opt_state, lr)
-        elif not skipped:
-            params, opt_state = optimizer.update(params, grads, opt_state, lr)
-            params = balance_router_bias(params, {k: c for k, c in counts.items() if matches(cfg.train.trainable, k)},
-                                         cfg.optim.bias_update_rate)
-        del grads  # freed before the next step's forward and backward
+            state, metrics = train_step(
+                state, batch, trainer,
+                skip=lambda m: check_step(cfg, i + 1, m["loss"], m["grad_norm"], last_ckpt, say),
+                inspect=(lambda grads: check_gradients(grads, layout, warn)) if i == start else None)
+        skipped = metrics.pop("skipped", False)
         dt = time.perf_counter() - t0
         tokens = batch["input_ids"].numel()
-        rec = {"step": i + 1, **metrics, "lr": lr, "grad_norm": float(grad_norm), "tokens": tokens,
-               "tokens_per_s": tokens / dt, "step_time_s": dt, **({"skipped": True} if skipped else {})}
+        rec = {"step": i + 1, **metrics, "tokens": tokens, "tokens_per_s": tokens / dt, "step_time_s": dt,
+               **({"skipped": True} if skipped else {})}
         if eval_batches and ((i + 1) % cfg.eval.every == 0 or i + 1 == cfg.train.steps):
             if cfg.train.compile and not any("eval_loss" in r for r in records):  # no gradients: other graphs
                 say("compiling the evaluation (the first one takes a while; the next ones reuse it)...", flush=True)
-            rec["eval_loss"] = eval_loss(lora.attach(params, adapters) if spec else params, eval_batches, model_cfg,
-                                         layout, step)
+            rec["eval_loss"] = eval_loss(state.params, eval_batches, model_cfg, layout, trainer.step)
             rec["eval_ppl"] = math.exp(rec["eval_loss"]) if rec["eval_loss"] < 700 else math.inf
         records.append(rec)
         if layout.is_main:
@@ -187,18 +177,15 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         layout.step_done(i + 1)
         stop = preempt.should_stop(layout)  # SIGTERM on any rank: all save this step, then stop
         if stop or (cfg.checkpoint.every and (i + 1) % cfg.checkpoint.every == 0) or i + 1 == cfg.train.steps:
-            check_finite(adapters if spec else params, layout, i + 1, last_ckpt)
-            state = {"adapters": adapters, "optim": opt_state} if spec else {"params": params, "optim": opt_state}
-            meta = {"model": model_cfg.to_hf(), "run": dataclasses.asdict(cfg), "optimizer": optimizer.meta,
-                    "tokenizer": tokenizer.fingerprint()}
+            check_finite(state.trained, layout, i + 1, last_ckpt)
             last_ckpt = checkpoint.save(
-                cfg.checkpoint.dir, i + 1, state,
+                cfg.checkpoint.dir, i + 1, state.saved(),
                 extra={"step": i + 1, "data": data.state_dict(), "rng": checkpoint.rng_state()},
-                meta={**meta, "lora_base": base} if spec else meta, keep=cfg.checkpoint.keep)
+                meta=meta, keep=cfg.checkpoint.keep)
         if stop:
             raise preempt.Preempted(i + 1, last_ckpt)
     report(cfg, layout, say)
-    export(cfg, model_cfg, params, adapters, layout, say, tokenizer)
+    export(cfg, model_cfg, state, layout, say, tokenizer)
     return records
 
 
@@ -316,22 +303,21 @@ def make_data(cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout, say, tok
     return data, eval_batches
 
 
-def resume(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, adapters: dict | None, base: dict | None,
-           optimizer: Optimizer, opt_state: dict, data, say, tokenizer=None):
-    """(the step to start from, the checkpoint it comes from or None, the trained tree: params, or a LoRA run's
-    adapters, optimizer state): with --checkpoint.resume, the newest complete checkpoint's (checked against this
-    run's model, data type, trained leaves, optimizer, a LoRA run's base and the tokenizer and template
-    `tokenizer`), with the data position and RNG states restored."""
-    trained = params if adapters is None else adapters
+def resume(cfg: Config, model_cfg: glm5f.GLM5Config, state: TrainState, base: dict | None, optimizer: Optimizer,
+           data, say, tokenizer=None) -> tuple[TrainState, str | None]:
+    """(the state to start from, the checkpoint it comes from or None): with --checkpoint.resume, the newest
+    complete checkpoint's trained tree, optimizer state and step (checked against this run's model, data type,
+    trained leaves, objective, optimizer, a LoRA run's base and the tokenizer and template `tokenizer`), with the
+    data position and RNG states restored; else `state`."""
     if not cfg.checkpoint.resume:
-        return 0, None, trained, opt_state
+        return state, None
     with user_errors():
         ckpt, note = checkpoint.choose(cfg.checkpoint.dir, cfg.checkpoint.resume)
     if note:
         say(note)
     if ckpt is None:
         say(f"no checkpoint in {cfg.checkpoint.dir}/checkpoints: starting from step 0")
-        return 0, None, trained, opt_state
+        return state, None
     with user_errors():
         meta = checkpoint.read_meta(ckpt)
     if meta.get("model") != model_cfg.to_hf():
@@ -339,15 +325,16 @@ def resume(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, adapters: dic
                             f"its meta.json)")
     saved = meta.get("run") or {}
     check_same_data(cfg, saved, ckpt)
-    check_same_trained(cfg, model_cfg, params, saved, ckpt)
+    check_same_trained(cfg, model_cfg, state.params, saved, ckpt)
     check_same_lora(cfg, saved, meta.get("lora_base"), base, ckpt)
+    check_same_objective(cfg, saved, ckpt)
     check_same_optimizer(meta.get("optimizer", {"name": "adamw"}), optimizer, ckpt)
     if tokenizer is not None:
         with user_errors():
             check_same_tokenizer(meta.get("tokenizer"), tokenizer, ckpt, cfg.data.allow_changed, print_warning)
-    state = {"params" if adapters is None else "adapters": trained, "optim": opt_state}
+    trees = state.saved()
     with user_errors():
-        extra = checkpoint.load(ckpt, state)
+        extra = checkpoint.load(ckpt, trees)
     try:
         with user_errors():
             data.load_state_dict(extra["data"])
@@ -359,7 +346,7 @@ def resume(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, adapters: dic
     note = schedule_change(saved, cfg.optim, cfg.train, extra["step"])
     if note and extra["step"] < cfg.train.steps:  # a run with no step left has no learning rate to change
         say(note)
-    return extra["step"], ckpt, state["params" if adapters is None else "adapters"], state["optim"]
+    return state.restored(trees, extra["step"]), ckpt
 
 
 def check_same_data(cfg: Config, saved: dict, ckpt: str) -> None:
@@ -387,6 +374,16 @@ def check_same_trained(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, s
             f"optimizer state covers only the first set. Resume with its flags, or start the next stage from its "
             f"weights: export them (the same run with --checkpoint.export_hf DIR) and start a new run with "
             f"--model.init_from DIR")
+
+
+def check_same_objective(cfg: Config, saved: dict, ckpt: str) -> None:
+    """A checkpoint continues only under the main objective it was trained on (a run before --train.objective
+    trained lm); another objective is the next stage, started from its weights."""
+    then = (saved.get("train") or {}).get("objective", "lm")
+    if then != cfg.train.objective:
+        raise TrainingError(f"{ckpt} was saved by a run with --train.objective {then}, not {cfg.train.objective}: "
+                            f"resume with --train.objective {then}, or start the next stage from its weights (export "
+                            f"them with --checkpoint.export_hf DIR, then --model.init_from DIR)")
 
 
 def check_same_optimizer(saved: dict, optimizer: Optimizer, ckpt: str) -> None:
@@ -481,14 +478,14 @@ def report(cfg: Config, layout: Layout, say) -> None:
             f"{evals[-1]['step']}")
 
 
-def export(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, adapters: dict | None, layout: Layout,
-           say, tokenizer) -> None:
+def export(cfg: Config, model_cfg: glm5f.GLM5Config, state: TrainState, layout: Layout, say, tokenizer) -> None:
     """--checkpoint.export_hf: the weights (a LoRA run's merged into the base) as a Transformers checkpoint
     (collective: the ranks gather one leaf at a time, rank 0 writes; a GLM-5.3 run copies the tensors of
     --model.init_from that are not its text model's). --checkpoint.export_peft: a LoRA run's adapters as a PEFT
     adapter directory (`hf.save_peft`: the ranks gather them, rank 0 writes). Both carry the run's tokenizer files
     and chat template, and config.json its bos/eos/pad ids."""
     spec = cfg.lora.spec()
+    params, adapters = (state.frozen, state.trained) if spec else (state.trained, None)
     files = ()
     if layout.is_main and (cfg.checkpoint.export_hf or cfg.checkpoint.export_peft):
         here = os.path.join(cfg.checkpoint.dir, RUN_TOKENIZER_DIR)

@@ -1,5 +1,6 @@
-"""The training objective and its gradients: the LM loss and GLM-5's own objectives (one table, `OBJECTIVES`),
-each a token-weighted mean over the global batch, so a step's value and gradients do not depend on the layout.
+"""The training objective and its gradients: a main objective (a row `Objective`, `lm` the LM loss) plus GLM-5's
+own terms (one table, `TERMS`), each a mean over the global batch, so a step's value and gradients do not depend on
+the layout.
 
 Shape suffixes: B batch, S sequence, V vocabulary.
 """
@@ -63,12 +64,18 @@ def head_chunk_rows(vocab_size: int, chunk_elems: int | None = None) -> int:
 def head_loss_sum(head: dict, x_BxSxD: torch.Tensor, targets_BxS: torch.Tensor, eps: float,
                   chunk_elems: int | None = None) -> torch.Tensor:
     """`cross_entropy_sum` (its fp64 sum) of the logits of hidden states x [B, S, D] through `head` (the final norm
-    and LM head, `model.main_head`; an MTP depth's), computed over chunks of tokens (`HeadLosses`) so that the
-    [tokens, vocab] logits are never held whole. Each token's loss is the one `model.head_logits` then
-    `cross_entropy_sum` give."""
+    and LM head, `model.main_head`; an MTP depth's): the sum of `head_token_losses`."""
+    return head_token_losses(head, x_BxSxD, targets_BxS, eps, chunk_elems).sum(dtype=torch.float64)
+
+
+def head_token_losses(head: dict, x_BxSxD: torch.Tensor, targets_BxS: torch.Tensor, eps: float,
+                      chunk_elems: int | None = None) -> torch.Tensor:
+    """Cross-entropy [B * S] of each token (`token_losses`: fp32, 0 where the target is IGNORE_INDEX; minus the
+    target's log-probability) of the logits of hidden states x [B, S, D] through `head`, computed over chunks of
+    tokens (`HeadLosses`) so that the [tokens, vocab] logits are never held whole. Each token's loss is the one
+    `model.head_logits` then `token_losses` give."""
     rows = head_chunk_rows(head["weight"].shape[0], chunk_elems)
-    loss_N = HeadLosses.apply(x_BxSxD.flatten(0, 1), head["norm"], head["weight"], targets_BxS.flatten(), eps, rows)
-    return loss_N.sum(dtype=torch.float64)
+    return HeadLosses.apply(x_BxSxD.flatten(0, 1), head["norm"], head["weight"], targets_BxS.flatten(), eps, rows)
 
 
 class HeadLosses(torch.autograd.Function):
@@ -155,18 +162,84 @@ def mtp_targets(labels_BxS: torch.Tensor, depth: int, position_ids_BxS: torch.Te
     return out
 
 
-# ---- the step's objectives ----------------------------------------------------------------------------------------
+# ---- the main objective -------------------------------------------------------------------------------------------
+
+@dataclass
+class Context:
+    """What a main objective's loss reads beside params and batch: the model config, the layout, the Step, the
+    Env of this rank's share of the micro-batch, the step's global counts (`step_denoms`); `forward` runs the model.
+    Each forward it runs is recorded (`forwards`), so the step's terms (MTP, indexer, balance) and the expert
+    counts come from every forward, whatever the objective."""
+
+    cfg: GLM5Config
+    layout: Layout
+    step: Step
+    env: object
+    denoms: dict
+    forwards: list = dataclasses.field(default_factory=list)
+
+    def forward(self, params: dict, batch: dict) -> tuple[torch.Tensor, dict]:
+        """(final hidden states [B, S, D] of batch["input_ids"], the head: `model.main_head`'s final norm and LM
+        head, for `head_token_losses` / `head_loss_sum`). Gathers the embedding, final norm and head now, each
+        decoder layer as it runs (model.run_layer)."""
+        env = self.env
+        top = env.weights({**params, "model": {k: v for k, v in params["model"].items() if k != "layers"}})
+        compute = {**top, "model": {**top["model"], "layers": params["model"]["layers"]}}
+        hidden_BxSxD, aux = hidden_states(compute, self.cfg, batch["input_ids"], env)
+        self.forwards.append((compute, hidden_BxSxD, aux["layers"], batch))
+        return hidden_BxSxD, main_head(compute, self.cfg)
+
 
 @dataclass(frozen=True)
 class Objective:
-    """One term of the step's value: `coeff` its weight (a number, or the name of the --train flag holding it;
-    None: a metric, logged but not optimized), `denom` the `step_denoms` count its sum is averaged over, `source`
-    where its sum comes from ("head": the main LM head, "mtp": the MTP heads, "layers": the layers' aux, summed),
-    `on`: whether a step with these Objectives computes it; `default`: the weight when its flag is None (not
-    given), `needs`: what the model must have to compute it (a flag given for an objective it cannot compute is
-    warned about: `unused_weights`)."""
+    """A main objective of the training step, a row of `step.OBJECTIVES` (--train.objective), as optimizers are
+    rows of `optim.OPTIMIZERS`.
 
-    coeff: float | str | None
+    loss(params, batch, ctx) -> (value, sums): this rank's share of the objective's value over one micro-batch
+    (`batch` this rank's share of it; ctx a `Context`, whose `forward` runs the model), and {metric: this rank's
+    fp64 sum of it}, "loss" among them (the run stops, or skips, on a non-finite one). Each metric is logged as
+    its sum over the global batch divided by denoms[metrics[name]]. denoms(batch) -> {name: global count >= 1} of
+    the global batch (`with_targets`'s, after `prepare`): what the value and metrics are averaged over.
+    prepare(batch) -> batch: the global batch with what `loss` reads, made on whole sequences before any split
+    (every [B, S, ...] tensor of it is cut as the tokens are). plan_bytes(model_cfg, run, state) -> bytes per rank
+    the memory plan adds beyond the LM step (e.g. a reference copy of the params; `state`: `plan.state_bytes`).
+    data_types: the --data.type values it trains on (None: any)."""
+
+    loss: Callable[[dict, dict, Context], tuple[torch.Tensor, dict]]
+    denoms: Callable[[dict], dict]
+    metrics: dict
+    prepare: Callable[[dict], dict] = lambda batch: batch
+    plan_bytes: Callable[..., int] = lambda model_cfg, run, state: 0
+    data_types: tuple[str, ...] | None = None
+
+
+def lm_loss(params: dict, batch: dict, ctx: Context) -> tuple[torch.Tensor, dict]:
+    """The LM loss: next-token cross-entropy summed over this rank's targets, over the global batch's targets."""
+    hidden_BxSxD, head = ctx.forward(params, batch)
+    sums = {"loss": head_loss_sum(head, hidden_BxSxD, batch["targets"], ctx.cfg.rms_norm_eps)}
+    return sums["loss"] / ctx.denoms["targets"], sums
+
+
+def target_count(batch: dict) -> dict:
+    """{"targets": the global batch's next-token targets (at least 1)}."""
+    return {"targets": (batch["targets"] != IGNORE_INDEX).sum().clamp(min=1)}
+
+
+LM = Objective(lm_loss, target_count, {"loss": "targets"})
+
+
+# ---- the step's terms ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Term:
+    """One term the step adds to its main objective's value: `coeff` its weight (the name of the --train flag
+    holding it; None: a metric, logged but not optimized), `denom` the `step_denoms` count its sum is averaged
+    over, `source` where its sum comes from ("mtp": the MTP heads, "layers": the layers' aux, summed), `on`:
+    whether a step with these Objectives computes it; `default`: the weight when its flag is None (not given),
+    `needs`: what the model must have to compute it (a flag given for a term it cannot compute is warned about:
+    `unused_weights`)."""
+
+    coeff: str | None
     denom: str
     source: str
     on: Callable[[Objectives], bool]
@@ -174,26 +247,26 @@ class Objective:
     needs: str = ""
 
 
-OBJECTIVES = {
-    "loss": Objective(1.0, "targets", "head", lambda o: True),
-    "mtp_loss": Objective("mtp_loss_weight", "mtp_depths", "mtp", lambda o: o.mtp_depths > 0, default=0.1,
-                          needs="MTP layers (--model.num_nextn_predict_layers)"),
-    "indexer_loss": Objective("indexer_loss_coeff", "queries", "layers", lambda o: o.indexer_loss != "off"),
-    "indexer_recall": Objective(None, "indexer_queries", "layers", lambda o: o.indexer_loss != "off"),
-    "seq_aux_loss": Objective("seq_aux_loss_coeff", "sequences", "layers", lambda o: o.seq_aux),
+TERMS = {
+    "mtp_loss": Term("mtp_loss_weight", "mtp_depths", "mtp", lambda o: o.mtp_depths > 0, default=0.1,
+                     needs="MTP layers (--model.num_nextn_predict_layers)"),
+    "indexer_loss": Term("indexer_loss_coeff", "queries", "layers", lambda o: o.indexer_loss != "off"),
+    "indexer_recall": Term(None, "indexer_queries", "layers", lambda o: o.indexer_loss != "off"),
+    "seq_aux_loss": Term("seq_aux_loss_coeff", "sequences", "layers", lambda o: o.seq_aux),
 }
 
 
 @dataclass(frozen=True)
 class Step:
-    """What a training step computes and how: the Objectives and each one's weight, the activations' dtype, the
-    dtype of the sums that make gradients (`--train.reduce_dtype`; None: the activations'), activation
-    checkpointing, micro-batches, the --train.trainable regex, whether decoder layers run compiled, the LoRA spec
-    (None: no adapters; with one, the params hold them, `lora.attach`, and only they are trained), and the parts
-    of the queries sparse attention runs over (`--train.query_parts`)."""
+    """What a training step computes and how: the main objective (`Objective`, default the LM loss), the terms'
+    Objectives and each term's weight, the activations' dtype, the dtype of the sums that make gradients
+    (`--train.reduce_dtype`; None: the activations'), activation checkpointing, micro-batches, the
+    --train.trainable regex, whether decoder layers run compiled, the LoRA spec (None: no adapters; with one, the
+    params hold them, `lora.attach`, and only they are trained), and the parts of the queries sparse attention runs
+    over (`--train.query_parts`)."""
 
     objectives: Objectives = Objectives()
-    coeffs: dict = dataclasses.field(default_factory=lambda: {"loss": 1.0})
+    coeffs: dict = dataclasses.field(default_factory=dict)
     dtype: torch.dtype = torch.float32
     reduce_dtype: torch.dtype | None = None
     remat: bool = False
@@ -202,24 +275,25 @@ class Step:
     compile: bool = False
     lora: LoraSpec | None = None
     query_parts: int = 1
+    objective: Objective = LM
 
     @classmethod
-    def of(cls, train, model_cfg: GLM5Config, lora: LoraSpec | None = None) -> Step:
+    def of(cls, train, model_cfg: GLM5Config, lora: LoraSpec | None = None, objective: Objective = LM) -> Step:
         """The Step of a run's TrainConfig (`train`) for a model of model_cfg, training the adapters of `lora`
-        (the run's LoraSpec) when given."""
+        (the run's LoraSpec) when given, on the main objective `objective` (`step.OBJECTIVES`' row of
+        --train.objective)."""
         if train.indexer_loss not in INDEXER_LOSSES:
             raise ValueError(f"--train.indexer_loss must be one of {INDEXER_LOSSES}, got {train.indexer_loss!r}")
         objectives = Objectives(train.indexer_loss, train.indexer_target, train.seq_aux_loss_coeff > 0,
                                 model_cfg.mtp_depths)
-        def flag(o: Objective) -> float:  # its --train flag's value, its default when not given
-            return o.default if getattr(train, o.coeff) is None else getattr(train, o.coeff)
+        def flag(t: Term) -> float:  # its --train flag's value, its default when not given
+            return t.default if getattr(train, t.coeff) is None else getattr(train, t.coeff)
 
-        coeffs = {name: o.coeff if isinstance(o.coeff, float) else flag(o)
-                  for name, o in OBJECTIVES.items() if o.coeff is not None and o.on(objectives)}
+        coeffs = {name: flag(t) for name, t in TERMS.items() if t.coeff is not None and t.on(objectives)}
         return cls(objectives, coeffs, getattr(torch, train.dtype),
                    getattr(torch, train.reduce_dtype) if train.reduce_dtype else None,
                    train.activation_checkpointing, train.grad_accum, train.trainable, train.compile, lora,
-                   train.query_parts)
+                   train.query_parts, objective)
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -230,15 +304,19 @@ class Step:
         return trained_paths(params, self.trainable, indexer=self.objectives.indexer_loss != "off",
                              lora=self.lora is not None)
 
+    def denom(self, metric: str) -> str:
+        """The `step_denoms` count the metric `metric` (the objective's or a term's) is averaged over."""
+        return self.objective.metrics[metric] if metric in self.objective.metrics else TERMS[metric].denom
+
 
 def unused_weights(train, model_cfg: GLM5Config) -> list[str]:
-    """A warning for each objective weight given (its flag not None) that the run's TrainConfig `train` and the
-    model of model_cfg do not compute."""
+    """A warning for each term weight given (its flag not None) that the run's TrainConfig `train` and the model
+    of model_cfg do not compute."""
     objectives = Step.of(train, model_cfg).objectives
-    return [f"--train.{o.coeff} {getattr(train, o.coeff):g} is not used: the model has no {o.needs}, so there is no "
+    return [f"--train.{t.coeff} {getattr(train, t.coeff):g} is not used: the model has no {t.needs}, so there is no "
             f"{name} to weight; drop the flag or train a model with them"
-            for name, o in OBJECTIVES.items() if o.default is not None and getattr(train, o.coeff) is not None
-            and not o.on(objectives)]
+            for name, t in TERMS.items() if t.default is not None and getattr(train, t.coeff) is not None
+            and not t.on(objectives)]
 
 
 def with_targets(batch: dict, mtp_depths: int = 0) -> dict:
@@ -254,13 +332,14 @@ def with_targets(batch: dict, mtp_depths: int = 0) -> dict:
     return out
 
 
-def step_denoms(batch: dict, cfg: GLM5Config, objectives: Objectives = Objectives()) -> dict:
-    """The global counts the step's objectives are averaged over (at least 1 each), of a `with_targets` batch."""
+def step_denoms(batch: dict, cfg: GLM5Config, objectives: Objectives = Objectives(), objective: Objective = LM) -> dict:
+    """The global counts the step's main objective (its `denoms`) and terms are averaged over (at least 1 each), of
+    a `with_targets` batch (after the objective's `prepare`)."""
     queries = batch["valid"].sum().clamp(min=1)
     indexed = sum(layer_spec(cfg, i).indexer in OWN_INDEXERS for i in range(cfg.num_hidden_layers)) + \
         objectives.mtp_depths
-    denoms = {"targets": (batch["targets"] != IGNORE_INDEX).sum().clamp(min=1), "queries": queries,
-              "indexer_queries": queries * indexed, "sequences": (batch["valid"].sum(1) > 0).sum().clamp(min=1)}
+    denoms = {**objective.denoms(batch), "queries": queries, "indexer_queries": queries * indexed,
+              "sequences": (batch["valid"].sum(1) > 0).sum().clamp(min=1)}
     if batch.get("mtp_targets"):  # per depth: its target count; and the number of depths the MTP loss averages
         mtp = batch["mtp_targets"]
         denoms["mtp_targets"] = torch.stack([(t != IGNORE_INDEX).sum() for t in mtp]).clamp(min=1)
@@ -279,39 +358,44 @@ def micro_batches(batch: dict, n: int) -> Iterator[dict]:
 def micro_loss(params: dict, batch: dict, denoms: dict, cfg: GLM5Config, layout: Layout, step: Step):
     """This rank's share of the step's value over one global micro-batch, with (sums, expert counts) as aux.
 
-    sums maps each objective the step computes (OBJECTIVES) to this rank's fp64 sum of it; the value is the sum
-    over them of coeff * sum / denoms[denom], denoms being the step's global counts (`step_denoms`), so it does not
-    depend on the layout. The MTP layers count as layers for the indexer and balance losses. expert counts: per
-    MoE layer's router bias path, the valid tokens of this rank routed to each expert (for the bias rule).
+    The value is the main objective's (`step.objective.loss`, over this rank's share of the batch) plus, for each
+    term the step weights (TERMS), coeff * sum / denoms[denom], denoms being the step's global counts
+    (`step_denoms`), so it does not depend on the layout. The terms come from every forward the objective ran (the
+    MTP heads on its hidden states; the MTP layers count as layers for the indexer and balance losses). sums maps
+    each metric (the objective's, then the terms') to this rank's fp64 sum of it. expert counts: per MoE layer's
+    router bias path, the valid tokens of this rank routed to each expert (for the bias rule).
     """
     local, env = make_env(cfg, batch, step.dtype, layout, objectives=step.objectives, weight_dtype=step.weight_dtype,
                           remat=step.remat, compile=step.compile, lora=step.lora, query_parts=step.query_parts)
-    # the embedding, final norm and head now; each decoder layer as it runs (model.run_layer)
-    top = env.weights({**params, "model": {k: v for k, v in params["model"].items() if k != "layers"}})
-    compute = {**top, "model": {**top["model"], "layers": params["model"]["layers"]}}
-    hidden_BxSxD, aux = hidden_states(compute, cfg, local["input_ids"], env)
-    layers, eps = aux["layers"], cfg.rms_norm_eps
-    sums = {"loss": head_loss_sum(main_head(compute, cfg), hidden_BxSxD, local["targets"], eps)}
-    if step.objectives.mtp_depths:
-        states, mtp_aux = mtp_states(compute, cfg, hidden_BxSxD, local["mtp_input_ids"], env)
-        sums["mtp_loss"] = sum(head_loss_sum(head, h_BxSxD, t, eps) / n
-                               for (h_BxSxD, head), t, n in zip(states, local["mtp_targets"], denoms["mtp_targets"]))
-        layers = layers + mtp_aux["layers"]
-    zero = torch.zeros((), dtype=torch.float64, device=hidden_BxSxD.device)
-    for name, o in OBJECTIVES.items():
-        if o.source == "layers" and o.on(step.objectives):
-            sums[name] = sum((a[name] for a in layers if name in a), zero)
-    value = sum(step.coeffs[name] * v / denoms[OBJECTIVES[name].denom] for name, v in sums.items()
-                if name in step.coeffs)
+    ctx = Context(cfg, layout, step, env, denoms)
+    value, sums = step.objective.loss(params, local, ctx)
+    sums, eps, runs = dict(sums), cfg.rms_norm_eps, []  # runs: (layers' aux, their layer indices) of each forward
+    index = list(range(cfg.num_hidden_layers))
+    for compute, hidden_BxSxD, layers, fwd in ctx.forwards:
+        if step.objectives.mtp_depths:
+            states, mtp_aux = mtp_states(compute, cfg, hidden_BxSxD, fwd["mtp_input_ids"], env)
+            mtp = sum(head_loss_sum(head, h_BxSxD, t, eps) / n
+                      for (h_BxSxD, head), t, n in zip(states, fwd["mtp_targets"], denoms["mtp_targets"]))
+            sums["mtp_loss"] = sums["mtp_loss"] + mtp if "mtp_loss" in sums else mtp
+            layers = layers + mtp_aux["layers"]
+        runs.append((layers, index + [cfg.mtp_layer(d) for d in range(1, cfg.mtp_depths + 1)]))
+    device = ctx.forwards[0][1].device if ctx.forwards else layout.device
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    for name, t in TERMS.items():
+        if t.source == "layers" and t.on(step.objectives):
+            sums[name] = sum((a[name] for layers, _ in runs for a in layers if name in a), zero)
+    for name, v in sums.items():
+        if name in TERMS and name in step.coeffs:
+            value = value + step.coeffs[name] * v / denoms[TERMS[name].denom]
     with torch.no_grad():
         valid = local["valid"].flatten().to(torch.float32)
         counts = {}  # an MTP layer that several depths share counts the tokens of all of them
-        index = list(range(cfg.num_hidden_layers)) + [cfg.mtp_layer(d) for d in range(1, cfg.mtp_depths + 1)]
-        for i, a in zip(index, layers):
-            if "expert_idx" in a:
-                path = f"model.layers.{i}.mlp.gate.e_score_correction_bias"
-                counts[path] = counts.get(path, 0) + valid.new_zeros(cfg.n_routed_experts).index_add_(
-                    0, a["expert_idx"].flatten(), valid.repeat_interleave(a["expert_idx"].shape[1]))
+        for layers, indices in runs:
+            for i, a in zip(indices, layers):
+                if "expert_idx" in a:
+                    path = f"model.layers.{i}.mlp.gate.e_score_correction_bias"
+                    counts[path] = counts.get(path, 0) + valid.new_zeros(cfg.n_routed_experts).index_add_(
+                        0, a["expert_idx"].flatten(), valid.repeat_interleave(a["expert_idx"].shape[1]))
     return value, (sums, counts)
 
 
@@ -326,7 +410,8 @@ def device_step(params: dict, batch: dict, cfg: GLM5Config, layout: Layout, step
     """(metrics, gradients of the trained leaves, per-MoE-layer expert token counts) of one step, all tensors on
     the layout's device: nothing is read to the host (tests/test_host_sync.py).
 
-    metrics maps each objective the step computes to its mean over the global batch (an fp64 scalar). Only the
+    metrics maps each metric of the step's main objective and each term it computes to its mean over the global
+    batch (an fp64 scalar). Only the
     leaves the step trains get gradients. The batch is the step's global batch; it is cut into micro-batches,
     each rank computes its share, and the token-weighted means over all of them are the same whatever the layout.
     With a reduce dtype the gradients are taken, and summed over micro-batches and ranks, in that dtype and
@@ -335,8 +420,8 @@ def device_step(params: dict, batch: dict, cfg: GLM5Config, layout: Layout, step
     master = {p: t.dtype for p, t in flatten(params).items()}
     if step.reduce_dtype is not None:
         params = pytree.tree_map(lambda t: t.to(torch.promote_types(t.dtype, step.reduce_dtype)), params)
-    batch = with_targets(batch, step.objectives.mtp_depths)
-    denoms = step_denoms(batch, cfg, step.objectives)
+    batch = step.objective.prepare(with_targets(batch, step.objectives.mtp_depths))
+    denoms = step_denoms(batch, cfg, step.objectives, step.objective)
     grad_fn = value_and_grad(micro_loss, has_aux=True, paths=step.trained(params))
     grads, sums, counts = None, {}, {}
     for mb in micro_batches(batch, step.grad_accum):
@@ -345,7 +430,7 @@ def device_step(params: dict, batch: dict, cfg: GLM5Config, layout: Layout, step
         sums = {k: sums.get(k, 0) + v for k, v in mb_sums.items()}
         counts = {k: counts.get(k, 0) + c for k, c in mb_counts.items()}
     grads = {p: g.to(master[p]) for p, g in grads.items()}
-    metrics = {k: (layout.sum(v) / denoms[OBJECTIVES[k].denom]).to(torch.float64) for k, v in sums.items()}
+    metrics = {k: (layout.sum(v) / denoms[step.denom(k)]).to(torch.float64) for k, v in sums.items()}
     return metrics, grads, {k: layout.sum(c) for k, c in counts.items()}
 
 
@@ -353,7 +438,7 @@ def device_step(params: dict, batch: dict, cfg: GLM5Config, layout: Layout, step
 def eval_loss(params: dict, batches: list[dict], cfg: GLM5Config, layout: Layout, step: Step) -> float:
     """Token-weighted mean LM loss of `params` over the held-out batches: every batch cut into micro-batches and
     rank shares as a training step's, the loss sums added over all of them and divided by all their targets."""
-    lm = dataclasses.replace(step, objectives=Objectives(), coeffs={"loss": 1.0}, remat=False,
+    lm = dataclasses.replace(step, objectives=Objectives(), coeffs={}, objective=LM, remat=False,
                              lora=step.lora and dataclasses.replace(step.lora, dropout=0.0))
     one = {"targets": torch.ones((), device=layout.device)}
     loss_sum, n_targets = torch.zeros((), dtype=torch.float64, device=layout.device), 0

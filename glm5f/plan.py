@@ -34,6 +34,7 @@ from glm5f.optim import ADAMW_UPDATE_COPIES, Held, Optimizer, adamw, leaf_rule, 
 from glm5f.lora import DEFAULT_TARGETS, LoraSpec, adapter_shapes, is_adapter
 from glm5f.parallel import Layout, cp_positions, mesh_shapes, placements
 from glm5f.params import Leaf, abstract_params, flatten, leaf_dtype, leaf_kind, map_with_path, param_layout
+from glm5f.step import OBJECTIVES
 
 GB = 10**9  # --parallel.device_memory_gb and the table count decimal gigabytes (an H200 has 141 GB)
 
@@ -54,6 +55,7 @@ class RunShape:
     lora_rank: int = 0
     lora_targets: str = DEFAULT_TARGETS
     base_dtype: str | None = None
+    objective: str = "lm"
 
     @property
     def lora(self) -> LoraSpec | None:
@@ -79,8 +81,10 @@ def run_shape(cfg) -> RunShape:
     """The RunShape of a train.py `Config`."""
     p, t = cfg.parallel, cfg.train
     lo = getattr(cfg, "lora", None)
-    return RunShape(p.dp_shard, p.cp, p.ep, cfg.data.batch_size, cfg.data.seq_len, t.grad_accum, t.dtype,
-                    t.reduce_dtype, t.activation_checkpointing, *((lo.rank, lo.targets, lo.base_dtype) if lo else ()))
+    return dataclasses.replace(
+        RunShape(p.dp_shard, p.cp, p.ep, cfg.data.batch_size, cfg.data.seq_len, t.grad_accum, t.dtype, t.reduce_dtype,
+                 t.activation_checkpointing, *((lo.rank, lo.targets, lo.base_dtype) if lo else ())),
+        objective=getattr(t, "objective", "lm"))
 
 
 # ---- parameters, gradients, optimizer state -----------------------------------------------------------------------
@@ -353,11 +357,12 @@ def activation_bytes(cfg: GLM5Config, run: RunShape, remat: bool | None = None, 
 
 # ---- the plan -----------------------------------------------------------------------------------------------------
 
-def phases(s: dict, run: RunShape, activations: int) -> dict[str, int]:
-    """Rank 0's bytes in each phase of a step, less the runtime, from its `state_bytes` `s` and the activations'
-    peak: "forward_backward" (params, optimizer state, the previous micro-batches' gradients, the gathered weights
-    and the activations), "update" (params, optimizer state, gradients and the optimizer's temporaries), and two of
-    their lines: "gathered" and "reduce_copy" (the copies --train.reduce_dtype makes)."""
+def phases(s: dict, run: RunShape, activations: int, objective: int = 0) -> dict[str, int]:
+    """Rank 0's bytes in each phase of a step, less the runtime, from its `state_bytes` `s`, the activations' peak
+    and what the main objective holds beyond the LM step (`objective`, in both phases): "forward_backward" (params,
+    optimizer state, the previous micro-batches' gradients, the gathered weights and the activations), "update"
+    (params, optimizer state, gradients and the optimizer's temporaries), and two of their lines: "gathered" and
+    "reduce_copy" (the copies --train.reduce_dtype makes)."""
     master = wide_dtype(run.dtypes[0])
     # --train.reduce_dtype wider than the masters: the step's params copy in it, gradients in it until the end
     ratio = run.dtypes[1].itemsize // master.itemsize if run.reduce_dtype else 1
@@ -367,8 +372,9 @@ def phases(s: dict, run: RunShape, activations: int) -> dict[str, int]:
     # layer in the backward); without it autograd keeps every layer's for the backward
     gathered = s["gathered_once"] + s["largest_layer_gathered"] if run.remat else s["gathered"]
     fwd_bwd = (s["params"] + state + reduce_extra + (grads if run.grad_accum > 1 else 0) + gathered
-               + activations + s["largest_gathered"] * (run.world > 1))
-    return dict(forward_backward=fwd_bwd, update=s["params"] + state + grads + s["update"], gathered=gathered,
+               + activations + s["largest_gathered"] * (run.world > 1) + objective)
+    return dict(forward_backward=fwd_bwd, update=s["params"] + state + grads + s["update"] + objective,
+                gathered=gathered,
                 reduce_copy=reduce_extra)
 
 
@@ -392,7 +398,7 @@ def least_total(cfg: GLM5Config, run: RunShape, optimizer: Optimizer | None = No
     in bytes; a run whose plan fits a memory size has this total within it too."""
     s = state_bytes(cfg, run, 0, None, optimizer or adamw())
     kept = kept_activation_bytes(cfg, run) if activations else 0
-    phase = phases(s, run, kept)
+    phase = phases(s, run, kept, OBJECTIVES[run.objective].plan_bytes(cfg, run, s))
     return dict(update=phase["update"], forward_backward=phase["forward_backward"], activations=kept,
                 total=max(phase["update"], phase["forward_backward"]))
 
@@ -403,26 +409,29 @@ def plan(cfg: GLM5Config, run: RunShape, runtime_bytes: int = 0, device_bytes: i
 
     total = runtime + max(forward/backward, update): forward/backward holds params, optimizer state, the previous
     micro-batches' gradients (grad_accum > 1), the gathered weights and the activations at their peak (the start of
-    the backward); the update holds params, optimizer state, gradients and the optimizer's temporaries.
+    the backward); the update holds params, optimizer state, gradients and the optimizer's temporaries; both hold
+    what the main objective (`step.OBJECTIVES[run.objective]`) needs beyond the LM step (its `plan_bytes`).
     `optimizer`: default AdamW. `groups` (`leaf_groups(cfg)`) and `cache` (a dict of activations and traces by
     micro-batch shape) save work over many plans.
     """
     optimizer = optimizer or adamw()
     s = state_bytes(cfg, run, 0, groups, optimizer)
-    grads, state, update = s["trained"], s["optimizer"], s["update"]
+    grads, state = s["trained"], s["optimizer"]
     cache = {} if cache is None else cache
     key = (run.micro_batch, run.seq_len, run.cp, run.dtype, run.reduce_dtype)
     if key not in cache:
         cache[key] = activation_bytes(cfg, run, True, cache), activation_bytes(cfg, run, False, cache)
     with_remat, without_remat = cache[key]
     acts = with_remat if run.remat else without_remat
-    phase = phases(s, run, acts["peak"])
+    objective = OBJECTIVES[run.objective].plan_bytes(cfg, run, s)
+    phase = phases(s, run, acts["peak"], objective)
     fwd_bwd, step_end, gathered, reduce_extra = (phase["forward_backward"], phase["update"], phase["gathered"],
                                                  phase["reduce_copy"])
     total = runtime_bytes + max(fwd_bwd, step_end)
     return dict(world=run.world, dp_shard=run.dp_shard, cp=run.cp, ep=run.ep, params_bytes=s["params"],
                 grads_bytes=grads, optimizer=optimizer.name, optimizer_bytes=state, gathered_bytes=gathered,
-                reduce_copy_bytes=reduce_extra, activations_bytes=acts["peak"],
+                reduce_copy_bytes=reduce_extra, objective=run.objective, objective_bytes=objective,
+                activations_bytes=acts["peak"],
                 activations_remat_bytes=with_remat["peak"], activations_no_remat_bytes=without_remat["peak"],
                 activation_layers_bytes=acts["layers"], activation_logits_bytes=acts["logits"],
                 activation_logits_transient_bytes=acts["logits_transient"],
@@ -475,6 +484,8 @@ def format_table(p: dict, model_name: str, run: RunShape, limit_note: str) -> st
     ]
     if p["reduce_copy_bytes"]:
         rows.append(("params + grads in --train.reduce_dtype", p["reduce_copy_bytes"]))
+    if p["objective_bytes"]:
+        rows.append((f"objective {p['objective']} (beyond the LM step)", p["objective_bytes"]))
     rows += [
         (f"activations {'with' if run.remat else 'without'} checkpointing", p["activations_bytes"]),
         ("  decoder layers (kept for backward)", p["activation_layers_bytes"]),

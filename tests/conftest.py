@@ -245,14 +245,14 @@ def forward_by_layers(params: dict, cfg: glm5f.GLM5Config, input_ids_BxS: torch.
 STEP_HOOK = textwrap.dedent("""
     import os, signal, sys, time
     sys.path.insert(0, {root!r})
-    import train
-    real, calls = train.step_grads, []
+    import glm5f.step, train
+    real, calls = glm5f.step.step_grads, []
     def step_grads(*a, **k):
         calls.append(1)
         if os.environ.get("RANK") == "{rank}" and len(calls) == {at}:
             {action}
         return real(*a, **k)
-    train.step_grads = step_grads
+    glm5f.step.step_grads = step_grads
     if __name__ == "__main__":
         sys.exit(train.main(sys.argv[1:]))
 """)

@@ -15,7 +15,7 @@ from torch.utils import _pytree as pytree
 import glm5f
 from configs import Config
 from glm5f import moe
-from glm5f.loss import OBJECTIVES, Step, device_step
+from glm5f.loss import TERMS, Step, device_step
 from glm5f.parallel import Layout
 
 CFG = glm5f.preset("glm5-tiny", num_nextn_predict_layers=1, index_topk=8)  # sparse below 8 keys, MoE, MTP
@@ -62,10 +62,10 @@ def fake_step(params: dict, batch: dict, step: Step):
 ])
 def test_a_training_step_reads_nothing_from_the_device(kind, args):
     step = step_of(*args)
-    assert set(step.coeffs) == {"loss", "mtp_loss", "indexer_loss", "seq_aux_loss"}, step.coeffs  # every one on
+    assert set(step.coeffs) == {"mtp_loss", "indexer_loss", "seq_aux_loss"}, step.coeffs  # every term on
     params = glm5f.init_params(CFG)
     metrics, grads, counts = fake_step(params, batch_of(kind), step)
-    assert set(metrics) == {k for k, o in OBJECTIVES.items() if o.on(step.objectives)}
+    assert set(metrics) == {*step.objective.metrics, *(k for k, t in TERMS.items() if t.on(step.objectives))}
     assert set(grads) == set(step.trained(params)) and any(".indexer." in p for p in grads)
     assert len(counts) == sum(CFG.is_moe(i) for i in range(CFG.num_hidden_layers + 1))
     assert all(g.shape == params_g.shape for g, params_g in zip(grads.values(), map(glm5f.flatten(params).get,

@@ -178,9 +178,9 @@ def test_plan_for_a_gpu_runs_on_a_machine_without_one(capsys):
 
 
 def test_out_of_memory_names_the_allocation_the_step_and_what_to_change(monkeypatch, tmp_path, capsys):
-    import train as train_mod
+    import glm5f.step as step_mod
 
-    real = train_mod.step_grads
+    real = step_mod.step_grads
 
     def step_grads(*args, **kwargs):
         if len(calls := step_grads.calls) == 1:
@@ -190,7 +190,7 @@ def test_out_of_memory_names_the_allocation_the_step_and_what_to_change(monkeypa
     step_grads.calls = []
     step_grads.error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a total "
                                               "capacity of 79.11 GiB of which 1.02 GiB is free.")
-    monkeypatch.setattr(train_mod, "step_grads", step_grads)
+    monkeypatch.setattr(step_mod, "step_grads", step_grads)
     assert main(["--model.preset", "glm5-tiny", "--data.type", "synthetic", *RUN[:4], "--train.steps", "3",
                  "--checkpoint.dir", str(tmp_path)]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
@@ -407,7 +407,7 @@ def test_the_first_compiled_step_and_evaluation_are_announced_before_they_compil
             calls.append((name, step.compile, capsys.readouterr().out))
             return real(*args, **kwargs)
         return call
-    monkeypatch.setattr(train_mod, "step_grads", spy("step", train_mod.step_grads))
+    monkeypatch.setattr(glm5f.step, "step_grads", spy("step", glm5f.step.step_grads))
     monkeypatch.setattr(train_mod, "eval_loss", spy("eval", train_mod.eval_loss))
     monkeypatch.setattr(glm5f.model, "compiled_decoder_layer", lambda: glm5f.model.decoder_layer)  # eager: fast
     flags = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", *RUN[:4], "--train.log_every", "1",

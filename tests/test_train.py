@@ -75,13 +75,13 @@ def test_resume_restores_the_rng_states_of_an_uninterrupted_run(tmp_path, monkey
     """A resumed run's torch and Python RNG states are an uninterrupted run's at the same step: what each step draws
     from them (as dropout would: a spy around step_grads draws from both) and the batches it trains on are the
     same, and so are the RNG states its checkpoints hold, though the resuming process starts from other states."""
-    import train as train_mod
-    real, seen = train_mod.step_grads, []
+    import glm5f.step as step_mod
+    real, seen = step_mod.step_grads, []
 
     def drawing_step(params, batch, *args):
         seen.append((batch["input_ids"].clone(), torch.rand(4), random.random()))
         return real(params, batch, *args)
-    monkeypatch.setattr(train_mod, "step_grads", drawing_step)
+    monkeypatch.setattr(step_mod, "step_grads", drawing_step)
     write_jsonl(tmp_path / "d.jsonl")
     args = ["--data.type", "json_file", "--data.path", str(tmp_path / "d.jsonl"), "--data.batch_size", "2",
             "--data.seq_len", "32", "--eval.every", "0", "--checkpoint.every", "1", "--checkpoint.keep", "0"]
@@ -284,8 +284,8 @@ def test_resume_training_another_set_of_leaves_is_refused(tmp_path, capsys):
 
 
 def test_a_run_failing_before_its_first_step_writes_nothing(tmp_path, monkeypatch):
-    import train as train_mod
-    monkeypatch.setattr(train_mod, "step_grads", lambda *a: (_ for _ in ()).throw(TrainingError("boom")))
+    import glm5f.step as step_mod
+    monkeypatch.setattr(step_mod, "step_grads", lambda *a: (_ for _ in ()).throw(TrainingError("boom")))
     with pytest.raises(TrainingError, match="boom"):
         train(cli(*TINY, "--train.steps", "2", "--checkpoint.dir", str(tmp_path / "r")))
     assert not (tmp_path / "r").exists()  # no empty metrics.jsonl
