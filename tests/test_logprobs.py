@@ -2,49 +2,15 @@
 its logits (fp64), its gradients equal autograd's through the whole logits, and a layout's shares are one
 process's."""
 
-import contextlib
-
 import pytest
 import torch
 from torch.func import functional_call
 
 import glm5f
-from conftest import hf_model, stable_topk, with_grad
+from conftest import hf_model_fp64, stable_topk, transformers_in_fp64, with_grad
 from glm5f.logprobs import head_logprobs, token_logprobs
 from glm5f.model import main_head
 from glm5f.params import map_with_path
-
-
-def fp64_reference(cfg):
-    """Transformers' GlmMoeDsaForCausalLM in fp64 (eager experts: the grouped matmul has no fp64)."""
-    model = hf_model(cfg)
-    model.config._experts_implementation = "eager"
-    for module in model.modules():
-        if hasattr(module, "config"):
-            module.config._experts_implementation = "eager"
-    return model.double()
-
-
-class _Wide:
-    """The `torch` a Transformers module sees inside `transformers_in_fp64`: torch itself, but its float32 is
-    float64 (`torch.float`, which its rope tables use, stays fp32: glm5f's rope tables are fp32 too)."""
-
-    def __getattr__(self, name):
-        return torch.float64 if name == "float32" else getattr(torch, name)
-
-
-@contextlib.contextmanager
-def transformers_in_fp64():
-    """Transformers' GLM-5 modules name torch.float32 where they upcast (norms, router, softmax): inside
-    this context (and for a model built inside it) they upcast to float64 instead, so an fp64 model computes in
-    fp64 throughout. (The indexer's scores stay fp32; they only choose keys, and the tests use tie-free inputs.)"""
-    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as m
-
-    m.torch = _Wide()
-    try:
-        yield
-    finally:
-        m.torch = torch
 
 
 @pytest.mark.parametrize("preset", ["glm5-tiny", "glm53-tiny"])
@@ -60,7 +26,7 @@ def test_token_logprobs_equal_transformers_log_softmax_fp64(preset):
         ours = token_logprobs(params, cfg, ids, targets)
         if preset == "glm5-tiny":
             with stable_topk(), transformers_in_fp64():
-                model = fp64_reference(cfg)
+                model = hf_model_fp64(cfg)
                 logits = functional_call(model, glm5f.hf_state_dict(params, fused_experts=True), (ids,)).logits
         else:  # GLM-5.3's reference is the parity suite's: here glm5f's own full logits
             logits = glm5f.forward(params, cfg, ids)
