@@ -280,3 +280,36 @@ def random_batch(cfg, B, S, padded, seed=0, right=7, left=10):
         labels[mask == 0] = glm5f.IGNORE_INDEX
         labels[1, left] = glm5f.IGNORE_INDEX  # predicted from a padding position
     return ids, mask, labels
+
+
+class _Wide:
+    """The `torch` a Transformers module sees inside `transformers_in_fp64`: torch itself, but its float32 is
+    float64 (`torch.float`, which its rope tables use, stays fp32: glm5f's rope tables are fp32 too)."""
+
+    def __getattr__(self, name):
+        return torch.float64 if name == "float32" else getattr(torch, name)
+
+
+@contextlib.contextmanager
+def transformers_in_fp64():
+    """Transformers' GLM-5 modules name torch.float32 where they upcast (norms, router, softmax): inside
+    this context (and for a model built inside it) they upcast to float64 instead, so an fp64 model computes in
+    fp64 throughout. (The indexer's scores stay fp32; they only choose keys, and the tests use tie-free inputs.)"""
+    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as m
+
+    m.torch = _Wide()
+    try:
+        yield
+    finally:
+        m.torch = torch
+
+
+def hf_model_fp64(cfg: glm5f.GLM5Config, seed: int = 0):
+    """`hf_model` in fp64 (eager experts: the grouped matmul has no fp64); build and run it inside
+    `transformers_in_fp64` for fp64 arithmetic throughout."""
+    model = hf_model(cfg, seed)
+    model.config._experts_implementation = "eager"
+    for module in model.modules():
+        if hasattr(module, "config"):
+            module.config._experts_implementation = "eager"
+    return model.double()

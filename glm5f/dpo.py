@@ -1,0 +1,84 @@
+"""DPO, the `dpo` row of the main objectives: over preference pairs (`glm5f.pairs`), the mean of
+-logsigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))), each term an answer's summed token log-probabilities under
+the policy (pi) or the reference (ref); with an SFT weight, the chosen answers' LM loss added (RPO).
+
+Shape suffixes: B rows (one pair each), S sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from glm5f.loss import Context, Objective, head_token_losses, shift_labels
+from glm5f.pairs import CHOSEN, REJECTED
+from glm5f.tokens import IGNORE_INDEX
+
+
+@dataclass(frozen=True)
+class DPOConfig:
+    """beta: the KL weight of the implicit reward; sft_weight: the weight of the chosen answers' LM loss (0: none)."""
+
+    beta: float = 0.1
+    sft_weight: float = 0.0
+
+
+def answer_sums(logp_BxS: torch.Tensor, answer_BxS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) [B]: each row's summed log-probabilities of its chosen and rejected answer's targets
+    (fp64 sums)."""
+    return tuple((logp_BxS * (answer_BxS == which)).sum(1, dtype=torch.float64) for which in (CHOSEN, REJECTED))
+
+
+def dpo_terms(pi_c: torch.Tensor, pi_r: torch.Tensor, ref_c: torch.Tensor, ref_r: torch.Tensor, beta: float) -> dict:
+    """Per pair [B]: "loss" -logsigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))), the implicit rewards "chosen"
+    beta (pi_c - ref_c) and "rejected" beta (pi_r - ref_r), "margin" their difference, "accuracy" 1 where the
+    chosen reward is the larger."""
+    chosen, rejected = beta * (pi_c - ref_c), beta * (pi_r - ref_r)
+    margin = chosen - rejected
+    return {"loss": -F.logsigmoid(margin), "chosen": chosen, "rejected": rejected, "margin": margin,
+            "accuracy": (margin > 0).to(margin.dtype)}
+
+
+def prepare(batch: dict) -> dict:
+    """The batch with "answer_targets": which answer each next-token target belongs to (the "answer" entries
+    shifted as the labels are), made on whole sequences."""
+    return {**batch, "answer_targets": shift_labels(batch["answer"].masked_fill(batch["answer"] == 0, IGNORE_INDEX))
+            .clamp(min=0)}
+
+
+def denoms(batch: dict) -> dict:
+    """{"pairs": the rows holding a pair, "chosen_targets": the chosen answers' targets} of the global batch."""
+    ans = batch["answer_targets"]
+    return {"pairs": (ans == CHOSEN).any(1).sum().clamp(min=1), "chosen_targets": (ans == CHOSEN).sum().clamp(min=1)}
+
+
+def make(cfg: DPOConfig) -> Objective:
+    """The DPO Objective of `cfg`."""
+
+    def loss(params: dict, batch: dict, ctx: Context) -> tuple[torch.Tensor, dict]:
+        eps, targets, answer = ctx.cfg.rms_norm_eps, batch["targets"], batch["answer_targets"]
+        B, S = targets.shape
+        hidden_BxSxD, head = ctx.forward(params, batch)
+        logp_BxS = -head_token_losses(head, hidden_BxSxD, targets, eps).view(B, S)
+        with torch.no_grad():
+            ref_hidden_BxSxD, ref_head = ctx.reference_forward(batch)
+            ref_BxS = -head_token_losses(ref_head, ref_hidden_BxSxD, targets, eps).view(B, S)
+        pi_c, pi_r = answer_sums(logp_BxS, answer)
+        ref_c, ref_r = answer_sums(ref_BxS, answer)
+        is_pair = (answer == CHOSEN).any(1)
+        t = {k: torch.where(is_pair, v, 0.0) for k, v in dpo_terms(pi_c, pi_r, ref_c, ref_r, cfg.beta).items()}
+        sums = {name: t[name].sum() for name in ("loss", "margin", "accuracy", "chosen", "rejected")}
+        sums["logps_chosen"], sums["logps_rejected"] = pi_c.detach().sum(), pi_r.detach().sum()
+        value = sums["loss"] / ctx.denoms["pairs"]
+        if cfg.sft_weight:
+            sums["sft_loss"] = -pi_c.sum()
+            value = value + cfg.sft_weight * sums["sft_loss"] / ctx.denoms["chosen_targets"]
+        return value, sums
+
+    metrics = {name: "pairs" for name in ("loss", "margin", "accuracy", "chosen", "rejected", "logps_chosen",
+                                          "logps_rejected")}
+    if cfg.sft_weight:
+        metrics["sft_loss"] = "chosen_targets"
+    return Objective(loss, denoms, metrics, prepare=prepare, data_types=("preference",), reference=True)

@@ -1,0 +1,177 @@
+"""Preference pairs (`--data.type preference`): JSONL records of a prompt with a chosen and a rejected answer, read
+into memory and served one pair per row, both answers packed back to back, for the DPO objective.
+
+Records: {"prompt": str, "chosen": str, "rejected": str} (text: the answers' tokens and eos are scored);
+{"messages": [...], "chosen", "rejected"} (a chat: each answer, a string or a list of assistant messages, follows
+the conversation and is rendered with the run's template; its tokens and the stop token that ends it are scored, as
+SFT trains them); {"prompt_ids", "chosen_ids", "rejected_ids"} (token ids, the answers' scored as given).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from glm5f.tokens import IGNORE_INDEX, Example, check_vocab
+
+CHOSEN, REJECTED = 1, 2  # a batch's "answer" entries: which answer a label belongs to (0: none)
+
+
+@dataclass(frozen=True)
+class Pair:
+    chosen: Example
+    rejected: Example
+    where: str
+
+
+def _ids(rec: dict, name: str, where: str) -> list[int]:
+    ids = rec[name]
+    if not (isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+        raise ValueError(f"{where}: {name} must be a list of integer token ids, found {json.dumps(ids)[:40]}")
+    return ids
+
+
+def _text(rec: dict, name: str, where: str) -> str:
+    if not isinstance(rec[name], str):
+        raise ValueError(f"{where}: field {name!r} must be a string, found {json.dumps(rec[name])[:40]}; fix the "
+                         f"record or remove it")
+    return rec[name]
+
+
+def _answer_messages(value, name: str, where: str) -> list[dict]:
+    if isinstance(value, str):
+        return [{"role": "assistant", "content": value}]
+    if isinstance(value, list) and value and all(isinstance(m, dict) and m.get("role") == "assistant" for m in value):
+        return value
+    raise ValueError(f"{where}: {name!r} must be a string or a list of assistant messages, found "
+                     f"{json.dumps(value)[:60]}")
+
+
+def pair_of(rec, where: str, tok, fmt=None) -> Pair:
+    """The Pair of one record (see the module docstring): two Examples sharing the prompt, labels on the answer's
+    tokens only. `tok` tokenizes text records; `fmt` (a glm5f.chat.ChatFormat) renders chat records."""
+    if not isinstance(rec, dict):
+        raise ValueError(f"{where}: expected a JSON object, found {type(rec).__name__}")
+    if {"prompt_ids", "chosen_ids", "rejected_ids"} <= set(rec):
+        prompt = _ids(rec, "prompt_ids", where)
+        return Pair(*(Example(prompt + a, [IGNORE_INDEX] * len(prompt) + a)
+                      for a in (_ids(rec, "chosen_ids", where), _ids(rec, "rejected_ids", where))), where)
+    missing = [k for k in ("chosen", "rejected") if k not in rec]
+    if missing or ("prompt" not in rec and "messages" not in rec):
+        raise ValueError(f"{where}: a preference record needs 'prompt' (or 'messages'), 'chosen' and 'rejected' "
+                         f"(or 'prompt_ids', 'chosen_ids', 'rejected_ids'); found keys {sorted(rec)}")
+    if "messages" in rec:
+        if fmt is None:
+            raise ValueError(f"{where}: a chat record ('messages'), but no chat template was given to render it")
+        messages = rec["messages"]
+        if not isinstance(messages, list):
+            raise ValueError(f"{where}: 'messages' must be a list of messages, found {json.dumps(messages)[:40]}")
+        try:
+            return Pair(*(fmt.example(messages + _answer_messages(rec[k], k, where), train_on="last")
+                          for k in ("chosen", "rejected")), where)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{where}: {e}") from None
+    head = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(_text(rec, "prompt", where))
+    eos = [tok.eos_id] if tok.eos_id is not None else []
+    answers = [tok.encode(_text(rec, k, where)) + eos for k in ("chosen", "rejected")]
+    return Pair(*(Example(head + a, [IGNORE_INDEX] * len(head) + a) for a in answers), where)
+
+
+def read_pairs(path: str, tok, fmt=None) -> list[Pair]:
+    """Every pair of a JSONL file (blank lines skipped); a ValueError naming file:line for a bad record."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--data.path {path!r}: no such file (expected a JSONL file of preference records)")
+    pairs = []
+    with open(path, "rb") as f:
+        for line, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            where = f"{path}:{line}"
+            try:
+                rec = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"{where}: not valid JSON ({e})") from None
+            pairs.append(pair_of(rec, where, tok, fmt))
+    if not pairs:
+        raise ValueError(f"{path}: no preference records")
+    return pairs
+
+
+def scored(ex: Example) -> int:
+    """The tokens of an answer that are scored: labels other than IGNORE_INDEX past the first token."""
+    return sum(t != IGNORE_INDEX for t in ex.labels[1:])
+
+
+def fit(pair: Pair, seq_len: int) -> tuple[Pair, str | None]:
+    """The pair cut so both sequences fit one row of seq_len (each to at most its half when together they do
+    not), with a note saying what was done; an empty pair when an answer would have no scored token left."""
+    c, r = pair.chosen, pair.rejected
+    if len(c.ids) + len(r.ids) <= seq_len:
+        return pair, None
+    half = seq_len // 2
+    cut = [Example(e.ids[:half], e.labels[:half]) if len(e.ids) > half else e for e in (c, r)]
+    if not all(scored(e) for e in cut):
+        return Pair(Example([], []), Example([], []), pair.where), \
+            f"have an answer with no token left within half of --data.seq_len {seq_len}: dropped"
+    return Pair(cut[0], cut[1], pair.where), f"do not fit --data.seq_len {seq_len} together: cut to half each"
+
+
+class PairSource:
+    """One pair per row, in a seeded per-epoch order: the chosen sequence, then the rejected one (positions
+    restarting, so each attends only to itself), then padding (its own positions, never scored). A batch holds
+    "input_ids", "labels", "position_ids" [B, S] and "answer" [B, S]: CHOSEN or REJECTED where the label is an
+    answer's, else 0."""
+
+    def __init__(self, pairs: list[Pair], batch_size: int, seq_len: int, vocab_size: int, seed: int, pad_id: int,
+                 warn=lambda message: None, name: str = "preference data"):
+        notes, kept = {}, []
+        for p in pairs:
+            p, note = fit(p, seq_len)
+            if note:
+                notes.setdefault(note, []).append(p.where)
+            if p.chosen.ids:
+                kept.append(p)
+        for note, where in notes.items():
+            warn(f"{len(where)} pair(s) {note} (first: {where[0]})")
+        if not kept:
+            raise ValueError(f"{name}: no pair fits --data.seq_len {seq_len}; raise it")
+        check_vocab([e for p in kept for e in (p.chosen, p.rejected)], vocab_size, name)
+        self.pairs, self.B, self.S, self.seed, self.pad_id = kept, batch_size, seq_len, seed, pad_id
+        self.epoch, self.index = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        return torch.randperm(len(self.pairs), generator=g).tolist()
+
+    def _row(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        p = self.pairs[self._order[self.index]]
+        self.index += 1
+        if self.index == len(self.pairs):
+            self.epoch, self.index = self.epoch + 1, 0
+            self._order = self._permutation(self.epoch)
+        ids, labels, pos, answer = [], [], [], []
+        for ex, which in ((p.chosen, CHOSEN), (p.rejected, REJECTED)):
+            lab = [IGNORE_INDEX] + ex.labels[1:]  # a sequence's first token is not predicted from another
+            ids += ex.ids
+            labels += lab
+            pos += range(len(ex.ids))
+            answer += [which if t != IGNORE_INDEX else 0 for t in lab]
+        pad = self.S - len(ids)
+        return (ids + [self.pad_id] * pad, labels + [IGNORE_INDEX] * pad, pos + list(range(pad)),
+                answer + [0] * pad)
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        rows = [self._row() for _ in range(self.B)]
+        return {name: torch.tensor([r[i] for r in rows])
+                for i, name in enumerate(("input_ids", "labels", "position_ids", "answer"))}
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.index = state["epoch"], state["index"]
+        self._order = self._permutation(self.epoch)
