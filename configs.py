@@ -107,10 +107,11 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    type: Optional[Literal["text", "synthetic", "json_file", "preset_pt", "hf_datasets", "chat"]] = None
+    type: Optional[Literal["text", "synthetic", "json_file", "preset_pt", "hf_datasets", "chat", "preference"]] = None
     """text: the embedded corpus; synthetic: seeded bigram sequences; json_file: JSONL; preset_pt: torch.save'd
     batches; hf_datasets: a datasets.save_to_disk directory; chat: the embedded chat sample, or a JSONL of chat
-    records with --data.path. None: from --data.path (.jsonl[.gz]: json_file, .pt: preset_pt, a saved dataset:
+    records with --data.path; preference: a JSONL of preference pairs for --train.objective dpo (glm5f/data/pairs.py;
+    --data.batch_size counts pairs). None: from --data.path (.jsonl[.gz]: json_file, .pt: preset_pt, a saved dataset:
     hf_datasets); text without a path."""
     path: Optional[str] = None
     """File or directory for json_file, preset_pt and hf_datasets (for chat: a JSONL of chat records)."""
@@ -181,8 +182,8 @@ class TrainConfig:
     steps: int = 300
     """Total optimizer steps (a resumed run continues up to this)."""
     objective: str = "lm"
-    """The main objective (glm5f.step.OBJECTIVES): lm, the next-token cross-entropy. The terms (MTP, indexer,
-    balance) are added to it."""
+    """The main objective (glm5f.step.OBJECTIVES): lm, the next-token cross-entropy; dpo, DPO over preference
+    pairs (--data.type preference, --dpo flags). The terms (MTP, indexer, balance) are added to it."""
     grad_accum: int = 1
     """Micro-batches per step; data.batch_size must divide by grad_accum (and by the data-parallel ranks)."""
     query_parts: int = 1
@@ -308,6 +309,17 @@ class LoraConfig:
 
 
 @dataclass
+class DPOConfig:
+    beta: float = 0.1
+    """DPO: the weight of the implicit reward, in -logsigmoid(beta ((pi_c - ref_c) - (pi_r - ref_r)))."""
+    sft_weight: float = 0.0
+    """DPO: the weight of the chosen answers' LM loss added to the DPO loss (RPO); 0: none."""
+    reference: Optional[str] = None
+    """DPO: the reference model, a Transformers checkpoint directory; default the run's starting weights (a LoRA
+    run: its base with the adapters off, no second copy in memory)."""
+
+
+@dataclass
 class EvalConfig:
     every: int = 100
     """Held-out loss every N steps and at the end (eval_loss, eval_ppl in metrics.jsonl); 0: never."""
@@ -334,6 +346,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     plan: Optional[Literal["table", "json", "search"]] = None
     """Print the per-rank memory plan of this run instead of running it (table, json, or search: the smallest
     meshes that fit --parallel.device_memory_gb); allocates nothing, starts no process, writes nothing."""
@@ -388,6 +401,17 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     elif row.data_types is not None and cfg.data.type not in row.data_types:
         errs.append(f"--train.objective {cfg.train.objective} trains on --data.type {' or '.join(row.data_types)}, "
                     f"not {cfg.data.type}; pass one of them")
+    elif not row.cp and cfg.parallel.cp > 1:
+        errs.append(f"--train.objective {cfg.train.objective} does not run under --parallel.cp yet (an answer's "
+                    f"log-probabilities would be summed across ranks); use --parallel.dp_shard or --parallel.ep")
+    if cfg.data.type == "preference" and cfg.train.objective != "dpo":
+        errs.append(f"--data.type preference holds pairs for --train.objective dpo, not {cfg.train.objective}")
+    if cfg.dpo.reference and cfg.lora.rank:
+        errs.append("--dpo.reference with --lora.rank: a LoRA run's reference is its base with the adapters off; "
+                    "drop --dpo.reference, or train the full model (without --lora.rank)")
+    if cfg.dpo.beta <= 0 or cfg.dpo.sft_weight < 0:
+        errs.append(f"--dpo.beta must be positive and --dpo.sft_weight >= 0, got {cfg.dpo.beta} and "
+                    f"{cfg.dpo.sft_weight}")
     if cfg.optim.name not in OPTIMIZERS:
         errs.append(f"--optim.name {cfg.optim.name!r} is unknown; choose one of {', '.join(OPTIMIZERS)}")
     if not 0 <= cfg.optim.muon_momentum < 1 or cfg.optim.ns_steps < 1:
@@ -404,7 +428,7 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     if cfg.train.grad_accum >= 1 and p.dp_shard >= 1 and cfg.data.batch_size % (cfg.train.grad_accum * p.dp_shard):
         errs.append(f"--data.batch_size ({cfg.data.batch_size}) must divide by --train.grad_accum x "
                     f"--parallel.dp_shard ({cfg.train.grad_accum} x {p.dp_shard})")
-    if cfg.data.type in ("json_file", "preset_pt", "hf_datasets") and not cfg.data.path:
+    if cfg.data.type in ("json_file", "preset_pt", "hf_datasets", "preference") and not cfg.data.path:
         errs.append(f"--data.type {cfg.data.type} needs --data.path")
     if cfg.data.chat_template is not None and not os.path.isfile(cfg.data.chat_template):
         errs.append(f"--data.chat_template {cfg.data.chat_template}: no such file (expected a jinja chat template)")

@@ -38,7 +38,7 @@ from glm5f.model import check_input_ids
 from glm5f.optim import Optimizer, schedule_change
 from glm5f.parallel import Layout, local_tensor, nonfinite_counts
 from glm5f.preflight import check_inputs, check_run
-from glm5f.params import flatten, region_of
+from glm5f.params import flatten, leaf_dtype, map_with_path, region_of
 from glm5f.step import Trainer, TrainState, train_step
 
 
@@ -115,7 +115,8 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     for message in unused_weights(cfg.train, model_cfg) if layout.is_main else ():
         print_warning(message)
     trainer = Trainer.of(cfg, model_cfg, layout)
-    state = trainer.init(trained, frozen)
+    reference = init_reference(cfg, model_cfg, params, layout) if trainer.step.objective.reference else None
+    state = trainer.init(trained, frozen, reference)
     data, eval_batches = make_data(cfg, model_cfg, layout, say, tokenizer.path)
     state, last_ckpt = resume(cfg, model_cfg, state, base, trainer.optimizer, data, say, tokenizer)
     start = state.step
@@ -256,6 +257,30 @@ def init_params(cfg: Config, layout: Layout) -> tuple[glm5f.GLM5Config, dict]:
         params = layout.local_params(load)
         check_loaded_finite(params, cfg.model.init_from, layout.sum)
     return loaded["cfg"], params
+
+
+def init_reference(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, layout: Layout) -> dict:
+    """The reference model an objective compares with (DPO's), as the layout stores the params: a LoRA run's base
+    itself (the adapters off: no copy); else --dpo.reference's weights, or a copy of the run's starting weights,
+    each leaf in the compute dtype (the fp32 leaves of `params.LEAF_KINDS` stay fp32). Made before any resume
+    loads trained weights into the params."""
+    if cfg.lora.rank:
+        return params
+    act = getattr(torch, cfg.train.dtype)
+    if cfg.dpo.reference:
+        loaded = {}
+
+        def load(region):
+            loaded["cfg"], p = glm5f.load_hf(cfg.dpo.reference, device=layout.device, region=region)
+            return p
+        with user_errors():
+            ref = layout.local_params(load)
+        ref_cfg = loaded["cfg"]
+        if ref_cfg.to_hf() != model_cfg.to_hf():
+            raise TrainingError(f"--dpo.reference {cfg.dpo.reference} is another model than the one trained (its "
+                                f"config.json differs); pass a checkpoint of the same architecture")
+        params = ref
+    return map_with_path(lambda path, t: t.detach().to(leaf_dtype(path, act), copy=True), params)
 
 
 def init_adapters(cfg: Config, spec: lora.LoraSpec, params: dict, layout: Layout) -> dict:

@@ -1,4 +1,4 @@
-"""DPO, the `dpo` row of the main objectives: over preference pairs (`glm5f.pairs`), the mean of
+"""DPO, the `dpo` row of the main objectives: over preference pairs (`glm5f.data.pairs`), the mean of
 -logsigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))), each term an answer's summed token log-probabilities under
 the policy (pi) or the reference (ref); with an SFT weight, the chosen answers' LM loss added (RPO).
 
@@ -13,13 +13,15 @@ import torch
 import torch.nn.functional as F
 
 from glm5f.loss import Context, Objective, head_token_losses, shift_labels
-from glm5f.pairs import CHOSEN, REJECTED
+from glm5f.ops import wide_dtype
+from glm5f.data.pairs import CHOSEN, REJECTED
 from glm5f.tokens import IGNORE_INDEX
 
 
 @dataclass(frozen=True)
 class DPOConfig:
-    """beta: the KL weight of the implicit reward; sft_weight: the weight of the chosen answers' LM loss (0: none)."""
+    """The --dpo flags the loss reads (configs.DPOConfig has them all): beta, the weight of the implicit reward;
+    sft_weight, the weight of the chosen answers' LM loss (0: none)."""
 
     beta: float = 0.1
     sft_weight: float = 0.0
@@ -54,31 +56,40 @@ def denoms(batch: dict) -> dict:
     return {"pairs": (ans == CHOSEN).any(1).sum().clamp(min=1), "chosen_targets": (ans == CHOSEN).sum().clamp(min=1)}
 
 
-def make(cfg: DPOConfig) -> Objective:
-    """The DPO Objective of `cfg`."""
+def loss(params: dict, batch: dict, ctx: Context) -> tuple[torch.Tensor, dict]:
+    """This rank's share of the DPO loss over its rows (`loss.Objective.loss`); the policy's forward records the
+    terms, the reference's (no gradient) does not. --dpo flags come as ctx.step.settings."""
+    o = ctx.step.settings or DPOConfig()
+    eps, targets, answer = ctx.cfg.rms_norm_eps, batch["targets"], batch["answer_targets"]
+    B, S = targets.shape
+    hidden_BxSxD, head = ctx.forward(params, batch)
+    logp_BxS = -head_token_losses(head, hidden_BxSxD, targets, eps).view(B, S)
+    with torch.no_grad():
+        ref_hidden_BxSxD, ref_head = ctx.reference_forward(batch)
+        ref_BxS = -head_token_losses(ref_head, ref_hidden_BxSxD, targets, eps).view(B, S)
+    pi_c, pi_r = answer_sums(logp_BxS, answer)
+    ref_c, ref_r = answer_sums(ref_BxS, answer)
+    is_pair = (answer == CHOSEN).any(1)
+    t = {k: torch.where(is_pair, v, 0.0) for k, v in dpo_terms(pi_c, pi_r, ref_c, ref_r, o.beta).items()}
+    sums = {name: t[name].sum() for name in ("loss", "margin", "accuracy", "chosen", "rejected")}
+    sums["logps_chosen"], sums["logps_rejected"] = pi_c.detach().sum(), pi_r.detach().sum()
+    value = sums["loss"] / ctx.denoms["pairs"]
+    if o.sft_weight:
+        sums["sft_loss"] = -pi_c.sum()
+        value = value + o.sft_weight * sums["sft_loss"] / ctx.denoms["chosen_targets"]
+    return value, sums
 
-    def loss(params: dict, batch: dict, ctx: Context) -> tuple[torch.Tensor, dict]:
-        eps, targets, answer = ctx.cfg.rms_norm_eps, batch["targets"], batch["answer_targets"]
-        B, S = targets.shape
-        hidden_BxSxD, head = ctx.forward(params, batch)
-        logp_BxS = -head_token_losses(head, hidden_BxSxD, targets, eps).view(B, S)
-        with torch.no_grad():
-            ref_hidden_BxSxD, ref_head = ctx.reference_forward(batch)
-            ref_BxS = -head_token_losses(ref_head, ref_hidden_BxSxD, targets, eps).view(B, S)
-        pi_c, pi_r = answer_sums(logp_BxS, answer)
-        ref_c, ref_r = answer_sums(ref_BxS, answer)
-        is_pair = (answer == CHOSEN).any(1)
-        t = {k: torch.where(is_pair, v, 0.0) for k, v in dpo_terms(pi_c, pi_r, ref_c, ref_r, cfg.beta).items()}
-        sums = {name: t[name].sum() for name in ("loss", "margin", "accuracy", "chosen", "rejected")}
-        sums["logps_chosen"], sums["logps_rejected"] = pi_c.detach().sum(), pi_r.detach().sum()
-        value = sums["loss"] / ctx.denoms["pairs"]
-        if cfg.sft_weight:
-            sums["sft_loss"] = -pi_c.sum()
-            value = value + cfg.sft_weight * sums["sft_loss"] / ctx.denoms["chosen_targets"]
-        return value, sums
 
-    metrics = {name: "pairs" for name in ("loss", "margin", "accuracy", "chosen", "rejected", "logps_chosen",
-                                          "logps_rejected")}
-    if cfg.sft_weight:
-        metrics["sft_loss"] = "chosen_targets"
-    return Objective(loss, denoms, metrics, prepare=prepare, data_types=("preference",), reference=True)
+def plan_bytes(model_cfg, run, state: dict) -> int:
+    """The reference's bytes per rank: none in a LoRA run (its base), else a copy of the params (sharded as they
+    are) in the compute dtype."""
+    if run.lora_rank:
+        return 0
+    act = run.dtypes[0]
+    return state["params"] * act.itemsize // wide_dtype(act).itemsize
+
+
+METRICS = {name: "pairs" for name in ("loss", "margin", "accuracy", "chosen", "rejected", "logps_chosen",
+                                      "logps_rejected")}
+DPO = Objective(loss, denoms, {**METRICS, "sft_loss": "chosen_targets"}, prepare=prepare, plan_bytes=plan_bytes,
+                data_types=("preference",), settings="dpo", reference=True, cp=False)

@@ -177,6 +177,7 @@ class Context:
     env: object
     denoms: dict
     forwards: list = dataclasses.field(default_factory=list)
+    reference: dict | None = None
 
     def forward(self, params: dict, batch: dict) -> tuple[torch.Tensor, dict]:
         """(final hidden states [B, S, D] of batch["input_ids"], the head: `model.main_head`'s final norm and LM
@@ -187,6 +188,18 @@ class Context:
         compute = {**top, "model": {**top["model"], "layers": params["model"]["layers"]}}
         hidden_BxSxD, aux = hidden_states(compute, self.cfg, batch["input_ids"], env)
         self.forwards.append((compute, hidden_BxSxD, aux["layers"], batch))
+        return hidden_BxSxD, main_head(compute, self.cfg)
+
+    def reference_forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
+        """`forward` of the run's reference model (`TrainState.reference`: a LoRA run's base with its adapters
+        off), not recorded: no terms, no expert counts. Run it under torch.no_grad."""
+        if self.reference is None:
+            raise ValueError("the objective reads a reference model, but the step was given none")
+        env = self.env
+        top = env.weights({**self.reference, "model": {k: v for k, v in self.reference["model"].items()
+                                                       if k != "layers"}})
+        compute = {**top, "model": {**top["model"], "layers": self.reference["model"]["layers"]}}
+        hidden_BxSxD, _ = hidden_states(compute, self.cfg, batch["input_ids"], env)
         return hidden_BxSxD, main_head(compute, self.cfg)
 
 
@@ -203,7 +216,9 @@ class Objective:
     prepare(batch) -> batch: the global batch with what `loss` reads, made on whole sequences before any split
     (every [B, S, ...] tensor of it is cut as the tokens are). plan_bytes(model_cfg, run, state) -> bytes per rank
     the memory plan adds beyond the LM step (e.g. a reference copy of the params; `state`: `plan.state_bytes`).
-    data_types: the --data.type values it trains on (None: any)."""
+    data_types: the --data.type values it trains on (None: any). settings: the Config section of its flags (e.g.
+    "dpo"), which the step hands its loss as ctx.step.settings. reference: its loss reads a reference model
+    (`Context.reference_forward`; the run keeps one, `TrainState.reference`). cp: whether it runs under CP."""
 
     loss: Callable[[dict, dict, Context], tuple[torch.Tensor, dict]]
     denoms: Callable[[dict], dict]
@@ -211,6 +226,9 @@ class Objective:
     prepare: Callable[[dict], dict] = lambda batch: batch
     plan_bytes: Callable[..., int] = lambda model_cfg, run, state: 0
     data_types: tuple[str, ...] | None = None
+    settings: str | None = None
+    reference: bool = False
+    cp: bool = True
 
 
 def lm_loss(params: dict, batch: dict, ctx: Context) -> tuple[torch.Tensor, dict]:
@@ -276,9 +294,11 @@ class Step:
     lora: LoraSpec | None = None
     query_parts: int = 1
     objective: Objective = LM
+    settings: object = None
 
     @classmethod
-    def of(cls, train, model_cfg: GLM5Config, lora: LoraSpec | None = None, objective: Objective = LM) -> Step:
+    def of(cls, train, model_cfg: GLM5Config, lora: LoraSpec | None = None, objective: Objective = LM,
+           settings: object = None) -> Step:
         """The Step of a run's TrainConfig (`train`) for a model of model_cfg, training the adapters of `lora`
         (the run's LoraSpec) when given, on the main objective `objective` (`step.OBJECTIVES`' row of
         --train.objective)."""
@@ -293,7 +313,7 @@ class Step:
         return cls(objectives, coeffs, getattr(torch, train.dtype),
                    getattr(torch, train.reduce_dtype) if train.reduce_dtype else None,
                    train.activation_checkpointing, train.grad_accum, train.trainable, train.compile, lora,
-                   train.query_parts, objective)
+                   train.query_parts, objective, settings)
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -355,7 +375,8 @@ def micro_batches(batch: dict, n: int) -> Iterator[dict]:
         yield pytree.tree_map(lambda t: t[rows] if isinstance(t, torch.Tensor) and t.ndim else t, batch)
 
 
-def micro_loss(params: dict, batch: dict, denoms: dict, cfg: GLM5Config, layout: Layout, step: Step):
+def micro_loss(params: dict, batch: dict, denoms: dict, cfg: GLM5Config, layout: Layout, step: Step,
+               reference: dict | None = None):
     """This rank's share of the step's value over one global micro-batch, with (sums, expert counts) as aux.
 
     The value is the main objective's (`step.objective.loss`, over this rank's share of the batch) plus, for each
@@ -367,7 +388,7 @@ def micro_loss(params: dict, batch: dict, denoms: dict, cfg: GLM5Config, layout:
     """
     local, env = make_env(cfg, batch, step.dtype, layout, objectives=step.objectives, weight_dtype=step.weight_dtype,
                           remat=step.remat, compile=step.compile, lora=step.lora, query_parts=step.query_parts)
-    ctx = Context(cfg, layout, step, env, denoms)
+    ctx = Context(cfg, layout, step, env, denoms, reference=reference)
     value, sums = step.objective.loss(params, local, ctx)
     sums, eps, runs = dict(sums), cfg.rms_norm_eps, []  # runs: (layers' aux, their layer indices) of each forward
     index = list(range(cfg.num_hidden_layers))
@@ -399,14 +420,15 @@ def micro_loss(params: dict, batch: dict, denoms: dict, cfg: GLM5Config, layout:
     return value, (sums, counts)
 
 
-def step_grads(params: dict, batch: dict, cfg: GLM5Config, layout: Layout, step: Step):
+def step_grads(params: dict, batch: dict, cfg: GLM5Config, layout: Layout, step: Step, reference: dict | None = None):
     """(metrics, gradients of the trained leaves, per-MoE-layer expert token counts) of one step: `device_step`
     with its metrics read to the host as floats, all in one read (the step's only wait on the device)."""
-    metrics, grads, counts = device_step(params, batch, cfg, layout, step)
+    metrics, grads, counts = device_step(params, batch, cfg, layout, step, reference)
     return dict(zip(metrics, torch.stack(list(metrics.values())).tolist())), grads, counts
 
 
-def device_step(params: dict, batch: dict, cfg: GLM5Config, layout: Layout, step: Step):
+def device_step(params: dict, batch: dict, cfg: GLM5Config, layout: Layout, step: Step,
+                reference: dict | None = None):
     """(metrics, gradients of the trained leaves, per-MoE-layer expert token counts) of one step, all tensors on
     the layout's device: nothing is read to the host (tests/test_host_sync.py).
 
@@ -425,7 +447,7 @@ def device_step(params: dict, batch: dict, cfg: GLM5Config, layout: Layout, step
     grad_fn = value_and_grad(micro_loss, has_aux=True, paths=step.trained(params))
     grads, sums, counts = None, {}, {}
     for mb in micro_batches(batch, step.grad_accum):
-        (_, (mb_sums, mb_counts)), g = grad_fn(params, mb, denoms, cfg, layout, step)
+        (_, (mb_sums, mb_counts)), g = grad_fn(params, mb, denoms, cfg, layout, step, reference)
         grads = g if grads is None else dict(zip(grads, torch._foreach_add(list(grads.values()), list(g.values()))))
         sums = {k: sums.get(k, 0) + v for k, v in mb_sums.items()}
         counts = {k: counts.get(k, 0) + c for k, c in mb_counts.items()}

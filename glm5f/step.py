@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
+from glm5f import dpo
 from glm5f.config import GLM5Config
 from glm5f.lora import attach
 from glm5f.loss import LM, Objective, Step, step_grads
@@ -20,7 +21,7 @@ from glm5f.params import flatten
 
 # The main objectives --train.objective names (`loss.Objective` rows). A new one is a row here; its functions live
 # in a file of their own.
-OBJECTIVES: dict[str, Objective] = {"lm": LM}
+OBJECTIVES: dict[str, Objective] = {"lm": LM, "dpo": dpo.DPO}
 
 
 def objective(name: str) -> Objective:
@@ -33,12 +34,15 @@ def objective(name: str) -> Objective:
 class TrainState(NamedTuple):
     """A run between steps: `trained` the tree the optimizer updates (the params, or a LoRA run's adapters: a flat
     {path: tensor} tree), `frozen` the tree it only reads (a LoRA run's base; None when the params train),
-    `opt_state` the optimizer's state of the trained leaves, `step` the steps done."""
+    `opt_state` the optimizer's state of the trained leaves, `step` the steps done, `reference` the model an
+    objective compares with (`Objective.reference`: DPO's; a LoRA run's is its frozen base, no copy), never
+    trained and not checkpointed (a run makes it again from where it came from)."""
 
     trained: dict
     frozen: dict | None
     opt_state: dict
     step: int
+    reference: dict | None = None
 
     @property
     def params(self) -> dict:
@@ -76,15 +80,17 @@ class Trainer:
         clip, schedule and bias rate."""
         o = cfg.optim
         total = schedule_total(o, cfg.train)
-        return cls(model_cfg, layout, Step.of(cfg.train, model_cfg, cfg.lora.spec(), objective(cfg.train.objective)),
+        row = objective(cfg.train.objective)
+        settings = getattr(cfg, row.settings) if row.settings else None
+        return cls(model_cfg, layout, Step.of(cfg.train, model_cfg, cfg.lora.spec(), row, settings),
                    make_optimizer(o, model_cfg), o.clip_norm,
                    lambda i: lr_schedule(i, peak=o.lr, warmup=o.warmup_steps, total=total, min_ratio=o.min_lr_ratio),
                    o.bias_update_rate)
 
-    def init(self, trained: dict, frozen: dict | None = None) -> TrainState:
-        """The state at step 0 of training `trained` (beside `frozen`): a fresh optimizer state of the leaves the
-        Step trains."""
-        state = TrainState(trained, frozen, {}, 0)
+    def init(self, trained: dict, frozen: dict | None = None, reference: dict | None = None) -> TrainState:
+        """The state at step 0 of training `trained` (beside `frozen`, comparing with `reference`): a fresh
+        optimizer state of the leaves the Step trains."""
+        state = TrainState(trained, frozen, {}, 0, reference)
         return state._replace(opt_state=self.optimizer.init(trained, self.step.trained(state.params)))
 
 
@@ -100,7 +106,7 @@ def train_step(state: TrainState, batch: dict, trainer: Trainer, skip: Callable[
     for a skipped update. The trained tree and the optimizer state are donated (updated in place, as
     `Optimizer.update` does); the frozen tree is only read."""
     t = trainer
-    metrics, grads, counts = step_grads(state.params, batch, t.model_cfg, t.layout, t.step)
+    metrics, grads, counts = step_grads(state.params, batch, t.model_cfg, t.layout, t.step, state.reference)
     if inspect is not None:
         inspect(grads)
     grads, grad_norm = clip_by_global_norm(grads, t.clip_norm)
@@ -112,5 +118,5 @@ def train_step(state: TrainState, batch: dict, trainer: Trainer, skip: Callable[
     here = flatten(trained)
     trained = balance_router_bias(trained, {k: c for k, c in counts.items()
                                             if k in here and matches(t.step.trainable, k)}, t.bias_update_rate)
-    return TrainState(trained, state.frozen, opt_state, state.step + 1), metrics
+    return TrainState(trained, state.frozen, opt_state, state.step + 1, state.reference), metrics
 

@@ -1,4 +1,4 @@
-"""glm5f/pairs.py: preference records of each kind become two sequences with labels on their answers only, one pair
+"""glm5f/data/pairs.py: preference records of each kind become two sequences with labels on their answers only, one pair
 per row; bad records are named by file:line; the position survives a state_dict round trip."""
 
 import json
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from glm5f.chat import ChatFormat
-from glm5f.pairs import CHOSEN, REJECTED, PairSource, pair_of, read_pairs
+from glm5f.data.pairs import CHOSEN, REJECTED, PairSource, pair_of, read_pairs
 from glm5f.tokens import IGNORE_INDEX, make_tokenizer
 
 
