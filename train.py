@@ -30,7 +30,9 @@ from glm5f.data import (PresetSource, check_first_batch, make_eval_source, make_
                         print_warning, warnings_as_lines)
 from glm5f.distributed import (TIMEOUT_EXIT, DistLayout, StallWatch, WorkerFailure, check_device, collective_timeout,
                                init_process, silent_ranks, spawn, under_torchrun)
-from glm5f.hf import EXPORT_MARKER, check_export_dir, check_loaded_finite, note_base, save_peft
+from glm5f.hf.export_dir import EXPORT_MARKER, check_export_dir, note_base
+from glm5f.hf.load import check_loaded_finite
+from glm5f.hf.peft import save_peft
 from glm5f.loss import Step, eval_loss, step_grads, unused_weights
 from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
 from glm5f.model import check_input_ids

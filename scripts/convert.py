@@ -8,7 +8,7 @@
 Reads only the parameters (not the optimizer state) into this one process, then writes config.json and
 safetensors shards one at a time (glm5f.save_hf), with the run's tokenizer files and chat template. OUT_DIR must
 be new, empty, or a previous export that no other run starts from (else --replace-export). A LoRA run's
-checkpoint holds its adapters, not the base: --peft writes them as a PEFT adapter directory (glm5f.hf.save_peft);
+checkpoint holds its adapters, not the base: --peft writes them as a PEFT adapter directory (glm5f.hf.peft.save_peft);
 --merge-lora rebuilds the base from what the run named (its --model.init_from, or its preset and seed), checks
 its fingerprint, and writes W + scale * B @ A (merged in fp32, cast to the base's dtype) as a Transformers
 checkpoint.
@@ -28,7 +28,8 @@ from glm5f import checkpoint, lora  # noqa: E402
 from glm5f.config import GLM5Config  # noqa: E402
 from glm5f.data import make_tokenizer, warnings_as_lines  # noqa: E402
 from glm5f.chat import checkpoint_tokenizer  # noqa: E402
-from glm5f.hf import check_export_dir, save_peft  # noqa: E402
+from glm5f.hf.export_dir import check_export_dir  # noqa: E402
+from glm5f.hf.peft import save_peft  # noqa: E402
 
 
 def run_tokenizer(path: str) -> tuple[dict, list[str]]:

@@ -235,7 +235,7 @@ def test_export_directory_rules(tmp_path, monkeypatch):
 
     def broken(*args, **kwargs):
         raise OSError("disk full")
-    monkeypatch.setattr(hf, "_write_safetensors", broken)
+    monkeypatch.setattr(hf.io, "write_safetensors", broken)
     with pytest.raises(OSError):
         hf.save_peft(out, CFG, adapters, spec)
     assert sorted(os.listdir(tmp_path)) == ["foreign", "out"]
