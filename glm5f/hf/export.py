@@ -1,8 +1,9 @@
 """`save_hf`: params as a Transformers checkpoint directory (config.json + safetensors shards, a GLM-5.3 source's
-vision tower and MTP layer carried along), written whole or not at all."""
+vision tower and MTP layer carried along), and `export_run`, the one way a run's weights are exported."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -129,3 +130,25 @@ def save_hf(path: str | os.PathLike, cfg: GLM5Config, params: dict, *, max_shard
         write_marker(tmp)
     write_dir(path, fill)
 
+
+
+def export_run(path: str | os.PathLike, cfg: GLM5Config, weights: dict, *, init_from: str | None,
+               token_ids: dict[str, int | None], token_files: tuple[str, ...] = (), write: bool = True,
+               overwrite: bool = False) -> None:
+    """Write a run's weights (a LoRA run's merged into its base) as a Transformers checkpoint: what train.py's
+    --checkpoint.export_hf and scripts/convert.py (--merge-lora too) write, the same for the same run.
+
+    `init_from`: the checkpoint the run started from (--model.init_from), None for a preset. A preset's token ids
+    are placeholders, so config.json takes the run's tokenizer's `token_ids` (bos_token_id, eos_token_id,
+    pad_token_id); a checkpoint's config.json has its own, which stay. A GLM-5.3 run from a checkpoint carries
+    that checkpoint's tensors that are not its text model's (the vision tower, the MTP layer) and its config.json
+    fields (vision_config, ...), see `save_hf`'s `source`; that checkpoint must still be there, else a
+    FileNotFoundError says so and nothing is written. `token_files` (the run's tokenizer files and chat template)
+    are copied in beside the weights; `write` and `overwrite` as save_hf's."""
+    if not init_from:
+        cfg = dataclasses.replace(cfg, **token_ids)
+    elif cfg.is_glm53 and not os.path.isfile(os.path.join(init_from, "config.json")):
+        raise FileNotFoundError(f"the run started from the GLM-5.3 checkpoint {init_from} (--model.init_from), "
+                                f"whose vision tower and config the export carries, but it is not there now: "
+                                f"export where that checkpoint is")
+    save_hf(path, cfg, weights, write=write, extra_files=tuple(token_files), source=init_from, overwrite=overwrite)
