@@ -81,7 +81,8 @@ def peft_adapter(cfg: GLM5Config, adapters: dict, spec: LoraSpec, base_model_nam
     [r, in] or [E, r, in], "<module>.lora_B": [out, r] or [E, out, r]}, scale spec.alpha / spec.rank) for
     Transformers' GlmMoeDsaForCausalLM of `cfg`; tensors keep the adapters' dtypes. Adapters of the MTP layers,
     which Transformers' model does not have, are left out with a warning (the merged export keeps them). A
-    ValueError names adapters that do not fit `cfg` or `spec`."""
+    ValueError names adapters that do not fit `cfg` or `spec`. `base_model_name_or_path` is written absolute
+    where it names a local path (PEFT reads it from wherever the adapter is loaded), else as given (a Hub id)."""
     targets = _peft_targets(cfg)
     shapes = {p: tuple(t.shape) for p, t in flatten(abstract_params(cfg, torch.float32)).items()}
     modules = list(dict.fromkeys(k.rpartition(".")[0] for k in adapters))
@@ -150,6 +151,8 @@ def peft_adapter(cfg: GLM5Config, adapters: dict, spec: LoraSpec, base_model_nam
                       f"MLPs) take no dropout; inference is the same", stacklevel=2)
         dropout = 0.0
     alpha = int(spec.alpha) if float(spec.alpha).is_integer() else spec.alpha
+    if base_model_name_or_path is not None and os.path.exists(base_model_name_or_path):
+        base_model_name_or_path = os.path.abspath(base_model_name_or_path)
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
         "r": r, "lora_alpha": alpha, "lora_dropout": dropout, "bias": "none", "fan_in_fan_out": False,
