@@ -29,7 +29,10 @@ from glm5f.chat import RUN_TOKENIZER_DIR, check_same_tokenizer, resolve_tokenize
 from glm5f.data import (PresetSource, check_first_batch, make_eval_source, make_source, make_tokenizer,
                         print_warning, warnings_as_lines)
 from glm5f.distributed import DistLayout
-from glm5f.hf import EXPORT_MARKER, check_export_dir, check_loaded_finite, note_base, save_peft
+from glm5f.hf.export import export_run
+from glm5f.hf.export_dir import EXPORT_MARKER, check_export_dir, note_base
+from glm5f.hf.load import check_loaded_finite
+from glm5f.hf.peft import save_peft
 from glm5f.launch import (TIMEOUT_EXIT, StallWatch, WorkerFailure, check_device, collective_timeout, init_process,
                           silent_ranks, spawn, under_torchrun)
 from glm5f.loss import Step, eval_loss, unused_weights
@@ -505,10 +508,10 @@ def report(cfg: Config, layout: Layout, say) -> None:
 
 def export(cfg: Config, model_cfg: glm5f.GLM5Config, state: TrainState, layout: Layout, say, tokenizer) -> None:
     """--checkpoint.export_hf: the weights (a LoRA run's merged into the base) as a Transformers checkpoint
-    (collective: the ranks gather one leaf at a time, rank 0 writes; a GLM-5.3 run copies the tensors of
-    --model.init_from that are not its text model's). --checkpoint.export_peft: a LoRA run's adapters as a PEFT
-    adapter directory (`hf.save_peft`: the ranks gather them, rank 0 writes). Both carry the run's tokenizer files
-    and chat template, and config.json its bos/eos/pad ids."""
+    (`hf.export_run`, what scripts/convert.py writes from the run's last checkpoint; collective: the ranks gather
+    one leaf at a time, rank 0 writes; a GLM-5.3 run copies the tensors of --model.init_from that are not its
+    text model's). --checkpoint.export_peft: a LoRA run's adapters as a PEFT adapter directory (`hf.save_peft`:
+    the ranks gather them, rank 0 writes). Both carry the run's tokenizer files and chat template."""
     spec = cfg.lora.spec()
     params, adapters = (state.frozen, state.trained) if spec else (state.trained, None)
     files = ()
@@ -516,16 +519,13 @@ def export(cfg: Config, model_cfg: glm5f.GLM5Config, state: TrainState, layout: 
         here = os.path.join(cfg.checkpoint.dir, RUN_TOKENIZER_DIR)
         with writing(here, cfg.checkpoint.dir), user_errors():
             files = tuple(os.path.join(here, n) for n in tokenizer.write(here))
-    if not cfg.model.init_from:  # a preset's ids are placeholders; a checkpoint's config.json has its own
-        tok = make_tokenizer(tokenizer.path)
-        model_cfg = dataclasses.replace(model_cfg, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
-                                        pad_token_id=tok.pad_id)
     if cfg.checkpoint.export_hf:
+        tok = make_tokenizer(tokenizer.path)
         with user_errors(), writing(cfg.checkpoint.export_hf, cfg.checkpoint.dir):
             weights = lora.merge(params, adapters, spec) if spec else params
-            glm5f.save_hf(cfg.checkpoint.export_hf, model_cfg, weights, write=layout.is_main, extra_files=files,
-                          overwrite=cfg.checkpoint.replace_export,
-                          source=cfg.model.init_from)  # GLM-5.3: its vision tower and MTP layer travel along
+            export_run(cfg.checkpoint.export_hf, model_cfg, weights, init_from=cfg.model.init_from,
+                       token_ids={"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id},
+                       token_files=files, write=layout.is_main, overwrite=cfg.checkpoint.replace_export)
         say(f"exported Transformers checkpoint{' (adapters merged)' if spec else ''}: {cfg.checkpoint.export_hf}")
     if cfg.checkpoint.export_peft:
         with user_errors(), writing(cfg.checkpoint.export_peft, cfg.checkpoint.dir):

@@ -6,9 +6,10 @@
     python scripts/convert.py runs/lora out/merged --merge-lora       # a LoRA run: base + adapters merged
 
 Reads only the parameters (not the optimizer state) into this one process, then writes config.json and
-safetensors shards one at a time (glm5f.save_hf), with the run's tokenizer files and chat template. OUT_DIR must
+safetensors shards one at a time, as the run's --checkpoint.export_hf does (glm5f.hf.export_run: the run's
+tokenizer files and chat template; a GLM-5.3 run's vision tower, copied from its --model.init_from). OUT_DIR must
 be new, empty, or a previous export that no other run starts from (else --replace-export). A LoRA run's
-checkpoint holds its adapters, not the base: --peft writes them as a PEFT adapter directory (glm5f.hf.save_peft);
+checkpoint holds its adapters, not the base: --peft writes them as a PEFT adapter directory (glm5f.hf.peft.save_peft);
 --merge-lora rebuilds the base from what the run named (its --model.init_from, or its preset and seed), checks
 its fingerprint, and writes W + scale * B @ A (merged in fp32, cast to the base's dtype) as a Transformers
 checkpoint.
@@ -17,7 +18,6 @@ checkpoint.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 
@@ -30,7 +30,9 @@ from glm5f import checkpoint, lora  # noqa: E402
 from glm5f.config import GLM5Config  # noqa: E402
 from glm5f.data import make_tokenizer, warnings_as_lines  # noqa: E402
 from glm5f.chat import checkpoint_tokenizer  # noqa: E402
-from glm5f.hf import check_export_dir, save_peft  # noqa: E402
+from glm5f.hf.export import export_run  # noqa: E402
+from glm5f.hf.export_dir import check_export_dir  # noqa: E402
+from glm5f.hf.peft import save_peft  # noqa: E402
 from glm5f.preflight import check_fits, checkpoint_weights, weight_bytes  # noqa: E402
 
 
@@ -57,15 +59,17 @@ def check_memory(path: str) -> None:
 
 
 def convert(source: str, out_dir: str, replace: bool = False) -> str:
-    """Write the params of `source` (a checkpoint, or a run directory's latest) to `out_dir`, with the run's
-    tokenizer's bos/eos/pad ids in config.json and its tokenizer files and chat template; returns the checkpoint
-    it read. `replace`: replace an export another run starts from (see check_export_dir)."""
+    """Write the params of `source` (a checkpoint, or a run directory's latest) to `out_dir` as the run's
+    --checkpoint.export_hf would (`export_run`: its tokenizer files and chat template, the ids and, for GLM-5.3,
+    the vision tower of what it started from); returns the checkpoint it read. `replace`: replace an export
+    another run starts from (see check_export_dir)."""
     path = checkpoint.resolve(source)
     ids, files = run_tokenizer(path)
     # before reading: refuses a non-empty directory that is not a previous export
     check_export_dir(out_dir, writes=tuple(files), overwrite=replace, consent="--replace-export")
     cfg, params = checkpoint.load_params(path)
-    glm5f.save_hf(out_dir, dataclasses.replace(cfg, **ids), params, extra_files=tuple(files), overwrite=replace)
+    init_from = ((checkpoint.read_meta(path).get("run") or {}).get("model") or {}).get("init_from")
+    export_run(out_dir, cfg, params, init_from=init_from, token_ids=ids, token_files=tuple(files), overwrite=replace)
     return path
 
 

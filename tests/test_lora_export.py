@@ -235,7 +235,7 @@ def test_export_directory_rules(tmp_path, monkeypatch):
 
     def broken(*args, **kwargs):
         raise OSError("disk full")
-    monkeypatch.setattr(hf, "_write_safetensors", broken)
+    monkeypatch.setattr(hf.io, "write_safetensors", broken)
     with pytest.raises(OSError):
         hf.save_peft(out, CFG, adapters, spec)
     assert sorted(os.listdir(tmp_path)) == ["foreign", "out"]
@@ -280,3 +280,19 @@ def test_glm53_adapters_load_onto_transformers_glm5next(tmp_path, targets):
         assert {"self_attn.forget_gate.f_a_proj", "self_attn.forget_gate.f_b_proj", "self_attn.b_proj",
                 "self_attn.g_a_proj", "self_attn.g_b_proj"} <= set(config["target_modules"])
         assert "mlp.gate_proj.weight" not in config["target_parameters"]  # it would adapt the vision tower too
+
+
+def test_adapter_config_names_a_local_base_by_its_absolute_path(tmp_path, monkeypatch):
+    """PEFT loads the base that adapter_config.json names from wherever the adapter is loaded: a local base given as
+    a relative path is written absolute; a name that is no local path (a Hub id) is written as given."""
+    params = glm5f.init_params(CFG)
+    spec = lora.LoraSpec(rank=2)
+    adapters = random_adapters(params, spec)
+    (tmp_path / "runs" / "base").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "runs")
+    base = os.path.join(os.path.realpath(tmp_path), "runs", "base")
+    for given, written in (("base", base), ("./base/", base), (base, base), ("zai-org/GLM-5", "zai-org/GLM-5"),
+                           (None, None)):
+        hf.save_peft(tmp_path / "out", CFG, adapters, spec, base_model_name_or_path=given)
+        config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+        assert config["base_model_name_or_path"] == written, given
