@@ -197,12 +197,14 @@ class TrainConfig:
     """Dtype of the sums that make gradients: every contraction with a weight (so each weight gradient's sum over
     tokens), the key gradients summed over queries and CP ranks, the sums over ranks and micro-batches. Results
     are rounded to --train.dtype op by op. None: --train.dtype's own (fp32 for bfloat16). float64 with float32:
-    every parallel layout computes the one-process fp32 numbers (bit for bit in scripts/align.py); 2.4x slower."""
+    every parallel layout computes the one-process fp32 numbers (bit for bit in scripts/align.py); slower than
+    fp32 sums (docs/training.md)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer in the backward pass."""
     compile: bool = False
     """torch.compile each decoder layer (regional: one graph per layer, no graph breaks; the sparse attention and
-    indexer ops stay opaque). The first step compiles (about 40 s for the bench model on CPU)."""
+    indexer ops stay opaque). The first step compiles before it runs, and so does the first evaluation
+    (docs/accelerator.md)."""
     seed: int = 0
     """Seed of the parameter initialisation and of torch's random state."""
     device: str = "auto"

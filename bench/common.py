@@ -225,18 +225,19 @@ def _family(frames: list, op: str) -> str:
     return "other"
 
 
-def profile_split(step, reps: int = 3) -> dict:
+def profile_split(step, reps: int = 3, ops: dict | None = None) -> dict:
     """Seconds of op self time per (family, "GEMM" or "other"), and ("autograd engine", "other"), each the least
     of `reps` profiled calls of step (torch.profiler with Python frames). The profiler's times are wall times: each
     call's are scaled by its process CPU time over its wall time (on one thread, the share of the wall the process
     ran; other work on a shared machine takes the rest). A backward op takes the frames of the forward op that
     made its autograd node (same sequence number). Python time is left out (the profiler's tracing inflates it):
-    the caller sets the sum against the step's unprofiled CPU time."""
-    splits = [_profile_once(step) for _ in range(reps)]
+    the caller sets the sum against the step's unprofiled CPU time. With `ops`, the first call also counts there
+    which family each op landed in: {op name: {family: calls}}."""
+    splits = [_profile_once(step, ops if i == 0 else None) for i in range(reps)]
     return {k: min(s.get(k, 0.0) for s in splits) for k in set().union(*splits)}
 
 
-def _profile_once(step) -> dict:
+def _profile_once(step, ops: dict | None = None) -> dict:
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
         wall, cpu = time.perf_counter(), time.process_time()
@@ -276,6 +277,9 @@ def _profile_once(step) -> dict:
                 fwd = forward_op.get(node.sequence_nr)
                 frames = frames_of(fwd) if fwd is not None else []
             key = (_family(frames, e.name), "GEMM" if e.name in GEMM_OPS else "other")
+            if ops is not None:
+                ops.setdefault(e.name, {}).setdefault(key[0], 0)
+                ops[e.name][key[0]] += 1
         else:
             continue
         split[key] = split.get(key, 0.0) + e.self_cpu_time_total / 1e6 * ran

@@ -27,7 +27,8 @@ from common import (add_model_flags, add_run_flags, matmul_peak_flops, median_ti
                     train_flops)
 
 
-def run_side(args) -> dict:
+def make_step(args):
+    """One forward + backward of the side `args.child` ("glm5f" or "transformers") on the bench model and batch."""
     import glm5f
     dtype = getattr(torch, args.dtype)
     cfg = model_config(args)
@@ -51,6 +52,11 @@ def run_side(args) -> dict:
         def step():
             model.zero_grad(set_to_none=True)
             model(ids, labels=ids).loss.backward()
+    return step
+
+
+def run_side(args) -> dict:
+    step = make_step(args)
     res = {"side": args.child, **median_times(step, args.steps, args.device), "peak_gb": peak_memory_gb(args.device)}
     if args.profile:
         res["profile"] = [[f, k, t] for (f, k), t in profile_split(step).items()]

@@ -2,6 +2,7 @@
 blocks, with its registers, spills, what its tiles issue per query and the spill traffic of its loops.
 
     python bench/kernel_blocks.py sparse_mla_bwd_dq fp32 32,32,16,8 16,16,0,8   # H,K,C,warps (C: fp32 chunk, 0 whole)
+    python bench/kernel_blocks.py sparse_mla_bwd_dq fp32 16,16,0,8 --json       # one JSON object per candidate
 
 Spill traffic: the local loads and stores (LDL, STL) in the SASS of the kernel's outermost loop, bytes a thread per
 iteration; those inside an inner loop (the fp32 channel chunks) counted once per chunk. Per query: times the threads,
@@ -11,6 +12,7 @@ the loop's iterations and the programs of a query ((K / BLOCK_K) x (H / BLOCK_H)
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
@@ -62,13 +64,15 @@ def main(argv=None) -> int:
     ap.add_argument("blocks", nargs="+", help="H,K,C,warps (C ignored by the forward)")
     ap.add_argument("--shape", default="glm5", choices=list(report.SHAPES))
     ap.add_argument("--arch", default="sm_90a", choices=list(report.ARCHS))
+    ap.add_argument("--json", action="store_true", help="print one JSON object per candidate instead of the table")
     args = ap.parse_args(argv)
     triton_dsa = report._triton_dsa()
     shape, dtype = report.SHAPES[args.shape], report.DTYPES[args.dtype]
     kind = "fp32" if args.dtype == "fp32" else "half"
     n = shape["B"] * shape["S"]
-    print(f"{args.kernel} {args.dtype} {args.shape} {args.arch}: blocks, regs / spill B / smem KB, issued MB a query "
-          f"(x the minimum), est/bound, spill traffic MB a query (of it in inner loops)")
+    if not args.json:
+        print(f"{args.kernel} {args.dtype} {args.shape} {args.arch}: blocks, regs / spill B / smem KB, issued MB a "
+              f"query (x the minimum), est/bound, spill traffic MB a query (of it in inner loops)")
     for text in args.blocks:
         bh, bk, bc, warps = map(int, text.split(","))
         stages = triton_dsa.MLA_BLOCKS[KEYS[args.kernel]][kind][4]
@@ -80,9 +84,18 @@ def main(argv=None) -> int:
         per_iter, inner = loop_spills(r["ptx"], args.arch, chunks) if r["spills"] else (0, 0)
         c = launch.consts
         scale = 32 * warps * math.ceil(shape["K"] / c["BLOCK_K"]) * math.ceil(shape["H"] / c["BLOCK_H"]) / 1e6
-        print(f"  H{c['BLOCK_H']} K{c['BLOCK_K']} C{c.get('BLOCK_C', 0)} w{warps}: {r['regs']} / {r['spills']} / "
-              f"{r['shared'] / 1024:.0f}, {launch.bytes / n / 1e6:.1f} MB (x{launch.bytes / launch.min_bytes:.2f}), "
-              f"{estimate / bound:.2f}, {per_iter * scale:.1f} ({inner * scale:.1f})", flush=True)
+        row = dict(kernel=args.kernel, dtype=args.dtype, shape=args.shape, arch=args.arch, H=c["BLOCK_H"],
+                   K=c["BLOCK_K"], C=c.get("BLOCK_C", 0), warps=warps, regs=r["regs"], spills=r["spills"],
+                   shared=r["shared"], issued_mb_per_query=launch.bytes / n / 1e6,
+                   issued_over_minimum=launch.bytes / launch.min_bytes, est_over_bound=estimate / bound,
+                   spill_mb_per_query=per_iter * scale, inner_spill_mb_per_query=inner * scale)
+        if args.json:
+            print(json.dumps(row), flush=True)
+            continue
+        print(f"  H{row['H']} K{row['K']} C{row['C']} w{warps}: {r['regs']} / {r['spills']} / "
+              f"{r['shared'] / 1024:.0f}, {row['issued_mb_per_query']:.1f} MB (x{row['issued_over_minimum']:.2f}), "
+              f"{row['est_over_bound']:.2f}, {row['spill_mb_per_query']:.1f} ({row['inner_spill_mb_per_query']:.1f})",
+              flush=True)
     return 0
 
 

@@ -3,6 +3,7 @@ sm_100a, ptxas' registers, spills and shared memory, and its FLOPs and bytes per
 
     python bench/kernels.py                                        # every kernel, arch, dtype and shape
     python bench/kernels.py --shapes tiny --archs sm_90a           # a subset
+    python bench/kernels.py --shapes tiny --json                   # one JSON object per kernel row, for programs
 
 Per row: the launch (blocks, warps), registers, spill stores (bytes), shared memory (KB); the call's minimum FLOPs and
 bytes (each selected latent row read once per query, every other operand once) and the time they bound on H100
@@ -292,7 +293,9 @@ def main(argv=None) -> int:
     ap.add_argument("--archs", nargs="+", default=list(ARCHS), choices=list(ARCHS))
     ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     ap.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
-    ap.add_argument("--json", default=None, help="also write the rows to this file")
+    ap.add_argument("--json", nargs="?", const="-", default=None,
+                    help="with no value (or -): print one JSON object per kernel row instead of the table (the "
+                         "summary line goes to stderr); with a path: also write the rows to that file")
     ap.add_argument("--fla", nargs="?", const="all", default=None, choices=["all", "first"],
                     help="then fla-core's KDA kernels (bench/kernels_fla.py): every autotune config, or each first")
     args = ap.parse_args(argv)
@@ -302,17 +305,23 @@ def main(argv=None) -> int:
         return 2
     t0 = time.perf_counter()
     rows = report(args.shapes, args.archs, args.dtypes, args.kernels)
-    for name in args.shapes:
-        print(f"{name}: {shape_label(SHAPES[name])}")
-    print(HEADER)
-    for r in rows:
-        print(format_row(r))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f)
+    as_lines = args.json == "-"
+    if as_lines:
+        for r in rows:
+            print(json.dumps(r), flush=True)
+    else:
+        for name in args.shapes:
+            print(f"{name}: {shape_label(SHAPES[name])}")
+        print(HEADER)
+        for r in rows:
+            print(format_row(r))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f)
     failed = [r for r in rows if not r["ok"]]
     print(f"{len(rows)} kernels compiled in {time.perf_counter() - t0:.0f} s; "
-          + ("all fit" if not failed else f"{len(failed)} FAIL (compile error, spills or shared memory)"))
+          + ("all fit" if not failed else f"{len(failed)} FAIL (compile error, spills or shared memory)"),
+          file=sys.stderr if as_lines else sys.stdout)
     code = 1 if failed else 0
     if args.fla:  # fla's kernels are not glm5f's: their spills are reported, not failed on
         from bench import kernels_fla

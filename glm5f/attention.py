@@ -205,13 +205,11 @@ def dense_topk_pays(cfg: GLM5Config, q_BxSxHxN: torch.Tensor, latent_BxTxC: torc
     """Whether `topk_dense_mla` costs this CPU less than `sparse_mla` for S queries over T keys, each attending K.
 
     Per head, the sparse core absorbs kv_b into every query and output (S R (N + V) multiply-adds) and attends K
-    latent rows in the latent's widths (2 S K (C + R): its small per-block GEMMs run at about half the dense
-    ones' rate on this CPU, `SPARSE_GEMM_COST`); the dense form expands every key through kv_b (T R (N + V)) and
-    scores every key up to a block's last selection in the heads' widths (S t (N + P + V), t about T / 2 + 64
-    under a causal mask). Measured fwd + bwd of one layer (B4, K 128, 1 thread), sparse against dense: 8 heads,
-    R 128, S 512: 0.152 / 0.116 s; 16 heads, R 256: 0.466 / 0.249 (this op). With an autograd version of the dense
-    form (probabilities kept, no recompute): 8 heads 0.171 / 0.168 at 1024, 0.185 / 0.301 at 2048; 16 heads
-    0.499 / 0.694 at 2048. Only on the CPU (CUDA runs the Triton sparse kernels) with the latent in
+    latent rows in the latent's widths (2 S K (C + R), each multiply-add of its small per-block GEMMs counted as
+    `SPARSE_GEMM_COST` dense ones); the dense form expands every key through kv_b (T R (N + V)) and scores every
+    key up to a block's last selection in the heads' widths (S t (N + P + V), t about T / 2 + 64 under a causal
+    mask). The form with fewer counted multiply-adds runs (the timings behind the count: docs/performance.md,
+    "Choices in the code"). Only on the CPU (CUDA runs the Triton sparse kernels) with the latent in
     the queries' dtype: a wider latent (fp64 sums) keeps the sparse core, whose row gradients are summed in it."""
     if (latent_BxTxC.device.type != "cpu" or latent_BxTxC.dtype != q_BxSxHxN.dtype
             or torch._C._are_functorch_transforms_active()):

@@ -15,8 +15,8 @@ from glm5f.ops import linear, wide_dtype
 # Tokens x heads of one block of chunks: the op prepares (WY matrices, triangular solve) this many at a time, so its
 # workspace is bounded whatever T is; across blocks only the [d_k, d_v] state per sequence and head travels.
 BLOCK_ELEMS = 2**10
-# Tokens per chunk (a power of two): the chunk's WY matrices are [CHUNK, CHUNK]; 32 is faster than 64 on CPU at 1K
-# tokens and equal at 4K (bench/kda.py).
+# Tokens per chunk (a power of two): the chunk's WY matrices are [CHUNK, CHUNK]; the CPU's faster size by bench/kda.py
+# (docs/performance.md, "Choices in the code").
 CHUNK = 32
 # Elements of one piece of the layer's elementwise Functions (short convolutions, forget gate, gated norm): they
 # work on whole heads at a time, as many as fit, so their temporaries stay small whatever T is.

@@ -16,7 +16,7 @@ from glm5f.ops import wide, wide_dtype
 
 SPARSE_BLOCK_ELEMS = 1 << 23  # bound on one query block's gathered rows plus scores, [B, s, K, C + 2H] elements
 INDEXER_QUERY_CHUNK_ELEMS = 1 << 24  # bound on the indexer's per-chunk [B, S, I, T] fp32 scores
-INDEXER_CPU_CHUNK_ELEMS = 1 << 22  # the CPU's: at 8K keys 0.69 s against 1.07-1.22 with 1 << 24 (the same top-k)
+INDEXER_CPU_CHUNK_ELEMS = 1 << 22  # the CPU's, smaller: the same top-k, faster (docs/performance.md)
 INDEXER_CAUSAL_CHUNKS = 4  # the CPU's fewest query chunks under a causal mask: 4 score 5/8 of the keys 1 would
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # fp64 compute keeps the torch code (fp32 accumulators)
 
@@ -74,9 +74,9 @@ UNION_BLOCK_ROWS = 256  # queries x heads of one block of the union path: the ro
 
 def union_width(K: int, H: int) -> int:
     """The most distinct rows a block of queries may select for the union path to take it: per selected row it
-    does the work of every query of the block (about 4x more row-GEMM throughput than one query's [H, C] x [C, K]
-    at H = 8 on this CPU, 3x at H = 16, about even at H = 64; measured at S 512 and 2048, K 128): 32 / H times K,
-    and at least min(3, 48 / H) times K (3K at 16 heads; between 17 and 47 heads 48 / H times, not measured)."""
+    does the work of every query of the block, which pays while the block's GEMM outruns the queries' own
+    [H, C] x [C, K] products by as much (the ratios per head count: docs/performance.md, "Choices in the code"):
+    32 / H times K, and at least min(3, 48 / H) times K (3K at 16 heads; 48 / H times between 17 and 47 heads)."""
     return int(K * max(1.0, 32 / H, min(3.0, 48 / H)))
 
 

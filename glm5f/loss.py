@@ -50,8 +50,8 @@ def token_losses(logits_NxV: torch.Tensor, targets_N: torch.Tensor) -> torch.Ten
 
 
 # Logits per chunk of the LM head and its cross-entropy (`head_loss_sum`): 2^25, 216 tokens of GLM-5's 154,880-word
-# vocabulary. A chunk's logits, their fp32 copy, log-probabilities and gradients then take about 0.47 GB (bf16
-# activations), whatever the tokens per rank; a GEMM of 216 rows still keeps an accelerator busy.
+# vocabulary. A chunk's logits, their fp32 copy, log-probabilities and gradients then take the same memory (bf16
+# activations: docs/memory.md), whatever the tokens per rank; a GEMM of 216 rows still keeps an accelerator busy.
 HEAD_CHUNK_ELEMS = 2**25
 
 

@@ -275,7 +275,7 @@ def _check_selections(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_Bx
 
 # Blocks and warps of each sparse MLA kernel: (BLOCK_H, BLOCK_K, BLOCK_C, num_warps, num_stages) for half-precision
 # inputs (tensor-core dots) and for fp32 (IEEE dots on the CUDA cores), the choices of bench/kernels.py's report at
-# GLM-5's shapes on sm_90a (README, "Kernel fitness"). The forward keeps all 64 heads of a query in one program (8
+# GLM-5's shapes on sm_90a (docs/kernels.md). The forward keeps all 64 heads of a query in one program (8
 # warps: a [64, 512] fp32 accumulator is 128 registers a thread), so each selected row is read once per query.
 # BLOCK_C: the backward's fp32 products over chunks of that many channels (`_chunked_products`; 0: whole rows, and
 # the forward always takes whole rows).

@@ -5,6 +5,7 @@ The compiles run in their own processes: tests/test_kernels.py interprets the ke
 glm5f.triton_dsa is imported once per process."""
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -36,46 +37,63 @@ def report():
     return kernels
 
 
+def json_rows(out: str) -> list[dict]:
+    """The JSON objects a --json run printed, one a line (other lines, e.g. warnings, skipped)."""
+    return [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+
+
+def fits(row: dict) -> bool:
+    """A kernel fits when it compiled, spilled nothing and stays within a block's shared memory (227 KB on sm_90 and
+    sm_100); the numbers are ptxas', the rule is the test's own."""
+    return row["error"] is None and row["regs"] > 0 and row["spills"] == 0 and 0 <= row["shared"] <= 227 * 1024
+
+
 def test_every_kernel_fits_at_tiny_and_glm5_forward_shapes():
     """The tiny shapes for every kernel, arch and dtype, and GLM-5's forward in bf16 on sm_90a (64 heads in one
-    program): the CLI exits 0 only when each compiles with no spill and shared memory within 227 KB."""
-    code, out = run("bench/kernels.py", "--shapes", "tiny")
-    assert code == 0 and "20 kernels compiled" in out and "all fit" in out, out
-    assert out.count(" sm_100a ") == out.count(" sm_90a ") == 10, out
+    program, each selected row read once): every row fits, and the report says so (exit 0, every row ok)."""
+    code, out = run("bench/kernels.py", "--shapes", "tiny", "--json")
+    rows = json_rows(out)
+    assert code == 0 and len(rows) == 20 and all(fits(r) and r["ok"] for r in rows), out
+    assert sorted((r["kernel"], r["dtype"]) for r in rows if r["arch"] == "sm_90a") == \
+        sorted((r["kernel"], r["dtype"]) for r in rows if r["arch"] == "sm_100a"), out
     code, out = run("bench/kernels.py", "--shapes", "glm5", "--archs", "sm_90a", "--dtypes", "bf16", "--kernels",
-                    "sparse_mla_fwd")
-    line = next(x for x in out.splitlines() if x.startswith("sparse_mla_fwd"))
-    assert code == 0 and " H64 " in line and line.split()[-1] == "1", out  # all heads: each row read once
+                    "sparse_mla_fwd", "--json")
+    (row,) = json_rows(out)
+    assert code == 0 and fits(row) and row["blocks"].split()[0] == "H64" and row["rows_per_query"] == 1, out
 
 
 def test_fp32_backward_fits_at_glm5_shapes():
     """GLM-5's fp32 dq and row gradients on sm_90a: their products over channel chunks (BLOCK_C) leave no 512-long
-    reduction in a thread's registers, so neither spills (over whole rows they spilled 2152 B and 14048 B)."""
+    reduction in a thread's registers, so neither spills (over whole rows both did)."""
     code, out = run("bench/kernels.py", "--shapes", "glm5", "--archs", "sm_90a", "--dtypes", "fp32", "--kernels",
-                    "sparse_mla_bwd_dq", "sparse_mla_bwd_rows")
-    lines = [x.split() for x in out.splitlines() if x.startswith("sparse_mla_bwd")]
-    # columns: kernel, arch, dtype, shape, H, K, C (the chunk), warps, stages, registers, spill bytes, ...
-    assert code == 0 and len(lines) == 2 and all(x[6] != "C0" and x[10] == "0" for x in lines), out
+                    "sparse_mla_bwd_dq", "sparse_mla_bwd_rows", "--json")
+    rows = json_rows(out)
+    assert code == 0 and sorted(r["kernel"] for r in rows) == ["sparse_mla_bwd_dq", "sparse_mla_bwd_rows"], out
+    assert all(fits(r) and "C0" not in r["blocks"].split() for r in rows), out
 
 
 def test_block_tradeoff_counts_the_loop_spill_traffic():
-    """bench/kernel_blocks.py: GLM-5's fp32 dq over whole rows spills 2152 B, and its main loop moves them to and
-    from local memory on every tile (3636 B a thread, 477 MB a query); over channel chunks nothing."""
-    code, out = run("bench/kernel_blocks.py", "sparse_mla_bwd_dq", "fp32", "16,16,0,8", "32,32,16,8")
-    rows = [x for x in out.splitlines() if x.startswith("  H")]
-    assert code == 0 and len(rows) == 2, out
-    whole, chunked = (float(x.split(", ")[-1].split()[0]) for x in rows)
-    assert " 2152 " in rows[0] and 400 < whole < 600 and chunked == 0, out
+    """bench/kernel_blocks.py: GLM-5's fp32 dq over whole rows spills, and its main loop moves the spilled values to
+    and from local memory (traffic counted a query); over channel chunks it spills nothing and moves nothing."""
+    code, out = run("bench/kernel_blocks.py", "sparse_mla_bwd_dq", "fp32", "16,16,0,8", "32,32,16,8", "--json")
+    rows = json_rows(out)
+    assert code == 0 and [(r["H"], r["K"], r["C"]) for r in rows] == [(16, 16, 0), (32, 32, 16)], out
+    whole, chunked = rows
+    assert whole["spills"] > 0 and whole["spill_mb_per_query"] > 0, out
+    assert chunked["spills"] == 0 and chunked["spill_mb_per_query"] == 0, out
 
 
 def test_a_spilling_launch_fails_the_report():
     """The same forward at 4 warps holds a [64, 512] fp32 accumulator in 128 threads (256 registers each): ptxas
-    spills, and the report's check catches it."""
-    code, out = run("-c", "import dataclasses, torch; from bench import kernels as k; "
-                          "f = k.launches(k.SHAPES['glm5'], torch.bfloat16)[0]; "
-                          "f = dataclasses.replace(f, consts=dict(f.consts, num_warps=4)); "
-                          "print('spills', k.compile_launch(f, 'sm_90a')['spills'])")
-    assert code == 0 and int(out.split("spills ")[1].split()[0]) > 0, out
+    spills, and the report marks the row not ok and exits 1."""
+    code, out = run("-c", "import dataclasses, sys; from bench import kernels as k; "
+                          "first = k.launches; "
+                          "k.launches = lambda *a: [dataclasses.replace(f, consts=dict(f.consts, num_warps=4)) "
+                          "for f in first(*a)]; "
+                          "sys.exit(k.main(['--shapes', 'glm5', '--archs', 'sm_90a', '--dtypes', 'bf16', "
+                          "'--kernels', 'sparse_mla_fwd', '--json']))")
+    (row,) = json_rows(out)
+    assert code == 1 and row["spills"] > 0 and not fits(row) and not row["ok"] and "1 FAIL" in out, out
 
 
 def test_counts_of_the_forward_by_hand():

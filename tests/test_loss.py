@@ -540,7 +540,8 @@ def naive_pool_ends(valid_BxS, seg_BxS, kpool):
 
 
 def naive_pooled_kl(p, x, allowed_BxSxT, valid_BxS, seg_BxS, selected_BxSxT, mode):
-    """(KL sum, recall sum) of the pooled indexer's loss from the README's definition, fp64, loops over pools.
+    """(KL sum, recall sum) of the pooled indexer's loss from its definition (docs/objectives.md), fp64, loops over
+    pools.
     selected_BxSxT: the tokens the layer attends (the pooled selection with its tail)."""
     c = CFG53
     H, N, I, J, K = c.num_attention_heads, c.qk_nope_head_dim, c.index_n_heads, c.index_head_dim, c.index_kpool
@@ -590,7 +591,8 @@ def naive_pooled_kl(p, x, allowed_BxSxT, valid_BxS, seg_BxS, selected_BxSxT, mod
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
 def test_pooled_indexer_kl_and_its_gradients_match_the_definition(mode, kind, blocks):
     """GLM-5.3's DSA layer with --train.indexer_loss: the loss, recall and every indexer leaf's gradient (the pool
-    terms included) equal the naive fp64 definition's (README, "Indexer loss"), over one or many query blocks."""
+    terms included) equal the naive fp64 definition's (docs/objectives.md, "Indexer loss"), over one or many query
+    blocks."""
     block_elems = 4000 if blocks == "many" else glm5f.indexer_loss.INDEXER_LOSS_BLOCK_ELEMS
     am, pos, allowed, valid = inputs(kind)
     seg = torch.zeros(B, S, dtype=torch.long) if pos is None else \

@@ -1,10 +1,13 @@
-"""metrics.jsonl across resumes: a last line cut off by a killed run is dropped with a warning, not a traceback."""
+"""metrics.jsonl across resumes: a last line cut off by a killed run is dropped with a warning, not a traceback; the
+loss curve PNG, read back pixel by pixel."""
 
 import json
 
+import matplotlib.image
+import numpy as np
 import pytest
 
-from glm5f.metrics import MetricsLog, read_metrics
+from glm5f.metrics import MetricsLog, plot_losses, read_metrics
 from train import main
 
 TINY = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", "--data.batch_size", "2", "--data.seq_len", "32",
@@ -34,3 +37,35 @@ def test_a_damaged_line_before_the_last_is_an_error_naming_it(tmp_path):
         read_metrics(str(path))
     with pytest.raises(ValueError, match=rf"{path}:2: not a JSON record"):
         MetricsLog(str(tmp_path), resume_step=3).write({"step": 4, "loss": 0.5})
+
+
+def pixels_of(png, colour: str) -> np.ndarray:
+    """(row, column) of every pixel of the PNG within 0.1 (per RGB channel) of the colour '#rrggbb'."""
+    rgb = matplotlib.image.imread(png)[..., :3]
+    want = np.array([int(colour[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    return np.argwhere(np.abs(rgb - want).max(axis=-1) < 0.1)
+
+
+def check_loss_png(png, colours: list[str]) -> None:
+    """The loss PNG as plot_losses draws it: 7 x 4 inches at 120 dpi, not blank, and each run's curve in its colour
+    falling from left to right (the losses fall): its pixels in the left third of its width lie higher (smaller
+    rows) than those in the right third."""
+    rgba = matplotlib.image.imread(png)
+    assert rgba.shape[:2] == (480, 840)
+    assert (rgba[..., :3].min(axis=-1) < 0.9).mean() > 0.01  # not a blank (white) canvas
+    for colour in colours:
+        at = pixels_of(png, colour)
+        assert len(at) > 200, colour  # a curve, not the legend's sample line alone
+        left, right = np.percentile(at[:, 1], [33, 67])
+        assert np.median(at[at[:, 1] <= left, 0]) < np.median(at[at[:, 1] >= right, 0]), colour
+
+
+def test_loss_png_draws_each_run_s_falling_curve(tmp_path):
+    """Two runs, the first with held-out losses: each run's training curve is drawn in matplotlib's first and
+    second cycle colours and falls as its losses do."""
+    runs = {name: [{"step": i, "loss": 6.0 - (4.0 - k) * i / 40} | ({"eval_loss": 6.2 - 3 * i / 40} if i % 10 == 0
+                                                                  and k == 0 else {}) for i in range(1, 41)]
+            for k, name in enumerate(["a", "b"])}
+    png = tmp_path / "loss.png"
+    assert plot_losses(runs, str(png)) is True
+    check_loss_png(png, ["#1f77b4", "#ff7f0e"])

@@ -14,7 +14,7 @@ from configs import OptimConfig
 from conftest import cli
 from glm5f import checkpoint
 from glm5f.metrics import read_metrics
-from glm5f.optim import (OPTIMIZERS, Optimizer, adamw, adamw_init, leaf_rule, make_optimizer, muon, muon_blocks,
+from glm5f.optim import (OPTIMIZERS, Optimizer, adamw, leaf_rule, make_optimizer, muon, muon_blocks,
                          newton_schulz, orthogonalised, trained_paths)
 from glm5f.params import flatten
 from train import main, train
@@ -154,13 +154,42 @@ def test_the_optimizer_splits_by_default_and_dropping_the_split_shows(torch_ns_f
     assert (got - whole).abs().max() > 100 * 1e-12 and (split - whole).abs().max() > 1e-3
 
 
-def test_newton_schulz_orthogonalises():
-    """The quintic iteration leaves every singular value of a random matrix within (0.5, 1.5), as its
-    coefficients are chosen to (not exactly 1: the slope at zero is pushed up instead)."""
-    x = torch.randn(3, 16, 48, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
-    s = torch.linalg.svdvals(newton_schulz(x))
-    assert s.min() > 0.5 and s.max() < 1.5
-    assert torch.linalg.svdvals(x).max() > 5
+QUINTIC = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's and Moonlight's Newton-Schulz coefficients (a, b, c)
+
+
+def quintic(s: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """The Newton-Schulz iteration on one singular value: s <- a s + b s^3 + c s^5, `steps` times."""
+    a, b, c = QUINTIC
+    for _ in range(steps):
+        s = a * s + b * s ** 3 + c * s ** 5
+    return s
+
+
+@pytest.mark.parametrize("shape", [(3, 16, 48), (2, 40, 12)])
+def test_newton_schulz_is_the_quintic_on_each_singular_value(shape):
+    """X = U S V^T, well conditioned (singular values in [1, 3]): newton_schulz(X) is U q(S / |X|_F) V^T in fp64,
+    q the scalar quintic iterated 5 times, wide and tall, each matrix of the batch apart. So its distance to the
+    orthogonal factor U V^T is the band q leaves: computed here by iterating q over every value S / |X|_F can take
+    for these X (the quintic does not converge to 1; it oscillates inside that band)."""
+    assert tuple(glm5f.optim.NS_COEFFICIENTS) == QUINTIC and glm5f.optim.NS_STEPS == 5
+    n, rows, cols = shape
+    g = torch.Generator().manual_seed(4)
+    k = min(rows, cols)
+    u, _ = torch.linalg.qr(torch.randn(n, rows, k, generator=g, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(n, cols, k, generator=g, dtype=torch.float64))
+    s = 1 + 2 * torch.rand(n, k, generator=g, dtype=torch.float64)
+    x = u @ torch.diag_embed(s) @ v.mT
+    got = newton_schulz(x)
+    s_unit = s / s.norm(dim=-1, keepdim=True)  # |X|_F is the norm of the singular values
+    assert (got - u @ torch.diag_embed(quintic(s_unit)) @ v.mT).abs().max() <= 1e-12
+    # the band: s / |X|_F for singular values in [1, 3] lies in [1 / (3 sqrt(k)), 3 / sqrt(k)]
+    grid = torch.linspace(1 / (3 * k ** 0.5), 3 / k ** 0.5, 100_001, dtype=torch.float64)
+    lo, hi = quintic(grid).min().item(), quintic(grid).max().item()
+    assert 0.6 < lo < 0.75 and 1.05 < hi < 1.2  # the published quintic's known band, roughly 0.68-1.13
+    out = torch.linalg.svdvals(got)
+    assert out.min() >= lo - 1e-12 and out.max() <= hi + 1e-12
+    error = torch.linalg.matrix_norm(got - u @ v.mT, ord=2)  # spectral distance to the orthogonal factor
+    assert error.max() <= max(1 - lo, hi - 1) + 1e-12
 
 
 def test_which_leaves_muon_takes():
@@ -216,13 +245,38 @@ def test_a_new_optimizer_is_one_entry_in_the_table(tmp_path, monkeypatch, capsys
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["optimizer_bytes"] == 2 * plan["grads_bytes"]
 
 
-def test_adamw_through_the_interface_is_adamw_init():
-    """--optim.name adamw is the AdamW of adamw_init / adamw_update (their tests pin its numbers)."""
-    params = glm5f.init_params(TINY)
-    opt = adamw(OptimConfig(), TINY)
-    assert opt.init is adamw_init and opt.rule("model.layers.0.self_attn.q_b_proj.weight", 2) == "decay"
-    assert muon_blocks("model.layers.0.self_attn.q_b_proj.weight", (96, 32), TINY, "per_part") == (4, [16, 8])
-    assert set(opt.init(params, ["lm_head.weight"])["mu"]) == {"lm_head.weight"}
+def test_adamw_through_the_interface_is_torch_adamw():
+    """--optim.name adamw through the interface (init, then update) with --optim's b1, b2, eps and weight decay: the
+    params and both moments after 3 steps equal torch.optim.AdamW's on the same leaves and gradients in fp64, a
+    matrix with decay and a norm weight without; and Muon Split's blocks of q_b_proj are per head, no-RoPE and RoPE."""
+    o = OptimConfig(b1=0.8, b2=0.9, eps=1e-6, weight_decay=0.2)
+    params = torch.utils._pytree.tree_map(lambda t: t.double(), glm5f.init_params(TINY))
+    decayed, plain = "model.layers.0.self_attn.q_b_proj.weight", "model.layers.0.input_layernorm.weight"
+    opt = adamw(o, TINY)
+    assert opt.rule(decayed, 2) == "decay" and opt.rule(plain, 1) == "no_decay"
+    state = opt.init(params, [decayed, plain])
+    assert set(state["mu"]) == set(state["nu"]) == {decayed, plain}
+    flat = flatten(params)
+    ref = {p: flat[p].detach().clone().requires_grad_() for p in (decayed, plain)}
+    torch_opt = torch.optim.AdamW([{"params": [ref[decayed]], "weight_decay": o.weight_decay},
+                                   {"params": [ref[plain]], "weight_decay": 0.0}],
+                                  lr=1e-2, betas=(o.b1, o.b2), eps=o.eps)
+    g = torch.Generator().manual_seed(0)
+    for lr in (1e-2, 5e-3, 2e-3):
+        grads = {p: torch.randn(flat[p].shape, generator=g, dtype=torch.float64) for p in (decayed, plain)}
+        params, state = opt.update(params, grads, state, lr)
+        for group in torch_opt.param_groups:
+            group["lr"] = lr
+        for p in ref:
+            ref[p].grad = grads[p]
+        torch_opt.step()
+    flat = flatten(params)
+    for p in (decayed, plain):
+        assert (flat[p] - ref[p].detach()).abs().max() <= 1e-14
+        assert (state["mu"][p] - torch_opt.state[ref[p]]["exp_avg"]).abs().max() <= 1e-15
+        assert (state["nu"][p] - torch_opt.state[ref[p]]["exp_avg_sq"]).abs().max() <= 1e-15
+    assert int(state["count"]) == 3
+    assert muon_blocks(decayed, (96, 32), TINY, "per_part") == (4, [16, 8])
 
 
 def test_bitwise_resume_with_muon(tmp_path, capsys):

@@ -18,6 +18,7 @@ from glm5f import checkpoint
 from glm5f.data import make_eval_source, make_source
 from glm5f.metrics import read_metrics
 from glm5f.optim import adamw_init, trained_paths
+from test_metrics import check_loss_png
 from train import TrainingError, main, train
 
 MOE = ["--model.preset", "glm5-scaled-moe", "--data.batch_size", "4", "--data.seq_len", "80",
@@ -42,7 +43,7 @@ def test_default_run_learns(tmp_path):
     logged = read_metrics(tmp_path)
     assert [r["step"] for r in logged] == list(range(1, 41))
     assert {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s"} <= logged[0].keys()
-    assert os.path.isfile(tmp_path / "loss.png")
+    check_loss_png(tmp_path / "loss.png", ["#1f77b4"])  # the training curve, falling
     assert checkpoint.latest(str(tmp_path)).endswith("step_00000040")
 
 
