@@ -256,7 +256,10 @@ class CheckpointConfig:
     keep: int = 3
     """Newest checkpoints kept; 0 keeps all."""
     resume: Optional[str] = None
-    """'latest' (the run directory's newest checkpoint, or a fresh start if none) or a checkpoint path."""
+    """'latest' (the run directory's newest verified checkpoint, or a fresh start if none) or a checkpoint path."""
+    trust_unverified: bool = False
+    """Let --checkpoint.resume take a checkpoint that has no manifest.json (one written before checkpoints had
+    manifests) without checking its files; a checkpoint whose files differ from its manifest is never taken."""
     export_hf: Optional[str] = None
     """Also write the final weights as a Transformers checkpoint to this directory (new, empty, or a previous
     export, which is replaced), with the run's tokenizer files and chat template."""

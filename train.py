@@ -324,7 +324,7 @@ def resume(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, adapters: dic
     if not cfg.checkpoint.resume:
         return 0, None, trained, opt_state
     with user_errors():
-        ckpt, note = checkpoint.choose(cfg.checkpoint.dir, cfg.checkpoint.resume)
+        ckpt, note = checkpoint.choose(cfg.checkpoint.dir, cfg.checkpoint.resume, cfg.checkpoint.trust_unverified)
     if note:
         say(note)
     if ckpt is None:
