@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import math
 import os
 import re
 import typing
@@ -382,6 +383,12 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     if not 0 <= cfg.optim.muon_momentum < 1 or cfg.optim.ns_steps < 1:
         errs.append(f"--optim.muon_momentum must lie in [0, 1) and --optim.ns_steps be >= 1, got "
                     f"{cfg.optim.muon_momentum} and {cfg.optim.ns_steps}")
+    if not all(math.isfinite(c) for c in cfg.optim.ns_coefficients):
+        errs.append(f"--optim.ns_coefficients must be finite numbers, got {tuple(cfg.optim.ns_coefficients)}")
+    if cfg.optim.schedule_steps is not None and cfg.optim.schedule_steps < cfg.optim.warmup_steps:
+        errs.append(f"--optim.schedule_steps {cfg.optim.schedule_steps} ends inside the warm-up (--optim.warmup_steps "
+                    f"{cfg.optim.warmup_steps}): the lr would climb to its peak and drop to its floor in one step; pass "
+                    f"at least {cfg.optim.warmup_steps}, or a shorter --optim.warmup_steps")
     if not 0 <= cfg.optim.min_lr_ratio <= 1:
         errs.append(f"--optim.min_lr_ratio must lie in [0, 1], got {cfg.optim.min_lr_ratio}")
     p = cfg.parallel

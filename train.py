@@ -35,7 +35,7 @@ from glm5f.loss import Step, eval_loss, step_grads, unused_weights
 from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
 from glm5f.model import check_input_ids
 from glm5f.optim import (Optimizer, balance_router_bias, clip_by_global_norm, lr_schedule, make_optimizer,
-                         matches, schedule_change, schedule_total)
+                         matches, schedule_change, schedule_total, unused_flags)
 from glm5f.parallel import Layout, local_tensor, nonfinite_counts
 from glm5f.params import flatten, region_of
 
@@ -111,9 +111,10 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     adapters = init_adapters(cfg, spec, params, layout) if spec else None
     base = lora_base(cfg, params, layout) if spec else None
     step = Step.of(cfg.train, model_cfg, spec)
-    for message in unused_weights(cfg.train, model_cfg) if layout.is_main else ():
+    unused = unused_weights(cfg.train, model_cfg) + unused_flags(cfg.optim, lora=bool(spec))
+    for message in unused if layout.is_main else ():
         print_warning(message)
-    optimizer = make_optimizer(cfg.optim, model_cfg)
+    optimizer = make_optimizer(cfg.optim, model_cfg, lora=bool(spec))
     opt_state = optimizer.init(adapters, list(adapters)) if spec else optimizer.init(params, step.trained(params))
     data, eval_batches = make_data(cfg, model_cfg, layout, say, tokenizer.path)
     start, last_ckpt, trained, opt_state = resume(cfg, model_cfg, params, adapters, base, optimizer, opt_state, data,
