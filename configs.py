@@ -16,7 +16,7 @@ import os
 import re
 import typing
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 import tyro
 import yaml
@@ -31,10 +31,9 @@ class ModelConfig:
     """The network: a preset (or a Transformers checkpoint), with the fields that change a model overridden. The
     per-layer lists follow from --model.index_topk_pattern and --model.first_k_dense_replace."""
 
-    preset: str = "glm5-tiny"
-    """glm5, glm5-scaled-dense, glm5-scaled-moe or glm5-tiny."""
+    preset: Annotated[str, tyro.conf.arg(help=f"One of {', '.join(glm5f.PRESETS)} (glm5f.PRESETS).")] = "glm5-tiny"
     init_from: Optional[str] = None
-    """A Transformers GLM-5 checkpoint directory to start from (its config.json replaces the preset)."""
+    """A Transformers GLM-5 or GLM-5.3 checkpoint directory to start from (its config.json replaces the preset)."""
     tokenizer_path: Optional[str] = None
     """tokenizer.json (or a directory with one) for text data; default: the built-in byte tokenizer."""
     vocab_size: Optional[int] = None

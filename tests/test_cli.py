@@ -304,6 +304,9 @@ def test_every_flag_has_help():
     helps = {f: re.sub(r"\(default: [^)]*\)", "", h).strip() for f, h in helps.items()}
     assert len(helps) > 60 and "--data.seq_len" in helps
     assert [f for f, h in helps.items() if not h] == []
+    presets = helps["--model.preset"].replace(" ", "")  # as wrapped; before, only the GLM-5 presets were named
+    assert [p for p in glm5f.PRESETS if p + "," not in presets and p + "(" not in presets] == []
+    assert "GLM-5 or GLM-5.3 checkpoint" in helps["--model.init_from"]
 
 
 @pytest.fixture(scope="module")
