@@ -25,6 +25,7 @@ import glm5f
 from glm5f.data import check_path_fits, infer_data_type, load_batches
 from glm5f.lora import DEFAULT_TARGETS, LoraSpec, target_modules
 from glm5f.optim import OPTIMIZERS, trained_paths
+from glm5f.tokens import make_tokenizer
 
 @dataclass
 class ModelConfig:
@@ -425,7 +426,25 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         model = glm5f.GLM5Config.from_hf(cfg.model.init_from) if cfg.model.init_from else cfg.model.build()
     except (ValueError, TypeError, FileNotFoundError) as e:
         return errs + [f"the model config is invalid: {e}"]
-    return errs + _layout_errors(cfg, model) + _trainable_errors(cfg, model) + _lora_errors(cfg, model)
+    return errs + _layout_errors(cfg, model) + _trainable_errors(cfg, model) + _lora_errors(cfg, model) + \
+        _tokenizer_errors(cfg, model)
+
+
+def _tokenizer_errors(cfg: Config, model: glm5f.GLM5Config) -> list[str]:
+    """--model.tokenizer_path with --model.init_from: the checkpoint fixes the vocab_size (its config.json), so a
+    tokenizer with more ids cannot be given room (--model.vocab_size is not an override there)."""
+    if not (cfg.model.init_from and cfg.model.tokenizer_path):
+        return []
+    try:
+        tok = make_tokenizer(cfg.model.tokenizer_path)
+    except (ValueError, OSError, ImportError):
+        return []  # the run names what is wrong with the file
+    if tok.vocab_size <= model.vocab_size:
+        return []
+    return [f"--model.tokenizer_path {cfg.model.tokenizer_path} has {tok.vocab_size} ids but --model.init_from "
+            f"{cfg.model.init_from} embeds {model.vocab_size} (its config.json's vocab_size, which a run from it "
+            f"keeps): pass the tokenizer that checkpoint was trained with, or drop --model.tokenizer_path to use the "
+            f"one it carries"]
 
 
 def mesh_errors(cfg: Config, model: glm5f.GLM5Config) -> list[str]:
