@@ -11,11 +11,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import math
 import os
 import re
 import typing
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 import tyro
 import yaml
@@ -25,16 +26,16 @@ from glm5f.data import check_path_fits, infer_data_type, load_batches
 from glm5f.lora import DEFAULT_TARGETS, LoraSpec, target_modules
 from glm5f.optim import OPTIMIZERS, trained_paths
 from glm5f.step import OBJECTIVES
+from glm5f.tokens import make_tokenizer
 
 @dataclass
 class ModelConfig:
     """The network: a preset (or a Transformers checkpoint), with the fields that change a model overridden. The
     per-layer lists follow from --model.index_topk_pattern and --model.first_k_dense_replace."""
 
-    preset: str = "glm5-tiny"
-    """glm5, glm5-scaled-dense, glm5-scaled-moe or glm5-tiny."""
+    preset: Annotated[str, tyro.conf.arg(help=f"One of {', '.join(glm5f.PRESETS)} (glm5f.PRESETS).")] = "glm5-tiny"
     init_from: Optional[str] = None
-    """A Transformers GLM-5 checkpoint directory to start from (its config.json replaces the preset)."""
+    """A Transformers GLM-5 or GLM-5.3 checkpoint directory to start from (its config.json replaces the preset)."""
     tokenizer_path: Optional[str] = None
     """tokenizer.json (or a directory with one) for text data; default: the built-in byte tokenizer."""
     vocab_size: Optional[int] = None
@@ -267,7 +268,10 @@ class CheckpointConfig:
     keep: int = 3
     """Newest checkpoints kept; 0 keeps all."""
     resume: Optional[str] = None
-    """'latest' (the run directory's newest checkpoint, or a fresh start if none) or a checkpoint path."""
+    """'latest' (the run directory's newest verified checkpoint, or a fresh start if none) or a checkpoint path."""
+    trust_unverified: bool = False
+    """Let --checkpoint.resume take a checkpoint that has no manifest.json (one written before checkpoints had
+    manifests) without checking its files; a checkpoint whose files differ from its manifest is never taken."""
     export_hf: Optional[str] = None
     """Also write the final weights as a Transformers checkpoint to this directory (new, empty, or a previous
     export, which is replaced), with the run's tokenizer files and chat template."""
@@ -419,6 +423,12 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     if not 0 <= cfg.optim.muon_momentum < 1 or cfg.optim.ns_steps < 1:
         errs.append(f"--optim.muon_momentum must lie in [0, 1) and --optim.ns_steps be >= 1, got "
                     f"{cfg.optim.muon_momentum} and {cfg.optim.ns_steps}")
+    if not all(math.isfinite(c) for c in cfg.optim.ns_coefficients):
+        errs.append(f"--optim.ns_coefficients must be finite numbers, got {tuple(cfg.optim.ns_coefficients)}")
+    if cfg.optim.schedule_steps is not None and cfg.optim.schedule_steps < cfg.optim.warmup_steps:
+        errs.append(f"--optim.schedule_steps {cfg.optim.schedule_steps} ends inside the warm-up (--optim.warmup_steps "
+                    f"{cfg.optim.warmup_steps}): the lr would climb to its peak and drop to its floor in one step; pass "
+                    f"at least {cfg.optim.warmup_steps}, or a shorter --optim.warmup_steps")
     if not 0 <= cfg.optim.min_lr_ratio <= 1:
         errs.append(f"--optim.min_lr_ratio must lie in [0, 1], got {cfg.optim.min_lr_ratio}")
     p = cfg.parallel
@@ -456,7 +466,25 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         model = glm5f.GLM5Config.from_hf(cfg.model.init_from) if cfg.model.init_from else cfg.model.build()
     except (ValueError, TypeError, FileNotFoundError) as e:
         return errs + [f"the model config is invalid: {e}"]
-    return errs + _layout_errors(cfg, model) + _trainable_errors(cfg, model) + _lora_errors(cfg, model)
+    return errs + _layout_errors(cfg, model) + _trainable_errors(cfg, model) + _lora_errors(cfg, model) + \
+        _tokenizer_errors(cfg, model)
+
+
+def _tokenizer_errors(cfg: Config, model: glm5f.GLM5Config) -> list[str]:
+    """--model.tokenizer_path with --model.init_from: the checkpoint fixes the vocab_size (its config.json), so a
+    tokenizer with more ids cannot be given room (--model.vocab_size is not an override there)."""
+    if not (cfg.model.init_from and cfg.model.tokenizer_path):
+        return []
+    try:
+        tok = make_tokenizer(cfg.model.tokenizer_path)
+    except (ValueError, OSError, ImportError):
+        return []  # the run names what is wrong with the file
+    if tok.vocab_size <= model.vocab_size:
+        return []
+    return [f"--model.tokenizer_path {cfg.model.tokenizer_path} has {tok.vocab_size} ids but --model.init_from "
+            f"{cfg.model.init_from} embeds {model.vocab_size} (its config.json's vocab_size, which a run from it "
+            f"keeps): pass the tokenizer that checkpoint was trained with, or drop --model.tokenizer_path to use the "
+            f"one it carries"]
 
 
 def mesh_errors(cfg: Config, model: glm5f.GLM5Config) -> list[str]:

@@ -38,7 +38,7 @@ from glm5f.launch import (TIMEOUT_EXIT, StallWatch, WorkerFailure, check_device,
 from glm5f.loss import Step, eval_loss, unused_weights
 from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
 from glm5f.model import check_input_ids
-from glm5f.optim import Optimizer, schedule_change
+from glm5f.optim import Optimizer, schedule_change, unused_flags
 from glm5f.parallel import Layout, local_tensor, nonfinite_counts
 from glm5f.preflight import check_inputs, check_run
 from glm5f.params import flatten, leaf_dtype, map_with_path, region_of
@@ -115,7 +115,8 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     # a LoRA run trains its adapters (a flat tree of their own) beside the frozen base; else the params train
     trained, frozen = (init_adapters(cfg, spec, params, layout), params) if spec else (params, None)
     base = lora_base(cfg, params, layout) if spec else None
-    for message in unused_weights(cfg.train, model_cfg) if layout.is_main else ():
+    unused = unused_weights(cfg.train, model_cfg) + unused_flags(cfg.optim, lora=bool(spec))
+    for message in unused if layout.is_main else ():
         print_warning(message)
     trainer = Trainer.of(cfg, model_cfg, layout)
     reference = init_reference(cfg, model_cfg, params, layout) if trainer.step.objective.reference else None
@@ -340,7 +341,7 @@ def resume(cfg: Config, model_cfg: glm5f.GLM5Config, state: TrainState, base: di
     if not cfg.checkpoint.resume:
         return state, None
     with user_errors():
-        ckpt, note = checkpoint.choose(cfg.checkpoint.dir, cfg.checkpoint.resume)
+        ckpt, note = checkpoint.choose(cfg.checkpoint.dir, cfg.checkpoint.resume, cfg.checkpoint.trust_unverified)
     if note:
         say(note)
     if ckpt is None:

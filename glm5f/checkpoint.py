@@ -4,7 +4,8 @@ step, RNG states, data position and the resolved config.
 Layout of a run directory: checkpoints/step_00000010/ (DCP shards, extra.pt, meta.json, manifest.json),
 checkpoints/latest (the name of the newest complete checkpoint). A checkpoint is written into a temporary
 directory and renamed when complete; `latest` is replaced after that; so a killed save leaves the previous
-checkpoint as latest. manifest.json, written last, holds each file's size and CRC-32: a resume checks them.
+checkpoint as latest. manifest.json, written last, holds each file's size and CRC-32: only a checkpoint whose
+files match it is resumed.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import errno
 import json
 import math
 import os
+import pickle
 import random
 import shutil
 import warnings
@@ -202,7 +204,8 @@ def resolve(path: str) -> str:
         raise FileNotFoundError(f"{path}: no such directory (expected a run directory or a checkpoint in one)")
     if os.path.isfile(os.path.join(path, "meta.json")):
         return path
-    found = latest(path)
+    done = _complete(os.path.join(path, "checkpoints"))  # load_params says why one without a manifest is refused
+    found = latest(path) or (os.path.join(path, "checkpoints", done[-1]) if done else None)
     if found is None and os.path.isfile(os.path.join(path, "adapter_config.json")):
         raise FileNotFoundError(f"{path} is a PEFT adapter directory (adapters without their base), not a glm5f "
                                 f"run or checkpoint: use the LoRA run's directory, or its merged export "
@@ -216,17 +219,25 @@ def resolve(path: str) -> str:
     return found
 
 
-def latest(run_dir: str) -> str | None:
-    """The newest complete checkpoint of a run directory (by its `latest` marker), or None."""
-    root = os.path.join(run_dir, "checkpoints")
+def _marked(root: str) -> str | None:
+    """The checkpoint name the `latest` marker of `root` (a run's checkpoints/) holds, or None."""
     marker = os.path.join(root, "latest")
-    if os.path.isfile(marker):
-        with open(marker) as f:
-            name = f.read().strip()
-        if os.path.isfile(os.path.join(root, name, "meta.json")):
-            return os.path.join(root, name)
-    done = _complete(root)
-    return os.path.join(root, done[-1]) if done else None
+    if not os.path.isfile(marker):
+        return None
+    with open(marker) as f:
+        return f.read().strip()
+
+
+def latest(run_dir: str) -> str | None:
+    """The newest complete checkpoint of a run directory (the one its `latest` marker names, else the newest by
+    step) that has a manifest, or None. Its files are not read here: `verify` (which `choose` and `load_params`
+    call) checks them against the manifest."""
+    root = os.path.join(run_dir, "checkpoints")
+    names = [n for n in _complete(root) if os.path.isfile(os.path.join(root, n, MANIFEST))]
+    marked = _marked(root)
+    if marked in names:
+        return os.path.join(root, marked)
+    return os.path.join(root, names[-1]) if names else None
 
 
 def last_line(run_dir: str) -> str:
@@ -253,11 +264,15 @@ def _write_manifest(ckpt: str) -> None:
     _write_atomic(os.path.join(ckpt, MANIFEST), json.dumps({"files": files}, indent=1))
 
 
+NO_MANIFEST = (f"it has no {MANIFEST} to check its files against: it was written before checkpoints had manifests, "
+               f"or copied without it")
+
+
 def verify(path: str) -> str | None:
-    """What is wrong with checkpoint `path`'s files against its manifest ('extra.pt is missing', ...); None when
-    they all match, or when it has no manifest (written before manifests existed: nothing to check)."""
+    """What makes checkpoint `path` untrustworthy ('extra.pt is missing', a size or CRC-32 that differs from its
+    manifest, NO_MANIFEST when it has none); None only when every file matches its manifest."""
     if not os.path.isfile(os.path.join(path, MANIFEST)):
-        return None
+        return NO_MANIFEST
     try:
         files = read_json(os.path.join(path, MANIFEST), "a checkpoint manifest")["files"]
     except (ValueError, KeyError):
@@ -273,42 +288,72 @@ def verify(path: str) -> str | None:
     return None
 
 
+def _state(problem: str) -> str:
+    """How a checkpoint with `problem` (from `verify`) is described: unverified or damaged."""
+    return f"cannot be verified ({problem})" if problem == NO_MANIFEST else f"is damaged ({problem})"
+
+
 def newest_complete(root: str) -> str | None:
-    """The newest checkpoint under `root` (a run's checkpoints/) whose files match its manifest, or None."""
+    """The newest checkpoint under `root` (a run's checkpoints/) that `verify` passes, or None."""
     for name in reversed(_complete(root)):
         if verify(os.path.join(root, name)) is None:
             return os.path.join(root, name)
     return None
 
 
-def _choose(run_dir: str, resume: str) -> tuple[str | None, str | None]:
+def _choose(run_dir: str, resume: str, trust_unverified: bool) -> tuple[str | None, str | None]:
+    unverified_ok = (lambda problem: trust_unverified and problem == NO_MANIFEST)
+    trusted = (f"resuming from {{}} unchecked: it has no {MANIFEST} (--checkpoint.trust_unverified); the "
+               f"checkpoints this run writes have one")
     if resume == "latest":
-        first = latest(run_dir)
-        problem = first and verify(first)
-        if not problem:
-            return first, None
-        good = newest_complete(os.path.dirname(first))
-        if good is None:
-            raise ValueError(f"checkpoint {first} is damaged ({problem}) and no other checkpoint in "
-                             f"{os.path.dirname(first)} is complete: start over with --checkpoint.overwrite")
-        return good, f"checkpoint {first} is damaged ({problem}): resuming from {good}, the newest complete one"
+        root = os.path.join(run_dir, "checkpoints")
+        names = _complete(root)
+        if not names:
+            return None, None
+        marked = _marked(root)
+        order = ([marked] if marked in names else []) + [n for n in reversed(names) if n != marked]
+        skipped = []
+        for name in order:
+            path = os.path.join(root, name)
+            problem = verify(path)
+            if problem is None or unverified_ok(problem):
+                note = trusted.format(path) if problem else None
+                if skipped:
+                    why = "; ".join(f"checkpoint {p} {_state(q)}" for p, q in skipped)
+                    note = f"{why}: resuming from {path}, the newest {'usable' if problem else 'verified'} one" + \
+                        (f" ({note})" if note else "")
+                return path, note
+            skipped.append((path, problem))
+        first, problem = skipped[0]
+        fix = (f"if you trust it, resume it with --checkpoint.resume {first} --checkpoint.trust_unverified, or start "
+               f"over with --checkpoint.overwrite" if problem == NO_MANIFEST else
+               "start over with --checkpoint.overwrite")
+        others = "no other checkpoint" if len(skipped) == 1 else f"none of the {len(skipped) - 1} older ones"
+        raise ValueError(f"checkpoint {first} {_state(problem)} and {others} in {root} can be verified: {fix}")
     problem = verify(resume)
-    if not problem:
+    if problem is None:
         return resume, None
+    if unverified_ok(problem):
+        return resume, trusted.format(resume)
     good = newest_complete(os.path.dirname(os.path.normpath(resume)))
-    raise ValueError(f"checkpoint {resume} is damaged: {problem}. " +
-                     (f"Resume from the newest complete checkpoint instead: --checkpoint.resume {good}" if good else
-                      "No checkpoint beside it is complete: start over with --checkpoint.overwrite"))
+    instead = (f"Resume from the newest verified checkpoint instead: --checkpoint.resume {good}" if good else
+               "No checkpoint beside it can be verified: start over with --checkpoint.overwrite")
+    if problem == NO_MANIFEST:
+        instead = f"If you trust it, resume it unchecked with --checkpoint.trust_unverified. {instead}"
+    raise ValueError(f"checkpoint {resume} {_state(problem)}. {instead}")
 
 
-def choose(run_dir: str, resume: str) -> tuple[str | None, str | None]:
-    """The checkpoint --checkpoint.resume `resume` continues from (None: no checkpoint yet), checked against its
-    manifest, and a line to print when 'latest' fell back to an older one. A damaged explicit checkpoint is a
-    ValueError naming the bad file and the checkpoint to pass instead. Rank 0 decides, for every rank."""
+def choose(run_dir: str, resume: str, trust_unverified: bool = False) -> tuple[str | None, str | None]:
+    """The checkpoint --checkpoint.resume `resume` continues from (None: no checkpoint yet) and a line to print
+    about it (None: nothing to say). Only a checkpoint that `verify` passes is taken: 'latest' falls back from a
+    damaged or unverifiable one to the newest verified one, saying which and why; an explicit one that fails is a
+    ValueError naming what is wrong and what to pass instead. `trust_unverified` (--checkpoint.trust_unverified)
+    takes a checkpoint without a manifest (one written before manifests existed) unchecked, never a damaged one.
+    Rank 0 decides, for every rank."""
     result = [None]
     if _rank() == 0:
         try:
-            result[0] = _choose(run_dir, resume)
+            result[0] = _choose(run_dir, resume, trust_unverified)
         except ValueError as e:
             result[0] = e
     if dist.is_initialized():
@@ -336,8 +381,13 @@ def load_params(path: str) -> tuple[GLM5Config, dict]:
     problem = verify(path)
     if problem:
         good = newest_complete(os.path.dirname(os.path.normpath(path)))
-        raise ValueError(f"checkpoint {path} is damaged: {problem}" +
-                         (f". The newest complete checkpoint beside it is {good}" if good else ""))
+        fix = f". The newest verified checkpoint beside it is {good}" if good else ""
+        if problem == NO_MANIFEST:
+            run = os.path.dirname(os.path.dirname(os.path.normpath(path)))
+            fix += (f". If you trust it, export it through train.py, which can take it unchecked: python train.py "
+                    f"--config {os.path.join(run, 'config.yaml')} --checkpoint.resume {path} "
+                    f"--checkpoint.trust_unverified --train.steps {meta.get('step')} --checkpoint.export_hf OUT")
+        raise ValueError(f"checkpoint {path} {_state(problem)}{fix}")
     if "lora_base" in meta:
         from glm5f.lora import merge
 
@@ -352,7 +402,9 @@ def load_params(path: str) -> tuple[GLM5Config, dict]:
 
 
 def load(path: str, state: dict) -> dict:
-    """Fill `state` (same tree as saved, any sharding) in place from checkpoint `path`; returns its extra."""
+    """Fill `state` (same tree as saved, any sharding) in place from checkpoint `path` (one `choose` took);
+    returns its extra. A checkpoint whose files do not read back (damaged past what its manifest could catch, or
+    taken unverified) is a ValueError saying so, not the reader's own advice."""
     read_meta(path)
     try:
         _quiet_dcp(dcp.load, state, checkpoint_id=path)
@@ -360,9 +412,13 @@ def load(path: str, state: dict) -> dict:
     except (Exception, dcp.CheckpointException) as e:  # damaged, no manifest: DCP or torch.load fails part-way
         if isinstance(e, dcp.CheckpointException) and e.failures:
             e = next(iter(e.failures.values()))[0]  # (exception, stack) of the first rank that failed
-        why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}".rstrip(": ")
-        raise ValueError(f"cannot read checkpoint {path} ({why}); it may be damaged: resume from an older one in "
-                         f"{os.path.dirname(os.path.normpath(path))}") from None
+        first = (str(e).strip().splitlines() or [""])[0]
+        if isinstance(e, pickle.UnpicklingError) or "weights_only" in str(e) or "Weights only" in first:
+            why = "its data does not unpickle: the bytes of a file were changed after it was saved"
+        else:  # a key or shape that does not fit, a short read: torch's first line names it
+            why = f"{type(e).__name__}: {first[:200]}".rstrip(": ")
+        raise ValueError(f"cannot read checkpoint {path}: {why}. It is damaged (or not this run's): resume from an "
+                         f"older one in {os.path.dirname(os.path.normpath(path))}") from None
 
 
 # ---- LoRA: adapters beside a base named by path and fingerprint ---------------------------------------------------

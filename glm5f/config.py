@@ -184,13 +184,11 @@ class GLM5Config:
         if d["model_type"] == MODEL_TYPE:  # GLM-5.3 has no rope
             d["rope_parameters"] = rope
         for name, value in FIXED.items():  # Transformers fields GLM-5 has one value of
-            if name in d and d.pop(name) != value:
-                raise ValueError(f"config has {name}={d.get(name, source.get(name))!r}; GLM-5 (MLA, SwiGLU, no "
-                                 f"dropout) needs {value!r}")
-        if "num_key_value_heads" in d and d.pop("num_key_value_heads") != d.get("num_attention_heads"):
+            if name in d and (found := d.pop(name)) != value:
+                raise ValueError(f"config has {name}={found!r}; GLM-5 (MLA, SwiGLU, no dropout) needs {value!r}")
+        if "num_key_value_heads" in d and (found := d.pop("num_key_value_heads")) != d.get("num_attention_heads"):
             raise ValueError(f"MLA expands one latent into every head: num_key_value_heads must equal "
-                             f"num_attention_heads ({d.get('num_attention_heads')}), got "
-                             f"{source.get('num_key_value_heads', d.get('num_key_value_heads'))}")
+                             f"num_attention_heads ({d.get('num_attention_heads')}), got {found}")
         if isinstance(d.get("eos_token_id"), list):
             d["eos_token_id"] = tuple(d["eos_token_id"])
         d.update(layer_types(d.get("num_hidden_layers", cls.num_hidden_layers), **{
@@ -260,13 +258,13 @@ def glm53_layer_types(num_hidden_layers: int) -> tuple[str, ...]:
 
 
 def _glm53_text_fields(d: dict) -> dict:
-    """A glm5_next config.json (its text_config, or the text fields at the top level of a flat one) as GLM5Config
-    fields with Transformers' defaults for those left out; layer_types' "full_attention" read as
+    """A glm5_next config.json (its text_config with the top level's tie_word_embeddings, or the text fields at the
+    top level of a flat one) as GLM5Config fields with Transformers' defaults for those left out; layer_types' "full_attention" read as
     "indexed_attention", a `linear_attn_config` dict as the linear_* fields. The MTP layer (Transformers has no
     forward for it) is not part of the model: num_nextn_predict_layers is dropped."""
     text = d.get("text_config")
-    if isinstance(text, dict):
-        d = dict(text)
+    if isinstance(text, dict):  # the text fields live there; whether the head is tied, at the top (Transformers)
+        d = {**text, **{k: d[k] for k in ("tie_word_embeddings",) if k in d}}
     d = {k: v for k, v in d.items() if k not in _GLM53_MULTIMODAL and k != "text_config"}
     linear = d.pop("linear_attn_config", None)
     if isinstance(linear, dict):

@@ -462,11 +462,36 @@ def muon(o, model_cfg: GLM5Config) -> Optimizer:
 OPTIMIZERS: dict[str, Callable[..., Optimizer]] = {"adamw": adamw, "muon": muon}
 
 
-def make_optimizer(o, model_cfg: GLM5Config) -> Optimizer:
-    """The optimizer --optim.name names, with the other --optim flags."""
+def make_optimizer(o, model_cfg: GLM5Config, lora: bool = False) -> Optimizer:
+    """The optimizer --optim.name names, with the other --optim flags. A LoRA run (`lora`) trains its factors with
+    AdamW whatever the name: Muon takes the hidden matrices, which a LoRA run freezes (`unused_flags` says so)."""
     if o.name not in OPTIMIZERS:
         raise ValueError(f"--optim.name must be one of {', '.join(OPTIMIZERS)}, found {o.name!r}")
-    return OPTIMIZERS[o.name](o, model_cfg)
+    return OPTIMIZERS["adamw" if lora else o.name](o, model_cfg)
+
+
+MUON_FLAGS = ("muon_momentum", "muon_nesterov", "ns_steps", "ns_coefficients", "muon_split")  # read only by Muon
+
+
+def unused_flags(o, lora: bool = False) -> list[str]:
+    """A warning for each --optim flag of OptimConfig `o` that the run's optimizer (`make_optimizer`) does not
+    read: --optim.name muon in a LoRA run (`lora`), and Muon's own flags given (not at their defaults) when AdamW
+    trains."""
+    if lora and o.name == "muon":
+        return ["--optim.name muon does not apply to a LoRA run: Muon takes the hidden matrices, which LoRA "
+                "freezes, so the adapter factors train with AdamW (its checkpoints record adamw); drop "
+                "--optim.name muon"]
+    if o.name == "muon":
+        return []
+    default = type(o)()
+    why = "a LoRA run trains with AdamW" if lora else "--optim.name adamw does not use it"
+    fix = "drop it" if lora else "drop it or pass --optim.name muon"
+    return [f"--optim.{name} {getattr(o, name)} is not used: it is Muon's, and {why}; {fix}" for name in MUON_FLAGS
+            if _differs(getattr(o, name), getattr(default, name))]
+
+
+def _differs(a, b) -> bool:
+    return (tuple(a) != tuple(b)) if isinstance(b, tuple) else a != b
 
 
 def global_norm(grads: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -503,9 +528,10 @@ def schedule_total(optim_cfg, train_cfg) -> int:
 
 
 def schedule_change(saved_run: dict | None, optim_cfg, train_cfg, step: int) -> str | None:
-    """On resume at `step`: a line saying the learning rate jumps because the schedule's total differs from the
-    saved run's (e.g. a larger --train.steps), with the flag that keeps the original; None when it is the same
-    (or the checkpoint does not say)."""
+    """On resume at `step`: a line saying the learning rate jumps (or, in the warm-up, decays after it along
+    another curve) because the schedule's total differs from the saved run's (e.g. a larger --train.steps), with
+    the flag that keeps the original; None when it is the same, the run ends inside the warm-up, or the
+    checkpoint does not say."""
     if not saved_run:
         return None
     o, t = saved_run.get("optim") or {}, saved_run.get("train") or {}
@@ -515,8 +541,14 @@ def schedule_change(saved_run: dict | None, optim_cfg, train_cfg, step: int) -> 
         return None
     kw = dict(peak=optim_cfg.lr, warmup=optim_cfg.warmup_steps, min_ratio=optim_cfg.min_lr_ratio)
     old_lr, new_lr = lr_schedule(step, total=before, **kw), lr_schedule(step, total=now, **kw)
-    change = (f"so the lr jumps from {old_lr:.2e} to {new_lr:.2e} at step {step + 1}" if old_lr != new_lr else
-              "so the lr decays along another curve from here")
+    if old_lr != new_lr:
+        change = f"so the lr jumps from {old_lr:.2e} to {new_lr:.2e} at step {step + 1}"
+    elif step < optim_cfg.warmup_steps:  # the warm-up does not depend on the total
+        if train_cfg.steps <= optim_cfg.warmup_steps:
+            return None  # this run ends inside the warm-up: its lr is the checkpoint's run's
+        change = f"so after the warm-up (step {optim_cfg.warmup_steps}) the lr decays along another curve"
+    else:
+        change = "so the lr decays along another curve from here"
     return (f"the learning-rate schedule now ends at step {now}, not {before} as in the checkpoint's run, {change}; "
             f"pass --optim.schedule_steps {before} to keep the original schedule")
 

@@ -83,7 +83,7 @@ class Trainer:
         row = objective(cfg.train.objective)
         settings = getattr(cfg, row.settings) if row.settings else None
         return cls(model_cfg, layout, Step.of(cfg.train, model_cfg, cfg.lora.spec(), row, settings),
-                   make_optimizer(o, model_cfg), o.clip_norm,
+                   make_optimizer(o, model_cfg, lora=bool(cfg.lora.rank)), o.clip_norm,
                    lambda i: lr_schedule(i, peak=o.lr, warmup=o.warmup_steps, total=total, min_ratio=o.min_lr_ratio),
                    o.bias_update_rate)
 

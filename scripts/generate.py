@@ -5,6 +5,7 @@
     python scripts/generate.py runs/chat --chat --prompt "What is the capital of Peru?"   # a chat turn
     python scripts/generate.py runs/chat --chat --system "Answer briefly." --messages talk.json --prompt "And?"
     python scripts/generate.py runs/chat --chat --interactive                 # one user turn a line, until EOF
+    python scripts/generate.py runs/chat --chat --interactive --prompt "Hi"   # "Hi" first, then stdin's lines
     python scripts/generate.py runs/mtp --prompt "The module" --draft-depths 3   # greedy, 3 MTP drafts a step
 
 The model is a train.py run directory (its latest checkpoint), one of its checkpoints, or a Transformers
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -218,7 +220,8 @@ def main(argv=None) -> int:
     ap.add_argument("--system", help="--chat: a system message before the conversation")
     ap.add_argument("--messages", help="--chat: a JSON file of the conversation so far (a list of messages)")
     ap.add_argument("--interactive", action="store_true",
-                    help="--chat: read user turns from stdin, one a line, answering each (until EOF)")
+                    help="--chat: read user turns from stdin, one a line, answering each (until EOF); --prompt "
+                         "is answered first")
     ap.add_argument("--device", default="auto", help="auto (cuda when there is one, else cpu), cpu, cuda, ...")
     ap.add_argument("--draft-depths", type=int, default=0,
                     help="greedy self-speculative decoding with this many MTP drafts a step (see above); 0: off")
@@ -257,8 +260,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     try:
-        if args.chat and args.interactive:
-            for line in sys.stdin:
+        if args.chat and args.interactive:  # --prompt, when given, is the first user turn
+            for line in itertools.chain([args.prompt] if args.prompt else [], sys.stdin):
                 if not line.strip():
                     continue
                 messages.append({"role": "user", "content": line.rstrip("\n")})

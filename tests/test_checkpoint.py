@@ -173,14 +173,15 @@ def test_damaged_checkpoint_is_named_and_latest_falls_back(tmp_path, capsys):
     (root / "step_00000002" / "extra.pt").unlink()
     capsys.readouterr()
     assert main(args + ["--train.steps", "4", "--checkpoint.resume", str(root / "step_00000003")]) == 1
-    assert (f"error: checkpoint {root / 'step_00000003'} is damaged: __0_0.distcp has 1000 bytes, not the {size} it "
-            f"was saved with. Resume from the newest complete checkpoint instead: --checkpoint.resume "
+    assert (f"error: checkpoint {root / 'step_00000003'} is damaged (__0_0.distcp has 1000 bytes, not the {size} it "
+            f"was saved with). Resume from the newest verified checkpoint instead: --checkpoint.resume "
             f"{root / 'step_00000001'}") in capsys.readouterr().err
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]  # the refused resume wrote nothing
     assert main(args + ["--train.steps", "4", "--checkpoint.keep", "1", "--checkpoint.resume", "latest"]) == 0
     out = capsys.readouterr().out
     assert (f"checkpoint {root / 'step_00000003'} is damaged (__0_0.distcp has 1000 bytes, not the {size} it was "
-            f"saved with): resuming from {root / 'step_00000001'}, the newest complete one") in out
+            f"saved with); checkpoint {root / 'step_00000002'} is damaged (extra.pt is missing): resuming from "
+            f"{root / 'step_00000001'}, the newest verified one") in out
     assert f"resumed from {root / 'step_00000001'} at step 1" in out
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4]
     assert checkpoint.latest(run).endswith("step_00000004") and checkpoint.verify(checkpoint.latest(run)) is None
@@ -197,27 +198,63 @@ def test_checkpoint_verify_finds_each_kind_of_damage(tmp_path):
     meta_file.write_bytes(good)
     os.remove(os.path.join(path, "extra.pt"))
     assert checkpoint.verify(path) == "extra.pt is missing"
-    with pytest.raises(ValueError, match="no other checkpoint in .* is complete: start over with --checkpoint.overw"):
+    with pytest.raises(ValueError, match="no other checkpoint in .* can be verified: start over with --checkpoint.ov"):
         checkpoint.choose(str(tmp_path), "latest")
     (tmp_path / "checkpoints" / "step_00000001" / "manifest.json").write_text("{")
     assert checkpoint.verify(path) == "manifest.json is unreadable"
-    os.remove(os.path.join(path, "manifest.json"))  # as a checkpoint written before manifests: not checked
-    assert checkpoint.verify(path) is None and checkpoint.choose(str(tmp_path), "latest") == (path, None)
+    os.remove(os.path.join(path, "manifest.json"))  # as a checkpoint written before manifests: nothing to check by
+    assert checkpoint.verify(path) == checkpoint.NO_MANIFEST
+    with pytest.raises(ValueError, match="cannot be verified .* resume it with --checkpoint.resume .*step_00000001 "
+                                         "--checkpoint.trust_unverified"):
+        checkpoint.choose(str(tmp_path), "latest")
+    assert checkpoint.choose(str(tmp_path), "latest", trust_unverified=True)[0] == path
 
 
-def test_checkpoint_without_manifest_still_resumes(tmp_path, capsys):
-    run = str(tmp_path)
-    assert main(SYNTHETIC_TINY + ["--train.steps", "2", "--checkpoint.dir", run]) == 0
-    os.remove(tmp_path / "checkpoints" / "step_00000002" / "manifest.json")
-    assert main(SYNTHETIC_TINY + ["--train.steps", "3", "--checkpoint.dir", run, "--checkpoint.resume", "latest"]) == 0
+def test_a_checkpoint_that_cannot_be_verified_is_not_resumed_unless_trusted(tmp_path, capsys):
+    run, root = str(tmp_path), tmp_path / "checkpoints"
+    args = SYNTHETIC_TINY + ["--checkpoint.dir", run, "--checkpoint.every", "1", "--checkpoint.keep", "0"]
+    assert main(args + ["--train.steps", "2"]) == 0
+    first, second = root / "step_00000001", root / "step_00000002"
+    os.remove(second / "manifest.json")  # and 64 bytes flipped: without a manifest nothing can tell
+    with open(second / "__0_0.distcp", "r+b") as f:
+        f.seek(4096)
+        flipped = bytes(b ^ 0xFF for b in f.read(64))
+        f.seek(4096)
+        f.write(flipped)
+    capsys.readouterr()
+    assert checkpoint.latest(run) == str(first)  # the newest one that can be verified
+    assert main(args + ["--train.steps", "3", "--checkpoint.resume", "latest"]) == 0
     out = capsys.readouterr().out
-    assert f"resumed from {tmp_path / 'checkpoints' / 'step_00000002'} at step 2" in out and "damaged" not in out
-    old = tmp_path / "checkpoints" / "step_00000003"
-    os.remove(old / "manifest.json")
-    with open(old / "__0_0.distcp", "r+b") as f:
-        f.truncate(1000)
-    assert main(SYNTHETIC_TINY + ["--train.steps", "4", "--checkpoint.dir", run, "--checkpoint.resume", "latest"]) == 1
-    assert (f"error: cannot read checkpoint {old} (") in capsys.readouterr().err
+    assert (f"checkpoint {second} cannot be verified (it has no manifest.json to check its files against: it was "
+            f"written before checkpoints had manifests, or copied without it): resuming from {first}, the newest "
+            f"verified one") in out
+    assert f"resumed from {first} at step 1" in out
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]  # step 2 again, from step 1's state
+    os.remove(root / "step_00000003" / "manifest.json")
+    with open(root / "step_00000003" / "__0_0.distcp", "r+b") as f:  # 1.5 MB overwritten, as a bad copy does
+        f.seek(1000)
+        f.write(bytes(1_500_000))
+    assert main(args + ["--train.steps", "4", "--checkpoint.resume", str(root / "step_00000003")]) == 1
+    err = capsys.readouterr().err
+    assert (f"error: checkpoint {root / 'step_00000003'} cannot be verified (it has no manifest.json to check its "
+            f"files against: it was written before checkpoints had manifests, or copied without it). If you trust "
+            f"it, resume it unchecked with --checkpoint.trust_unverified. Resume from the newest verified checkpoint "
+            f"instead: --checkpoint.resume {second}") in err  # written again, with its manifest, by the resume
+    assert main(args + ["--train.steps", "4", "--checkpoint.resume", str(root / "step_00000003"),
+                        "--checkpoint.trust_unverified"]) == 1
+    captured = capsys.readouterr()
+    assert (f"resuming from {root / 'step_00000003'} unchecked: it has no manifest.json "
+            f"(--checkpoint.trust_unverified)") in captured.out
+    assert (f"error: cannot read checkpoint {root / 'step_00000003'}: its data does not unpickle: the bytes of a file "
+            f"were changed after it was saved. It is damaged (or not this run's): resume from an older one in "
+            f"{root}\n") in captured.err
+    assert "weights_only" not in captured.err and "Weights only" not in captured.err  # torch's advice stays out
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]  # the refused resumes wrote nothing
+    os.remove(first / "manifest.json")  # an old checkpoint, whole: trusted, it exports (the way load_params names)
+    assert main(args + ["--train.steps", "1", "--checkpoint.resume", str(first), "--checkpoint.trust_unverified",
+                        "--checkpoint.export_hf", str(tmp_path / "hf")]) == 0
+    assert f"resuming from {first} unchecked" in capsys.readouterr().out
+    assert os.path.isfile(tmp_path / "hf" / "model.safetensors")
 
 
 def test_malformed_meta_and_config_json_name_the_file(tmp_path, capsys):
@@ -228,7 +265,7 @@ def test_malformed_meta_and_config_json_name_the_file(tmp_path, capsys):
     (ckpt / "manifest.json").unlink(missing_ok=True)  # as a checkpoint written before manifests
     (ckpt / "meta.json").write_text('{"step": 2,\n')
     err = run_error(capsys, "--data.type", "synthetic", "--train.steps", "3", "--checkpoint.dir", str(run),
-                    "--checkpoint.resume", str(ckpt))
+                    "--checkpoint.resume", str(ckpt), "--checkpoint.trust_unverified")
     assert f"error: {ckpt / 'meta.json'}: not valid JSON (Expecting property name" in err
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text('{"model_type": \n')

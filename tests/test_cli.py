@@ -269,6 +269,9 @@ def test_every_flag_has_help():
     helps = {f: re.sub(r"\(default: [^)]*\)", "", h).strip() for f, h in helps.items()}
     assert len(helps) > 60 and "--data.seq_len" in helps
     assert [f for f, h in helps.items() if not h] == []
+    presets = helps["--model.preset"].replace(" ", "")  # as wrapped; before, only the GLM-5 presets were named
+    assert [p for p in glm5f.PRESETS if p + "," not in presets and p + "(" not in presets] == []
+    assert "GLM-5 or GLM-5.3 checkpoint" in helps["--model.init_from"]
 
 
 @pytest.fixture(scope="module")
@@ -341,3 +344,17 @@ def test_generate_sampling_is_seeded_and_errors_are_lines(run_dir, tmp_path, cap
     (tmp_path / "empty-run").mkdir()
     assert generate.main([str(tmp_path / "empty-run"), "--prompt", "a"]) == 1
     assert "no complete checkpoint" in capsys.readouterr().err
+
+
+def test_a_tokenizer_larger_than_an_init_from_checkpoints_vocab_gets_advice_that_works(tmp_path, capsys):
+    cfg = glm5f.preset("glm5-tiny", vocab_size=20)
+    glm5f.save_hf(str(tmp_path / "hf"), cfg, glm5f.init_params(cfg, seed=0))
+    tok = bpe_tokenizer(tmp_path)
+    args = ["--model.init_from", str(tmp_path / "hf"), "--model.tokenizer_path", tok, "--data.batch_size", "2",
+            "--data.seq_len", "32", "--train.steps", "1", "--checkpoint.dir", str(tmp_path / "run")]
+    assert main(args) == 1
+    err = capsys.readouterr().err  # before: "raise --model.vocab_size", which init_from then refuses
+    assert (f"  - --model.tokenizer_path {tok} has 27 ids but --model.init_from {tmp_path / 'hf'} embeds 20 (its "
+            f"config.json's vocab_size, which a run from it keeps): pass the tokenizer that checkpoint was trained "
+            f"with, or drop --model.tokenizer_path to use the one it carries") in err
+    assert "--model.vocab_size" not in err and not (tmp_path / "run").exists()

@@ -2,6 +2,7 @@
 aliases Transformers accepts), the checks of a config Transformers would reject, and the SwiGLU clamp against
 Transformers' MLP and experts."""
 
+import dataclasses
 import json
 
 import pytest
@@ -36,6 +37,26 @@ def test_config_round_trip_with_transformers(name):
     assert glm5f.GLM5Config.from_hf(saved) == cfg  # nested: text_config beside vision_config
     flat = {**saved.pop("text_config"), **{k: v for k, v in saved.items() if k != "vision_config"}}
     assert glm5f.GLM5Config.from_hf({**flat, "model_type": "glm5_next"}) == cfg  # flat: text fields at the top
+
+
+def test_config_fields_are_read_where_transformers_keeps_them():
+    """Whether the head is tied lives at the top of a glm5_next config (Transformers ties by it; its text_config
+    keeps its default), the text model's fields in text_config: a refused hidden_act names the value found there."""
+    from transformers import Glm5NextConfig
+
+    tied = dataclasses.replace(glm5f.preset("glm53-tiny"), tie_word_embeddings=True)
+    text = {k: v for k, v in tied.to_hf()["text_config"].items() if k != "tie_word_embeddings"}
+    saved = json.loads(Glm5NextConfig(text_config=text, vision_config=TINY_VISION,
+                                      tie_word_embeddings=True).to_json_string())
+    assert saved["tie_word_embeddings"] is True and saved["text_config"]["tie_word_embeddings"] is False
+    assert glm5f.GLM5Config.from_hf(saved) == tied  # before: untied, so its checkpoint's missing lm_head mismatched
+    saved["text_config"]["hidden_act"] = "gelu"
+    with pytest.raises(ValueError, match=r"config has hidden_act='gelu'; GLM-5 \(MLA, SwiGLU, no dropout\) needs "
+                                         r"'silu'"):  # before: hidden_act=None
+        glm5f.GLM5Config.from_hf(saved)
+    saved["text_config"].update(hidden_act="silu", num_key_value_heads=1)
+    with pytest.raises(ValueError, match=r"num_key_value_heads must equal num_attention_heads \(4\), got 1$"):
+        glm5f.GLM5Config.from_hf(saved)
 
 
 def test_fields_left_out_take_transformers_defaults_and_aliases():

@@ -15,7 +15,7 @@ from conftest import cli
 from glm5f import checkpoint
 from glm5f.metrics import read_metrics
 from glm5f.optim import (OPTIMIZERS, Optimizer, adamw, leaf_rule, make_optimizer, muon, muon_blocks,
-                         newton_schulz, orthogonalised, trained_paths)
+                         newton_schulz, orthogonalised, trained_paths, unused_flags)
 from glm5f.params import flatten
 from train import main, train
 
@@ -367,3 +367,33 @@ def test_muon_cut(world, heads, rows, block, dim, cut):
     from glm5f.optim import Cut, muon_cut
     assert muon_cut((rows, 32), block, dim, world) == (None if cut is None else Cut(*cut))
     assert muon_cut((8, rows, 32), block, 0, world) is None  # routed experts split along the expert dim (EP)
+
+
+def test_muon_in_a_lora_run_says_the_factors_train_with_adamw_and_records_it(tmp_path, capsys):
+    run = RUN + ["--lora.rank", "4", "--checkpoint.dir", str(tmp_path)]
+    assert main(run + ["--optim.name", "muon", "--train.steps", "2"]) == 0
+    assert ("warning: --optim.name muon does not apply to a LoRA run: Muon takes the hidden matrices, which LoRA "
+            "freezes, so the adapter factors train with AdamW (its checkpoints record adamw); drop --optim.name "
+            "muon") in capsys.readouterr().err
+    meta = json.loads((tmp_path / "checkpoints" / "step_00000002" / "meta.json").read_text())
+    assert meta["optimizer"] == {"name": "adamw"} and meta["run"]["optim"]["name"] == "muon"
+    assert main(run + ["--train.steps", "3", "--checkpoint.resume", "latest"]) == 0  # as AdamW, which it was
+    out, err = capsys.readouterr()
+    assert f"resumed from {tmp_path / 'checkpoints' / 'step_00000002'} at step 2" in out
+    assert "warning: --optim" not in err
+    assert make_optimizer(OptimConfig(name="muon"), TINY, lora=True).meta == {"name": "adamw"}
+
+
+def test_muon_flags_given_under_adamw_warn():
+    given = OptimConfig(ns_steps=3, ns_coefficients=(1.0, -1.0, 0.5), muon_split="none", muon_momentum=0.95)
+    assert unused_flags(given) == [
+        "--optim.ns_steps 3 is not used: it is Muon's, and --optim.name adamw does not use it; drop it or pass "
+        "--optim.name muon",
+        "--optim.ns_coefficients (1.0, -1.0, 0.5) is not used: it is Muon's, and --optim.name adamw does not use it; "
+        "drop it or pass --optim.name muon",
+        "--optim.muon_split none is not used: it is Muon's, and --optim.name adamw does not use it; drop it or pass "
+        "--optim.name muon"]
+    assert unused_flags(OptimConfig(ns_coefficients=[3.4445, -4.7750, 2.0315])) == []  # a recipe's list, default
+    assert unused_flags(OptimConfig(name="muon", ns_steps=3)) == []
+    assert unused_flags(OptimConfig(muon_nesterov=False), lora=True) == [
+        "--optim.muon_nesterov False is not used: it is Muon's, and a LoRA run trains with AdamW; drop it"]

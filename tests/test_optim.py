@@ -7,11 +7,11 @@ import torch
 from torch.utils import _pytree as pytree
 
 import glm5f
-from configs import validate
+from configs import OptimConfig, TrainConfig, validate
 from conftest import cli
 from glm5f.ops import wide_dtype
 from glm5f.optim import (adamw_init, adamw_update, balance_router_bias, clip_by_global_norm, leaf_rule, lr_schedule,
-                         trained_paths, value_and_grad)
+                         schedule_change, trained_paths, value_and_grad)
 from glm5f.params import flatten, unflatten
 
 
@@ -159,3 +159,26 @@ def test_trainable_selects_leaves_and_bad_patterns_are_config_errors():
     assert any("--train.trainable 'nothing_here'" in e for e in validate(cli("--train.trainable", "nothing_here")))
     assert any("not a regular expression" in e for e in validate(cli("--train.trainable", "(")))
     assert validate(cli("--train.trainable", "indexer", "--train.indexer_loss", "dense")) == []
+
+
+def test_a_schedule_change_during_the_warm_up_says_the_decay_after_it_changes():
+    """During the warm-up the lr does not depend on the schedule's total: a longer run changes the decay after
+    it (not 'from here'), and a run that ends inside the warm-up has nothing to say."""
+    saved = {"optim": {"schedule_steps": None}, "train": {"steps": 30}}
+    optim, train = OptimConfig(warmup_steps=20), TrainConfig(steps=60)
+    assert schedule_change(saved, optim, train, 5) == (
+        "the learning-rate schedule now ends at step 60, not 30 as in the checkpoint's run, so after the warm-up "
+        "(step 20) the lr decays along another curve; pass --optim.schedule_steps 30 to keep the original schedule")
+    assert schedule_change(saved, optim, TrainConfig(steps=15), 5) is None
+    # 3e-3 (0.1 + 0.9 (1 + cos(pi 5/10)) / 2) and 3e-3 (0.1 + 0.9 (1 + cos(pi 5/40)) / 2)
+    assert "so the lr jumps from 1.65e-03 to 2.90e-03 at step 26;" in schedule_change(saved, optim, train, 25)
+
+
+def test_a_schedule_ending_inside_the_warm_up_and_non_finite_ns_coefficients_are_config_errors():
+    errs = validate(cli("--optim.schedule_steps", "5", "--optim.warmup_steps", "20", "--optim.ns_coefficients",
+                        "3.4", "nan", "inf"))
+    assert errs == ["--optim.ns_coefficients must be finite numbers, got (3.4, nan, inf)",
+                    "--optim.schedule_steps 5 ends inside the warm-up (--optim.warmup_steps 20): the lr would climb "
+                    "to its peak and drop to its floor in one step; pass at least 20, or a shorter "
+                    "--optim.warmup_steps"]
+    assert validate(cli("--optim.schedule_steps", "20", "--optim.warmup_steps", "20")) == []
