@@ -118,9 +118,9 @@ def _final_state(monkeypatch, argv):
     seen = {}
     real = train_module.export
 
-    def spy(cfg, model_cfg, params, adapters, *rest):
-        seen.update(params=params, adapters=adapters)
-        return real(cfg, model_cfg, params, adapters, *rest)
+    def spy(cfg, model_cfg, state, *rest):  # a LoRA run's state: the adapters trained beside the frozen base
+        seen.update(params=state.frozen, adapters=state.trained)
+        return real(cfg, model_cfg, state, *rest)
     monkeypatch.setattr(train_module, "export", spy)
     assert main(argv) == 0
     return seen["params"], seen["adapters"]
