@@ -2,6 +2,7 @@
 run's config.yaml repeats the run bit for bit, and a file that does not fit the config is an error line."""
 
 import json
+import math
 import os
 import re
 
@@ -29,7 +30,7 @@ def written(run_dir) -> dict:
 
 
 def test_every_shipped_recipe_is_covered_here():
-    assert sorted(os.listdir(RECIPES)) == ["chat-sft.yaml", "glm5-full-sft.yaml", "glm5-lora-sft.yaml",
+    assert sorted(os.listdir(RECIPES)) == ["chat-sft.yaml", "dpo-lora.yaml", "glm5-full-sft.yaml", "glm5-lora-sft.yaml",
                                            "glm5-muon-sft.yaml", "indexer-warmup.yaml", "muon-moe.yaml",
                                            "sparse-stage.yaml", "tiny.yaml"]
     for name in os.listdir(RECIPES):
@@ -48,6 +49,18 @@ def test_a_recipe_runs_at_toy_size_with_flags_over_it(tmp_path, name, seq_len):
         for key, value in fields.items():
             if f"--{section}.{key}" not in TOY + ["--data.seq_len", "--checkpoint.dir"]:
                 assert got[section][key] == value, f"{section}.{key}"
+
+
+def test_the_dpo_recipe_starts_at_ln_2_and_learns(tmp_path):
+    """recipes/dpo-lora.yaml: the base is the reference, so step 1's loss is ln 2; at toy length the loss falls and
+    the implicit reward margin turns positive."""
+    run = tmp_path / "run"
+    assert main(["--config", recipe("dpo-lora.yaml"), "--train.steps", "8", "--train.log_every", "1",
+                 "--checkpoint.dir", str(run)]) == 0
+    records = read_metrics(run)
+    assert records[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and records[0]["margin"] == 0
+    assert records[-1]["loss"] < records[0]["loss"] and records[-1]["margin"] > 0
+    assert written(run)["train"]["objective"] == "dpo"
 
 
 def test_indexer_warmup_then_sparse_stage(tmp_path):
