@@ -14,7 +14,7 @@ from glm5f.attention import Selection, attention
 from glm5f.config import GLM5Config
 from glm5f.env import Env, make_env
 from glm5f.hyper import hc_head, hc_streams, hyper_residual
-from glm5f.kda import kda_attention, kda_attention_cp, kda_attention_step
+from glm5f.kda_layer import kda_attention, kda_attention_cp, kda_attention_step
 from glm5f.layers import layer_spec
 from glm5f.lora import LoraSpec
 from glm5f.moe import moe
