@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from glm5f.kda import CHUNK, compute_dtype, document_ids, kda, kda_recurrent
+from glm5f.kda import CHUNK, compute_dtype, document_ids, kda, kda_recurrent, workspace_bytes
+from glm5f.layers import Kind, LayerSpec, Leaf, LeafKind, linear_leaves, norm_leaves
 from glm5f.ops import linear, wide_dtype
 
 # Elements of one piece of the layer's elementwise Functions (short convolutions, forget gate, gated norm): they
@@ -237,7 +238,7 @@ def kda_attention(p: dict, x_BxSxD: torch.Tensor, cfg, segment_BxS: torch.Tensor
 # ---- decoding: a layer's state carried from one call to the next --------------------------------------------------
 
 def kda_attention_step(p: dict, x_BxSxD: torch.Tensor, cfg, cache: dict[str, torch.Tensor]) -> torch.Tensor:
-    """`kda_attention` of S new tokens continuing the sequence whose state `cache` holds (`layers._kda_cache`):
+    """`kda_attention` of S new tokens continuing the sequence whose state `cache` holds (`_kda_cache`):
     "recurrent" [B, H, d_k, d_v], the delta rule's state after the tokens so far (fp32, or wider), and "conv_q",
     "conv_k", "conv_v" [B, kernel - 1, H d], the last inputs of each short convolution (zeros before the first
     token, as the convolution pads). Both are updated in place. One token runs the recurrence itself
@@ -364,3 +365,81 @@ def kda_attention_cp(p: dict, x_BxSxD: torch.Tensor, cfg, starts: tuple[int, ...
     o = o0 + torch.einsum("bthk,bhkv->bthv", p_t, incoming.to(p_t.dtype))
     o = o.unflatten(0, (n, B)).movedim(0, 1).flatten(1, 2)
     return checkpoint(_gated_out, p, o, x_BxSxD, cfg, use_reentrant=False)
+
+
+# ---- the kind record (glm5f.layers) -------------------------------------------------------------------------------
+
+def kda_block(p: dict, x_BxSxD: torch.Tensor, cfg, layer: int, env, carry):
+    """A GLM-5.3 linear-attention layer (`kda_attention`): padding tokens' inputs zeroed (as the reference does),
+    packed documents restart its state and convolution. With a carried state (`env.state`: decoding) it continues
+    the sequence from it (`kda_attention_step`). Under CP (`kda_attention_cp`) this rank's queries are two equal
+    chunks of each sequence (`Layout.share`). It passes no top-k on (the reference neither)."""
+    if env.mask.dense is not None:
+        raise ValueError("GLM-5.3's KDA layers take a 2D padding mask or packed position_ids, not a 4D mask")
+    state = env.state(layer)
+    x_BxSxD = x_BxSxD * env.mask.query_valid(x_BxSxD.shape[0])[..., None].to(x_BxSxD.dtype)
+    if state is not None:
+        return kda_attention_step(p, x_BxSxD, cfg, state), None, {}
+    if env.layout.cp > 1:
+        half = x_BxSxD.shape[1] // 2
+        starts = (env.mask.q_index_host[0], env.mask.q_index_host[half])
+        return kda_attention_cp(p, x_BxSxD, cfg, starts, env.mask.k_segment, env.chunks), None, {}
+    return kda_attention(p, x_BxSxD, cfg, env.mask.q_segment), None, {}
+
+
+def _kda_params(c, spec: LayerSpec) -> dict:
+    """A KDA layer's self_attn as its checkpoint names it (`kda_attention`): q, k, v projections [H d, D] and
+    their depthwise short convolutions [H d, 1, kernel], the forget gate (f_a [d, D], f_b [H d, d], dt_bias [H d],
+    A_log [H]), beta's b_proj [H, D], the output gate (g_a, g_b), the per-head o_norm [d] and o_proj [D, H d]."""
+    H, K, D = c.linear_num_heads, c.linear_head_dim, c.hidden_size
+    p = {f"{n}_proj": linear_leaves(H * K, D) for n in "qkv"}
+    p.update({f"{n}_conv1d": {"weight": Leaf((H * K, 1, c.linear_conv_kernel_dim), "normal")} for n in "qkv"})
+    p.update(f_a_proj=linear_leaves(K, D), f_b_proj=linear_leaves(H * K, K), dt_bias=Leaf((H * K,), "zeros"),
+             A_log=Leaf((H,), "zeros"), b_proj=linear_leaves(H, D), g_a_proj=linear_leaves(K, D),
+             g_b_proj=linear_leaves(H * K, K), o_norm=norm_leaves(K), o_proj=linear_leaves(D, H * K))
+    return p
+
+
+def _kda_cache(c, spec: LayerSpec, batch: int, capacity: int, dtype: torch.dtype,
+               device: torch.device | str) -> dict[str, torch.Tensor]:
+    """The state `kda_attention_step` carries (not per position: it holds the tokens so far, whatever the
+    capacity): "recurrent" [B, H, d_k, d_v] the delta rule's state in the wider of fp32 and dtype, "conv_q",
+    "conv_k", "conv_v" [B, kernel - 1, H d] each short convolution's last inputs."""
+    H, K, W = c.linear_num_heads, c.linear_head_dim, c.linear_conv_kernel_dim
+    out = {"recurrent": torch.zeros(batch, H, K, K, dtype=wide_dtype(dtype), device=device)}
+    out.update({f"conv_{n}": torch.zeros(batch, W - 1, H * K, dtype=dtype, device=device) for n in "qkv"})
+    return out
+
+
+def _kda_macs(c, spec: LayerSpec, seq: int) -> tuple[float, float]:
+    """The projections (q, k, v, forget gate, beta, output gate, o_proj), the short convolutions and the delta
+    rule per head as the chunked form computes it (`CHUNK`-token chunks: the state's read and update, 4 d^2, and
+    the causal half of the chunk's scores and values, CHUNK d)."""
+    H, K, D = c.linear_num_heads, c.linear_head_dim, c.hidden_size
+    proj = 4 * D * H * K + 2 * (D * K + K * H * K) + D * H
+    return proj + 3 * H * K * c.linear_conv_kernel_dim + H * (4 * K * K + CHUNK * K), 0.0
+
+
+def _kda_transient(c, spec: LayerSpec, B: int, S: int, T: int, act: torch.dtype,
+                   weight: torch.dtype) -> tuple[int, int]:
+    """(forward, backward) bytes inside the `glm5f::kda` op: its block workspace (`kda.workspace_bytes`), and in the
+    backward the gradients of q, k, v and g it returns ([B, S, H, d] each in the wider of fp32 and act). Under CP
+    (S < T) the values carry d_k more columns (`kda_attention_cp`)."""
+    H, K = c.linear_num_heads, c.linear_head_dim
+    V = K if S == T else 2 * K
+    fwd, bwd = workspace_bytes(B, S, H, K, V, act)
+    return fwd, bwd + B * S * H * (3 * K + V) * wide_dtype(act).itemsize
+
+
+KDA = Kind(
+    kda_block, _kda_params,
+    rows=(  # as in the reference, the convolutions and the decay's parameters stay fp32
+        (r"\.self_attn\.[qkv]_proj\.weight$", LeafKind(("linear_heads", "embed"))),
+        (r"\.self_attn\.[qkv]_conv1d\.weight$", LeafKind(("linear_heads", "conv", "conv"), fp32=True)),
+        (r"\.self_attn\.[fg]_a_proj\.weight$", LeafKind(("linear_dim", "embed"))),
+        (r"\.self_attn\.[fg]_b_proj\.weight$", LeafKind(("linear_heads", "linear_dim"))),
+        (r"\.self_attn\.(dt_bias|A_log)$", LeafKind(("linear_heads",), fp32=True)),
+        (r"\.self_attn\.b_proj\.weight$", LeafKind(("linear_heads", "embed"))),
+        (r"\.self_attn\.o_norm\.weight$", LeafKind(("linear_dim",))),
+    ),
+    macs=_kda_macs, transient=_kda_transient, cache=_kda_cache, recurrent=True)
