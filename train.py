@@ -266,7 +266,7 @@ def init_params(cfg: Config, layout: Layout) -> tuple[glm5f.GLM5Config, dict]:
 def init_reference(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, layout: Layout) -> dict:
     """The reference model an objective compares with (DPO's), as the layout stores the params: a LoRA run's base
     itself (the adapters off: no copy); else --dpo.reference's weights, or a copy of the run's starting weights,
-    each leaf in the compute dtype (the fp32 leaves of `params.LEAF_KINDS` stay fp32). Made before any resume
+    each leaf in the compute dtype (the fp32 leaves of `params.leaf_kinds()` stay fp32). Made before any resume
     loads trained weights into the params."""
     if cfg.lora.rank:
         return params

@@ -26,8 +26,9 @@ from glm5f import indexer_loss, kernels, kpool
 from glm5f.config import GLM5Config
 from glm5f.lora import merged
 from glm5f.env import Env, Mask
-from glm5f.layers import layer_spec
-from glm5f.ops import apply_rope, layer_norm, linear, rms_norm, wide
+from glm5f.layers import (INDEXERS, Indexer, Kind, LayerSpec, Leaf, LeafKind, layer_spec, linear_leaves,
+                          norm_leaves)
+from glm5f.ops import apply_rope, layer_norm, linear, rms_norm, wide, wide_dtype
 from glm5f.parallel import cp_position_list
 
 LATENT_NORM_EPS = 1e-6  # GLM-5's q_a_layernorm and kv_a_layernorm use 1e-6, not rms_norm_eps (GLM-5.3's do)
@@ -310,18 +311,17 @@ def target_queries(p: dict, q_nope_BxSxHxN: torch.Tensor, q_rot_BxSxHxP: torch.T
 
 def attention(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, env: Env, carry: Selection | None,
               kl_block_elems: int = indexer_loss.INDEXER_LOSS_BLOCK_ELEMS) -> tuple[torch.Tensor, Selection, dict]:
-    """MLA + DSA for one layer -> (output [B, S, D], the Selection the next layer may reuse, aux). A full layer
-    ("indexer" in p; GLM-5.3's through its pooled indexer, `layers.layer_spec`) selects its own keys; a shared
-    layer attends to `carry`'s. With env.objectives.indexer_loss on, the aux of a group's last layer (with target "own", every
+    """MLA + DSA for one layer -> (output [B, S, D], the Selection the next layer may reuse, aux). A layer whose
+    indexer variant selects (`INDEXERS`: "full", GLM-5.3's "pooled") selects its own keys; a shared layer attends
+    to `carry`'s. With env.objectives.indexer_loss on, the aux of a group's last layer (with target "own", every
     full layer) holds the indexer loss's fp64 sums "indexer_loss" and "indexer_recall" (`indexer_loss.kl`)."""
     q_nope, q_rot, q_BxSxQ, latent_BxSxC = mla_project(p, x_BxSxD, cfg, env)
     # the latent rows are gathered (and their gradients summed over queries and CP ranks) in kv_b's dtype
     latent_dtype = torch.promote_types(latent_BxSxC.dtype, p["kv_b_proj"]["weight"].dtype)
     latent_BxTxC = env.keys(layer, "latent", latent_BxSxC.to(latent_dtype))
-    if "indexer" in p and layer_spec(cfg, layer).indexer == "pooled":
-        carry = select_pooled(p["indexer"], x_BxSxD, q_BxSxQ, cfg, layer, env)
-    elif "indexer" in p:
-        carry = select(p["indexer"], x_BxSxD, q_BxSxQ, cfg, layer, env, latent_BxTxC.shape[1])
+    indexer = INDEXERS[layer_spec(cfg, layer).indexer]
+    if indexer.selects:
+        carry = indexer.select(p["indexer"], x_BxSxD, q_BxSxQ, cfg, layer, env, latent_BxTxC.shape[1])
     out_BxSxHxV = mla_core(p, q_nope, q_rot, latent_BxTxC, carry.topk, env.mask, cfg, env.query_parts,
                            carry.allowed, env.topk_dense)
     out_BxSxD = linear(p["o_proj"], rearrange(out_BxSxHxV, "b s h v -> b s (h v)"))
@@ -329,9 +329,134 @@ def attention(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, env: 
         return out_BxSxD, carry, {}
     target = (target_queries(p, q_nope.detach(), q_rot.detach(), latent_BxTxC.detach(), cfg), latent_BxTxC.detach())
     carry = dataclasses.replace(carry, targets=carry.targets + (target,))
-    last = env.objectives.indexer_target == "own" or layer_spec(cfg, layer + 1).indexer != "shared"
+    last = env.objectives.indexer_target == "own" or not INDEXERS[layer_spec(cfg, layer + 1).indexer].reuses
     if not last:
         return out_BxSxD, carry, {}
     loss, recall = indexer_loss.kl(*carry.student, carry.targets, carry.topk, cfg, env, kl_block_elems,
                                    carry.pooling)
     return out_BxSxD, Selection(carry.topk, allowed=carry.allowed), {"indexer_loss": loss, "indexer_recall": recall}
+
+
+# ---- the kind records: MLA + DSA and its indexer variants (glm5f.layers) ------------------------------------------
+
+def _indexer_params(c: GLM5Config) -> dict:
+    D = c.hidden_size
+    return {"wq_b": linear_leaves(c.index_n_heads * c.index_head_dim, c.q_lora_rank),
+            "wk": linear_leaves(c.index_head_dim, D), "k_norm": norm_leaves(c.index_head_dim, bias=True),
+            "weights_proj": linear_leaves(c.index_n_heads, D)}
+
+
+def _pooled_indexer_params(c: GLM5Config) -> dict:
+    """The full indexer's, and the pool keys' softmax: a term per position in the pool, a gate projection."""
+    return {**_indexer_params(c), "index_kpool_compress_ape": Leaf((c.index_kpool, c.index_head_dim), "zeros"),
+            "index_kpool_compress_gate": Leaf((c.index_head_dim, c.hidden_size), "ones")}
+
+
+def _indexer_macs(c: GLM5Config, seq: int) -> float:
+    """wq_b, wk, weights_proj, and scores plus head weighting over every visible key (forward only)."""
+    D, Q, I, J = c.hidden_size, c.q_lora_rank, c.index_n_heads, c.index_head_dim
+    return Q * I * J + D * J + D * I + (seq + 1) / 2 * I * (J + 1)
+
+
+INDEXER_ROWS = (
+    (r"\.indexer\.weights_proj\.weight$", LeafKind(("index_heads", "embed"), fp32=True, optim="indexer")),
+    (r"\.indexer\.wq_b\.weight$", LeafKind(("index_heads", "q_lora"), optim="indexer")),
+    (r"\.indexer\.wk\.weight$", LeafKind(("index_dim", "embed"), optim="indexer")),
+    (r"\.indexer\.k_norm\.(weight|bias)$", LeafKind(("index_dim",), optim="indexer")),
+)
+# The indexer variants of an mla_dsa layer, by the names `layers.layer_spec` gives them.
+INDEXER_KINDS = {
+    "full": Indexer(select, params=_indexer_params, rows=INDEXER_ROWS, key_width=lambda c: c.index_head_dim,
+                    macs=_indexer_macs),
+    "pooled": Indexer(  # its keys carry their gate logits beside them; the pool keys sit at T positions, scored
+        # like tokens, and the gate projection adds D J
+        lambda ip, x, q, cfg, layer, env, num_keys: select_pooled(ip, x, q, cfg, layer, env),
+        params=_pooled_indexer_params,
+        rows=INDEXER_ROWS + (
+            (r"\.indexer\.index_kpool_compress_ape$", LeafKind(("pool", "index_dim"), optim="indexer")),
+            (r"\.indexer\.index_kpool_compress_gate$", LeafKind(("index_dim", "embed"), optim="indexer"))),
+        key_width=lambda c: 2 * c.index_head_dim,
+        macs=lambda c, seq: _indexer_macs(c, seq) + c.hidden_size * c.index_head_dim),
+    "shared": Indexer(reuses=True),
+    "none": Indexer(),
+}
+
+
+def _mla_dsa_params(c: GLM5Config, spec: LayerSpec) -> dict:
+    H, D = c.num_attention_heads, c.hidden_size
+    p = {
+        "q_a_proj": linear_leaves(c.q_lora_rank, D, c.attention_bias),
+        "q_a_layernorm": norm_leaves(c.q_lora_rank),
+        "q_b_proj": linear_leaves(H * c.qk_head_dim, c.q_lora_rank),
+        "kv_a_proj_with_mqa": linear_leaves(c.kv_lora_rank + c.qk_rope_head_dim, D, c.attention_bias),
+        "kv_a_layernorm": norm_leaves(c.kv_lora_rank),
+        "kv_b_proj": linear_leaves(H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank),
+        "o_proj": linear_leaves(D, H * c.v_head_dim, c.attention_bias),
+    }
+    indexer = INDEXERS[spec.indexer]
+    if indexer.selects:
+        p["indexer"] = indexer.params(c)
+    return p
+
+
+def _mla_dsa_cache(c: GLM5Config, spec: LayerSpec, batch: int, capacity: int, dtype: torch.dtype,
+                   device: torch.device | str) -> dict[str, torch.Tensor]:
+    """"latent" [B, capacity, kv_lora_rank + qk_rope_head_dim]; with its own indexer "index_keys" [B, capacity,
+    the indexer's key_width] (the names `Layout.keys` is called with)."""
+    out = {"latent": torch.zeros(batch, capacity, c.kv_lora_rank + c.qk_rope_head_dim, dtype=dtype, device=device)}
+    indexer = INDEXERS[spec.indexer]
+    if indexer.selects:
+        out["index_keys"] = torch.zeros(batch, capacity, indexer.key_width(c), dtype=dtype, device=device)
+    return out
+
+
+def _mla_dsa_macs(c: GLM5Config, spec: LayerSpec, seq: int) -> tuple[float, float]:
+    """The MLA projections (q_a, q_b, kv_a, kv_b's key and value halves applied once per token, o_proj); attention
+    per head over the keys each query attends (min(index_topk, visible keys) when the sequence is longer than
+    index_topk, else every visible key), scores over nope + rope channels and values; the indexer variant's
+    (forward only)."""
+    D, H, Q, R = c.hidden_size, c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank
+    N, P, V = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+    visible = (seq + 1) / 2  # mean keys a causal query sees
+    K = c.index_topk  # a query at s attends min(K, s + 1) keys
+    attended = (K * (K + 1) // 2 + (seq - K) * K) / seq if seq > K else visible
+    macs = D * Q + Q * H * (N + P) + D * (R + P) + R * H * (N + V) + H * V * D + attended * H * (N + P + V)
+    return macs, INDEXERS[spec.indexer].macs(c, seq)
+
+
+def _mla_dsa_transient(c: GLM5Config, spec: LayerSpec, B: int, S: int, T: int, act: torch.dtype,
+                       weight: torch.dtype) -> tuple[int, int]:
+    """(forward, backward) bytes of the buffers inside glm5f.kernels ops, which a trace sees the outputs of only:
+    in the forward the indexer's chunk of scores with its top-k keys, or the sparse core's block of gathered rows;
+    in the backward the sparse core's latent and query gradients and its block."""
+    a, w, lat = act.itemsize, wide_dtype(act).itemsize, torch.promote_types(act, weight).itemsize
+    H, C, K = c.num_attention_heads, c.kv_lora_rank + c.qk_rope_head_dim, min(c.index_topk, T)
+    sparse = T > c.index_topk and S > 1
+    fwd, bwd = 0, 0
+    if sparse and INDEXERS[spec.indexer].selects:
+        rows = min(S, max(1, kernels.INDEXER_QUERY_CHUNK_ELEMS // max(1, B * c.index_n_heads * T)))
+        fwd = B * T * c.index_head_dim * a + B * rows * c.index_n_heads * T * w + B * rows * T * (w + 1 + 4 + 8)
+    if sparse:
+        rows = min(S, kernels.sparse_block_size(B, K, C, H))
+        fwd = max(fwd, B * rows * K * (C * a + 2 * H * w))
+        bwd += B * T * C * lat + B * S * H * C * a + B * rows * K * (2 * C * a + 4 * H * w)
+    return fwd, bwd
+
+
+MLA_DSA = Kind(
+    attention, _mla_dsa_params,
+    rows=(
+        (r"\.q_a_proj\.weight$", LeafKind(("q_lora", "embed"), optim="hidden")),
+        (r"\.(q_a_proj\.bias|q_a_layernorm\.weight)$", LeafKind(("q_lora",))),
+        (r"\.q_b_proj\.weight$", LeafKind(("heads", "q_lora"), optim="hidden",
+                                           parts=("qk_nope_head_dim", "qk_rope_head_dim"))),
+        (r"\.kv_a_proj_with_mqa\.weight$", LeafKind(("latent", "embed"), optim="hidden",
+                                                     parts=("kv_lora_rank", "qk_rope_head_dim"))),
+        (r"\.kv_a_proj_with_mqa\.bias$", LeafKind(("latent",))),
+        (r"\.kv_a_layernorm\.weight$", LeafKind(("kv_lora",))),
+        (r"\.kv_b_proj\.weight$", LeafKind(("heads", "kv_lora"), optim="hidden",
+                                            parts=("qk_nope_head_dim", "v_head_dim"))),
+        (r"\.o_proj\.weight$", LeafKind(("embed", "heads"), optim="hidden")),
+        (r"\.o_proj\.bias$", LeafKind(("embed",))),
+    ),
+    macs=_mla_dsa_macs, transient=_mla_dsa_transient, cache=_mla_dsa_cache, indexed=True)

@@ -400,14 +400,18 @@ def _validate(c: GLM5Config) -> None:
 GLM5_ABSENT = {"layer_types": (), "swiglu_limit": None, "index_kpool": 1}
 
 
+# The attention kind (by its name in `glm5f.layers.ATTENTION`) that each GLM-5.3 layer_types entry selects.
+ATTENTION_KINDS = {"linear_attention": "kda", "indexed_attention": "mla_dsa"}
+
+
 def _validate_glm53(c: GLM5Config, need) -> None:
     n = c.num_hidden_layers
     need(c.qk_rope_head_dim == 0, f"GLM-5.3's attention has no rope: qk_rope_head_dim must be 0, got "
                                   f"{c.qk_rope_head_dim}")
+    kinds = "/".join(repr(t) for t in ATTENTION_KINDS)
     need(len(c.layer_types) == n, f"layer_types has {len(c.layer_types)} entries for {n} layers (one per layer: "
-                                  f"'linear_attention' or 'indexed_attention')")
-    need(set(c.layer_types) <= {"linear_attention", "indexed_attention"},
-         f"layer_types may hold 'linear_attention'/'indexed_attention', got {sorted(set(c.layer_types))}")
+                                  f"{kinds})")
+    need(set(c.layer_types) <= set(ATTENTION_KINDS), f"layer_types may hold {kinds}, got {sorted(set(c.layer_types))}")
     for name in ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim", "hc_mult", "hc_sinkhorn_iters",
                  "index_kpool"):
         need(getattr(c, name) > 0, f"{name} must be positive, got {getattr(c, name)}")

@@ -146,7 +146,7 @@ class Env:
 
     def weights(self, tree: dict, prefix: str = "") -> dict:
         """The compute weights of the subtree at dotted path `prefix`: cast to weight_dtype (the fp32 leaves of
-        `params.LEAF_KINDS` stay wide), gathered where the layout shards them, with the run's LoRA spec beside each
+        `params.leaf_kinds()` stay wide), gathered where the layout shards them, with the run's LoRA spec beside each
         adapter (`lora.bind`)."""
         if self.weight_dtype is not None:
             tree = map_with_path(lambda p, t: t.to(leaf_dtype(f"{prefix}.{p}" if prefix else p, self.weight_dtype)),

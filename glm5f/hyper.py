@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from glm5f.layers import Kind, Leaf, LeafKind, norm_leaves
 from glm5f.ops import linear, rms_norm, wide
 
 
@@ -98,11 +99,28 @@ def hyper_residual(p: dict, streams_BxSxNxD: torch.Tensor, cfg, layer: int, env,
     return streams_BxSxNxD, carry, {**aux, **mlp_aux}
 
 
-def hc_leaves(c, leaf) -> dict:
-    """The Leaf tree (shapes and inits, `leaf(shape, init)`) of a layer's two hyper-connections, as the checkpoint
-    names them: fn [W, N D] (normal), base [W] (zeros), scale [3] (ones)."""
+def hc_leaves(c) -> dict:
+    """The Leaf tree of a layer's two hyper-connections, as the checkpoint names them: fn [W, N D] (normal), base
+    [W] (zeros), scale [3] (ones)."""
     N, D = c.hc_mult, c.hidden_size
     W = (2 + N) * N
-    return {f"hc_{block}_{part}": leaf(shape, init) for block in ("attn", "ffn")
+    return {f"hc_{block}_{part}": Leaf(shape, init) for block in ("attn", "ffn")
             for part, shape, init in (("fn", (W, N * D), "normal"), ("base", (W,), "zeros"),
                                       ("scale", (3,), "ones"))}
+
+
+def _hyper_macs(c, spec, seq: int) -> tuple[float, float]:
+    """Both hyper-connections: the mixing weights' projection of the N streams, the collapse, the expansion."""
+    N, D = c.hc_mult, c.hidden_size
+    return 2 * ((2 + N) * N * N * D + N * D + N * (N + 1) * D), 0.0
+
+
+# The kind record (glm5f.layers): the two norms and both hyper-connections (their base and scale fp32, as in the
+# reference); the model's hc_mult streams are copies of the embedding, their mean the last hidden state.
+HYPER = Kind(
+    hyper_residual,
+    lambda c, spec: {"input_layernorm": norm_leaves(c.hidden_size),
+                     "post_attention_layernorm": norm_leaves(c.hidden_size), **hc_leaves(c)},
+    rows=((r"\.hc_(attn|ffn)_fn$", LeafKind(("hc", "embed"))),
+          (r"\.hc_(attn|ffn)_(base|scale)$", LeafKind(("hc",), fp32=True))),
+    macs=_hyper_macs, enter=lambda x_BxSxD, cfg: hc_streams(x_BxSxD, cfg.hc_mult), leave=hc_head)

@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 from glm5f.config import GLM5Config
 from glm5f.data import IGNORE_INDEX
 from glm5f.env import INDEXER_LOSSES, Objectives, make_env, packed_segments
-from glm5f.layers import OWN_INDEXERS, layer_spec
+from glm5f.layers import INDEXERS, layer_spec
 from glm5f.lora import LoraSpec
 from glm5f.model import head_logits, hidden_states, main_head, mtp_states
 from glm5f.ops import rms_norm, wide, wide_dtype
@@ -356,7 +356,7 @@ def step_denoms(batch: dict, cfg: GLM5Config, objectives: Objectives = Objective
     """The global counts the step's main objective (its `denoms`) and terms are averaged over (at least 1 each), of
     a `with_targets` batch (after the objective's `prepare`)."""
     queries = batch["valid"].sum().clamp(min=1)
-    indexed = sum(layer_spec(cfg, i).indexer in OWN_INDEXERS for i in range(cfg.num_hidden_layers)) + \
+    indexed = sum(INDEXERS[layer_spec(cfg, i).indexer].selects for i in range(cfg.num_hidden_layers)) + \
         objectives.mtp_depths
     denoms = {**objective.denoms(batch), "queries": queries, "indexer_queries": queries * indexed,
               "sequences": (batch["valid"].sum(1) > 0).sum().clamp(min=1)}

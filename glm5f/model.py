@@ -10,29 +10,30 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from glm5f.attention import Selection, attention
+from glm5f.attention import INDEXER_KINDS, MLA_DSA, Selection
 from glm5f.config import GLM5Config
 from glm5f.env import Env, make_env
-from glm5f.hyper import hc_head, hc_streams, hyper_residual
-from glm5f.kda import kda_attention, kda_attention_cp, kda_attention_step
-from glm5f.layers import layer_spec
+from glm5f.hyper import HYPER
+from glm5f.kda_layer import KDA
+from glm5f.layers import ATTENTION, INDEXERS, MLP, RESIDUAL, Kind, LeafKind, kinds, layer_spec, norm_leaves, \
+    swiglu_leaves
 from glm5f.lora import LoraSpec
-from glm5f.moe import moe
+from glm5f.moe import MOE
 from glm5f.ops import linear, rms_norm, swiglu_mlp
 
 
 def decoder_layer(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, env: Env,
                   carry: Selection | None) -> tuple[torch.Tensor, Selection, dict]:
-    """Layer `layer` as its kinds make it (`layers.layer_spec`): its residual's function around its attention's and
-    its MLP's (ATTENTION, MLP, RESIDUAL below).
+    """Layer `layer` as its kinds make it (`layers.layer_spec`, `layers.kinds`): its residual's function around its
+    attention's and its MLP's.
 
     Returns (x [B, S, D], the Selection the next layer may reuse, aux): aux is a dict of this layer's extra
     outputs: "expert_idx" [N, K] for MoE layers (the experts each token chose); the objectives env.objectives
     asks for, as fp64 sums of this rank's share ("indexer_loss" and "indexer_recall", see `attention`;
     "seq_aux_loss", see `moe`).
     """
-    spec = layer_spec(cfg, layer)
-    return RESIDUAL[spec.residual](p, x_BxSxD, cfg, layer, env, carry, ATTENTION[spec.attention], MLP[spec.mlp])
+    attention, mlp, residual = kinds(layer_spec(cfg, layer))
+    return residual.fn(p, x_BxSxD, cfg, layer, env, carry, attention.fn, mlp.fn)
 
 
 def plain_residual(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, env: Env, carry: Selection | None,
@@ -50,35 +51,20 @@ def dense_mlp(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, env: Env) -> tupl
     return swiglu_mlp(p, x_BxSxD, cfg.swiglu_limit), {}
 
 
-def moe_mlp(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, env: Env) -> tuple[torch.Tensor, dict]:
-    y_BxSxD, expert_idx_NxK, aux = moe(p, x_BxSxD, cfg, env)
-    return y_BxSxD, {"expert_idx": expert_idx_NxK, **aux}
+PLAIN = Kind(plain_residual, lambda c, spec: {"input_layernorm": norm_leaves(c.hidden_size),
+                                              "post_attention_layernorm": norm_leaves(c.hidden_size)})
+DENSE = Kind(dense_mlp, lambda c, spec: swiglu_leaves(c.hidden_size, c.intermediate_size),
+             rows=((r"\.(gate|up)_proj\.weight$", LeafKind(("mlp", "embed"), optim="hidden")),
+                   (r"\.down_proj\.weight$", LeafKind(("embed", "mlp"), optim="hidden"))),
+             macs=lambda c, spec, seq: (3 * c.hidden_size * c.intermediate_size, 0.0))
 
-
-def kda_block(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, env: Env, carry: Selection | None):
-    """A GLM-5.3 linear-attention layer (`kda.kda_attention`): padding tokens' inputs zeroed (as the reference
-    does), packed documents restart its state and convolution. With a carried state (`env.state`: decoding) it
-    continues the sequence from it (`kda.kda_attention_step`). Under CP (`kda.kda_attention_cp`) this rank's
-    queries are two equal chunks of each sequence (`Layout.share`). It passes no top-k on (the reference neither)."""
-    if env.mask.dense is not None:
-        raise ValueError("GLM-5.3's KDA layers take a 2D padding mask or packed position_ids, not a 4D mask")
-    state = env.state(layer)
-    x_BxSxD = x_BxSxD * env.mask.query_valid(x_BxSxD.shape[0])[..., None].to(x_BxSxD.dtype)
-    if state is not None:
-        return kda_attention_step(p, x_BxSxD, cfg, state), None, {}
-    if env.layout.cp > 1:
-        half = x_BxSxD.shape[1] // 2
-        starts = (env.mask.q_index_host[0], env.mask.q_index_host[half])
-        return kda_attention_cp(p, x_BxSxD, cfg, starts, env.mask.k_segment, env.chunks), None, {}
-    return kda_attention(p, x_BxSxD, cfg, env.mask.q_segment), None, {}
-
-
-# The function of each kind of glm5f.layers, by its name there (its parameters, decode cache, FLOPs and memory-plan
-# entries are there). attention(p, x, cfg, layer, env, carry) -> (out, carry, aux); mlp(p, x, cfg, env) -> (out,
-# aux); residual(p, x, cfg, layer, env, carry, attention, mlp) -> (x, carry, aux).
-ATTENTION = {"mla_dsa": attention, "kda": kda_block}
-MLP = {"dense": dense_mlp, "moe": moe_mlp}
-RESIDUAL = {"plain": plain_residual, "hyper": hyper_residual}
+# The kinds a decoder layer is made of, entered in glm5f.layers' tables by the names `layers.layer_spec` gives them:
+# each record (function, parameters, rows, cache, FLOPs, memory) comes from its kind's module. A new kind is its
+# module, its line here, and the config field or layer_types entry (`config.ATTENTION_KINDS`) that selects it.
+ATTENTION.update(mla_dsa=MLA_DSA, kda=KDA)
+INDEXERS.update(INDEXER_KINDS)
+MLP.update(moe=MOE, dense=DENSE)
+RESIDUAL.update(plain=PLAIN, hyper=HYPER)
 
 
 @functools.cache
@@ -130,14 +116,14 @@ def apply_embeds(params: dict, cfg: GLM5Config, x_BxSxD: torch.Tensor, env: Env)
 def run_layers(params: dict, cfg: GLM5Config, x_BxSxD: torch.Tensor, env: Env) -> tuple[torch.Tensor, dict]:
     """The main decoder layers on input embeddings [B, S, D]: (their output [B, S, D], aux as `apply`'s)."""
     carry, layers = None, []
-    hyper = layer_spec(cfg, 0).residual == "hyper"
-    if hyper:  # hc_mult streams between the layers, their mean after them
-        x_BxSxD = hc_streams(x_BxSxD, cfg.hc_mult)
+    residual = RESIDUAL[layer_spec(cfg, 0).residual]  # its streams between the layers (GLM-5.3's hc_mult)
+    if residual.enter is not None:
+        x_BxSxD = residual.enter(x_BxSxD, cfg)
     for i, p_layer in enumerate(params["model"]["layers"][:cfg.num_hidden_layers]):
         x_BxSxD, carry, aux = run_layer(p_layer, x_BxSxD, cfg, i, env, carry)
         layers.append(aux)
-    if hyper:
-        x_BxSxD = hc_head(x_BxSxD)
+    if residual.leave is not None:
+        x_BxSxD = residual.leave(x_BxSxD)
     return x_BxSxD, {"layers": layers, "hidden": x_BxSxD}
 
 

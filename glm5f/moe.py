@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
 from glm5f.config import GLM5Config
+from glm5f.layers import Kind, LayerSpec, Leaf, LeafKind, swiglu_leaves
 from glm5f.ops import adapter_input, linear, swiglu, swiglu_mlp, wide
 
 if TYPE_CHECKING:
@@ -275,3 +276,40 @@ def moe(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, env: Env):
         B, S = x_BxSxD.shape[:2]
         aux["seq_aux_loss"] = seq_aux_loss(scores_NxE.view(B, S, -1), idx_NxK.view(B, S, -1), env)
     return y_NxD.view_as(x_BxSxD), idx_NxK, aux
+
+
+# ---- the kind record (glm5f.layers) -------------------------------------------------------------------------------
+
+def moe_mlp(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, env: Env) -> tuple[torch.Tensor, dict]:
+    y_BxSxD, expert_idx_NxK, aux = moe(p, x_BxSxD, cfg, env)
+    return y_BxSxD, {"expert_idx": expert_idx_NxK, **aux}
+
+
+def _moe_params(c: GLM5Config, spec: LayerSpec) -> dict:
+    E, D, I = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size
+    p = {
+        "gate": {"weight": Leaf((E, D), "normal"), "e_score_correction_bias": Leaf((E,), "zeros")},
+        "experts": {"gate_proj": {"weight": Leaf((E, I, D), "normal")},
+                    "up_proj": {"weight": Leaf((E, I, D), "normal")},
+                    "down_proj": {"weight": Leaf((E, D, I), "normal")}},
+    }
+    if c.n_shared_experts:
+        p["shared_experts"] = swiglu_leaves(D, I * c.n_shared_experts)
+    return p
+
+
+def _moe_macs(c: GLM5Config, spec: LayerSpec, seq: int) -> tuple[float, float]:
+    """The router and each routed and shared expert slot."""
+    D, F = c.hidden_size, c.moe_intermediate_size
+    return D * c.n_routed_experts + 3 * D * F * (c.num_experts_per_tok + c.n_shared_experts), 0.0
+
+
+MOE = Kind(
+    moe_mlp, _moe_params,
+    rows=(
+        (r"\.mlp\.gate\.e_score_correction_bias$", LeafKind(("router",), fp32=True, optim="balance")),
+        (r"\.mlp\.gate\.weight$", LeafKind(("router", "embed"), fp32=True)),
+        (r"\.experts\.(gate|up)_proj\.weight$", LeafKind(("experts", "mlp", "embed"), optim="hidden")),
+        (r"\.experts\.down_proj\.weight$", LeafKind(("experts", "embed", "mlp"), optim="hidden")),
+    ),
+    macs=_moe_macs, experts=True)

@@ -1,7 +1,7 @@
 """Optimizers as pure functions over the params tree (optax style): AdamW and Muon behind one interface
 (`Optimizer`: init, update, state bytes), global-norm clipping, warmup + cosine schedule, the router bias rule.
 
-How each leaf is treated comes from its `params.LEAF_KINDS` label (`LeafKind.optim`) through `leaf_rule(path)`;
+How each leaf is treated comes from its `params.leaf_kinds()` label (`LeafKind.optim`) through `leaf_rule(path)`;
 `--train.trainable` narrows the trained set further:
   decay     AdamW with weight decay       matrices and embeddings (under Muon: those it does not take)
   no_decay  AdamW without weight decay    norm scales and biases (1-D)

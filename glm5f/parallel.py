@@ -8,7 +8,7 @@ sorted by expert) and `seq_sum`. The train loop uses the others: which rows and 
 rank's (`share`), the params as stored (`local_params`, `shard_params`) and sums over ranks (`sum`).
 
 The layout math needs no process group. The spec of each leaf comes from the one table of what each leaf is,
-`params.LEAF_KINDS`, which names the logical axis of each of its dims (embed, heads, mlp, experts, ...);
+`params.leaf_kinds()`, which names the logical axis of each of its dims (embed, heads, mlp, experts, ...);
 `MESH_RULES` maps logical axes to mesh axes, and `placements` derives the leaf's DTensor placements from them. Layer
 code never names a mesh axis. Meshes (`mesh_shapes`): "fsdp" is every rank (world = dp_shard x cp); "dp" x "cp"
 splits the world for the data (`cp_positions`: the positions of a sequence a CP rank holds); "edp" x "ep" splits it
@@ -56,7 +56,7 @@ class Spec(NamedTuple):
 @functools.lru_cache(maxsize=None)
 def placements(axes: tuple[str, ...]) -> tuple[str, list, list, list]:
     """(mesh name, placements as stored, as gathered for the forward, of the gathered tensor's gradient) of a leaf
-    whose dims have the logical `axes` (its `params.LEAF_KINDS` entry), by MESH_RULES. A leaf with an "ep" dim
+    whose dims have the logical `axes` (its `params.leaf_kinds()` entry), by MESH_RULES. A leaf with an "ep" dim
     lives on the "experts" mesh (edp x ep: its fsdp shard is over edp), any other on "fsdp" (every rank)."""
     taken: dict[str, int] = {}  # mesh axis -> the dim it shards
     for dim, axis in enumerate(axes):

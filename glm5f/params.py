@@ -28,7 +28,15 @@ from glm5f.ops import wide_dtype
 # vocab, embed (hidden size), heads (MLA heads), mlp (an MLP's hidden width), experts (routed experts, stacked
 # [E, out, in]), router (one row per expert), q_lora / kv_lora (the latent ranks), latent (kv_lora + rope: a latent
 # row), index_heads / index_dim (the indexer's), lora_rank (a LoRA adapter's rank: the rows below the table).
-LEAF_KINDS = [(re.compile(pattern), kind) for pattern, kind in leaf_rows()]
+def leaf_kinds() -> list:
+    """LEAF_KINDS: the (compiled pattern, LeafKind) rows of the kinds in `glm5f.layers`' tables as they stand."""
+    return _compiled(tuple(leaf_rows()))
+
+
+@functools.cache
+def _compiled(rows: tuple) -> list:
+    table = [(re.compile(pattern), kind) for pattern, kind in rows]
+    return table + _adapter_rows(table)
 
 
 def _adapter_rows(rows: list) -> list:
@@ -42,9 +50,6 @@ def _adapter_rows(rows: list) -> list:
             out.append((re.compile(stem + r"\.lora_A$"), LeafKind((*lead, "lora_rank", in_axis))))
             out.append((re.compile(stem + r"\.lora_B$"), LeafKind((*lead, out_axis, "lora_rank"))))
     return out
-
-
-LEAF_KINDS += _adapter_rows(LEAF_KINDS)
 
 MTP_COPIES = ("embed_tokens", "shared_head.head")  # an MTP layer's own embedding / head, where a checkpoint has them
 
@@ -91,7 +96,7 @@ def _is_leaf(x) -> bool:
 @functools.lru_cache(maxsize=4096)
 def leaf_kind(path: str) -> LeafKind:
     """The LEAF_KINDS entry of the leaf at dotted `path`."""
-    kind = next((kind for pattern, kind in LEAF_KINDS if pattern.search("." + path)), None)
+    kind = next((kind for pattern, kind in leaf_kinds() if pattern.search("." + path)), None)
     if kind is None:
         raise ValueError(f"no row of params.LEAF_KINDS matches the leaf {path}: add one naming its axes")
     return kind

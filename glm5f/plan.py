@@ -524,7 +524,7 @@ def search(cfg: GLM5Config, run: RunShape, device_bytes: int, runtime_bytes: int
     its ep of least memory, the `show` best by (world, total)."""
     groups, cache = leaf_groups(cfg, run.lora), {}
     specs = [layer_spec(cfg, i) for i in range(cfg.num_hidden_layers)]
-    has_moe = any(spec.mlp == "moe" for spec in specs)
+    has_moe = any(kind.experts for spec in specs for kind in kinds(spec))
     max_cp = max_world if all(kind.cp for spec in specs for kind in kinds(spec)) else 1
     found = []
     for world in _powers_of_two(max_world):

@@ -1,5 +1,6 @@
 """glm5f/kda.py: the chunked delta rule against the naive recurrence in fp64 (forward and every gradient), packed
-documents against each document alone, opcheck, and the KDA block against Transformers' Glm5Next layer."""
+documents against each document alone, opcheck; glm5f/kda_layer.py: the KDA layer against Transformers' Glm5Next
+layer."""
 
 import pytest
 import torch
@@ -8,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import glm5f.kda
-from glm5f.kda import KDAConfig, kda, kda_attention, kda_attention_cp, kda_op, kda_backward_op, kda_recurrent
+from glm5f.kda import kda, kda_op, kda_backward_op, kda_recurrent
+from glm5f.kda_layer import KDAConfig, kda_attention, kda_attention_cp
 
 SETTINGS = settings(max_examples=15, deadline=None, derandomize=True)
 F64 = torch.float64
