@@ -435,7 +435,7 @@ def plan(cfg: GLM5Config, run: RunShape, runtime_bytes: int = 0, device_bytes: i
                 activations_remat_bytes=with_remat["peak"], activations_no_remat_bytes=without_remat["peak"],
                 activation_layers_bytes=acts["layers"], activation_logits_bytes=acts["logits"],
                 activation_logits_transient_bytes=acts["logits_transient"],
-                activation_transient_bytes=acts["transient"], optimizer_update_transient_bytes=update,
+                activation_transient_bytes=acts["transient"], optimizer_update_transient_bytes=s["update"],
                 runtime_bytes=runtime_bytes, forward_backward_bytes=runtime_bytes + fwd_bwd,
                 update_bytes=runtime_bytes + step_end, peak_phase="forward/backward" if fwd_bwd >= step_end else
                 "update", total_bytes=total, device_bytes=device_bytes,

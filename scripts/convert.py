@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import glm5f  # noqa: E402
-from glm5f import checkpoint, lora  # noqa: E402
+from glm5f import checkpoint  # noqa: E402
 from glm5f.config import GLM5Config  # noqa: E402
 from glm5f.data import make_tokenizer, warnings_as_lines  # noqa: E402
 from glm5f.chat import checkpoint_tokenizer  # noqa: E402

@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.func import functional_call
 
 import glm5f
 from configs import validate
