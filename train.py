@@ -326,7 +326,10 @@ def make_data(cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout, say, tok
             [{k: v.to(layout.device) for k, v in held_out.next_batch().items()} for _ in range(cfg.eval.batches)]
         for b in eval_batches:
             check_input_ids(b["input_ids"], model_cfg)
-    if held_out is None and cfg.eval.every:
+    if held_out is None and cfg.eval.every and d.type == "preference":
+        say(f"no evaluation: the held-out loss is the LM loss of held-out text, and --train.objective "
+            f"{cfg.train.objective} trains on preference pairs (--eval.every 0 says so)")
+    elif held_out is None and cfg.eval.every:
         say(f"no evaluation: {d.type} data has no held-out part; pass --eval.path (or --eval.split), or hold out a "
             f"part of --data.path with --eval.split_fraction")
     return data, eval_batches
