@@ -330,13 +330,14 @@ def _dpo_run(run_dir, preset: str, data: str, *args) -> tuple[list[dict], dict]:
     return records, load_params(latest(str(run_dir)))[1]
 
 
+@pytest.mark.parametrize("layouts", [("dp2", "ep2"), ("cp2", "cp2-ep2")], ids=["dp-ep", "cp"])
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize("preset", ["glm5-tiny", "glm53-tiny"])
-def test_dpo_layouts_equal_one_process_fp64(preset, lora, tmp_path):
+def test_dpo_layouts_equal_one_process_fp64(preset, lora, layouts, tmp_path):
     """DPO (the reference forward beside the policy's, each pair's answer sums, the per-pair sigmoid) under
-    dp_shard 2 and ep 2, full training (the reference a sharded copy of the start) and LoRA (the reference the
-    base): 3 steps' loss, margin, accuracy, rewards and log-probabilities and the final weights equal one
-    process's within 1e-9."""
+    dp_shard 2, ep 2, cp 2 (each answer's sums over the CP group, with gradients, before the sigmoid) and cp 2 x
+    ep 2, full training (the reference a sharded copy of the start) and LoRA (the reference the base): 3 steps'
+    loss, margin, accuracy, rewards and log-probabilities and the final weights equal one process's within 1e-9."""
     from glm5f.params import flatten
     from test_dpo import pair_records, write
 
@@ -346,7 +347,7 @@ def test_dpo_layouts_equal_one_process_fp64(preset, lora, tmp_path):
     ref_records, ref_params = _dpo_run(tmp_path / "one", preset, data, *extra)
     assert len(ref_records) == 3 and ref_records[-1]["loss"] < ref_records[0]["loss"]  # it learns: steps differ
     ref_flat = flatten(ref_params)
-    for layout in ("dp2", "ep2"):
+    for layout in layouts:
         records, params = _dpo_run(tmp_path / layout, preset, data, *extra, *LAYOUTS[layout])
         assert len(records) == len(ref_records)
         for got, want in zip(records, ref_records):
