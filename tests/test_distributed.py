@@ -315,7 +315,7 @@ def test_glm53_layouts_within_the_noise_floor(tmp_path):
 
 # ---- DPO ----------------------------------------------------------------------------------------------------------
 
-DPO_METRICS = ("loss", "margin", "accuracy", "chosen", "rejected", "logps_chosen", "logps_rejected")
+DPO_METRICS = ("loss", "margin", "accuracy", "chosen", "rejected", "logps_chosen", "logps_rejected", "sft_loss")
 
 
 def _dpo_run(run_dir, preset: str, data: str, *args) -> tuple[list[dict], dict]:
@@ -337,25 +337,29 @@ def test_dpo_layouts_equal_one_process_fp64(preset, lora, layouts, tmp_path):
     """DPO (the reference forward beside the policy's, each pair's answer sums, the per-pair sigmoid) under
     dp_shard 2, ep 2, cp 2 (each answer's sums over the CP group, with gradients, before the sigmoid) and cp 2 x
     ep 2, full training (the reference a sharded copy of the start) and LoRA (the reference the base): 3 steps'
-    loss, margin, accuracy, rewards and log-probabilities and the final weights equal one process's within 1e-9."""
+    loss, margin, accuracy, rewards, log-probabilities (and the full runs' --dpo.sft_weight term) and the final weights
+    equal one process's within 1e-9."""
     from glm5f.params import flatten
     from test_dpo import pair_records, write
 
     cfg = glm5f.preset(preset)
     data = write(tmp_path / "pairs.jsonl", pair_records(cfg.vocab_size, n=4, seed=7))
-    extra = ["--lora.rank", "4"] if lora else []
+    extra = ["--lora.rank", "4"] if lora else ["--dpo.sft_weight", "0.5"]
     ref_records, ref_params = _dpo_run(tmp_path / "one", preset, data, *extra)
     assert len(ref_records) == 3 and ref_records[-1]["loss"] < ref_records[0]["loss"]  # it learns: steps differ
+    assert ("sft_loss" in ref_records[0]) == (not lora)
     ref_flat = flatten(ref_params)
     for layout in layouts:
         records, params = _dpo_run(tmp_path / layout, preset, data, *extra, *LAYOUTS[layout])
         assert len(records) == len(ref_records)
         for got, want in zip(records, ref_records):
-            for k in DPO_METRICS:
+            assert {k for k in DPO_METRICS if k in got} == {k for k in DPO_METRICS if k in want}
+            for k in (k for k in DPO_METRICS if k in want):
                 assert abs(got[k] - want[k]) <= 1e-9, f"{layout} step {want['step']} {k}: {got[k]} vs {want[k]}"
         flat = flatten(params)
         assert flat.keys() == ref_flat.keys()
         worst = max(float((flat[k] - w).abs().max()) for k, w in ref_flat.items())
+        metric = max(abs(g[k] - w[k]) for g, w in zip(records, ref_records) for k in DPO_METRICS if k in w)
         print(f"{preset} {'lora' if lora else 'full'} {layout}: max |weight difference| {worst:.1e}, max |metric "
-              f"difference| {max(abs(g[k] - w[k]) for g, w in zip(records, ref_records) for k in DPO_METRICS):.1e}")
+              f"difference| {metric:.1e}")
         assert worst <= 1e-9, f"{layout}: final weights differ from one process's by {worst:.2e}"
