@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from einops import rearrange, repeat
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.nn.functional import all_reduce
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -90,6 +91,9 @@ class DistLayout(Layout):
 
     def seq_sum(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.cp == 1 else self.sum(t, self.cp_group)
+
+    def seq_total(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.cp == 1 else all_reduce(t, group=self.cp_group)
 
     # ---- data
     def share(self, B: int, S: int) -> tuple[slice, torch.Tensor | None]:

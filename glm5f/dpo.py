@@ -67,15 +67,19 @@ def loss(params: dict, batch: dict, ctx: Context) -> tuple[torch.Tensor, dict]:
     with torch.no_grad():
         ref_hidden_BxSxD, ref_head = ctx.reference_forward(batch)
         ref_BxS = -head_token_losses(ref_head, ref_hidden_BxSxD, targets, eps).view(B, S)
-    pi_c, pi_r = answer_sums(logp_BxS, answer)
-    ref_c, ref_r = answer_sums(ref_BxS, answer)
-    is_pair = (answer == CHOSEN).any(1)
+    # Under CP each rank holds part of every answer: the sums are taken over the CP group (with gradients) before
+    # the sigmoid, every rank of the group then holds the same pairs' terms, and the first one counts them.
+    layout = ctx.layout
+    pi_c, pi_r = (layout.seq_total(s) for s in answer_sums(logp_BxS, answer))
+    ref_c, ref_r = (layout.seq_sum(s) for s in answer_sums(ref_BxS, answer))
+    is_pair = layout.seq_sum((answer == CHOSEN).sum(1)) > 0
+    counted = float(layout.cp_rank == 0)
     t = {k: torch.where(is_pair, v, 0.0) for k, v in dpo_terms(pi_c, pi_r, ref_c, ref_r, o.beta).items()}
-    sums = {name: t[name].sum() for name in ("loss", "margin", "accuracy", "chosen", "rejected")}
-    sums["logps_chosen"], sums["logps_rejected"] = pi_c.detach().sum(), pi_r.detach().sum()
+    sums = {name: t[name].sum() * counted for name in ("loss", "margin", "accuracy", "chosen", "rejected")}
+    sums["logps_chosen"], sums["logps_rejected"] = pi_c.detach().sum() * counted, pi_r.detach().sum() * counted
     value = sums["loss"] / ctx.denoms["pairs"]
     if o.sft_weight:
-        sums["sft_loss"] = -pi_c.sum()
+        sums["sft_loss"] = -pi_c.sum() * counted
         value = value + o.sft_weight * sums["sft_loss"] / ctx.denoms["chosen_targets"]
     return value, sums
 
@@ -92,4 +96,4 @@ def plan_bytes(model_cfg, run, state: dict) -> int:
 METRICS = {name: "pairs" for name in ("loss", "margin", "accuracy", "chosen", "rejected", "logps_chosen",
                                       "logps_rejected")}
 DPO = Objective(loss, denoms, {**METRICS, "sft_loss": "chosen_targets"}, prepare=prepare, plan_bytes=plan_bytes,
-                data_types=("preference",), settings="dpo", reference=True, cp=False)
+                data_types=("preference",), settings="dpo", reference=True)

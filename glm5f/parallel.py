@@ -94,7 +94,7 @@ def mesh_shapes(dp_shard: int, cp: int, ep: int) -> dict[str, tuple[int, ...]]:
 class Layout:
     """A single process: it holds the whole batch, all parameters and all experts."""
 
-    rank, world, is_main, cp = 0, 1, True, 1
+    rank, world, is_main, cp, cp_rank = 0, 1, True, 1, 0
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
@@ -149,6 +149,11 @@ class Layout:
     def seq_sum(self, t: torch.Tensor) -> torch.Tensor:
         """Sum of a per-sequence tensor [B, ...] over the ranks holding parts of this rank's sequences (here:
         itself), without autograd."""
+        return t
+
+    def seq_total(self, t: torch.Tensor) -> torch.Tensor:
+        """`seq_sum` with gradients: each rank's part of the sum gets the gradient of the total, summed over the
+        ranks holding the sequence (a function of a whole sequence, such as DPO's, computed on each)."""
         return t
 
 

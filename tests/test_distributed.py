@@ -311,3 +311,55 @@ def test_glm53_layouts_within_the_noise_floor(tmp_path):
 
     assert align(["--steps", "10", "--layouts", "dp2", "ep2", "cp2", "cp2-ep2", "--out", str(tmp_path),
                   "--extra", "--model.preset", "glm53-tiny", "--data.type", "text"]) == 0
+
+
+# ---- DPO ----------------------------------------------------------------------------------------------------------
+
+DPO_METRICS = ("loss", "margin", "accuracy", "chosen", "rejected", "logps_chosen", "logps_rejected", "sft_loss")
+
+
+def _dpo_run(run_dir, preset: str, data: str, *args) -> tuple[list[dict], dict]:
+    """A 3-step fp64 DPO run: (its step records, its final trained weights gathered into this process)."""
+    from glm5f.checkpoint import latest, load_params
+
+    assert main(["--model.preset", preset, "--train.objective", "dpo", "--data.type", "preference", "--data.path",
+                 data, "--data.batch_size", "4", "--data.seq_len", "32", "--train.steps", "3", "--train.dtype",
+                 "float64", "--optim.warmup_steps", "0", "--optim.lr", "1e-2", "--eval.every", "0",
+                 "--checkpoint.every", "3", "--checkpoint.dir", str(run_dir), *args]) == 0
+    records = [r for r in read_metrics(run_dir) if "margin" in r]
+    return records, load_params(latest(str(run_dir)))[1]
+
+
+@pytest.mark.parametrize("layouts", [("dp2", "ep2"), ("cp2", "cp2-ep2")], ids=["dp-ep", "cp"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("preset", ["glm5-tiny", "glm53-tiny"])
+def test_dpo_layouts_equal_one_process_fp64(preset, lora, layouts, tmp_path):
+    """DPO (the reference forward beside the policy's, each pair's answer sums, the per-pair sigmoid) under
+    dp_shard 2, ep 2, cp 2 (each answer's sums over the CP group, with gradients, before the sigmoid) and cp 2 x
+    ep 2, full training (the reference a sharded copy of the start) and LoRA (the reference the base): 3 steps'
+    loss, margin, accuracy, rewards, log-probabilities (and the full runs' --dpo.sft_weight term) and the final weights
+    equal one process's within 1e-9."""
+    from glm5f.params import flatten
+    from test_dpo import pair_records, write
+
+    cfg = glm5f.preset(preset)
+    data = write(tmp_path / "pairs.jsonl", pair_records(cfg.vocab_size, n=4, seed=7))
+    extra = ["--lora.rank", "4"] if lora else ["--dpo.sft_weight", "0.5"]
+    ref_records, ref_params = _dpo_run(tmp_path / "one", preset, data, *extra)
+    assert len(ref_records) == 3 and ref_records[-1]["loss"] < ref_records[0]["loss"]  # it learns: steps differ
+    assert ("sft_loss" in ref_records[0]) == (not lora)
+    ref_flat = flatten(ref_params)
+    for layout in layouts:
+        records, params = _dpo_run(tmp_path / layout, preset, data, *extra, *LAYOUTS[layout])
+        assert len(records) == len(ref_records)
+        for got, want in zip(records, ref_records):
+            assert {k for k in DPO_METRICS if k in got} == {k for k in DPO_METRICS if k in want}
+            for k in (k for k in DPO_METRICS if k in want):
+                assert abs(got[k] - want[k]) <= 1e-9, f"{layout} step {want['step']} {k}: {got[k]} vs {want[k]}"
+        flat = flatten(params)
+        assert flat.keys() == ref_flat.keys()
+        worst = max(float((flat[k] - w).abs().max()) for k, w in ref_flat.items())
+        metric = max(abs(g[k] - w[k]) for g, w in zip(records, ref_records) for k in DPO_METRICS if k in w)
+        print(f"{preset} {'lora' if lora else 'full'} {layout}: max |weight difference| {worst:.1e}, max |metric "
+              f"difference| {metric:.1e}")
+        assert worst <= 1e-9, f"{layout}: final weights differ from one process's by {worst:.2e}"
