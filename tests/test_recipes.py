@@ -10,7 +10,8 @@ import pytest
 import torch
 import yaml
 
-from configs import CONFIG_FILE, load_config
+from config_file import load_config
+from glm5f.rundir import CONFIG_FILE
 from glm5f import checkpoint
 from glm5f.metrics import read_metrics
 from train import main
