@@ -14,7 +14,6 @@ import errno
 import math
 import os
 import re
-import shutil
 import signal
 import sys
 import time
@@ -23,25 +22,27 @@ import torch
 import torch.distributed as dist
 
 import glm5f
-from configs import CONFIG_FILE, Config, mesh_errors, parse, validate, with_data_type, write_config
+from config_file import parse, write_config
+from configs import Config, mesh_errors, validate, with_data_type
 from glm5f import checkpoint, lora, preempt, rundir
 from glm5f.chat import RUN_TOKENIZER_DIR, check_same_tokenizer, resolve_tokenizer
 from glm5f.data import (PresetSource, check_first_batch, make_eval_source, make_source, make_tokenizer,
                         print_warning, warnings_as_lines)
 from glm5f.distributed import DistLayout
 from glm5f.hf.export import export_run
-from glm5f.hf.export_dir import EXPORT_MARKER, check_export_dir, note_base
+from glm5f.hf.export_dir import note_base
 from glm5f.hf.load import check_loaded_finite
 from glm5f.hf.peft import save_peft
 from glm5f.launch import (TIMEOUT_EXIT, StallWatch, WorkerFailure, check_device, collective_timeout, init_process,
                           silent_ranks, spawn, under_torchrun)
-from glm5f.loss import Step, eval_loss, unused_weights
+from glm5f.loss import eval_loss, unused_weights
 from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
 from glm5f.model import check_input_ids
 from glm5f.optim import Optimizer, schedule_change, unused_flags
 from glm5f.parallel import Layout, local_tensor, nonfinite_counts
 from glm5f.preflight import check_inputs, check_run
 from glm5f.params import flatten, leaf_dtype, map_with_path, region_of
+from glm5f.resume import check_resumable
 from glm5f.step import Trainer, TrainState, train_step
 
 
@@ -108,7 +109,8 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     say = print if layout.is_main else (lambda *a, **k: None)
     with user_errors():  # the run's one tokenizer and template: data, checkpoints, exports all use it
         tokenizer = resolve_tokenizer(cfg.model.tokenizer_path, cfg.model.init_from, cfg.data.chat_template)
-    prepare_run_dir(cfg, layout, say, tokenizer.names())
+    with user_errors():
+        rundir.prepare_run_dir(cfg, layout, say, tokenizer.names())
     torch.manual_seed(cfg.train.seed)
     model_cfg, params = init_params(cfg, layout)
     spec = cfg.lora.spec()
@@ -173,7 +175,7 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
             with writing(log.path, cfg.checkpoint.dir):
                 log.write(rec)
             if i == start:  # beside the first metrics record, so a run that fails before it leaves nothing
-                with writing(os.path.join(cfg.checkpoint.dir, CONFIG_FILE), cfg.checkpoint.dir):
+                with writing(os.path.join(cfg.checkpoint.dir, rundir.CONFIG_FILE), cfg.checkpoint.dir):
                     write_config(cfg)
                     tokenizer.write(os.path.join(cfg.checkpoint.dir, RUN_TOKENIZER_DIR))
                     if cfg.model.init_from:
@@ -203,40 +205,6 @@ def batch_sizes(cfg: Config, data) -> str:
 
 
 # ---- the run's edges ----------------------------------------------------------------------------------------------
-
-RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png", CONFIG_FILE, RUN_TOKENIZER_DIR)  # what a run writes there
-
-
-def prepare_run_dir(cfg: Config, layout: Layout, say, token_files: list[str] = ()) -> None:
-    """A run directory holding a previous run is only continued (--checkpoint.resume) or, with
-    --checkpoint.overwrite, emptied of what we wrote; anything else would mix two runs' metrics and checkpoints.
-    An export directory is checked before any training (it gets the run's `token_files`)."""
-    for flag in ("export_hf", "export_peft"):
-        if getattr(cfg.checkpoint, flag):
-            with user_errors():
-                check_export_dir(getattr(cfg.checkpoint, flag), run_dir=cfg.checkpoint.dir, flag=f"--checkpoint.{flag}",
-                                 init_from=cfg.model.init_from, writes=tuple(token_files),
-                                 overwrite=cfg.checkpoint.replace_export)
-    run_dir = cfg.checkpoint.dir
-    if os.path.isfile(os.path.join(run_dir, EXPORT_MARKER)):
-        raise TrainingError(f"--checkpoint.dir {run_dir} is a glm5f export (a Transformers or PEFT directory), not "
-                            f"a run directory: a run there would mix its checkpoints into the export. Pass another "
-                            f"--checkpoint.dir (and --model.init_from {run_dir} to start from the export)")
-    if cfg.checkpoint.resume or not os.path.isdir(run_dir):
-        return
-    found = [n for n in RUN_FILES[:2] if os.path.exists(os.path.join(run_dir, n))]
-    if found and not cfg.checkpoint.overwrite:
-        raise TrainingError(f"the run directory {run_dir} already holds a run ({', '.join(found)}); continue it "
-                            f"with --checkpoint.resume latest, start over with --checkpoint.overwrite (deletes "
-                            f"its {', '.join(RUN_FILES)}), or pass another --checkpoint.dir")
-    if found and layout.is_main:
-        for n in RUN_FILES:
-            path = os.path.join(run_dir, n)
-            if os.path.isdir(path):
-                shutil.rmtree(path)
-            elif os.path.exists(path):
-                os.remove(path)
-
 
 def init_params(cfg: Config, layout: Layout) -> tuple[glm5f.GLM5Config, dict]:
     """(model config, params as the layout stores them): a preset (with overrides) or a Transformers checkpoint;
@@ -352,15 +320,8 @@ def resume(cfg: Config, model_cfg: glm5f.GLM5Config, state: TrainState, base: di
         return state, None
     with user_errors():
         meta = checkpoint.read_meta(ckpt)
-    if meta.get("model") != model_cfg.to_hf():
-        raise TrainingError(f"{ckpt} was saved for another model config; resume with the same --model flags (see "
-                            f"its meta.json)")
+        check_resumable(cfg, model_cfg, state.params, meta, base, optimizer, ckpt)
     saved = meta.get("run") or {}
-    check_same_data(cfg, saved, ckpt)
-    check_same_trained(cfg, model_cfg, state.params, saved, ckpt)
-    check_same_lora(cfg, saved, meta.get("lora_base"), base, ckpt)
-    check_same_objective(cfg, saved, ckpt)
-    check_same_optimizer(meta.get("optimizer", {"name": "adamw"}), optimizer, ckpt)
     if tokenizer is not None:
         with user_errors():
             check_same_tokenizer(meta.get("tokenizer"), tokenizer, ckpt, cfg.data.allow_changed, print_warning)
@@ -379,71 +340,6 @@ def resume(cfg: Config, model_cfg: glm5f.GLM5Config, state: TrainState, base: di
     if note and extra["step"] < cfg.train.steps:  # a run with no step left has no learning rate to change
         say(note)
     return state.restored(trees, extra["step"]), ckpt
-
-
-def check_same_data(cfg: Config, saved: dict, ckpt: str) -> None:
-    """A checkpoint's data position (an epoch/offset, a step, a batch index) means something only for the
-    --data.type it was saved with."""
-    kind = saved.get("data", {}).get("type")
-    if kind is not None and kind != cfg.data.type:
-        raise TrainingError(f"{ckpt} was saved by a run on --data.type {kind}, not {cfg.data.type}: resume it with "
-                            f"--data.type {kind}, or start a new run with another --checkpoint.dir")
-
-
-def check_same_trained(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, saved: dict, ckpt: str) -> None:
-    """A checkpoint's optimizer state covers the leaves its run trained (--train.trainable, and the indexer only
-    with --train.indexer_loss); resuming it must train the same ones."""
-    if not saved.get("train"):
-        return
-    then = dataclasses.replace(cfg.train, trainable=saved["train"].get("trainable"),
-                               indexer_loss=saved["train"].get("indexer_loss", "off"))
-    before, now = Step.of(then, model_cfg).trained(params), Step.of(cfg.train, model_cfg).trained(params)
-    if before != now:
-        raise TrainingError(
-            f"{ckpt} was saved by a run that trained {len(before)} leaves (--train.trainable {then.trainable!r}, "
-            f"--train.indexer_loss {then.indexer_loss}); this run trains {len(now)} (--train.trainable "
-            f"{cfg.train.trainable!r}, --train.indexer_loss {cfg.train.indexer_loss}), and the checkpoint's "
-            f"optimizer state covers only the first set. Resume with its flags, or start the next stage from its "
-            f"weights: export them (the same run with --checkpoint.export_hf DIR) and start a new run with "
-            f"--model.init_from DIR")
-
-
-def check_same_objective(cfg: Config, saved: dict, ckpt: str) -> None:
-    """A checkpoint continues only under the main objective it was trained on (a run before --train.objective
-    trained lm); another objective is the next stage, started from its weights."""
-    then = (saved.get("train") or {}).get("objective", "lm")
-    if then != cfg.train.objective:
-        raise TrainingError(f"{ckpt} was saved by a run with --train.objective {then}, not {cfg.train.objective}: "
-                            f"resume with --train.objective {then}, or start the next stage from its weights (export "
-                            f"them with --checkpoint.export_hf DIR, then --model.init_from DIR)")
-
-
-def check_same_optimizer(saved: dict, optimizer: Optimizer, ckpt: str) -> None:
-    """A checkpoint's optimizer state is the state of the optimizer that saved it (its meta.json says which, and
-    how it keeps it); another one cannot continue from it."""
-    if saved != optimizer.meta:
-        raise TrainingError(f"{ckpt} holds the state of --optim.name {saved.get('name')} ({saved}), not of "
-                            f"--optim.name {optimizer.name} ({optimizer.meta}): resume with --optim.name "
-                            f"{saved.get('name')}, or start the next stage from its weights (export them with "
-                            f"--checkpoint.export_hf DIR, then --model.init_from DIR)")
-
-
-def check_same_lora(cfg: Config, saved: dict, saved_base: dict | None, base: dict | None, ckpt: str) -> None:
-    """A LoRA checkpoint holds adapters (of its rank and targets) for one base: resuming it needs the same LoRA
-    flags and a base whose fingerprint is the one it was trained on; a full checkpoint resumes without LoRA."""
-    then, now = saved.get("lora") or {}, cfg.lora
-    same = then.get("rank", 0) == now.rank and (
-        not now.rank or (then.get("alpha"), then.get("targets")) == (now.alpha, now.targets))
-    if not same:
-        raise TrainingError(f"{ckpt} was saved by a run with --lora.rank {then.get('rank', 0)} --lora.alpha "
-                            f"{then.get('alpha')} --lora.targets {then.get('targets')!r}; this run has --lora.rank "
-                            f"{cfg.lora.rank} --lora.alpha {cfg.lora.alpha} --lora.targets {cfg.lora.targets!r}. "
-                            f"Resume with its --lora flags")
-    if base is not None and saved_base is not None and saved_base["fingerprint"] != base["fingerprint"]:
-        raise TrainingError(f"{ckpt} holds adapters trained on the base {saved_base['source']} (fingerprint "
-                            f"{saved_base['fingerprint']}), but this run's base, {base['source']}, has fingerprint "
-                            f"{base['fingerprint']}: its weights (or --lora.base_dtype) changed. Resume on the base "
-                            f"it was trained on, or start a new run")
 
 
 def check_step(cfg: Config, step: int, loss: float, grad_norm: float, last_ckpt: str | None, say) -> bool:

@@ -13,6 +13,7 @@ import warnings
 import torch
 
 from glm5f.ops import wide, wide_dtype
+from glm5f.sparse_union import UNION_BLOCK_ROWS, union_plans, union_scores
 
 SPARSE_BLOCK_ELEMS = 1 << 23  # bound on one query block's gathered rows plus scores, [B, s, K, C + 2H] elements
 INDEXER_QUERY_CHUNK_ELEMS = 1 << 24  # bound on the indexer's per-chunk [B, S, I, T] fp32 scores
@@ -69,54 +70,6 @@ def block_scores(q_BxSxHxC, sel_BxSxKxC, allowed_BxSxK, bias_BxSxK, scale):
                                              torch.finfo(wide_dtype(q_BxSxHxC.dtype)).min)
 
 
-UNION_BLOCK_ROWS = 256  # queries x heads of one block of the union path: the rows of its GEMMs
-
-
-def union_width(K: int, H: int) -> int:
-    """The most distinct rows a block of queries may select for the union path to take it: per selected row it
-    does the work of every query of the block, which pays while the block's GEMM outruns the queries' own
-    [H, C] x [C, K] products by as much (the ratios per head count: docs/performance.md, "Choices in the code"):
-    32 / H times K, and at least min(3, 48 / H) times K (3K at 16 heads; 48 / H times between 17 and 47 heads)."""
-    return int(K * max(1.0, 32 / H, min(3.0, 48 / H)))
-
-
-def union_plan(idx_sxK, allowed_sxK, num_keys, max_width):
-    """How one batch row's block of s queries attends the union of its selections in one GEMM, or None (the
-    union is wider than max_width, or a query selects a row twice, which the gather path counts twice): (the
-    union's key indices [U], sorted; keep [s, U]: selected and allowed; selected [s, U]; each selection's column
-    in the union [s, K])."""
-    s, K = idx_sxK.shape
-    present_T = torch.zeros(num_keys, dtype=torch.bool, device=idx_sxK.device)
-    present_T[idx_sxK.flatten()] = True
-    cols_U = present_T.nonzero().flatten()
-    if cols_U.numel() > max_width:
-        return None
-    loc_sxK = (present_T.cumsum(0) - 1)[idx_sxK]
-    selected_sxU = torch.zeros(s, cols_U.numel(), dtype=torch.bool, device=idx_sxK.device).scatter_(1, loc_sxK, True)
-    if int(selected_sxU.sum()) != s * K:
-        return None
-    keep_sxU = torch.zeros_like(selected_sxU).scatter_(1, loc_sxK, allowed_sxK)
-    return cols_U, keep_sxU, selected_sxU, loc_sxK
-
-
-def union_scores(q_sxHxC, rows_UxC, plan, bias_sxK, scale, dtype):
-    """`block_scores` of one batch row's block over its union rows: scores [s, H, U] (wide), finfo.min where
-    selected but not allowed, -inf where not selected (so a query with no allowed selection averages its K rows).
-    The masks are added in place: 0 where kept, and a score plus finfo.min rounds to finfo.min (|score| is far
-    below half its spacing, 2^103), plus -inf is -inf."""
-    cols_U, keep_sxU, selected_sxU, loc_sxK = plan
-    s, H, C = q_sxHxC.shape
-    scores_sxHxU = torch.matmul(q_sxHxC.reshape(s * H, C), rows_UxC.T).mul_(scale).view(s, H, -1)
-    if bias_sxK is not None:
-        bias_sxU = bias_sxK.new_zeros(s, cols_U.numel()).scatter_(1, loc_sxK, bias_sxK)
-        scores_sxHxU = scores_sxHxU + bias_sxU[:, None, :]
-    wd = wide_dtype(dtype)
-    fill_sxU = torch.full(selected_sxU.shape, float("-inf"), dtype=wd, device=q_sxHxC.device)
-    fill_sxU.masked_fill_(selected_sxU, torch.finfo(wd).min).masked_fill_(keep_sxU, 0.0)
-    scores_sxHxU = scores_sxHxU if scores_sxHxU.dtype == wd else scores_sxHxU.to(wd)
-    return scores_sxHxU.add_(fill_sxU[:, None, :])
-
-
 def softmax_lse(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(softmax over the last dim, its log-sum-exp as fp32): the log-sum-exp read off the largest probability,
     max - log(p_max) (p_max >= 1 / K, so well conditioned), which saves logsumexp's own exp pass."""
@@ -131,22 +84,10 @@ def _query_blocks(B, S, K, C, H, block, union):
     return [(a, min(S, a + step)) for a in range(0, S, step)]
 
 
-def _union_plans(latent_BxTxC, idx_BxSxK, allowed_BxSxK, a, b, H):
-    """Each batch row's `union_plan` for queries a:b, or None when any row has none."""
-    B, T = latent_BxTxC.shape[:2]
-    plans = []
-    for i in range(B):
-        plan = union_plan(idx_BxSxK[i, a:b], allowed_BxSxK[i, a:b], T, union_width(idx_BxSxK.shape[-1], H))
-        if plan is None:
-            return None
-        plans.append(plan)
-    return plans
-
-
 def _sparse_mla_torch(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale, value_dim, block):
     """(out [B, S, H, value_dim], lse [B, S, H] fp32) over blocks of `block` queries (0: `sparse_block_size`, or
     the union path's); the forward keeps no gathered rows. A block whose queries select few distinct rows (and
-    the latent in q's dtype) attends their union in one GEMM per batch row (`union_plan`), the others gather
+    the latent in q's dtype) attends their union in one GEMM per batch row (glm5f/sparse_union.py), the others gather
     each query's rows."""
     B, S, H, C = q_BxSxHxC.shape
     dt = q_BxSxHxC.dtype
@@ -155,7 +96,7 @@ def _sparse_mla_torch(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_Bx
     lse_BxSxH = q_BxSxHxC.new_empty(B, S, H, dtype=torch.float32)
     for a, b in _query_blocks(B, S, idx_BxSxK.shape[-1], C, H, block, union):
         bias = None if bias_BxSxK is None else bias_BxSxK[:, a:b]
-        plans = _union_plans(latent_BxTxC, idx_BxSxK, allowed_BxSxK, a, b, H) if union else None
+        plans = union_plans(latent_BxTxC, idx_BxSxK, allowed_BxSxK, a, b, H) if union else None
         if plans is not None:
             for i, plan in enumerate(plans):
                 rows_UxC = latent_BxTxC[i].index_select(0, plan[0])
@@ -188,7 +129,7 @@ def _sparse_mla_backward_torch(dout_BxSxHxR, q_BxSxHxC, latent_BxTxC, idx_BxSxK,
     for a, b in _query_blocks(B, S, idx_BxSxK.shape[-1], C, H, block, union):
         q, dout, allowed = q_BxSxHxC[:, a:b], dout_BxSxHxR[:, a:b].to(dt), allowed_BxSxK[:, a:b]
         bias = None if bias_BxSxK is None else bias_BxSxK[:, a:b]
-        plans = _union_plans(latent_BxTxC, idx_BxSxK, allowed_BxSxK, a, b, H) if union else None
+        plans = union_plans(latent_BxTxC, idx_BxSxK, allowed_BxSxK, a, b, H) if union else None
         if plans is not None:
             for i, plan in enumerate(plans):
                 rows_UxC = latent_BxTxC[i].index_select(0, plan[0])

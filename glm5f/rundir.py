@@ -1,5 +1,6 @@
-"""The run directory: its lock (one live run per directory, RUN/.lock held with flock), and the check, before
-any training, that the run directory and the export directories can be written.
+"""The run directory: what a run writes there, its lock (one live run per directory, RUN/.lock held with flock), and
+the checks, before any training, that the run directory and the export directories can be written and hold no
+other run or export.
 """
 
 from __future__ import annotations
@@ -7,13 +8,18 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import shutil
 import socket
 
 import torch.distributed as dist
 
+from glm5f.chat import RUN_TOKENIZER_DIR
 from glm5f.checkpoint import remove_partial_saves
+from glm5f.hf.export_dir import EXPORT_MARKER, check_export_dir
 
 LOCK = ".lock"
+CONFIG_FILE = "config.yaml"  # the resolved config a run writes into its directory
+RUN_FILES = ("checkpoints", "metrics.jsonl", "loss.png", CONFIG_FILE, RUN_TOKENIZER_DIR)  # what a run writes there
 
 
 class RunDirBusy(ValueError):
@@ -160,3 +166,34 @@ def check_run_paths(cfg) -> None:
                 problem = f"--checkpoint.{flag} {export} is not writable (read-only or not yours); pass another"
     if problem:
         raise ValueError(problem)
+
+
+def prepare_run_dir(cfg, layout, say, token_files: list[str] = ()) -> None:
+    """A run directory holding a previous run is only continued (--checkpoint.resume) or, with
+    --checkpoint.overwrite, emptied of what we wrote; anything else would mix two runs' metrics and checkpoints.
+    An export directory is checked before any training (it gets the run's `token_files`). `cfg` is the run's
+    configs.Config; only `layout`'s main process deletes. A ValueError says what to pass instead."""
+    for flag in ("export_hf", "export_peft"):
+        if getattr(cfg.checkpoint, flag):
+            check_export_dir(getattr(cfg.checkpoint, flag), run_dir=cfg.checkpoint.dir, flag=f"--checkpoint.{flag}",
+                             init_from=cfg.model.init_from, writes=tuple(token_files),
+                             overwrite=cfg.checkpoint.replace_export)
+    run_dir = cfg.checkpoint.dir
+    if os.path.isfile(os.path.join(run_dir, EXPORT_MARKER)):
+        raise ValueError(f"--checkpoint.dir {run_dir} is a glm5f export (a Transformers or PEFT directory), not "
+                         f"a run directory: a run there would mix its checkpoints into the export. Pass another "
+                         f"--checkpoint.dir (and --model.init_from {run_dir} to start from the export)")
+    if cfg.checkpoint.resume or not os.path.isdir(run_dir):
+        return
+    found = [n for n in RUN_FILES[:2] if os.path.exists(os.path.join(run_dir, n))]
+    if found and not cfg.checkpoint.overwrite:
+        raise ValueError(f"the run directory {run_dir} already holds a run ({', '.join(found)}); continue it "
+                         f"with --checkpoint.resume latest, start over with --checkpoint.overwrite (deletes "
+                         f"its {', '.join(RUN_FILES)}), or pass another --checkpoint.dir")
+    if found and layout.is_main:
+        for n in RUN_FILES:
+            path = os.path.join(run_dir, n)
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.exists(path):
+                os.remove(path)

@@ -20,6 +20,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 
 TINY_RUN = ["--model.preset", "glm5-tiny", "--data.batch_size", "2", "--data.seq_len", "32", "--train.steps", "2"]
+RUN_64 = ["--data.batch_size", "2", "--data.seq_len", "64", "--train.steps", "1"]  # one step of 2 x 64 tokens
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT_ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+
+
+def run_script(*argv, stdin=None):
+    """`python *argv` (a script of the repository and its flags, or `-c CODE`) run from the repository root on one
+    thread, `stdin` as its input: the CompletedProcess, with its stdout and stderr as text."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, *argv], cwd=ROOT, env=SCRIPT_ENV, capture_output=True, text=True,
+                          timeout=300, input=stdin)
 
 
 def hf_model(cfg: glm5f.GLM5Config, seed: int = 0, bias_std: float = 0.1):

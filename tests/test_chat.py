@@ -351,3 +351,14 @@ def test_default_template_lays_out_the_glm_format():
     assert with_tools.startswith("[gMASK]<sop><|system|>\n# Tools\n") and '"name": "get_weather"' in with_tools
     ids = fmt.ids(messages)
     assert all(fmt.tok.special[s] in ids for s in ("[gMASK]", "<|observation|>", "<arg_key>", "</think>"))
+
+
+def test_typed_chat_fields_are_checked_as_content_is():
+    from glm5f.chat import chat_messages
+
+    with pytest.raises(ValueError, match=r"message 1 \(assistant\) needs a string 'reasoning_content', found a list"):
+        chat_messages({"messages": [{"role": "user", "content": "q"},
+                                    {"role": "assistant", "content": "a", "reasoning_content": ["x", "y"]}]})
+    with pytest.raises(ValueError, match="the arguments of f must be a JSON object of named arguments, found a number"):
+        chat_messages({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "",
+                                     "tool_calls": [{"function": {"name": "f", "arguments": 42}}]}]})

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 import glm5f
 from configs import Config, validate
-from conftest import bpe_tokenizer, cli
+from conftest import bpe_tokenizer, cli, run_script
 from glm5f import checkpoint, preempt
 from glm5f.data import ByteTokenizer
 from glm5f.metrics import read_metrics
@@ -358,3 +358,9 @@ def test_a_tokenizer_larger_than_an_init_from_checkpoints_vocab_gets_advice_that
             f"config.json's vocab_size, which a run from it keeps): pass the tokenizer that checkpoint was trained "
             f"with, or drop --model.tokenizer_path to use the one it carries") in err
     assert "--model.vocab_size" not in err and not (tmp_path / "run").exists()
+
+
+def test_warnings_print_as_one_line_in_the_scripts():
+    out = run_script("-c", "import warnings; from glm5f.data import warnings_as_lines; warnings_as_lines(); "
+                    "warnings.warn('an FP8 checkpoint: dequantized as read')")
+    assert out.returncode == 0 and out.stderr == "warning: an FP8 checkpoint: dequantized as read\n", out.stderr

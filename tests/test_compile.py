@@ -9,10 +9,12 @@ import tyro
 
 import glm5f
 from configs import Config
+from conftest import ROOT, RUN_64, SCRIPT_ENV
 from glm5f.env import make_env
 from glm5f.loss import Step, step_grads
 from glm5f.model import decoder_layer
 from glm5f.parallel import Layout
+from train import main
 
 # every layer kind: dense + full indexer, MoE + full indexer, MoE + shared indexer, an MTP layer; sparse below 8 keys
 CFG = glm5f.preset("glm5-tiny", num_nextn_predict_layers=1, index_topk=8)
@@ -131,3 +133,64 @@ def test_glm53_compiled_bf16_training_learns(tmp_path):
     assert all(math.isfinite(v) for v in losses) and sum(losses[-3:]) / 3 < losses[0] - 0.3, losses
     assert all(math.isfinite(r["indexer_loss"]) for r in compiled)
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(eager, compiled)) < 0.05
+
+
+def test_the_first_compiled_step_and_evaluation_are_announced_before_they_compile(monkeypatch, tmp_path, capsys):
+    """--train.compile: a line says the step is compiling before the first step runs (in a resumed run too: a new
+    process compiles again) and another before the first evaluation (no gradients: other graphs), each once;
+    without --train.compile neither. What was printed is read when the step and the evaluation are called."""
+    import train as train_mod
+
+    calls = []
+
+    def spy(name, real):
+        def call(*args, **kwargs):
+            step = args[-1]
+            calls.append((name, step.compile, capsys.readouterr().out))
+            return real(*args, **kwargs)
+        return call
+    monkeypatch.setattr(glm5f.step, "step_grads", spy("step", glm5f.step.step_grads))
+    monkeypatch.setattr(train_mod, "eval_loss", spy("eval", train_mod.eval_loss))
+    monkeypatch.setattr(glm5f.model, "compiled_decoder_layer", lambda: glm5f.model.decoder_layer)  # eager: fast
+    flags = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", *RUN_64[:4], "--train.log_every", "1",
+             "--eval.every", "1", "--eval.batches", "1", "--checkpoint.dir", str(tmp_path / "run")]
+    step_line = "compiling the step (the first step takes a while; the next ones reuse it)...\n"
+    eval_line = "compiling the evaluation (the first one takes a while; the next ones reuse it)...\n"
+    assert main(flags + ["--train.steps", "2", "--train.compile"]) == 0
+    assert [(name, compiled) for name, compiled, _ in calls] == [("step", True), ("eval", True)] * 2
+    (_, _, before_step), (_, _, before_eval), (_, _, later_step), (_, _, later_eval) = calls
+    assert before_step.endswith(step_line) and before_eval == eval_line, (before_step, before_eval)
+    assert "compiling" not in later_step + later_eval + capsys.readouterr().out
+    calls.clear()
+    assert main(flags + ["--train.steps", "3", "--train.compile", "--checkpoint.resume", "latest"]) == 0
+    assert calls[0][2].endswith(step_line) and calls[1][2] == eval_line
+    calls.clear()
+    assert main(flags + ["--train.steps", "4", "--checkpoint.resume", "latest"]) == 0
+    assert [compiled for _, compiled, _ in calls] == [False, False]
+    assert "compiling" not in "".join(out for _, _, out in calls) + capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_the_compiling_line_reaches_a_pipe_before_the_first_step_ends(tmp_path):
+    """A real `train.py --train.compile` (one layer; minutes on a loaded CPU) writing to a pipe, as under a job
+    scheduler or `| tee`: the compiling line arrives while the first step still compiles (no metrics yet)."""
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "train.py", "--model.preset", "glm5-tiny", "--model.num_hidden_layers",
+                             "1", "--data.type", "synthetic", "--data.batch_size", "2", "--data.seq_len", "16",
+                             "--train.steps", "1", "--eval.every", "0", "--train.compile", "--checkpoint.dir",
+                             str(run_dir)], cwd=ROOT, env={k: v for k, v in SCRIPT_ENV.items() if k != "PYTHONUNBUFFERED"},
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # buffered, as a user's
+    try:
+        for line in proc.stdout:
+            if line.startswith("compiling the step"):
+                assert not (run_dir / "metrics.jsonl").exists(), "the line came after the first step"
+                break
+        else:
+            raise AssertionError("no compiling line")
+        proc.stdout.read()
+        assert proc.wait(timeout=900) == 0 and (run_dir / "metrics.jsonl").exists()
+    finally:
+        proc.kill()

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from torch.func import grad, vmap
 
 import glm5f
-from glm5f import kernels
+from glm5f import kernels, sparse_union
 from glm5f.env import Mask, make_mask
 from glm5f.kernels import sparse_attention, sparse_attention_unblocked, topk_first
 
@@ -245,7 +245,7 @@ def test_blocked_sparse_core_equals_unblocked_oracle(B, T, K, H, block, kind, cp
     q = torch.randn(B, S, H, R + P, generator=g, dtype=torch.float64).requires_grad_()
     latent = torch.randn(B, T, R + P, generator=g, dtype=torch.float64).requires_grad_()
     w = torch.randn(B, S, H, R, generator=g, dtype=torch.float64)
-    with mock.patch.object(kernels, "union_width", PATHS[path]):
+    with mock.patch.object(sparse_union, "union_width", PATHS[path]):
         blocked = sparse_attention(q, latent, idx, allowed, 0.7, R, bias, block=block)
         grads = torch.autograd.grad((blocked * w).sum(), (q, latent))
     oracle = sparse_attention_unblocked(q, latent, idx, allowed, 0.7, R, bias)

@@ -8,6 +8,7 @@ as the student), its gradient against autograd through that implementation.
 
 import dataclasses
 import functools
+import json
 
 import pytest
 import torch
@@ -16,7 +17,8 @@ from hypothesis import strategies as st
 
 import glm5f
 from configs import Config, validate
-from conftest import cli, env_of, forward_by_layers, naive_seq_aux, rel_err, run_step
+from conftest import RUN_64, cli, env_of, forward_by_layers, naive_seq_aux, rel_err, run_step
+from glm5f import checkpoint
 from glm5f.attention import LATENT_NORM_EPS, attention
 from glm5f.kernels import topk_as_mask
 from glm5f.loss import Step, cross_entropy_sum, head_loss_sum, mtp_targets, step_grads, with_targets
@@ -24,6 +26,7 @@ from glm5f.model import apply, head_logits
 from glm5f.ops import apply_rope, layer_norm, rms_norm
 from glm5f.optim import value_and_grad
 from glm5f.parallel import Layout
+from train import main
 
 # glm5-tiny with weights wide enough that attention and index scores are far from uniform, top-k 8 of 24 keys
 CFG = glm5f.preset("glm5-tiny", initializer_range=0.2, index_topk=8)
@@ -625,3 +628,29 @@ def test_pooled_indexer_kl_and_its_gradients_match_the_definition(mode, kind, bl
     for name, gr, r in zip(leaves, grads, ref_grads):
         assert float(r.norm()) > 0, name
         assert float((gr - r).norm() / r.norm()) <= 1e-9, name
+
+
+def test_mtp_loss_weight_given_for_a_model_without_mtp_layers_is_one_warning(tmp_path, capsys):
+    """--train.mtp_loss_weight on a model without MTP layers: one warning line (no MTP loss exists to weight).
+    Not given: no warning, and a model with MTP layers trains with 0.1 (the same losses as --train.mtp_loss_weight
+    0.1, and Step.of's weight)."""
+    tiny = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", *RUN_64[:4], "--train.steps", "2",
+            "--eval.every", "0"]
+    assert main(tiny + ["--train.mtp_loss_weight", "0.5", "--checkpoint.dir", str(tmp_path / "set")]) == 0
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if "mtp_loss_weight" in line] == [
+        "warning: --train.mtp_loss_weight 0.5 is not used: the model has no MTP layers "
+        "(--model.num_nextn_predict_layers), so there is no mtp_loss to weight; drop the flag or train a model "
+        "with them"], err
+    mtp = tiny + ["--model.num_nextn_predict_layers", "1"]
+    assert main(tiny + ["--checkpoint.dir", str(tmp_path / "plain")]) == 0
+    assert main(mtp + ["--checkpoint.dir", str(tmp_path / "default")]) == 0
+    assert main(mtp + ["--train.mtp_loss_weight", "0.1", "--checkpoint.dir", str(tmp_path / "given")]) == 0
+    assert "mtp_loss_weight" not in capsys.readouterr().err
+    records = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+               for name in ("default", "given")}
+    assert [(r["loss"], r["mtp_loss"]) for r in records["default"]] == \
+        [(r["loss"], r["mtp_loss"]) for r in records["given"]]
+    run = checkpoint.read_meta(checkpoint.latest(str(tmp_path / "default")))["run"]
+    assert run["train"]["mtp_loss_weight"] is None
+    assert Step.of(Config().train, glm5f.preset("glm5-tiny", num_nextn_predict_layers=1)).coeffs["mtp_loss"] == 0.1

@@ -2,11 +2,13 @@
 loss curve PNG, read back pixel by pixel."""
 
 import json
+import os
 
 import matplotlib.image
 import numpy as np
 import pytest
 
+from conftest import run_script
 from glm5f.metrics import MetricsLog, plot_losses, read_metrics
 from train import main
 
@@ -69,3 +71,14 @@ def test_loss_png_draws_each_run_s_falling_curve(tmp_path):
     png = tmp_path / "loss.png"
     assert plot_losses(runs, str(png)) is True
     check_loss_png(png, ["#1f77b4", "#ff7f0e"])
+
+
+def test_compare_runs_png_into_a_directory(tmp_path):
+    pytest.importorskip("matplotlib")
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+    (tmp_path / "plots").mkdir()
+    out = run_script("scripts/compare_runs.py", str(tmp_path / "a"), str(tmp_path / "b"), "--png", str(tmp_path / "plots"))
+    assert out.returncode == 0 and f"plot: {tmp_path / 'plots' / 'compare.png'}" in out.stdout, out.stderr
+    assert os.listdir(tmp_path / "plots") == ["compare.png"] and not (tmp_path / "plots.png").exists()

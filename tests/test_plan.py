@@ -18,7 +18,7 @@ from torch.distributed.tensor import Replicate
 
 import glm5f
 from configs import Config
-from conftest import env_of
+from conftest import env_of, run_script
 from glm5f.parallel import mesh_shapes, placements
 from glm5f.loss import head_loss_sum, shift_labels
 from glm5f.model import hidden_states, main_head
@@ -361,3 +361,28 @@ def test_least_total_is_the_plans_update_and_below_its_total(preset, run, optim)
     assert least["forward_backward"] <= p["forward_backward_bytes"]
     assert least["total"] <= p["total_bytes"]
     assert least["forward_backward"] > least["activations"] > 0
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--parallel.dp_shard", "3", "--parallel.ep", "64"], "error: --plan needs a mesh: --parallel.ep 64 must divide "
+                                                          "the ranks dp_shard x cp = 3"),
+    (["--parallel.dp_shard", "16", "--parallel.ep", "16"], "error: --plan needs a mesh: --parallel.ep 16 must divide "
+                                                          "n_routed_experts (8)"),
+    (["--parallel.dp_shard", "0"], "error: --plan needs a mesh: --parallel.dp_shard must be >= 1, got 0")])
+def test_plan_of_flags_that_leave_no_mesh_is_an_error_line(flags, line):
+    out = run_script("train.py", "--plan", "table", *flags)
+    assert out.returncode == 1 and "Traceback" not in out.stderr and out.stderr.strip().splitlines()[-1] == line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
+def test_plan_for_a_gpu_runs_on_a_machine_without_one(capsys):
+    """The README's `--plan search ... --train.device cuda`: the plan allocates nothing, so it needs no GPU here;
+    planned for cuda, the table has no measured CPU runtime row."""
+    flags = ["--model.preset", "glm5-tiny", "--train.device", "cuda", "--parallel.device_memory_gb", "1",
+             "--data.batch_size", "2", "--data.seq_len", "64"]
+    assert main(["--plan", "search", *flags]) == 0
+    out, err = capsys.readouterr()
+    assert "smallest meshes for glm5-tiny" in out and "within 1 GB per rank" in out and "error" not in err, err
+    assert main(["--plan", "table", *flags]) == 0
+    out, err = capsys.readouterr()
+    assert "device memory (--parallel.device_memory_gb)" in out and "runtime" not in out, out

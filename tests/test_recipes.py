@@ -10,7 +10,8 @@ import pytest
 import torch
 import yaml
 
-from configs import CONFIG_FILE, load_config
+from config_file import load_config
+from glm5f.rundir import CONFIG_FILE
 from glm5f import checkpoint
 from glm5f.metrics import read_metrics
 from train import main
@@ -194,3 +195,10 @@ def test_a_missing_recipe_is_an_error_line(tmp_path, capsys):
     assert main(["--config", str(tmp_path / "nope.yaml")]) == 1
     assert capsys.readouterr().err == (f"error: --config {tmp_path / 'nope.yaml'}: cannot read it (No such file or "
                                        f"directory); pass a recipe file such as recipes/tiny.yaml\n")
+
+
+def test_a_recipe_key_given_twice_is_an_error_naming_both_lines(tmp_path, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("train:\n  steps: 5\n  seed: 1\n  steps: 7\n")
+    assert main(["--config", str(recipe)]) == 1
+    assert "the key 'steps' is given twice, on line 2 and line 4" in capsys.readouterr().err

@@ -13,7 +13,7 @@ import torch
 
 import glm5f
 from configs import with_data_type
-from conftest import cli, write_records
+from conftest import RUN_64, cli, write_records
 from glm5f import checkpoint
 from glm5f.data import make_eval_source, make_source
 from glm5f.metrics import read_metrics
@@ -369,7 +369,7 @@ def test_default_run_evaluates():
 
 
 def test_a_full_disk_while_writing_the_run_files_is_an_error_line(tmp_path, capsys, monkeypatch):
-    import configs
+    import config_file
     import glm5f.metrics as metrics
     import train as train_mod
     run = tmp_path / "run"
@@ -390,7 +390,7 @@ def test_a_full_disk_while_writing_the_run_files_is_an_error_line(tmp_path, caps
 
     def full(cfg):
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(configs, "config_yaml", full)  # config.yaml, written beside the first record
+    monkeypatch.setattr(config_file, "config_yaml", full)  # config.yaml, written beside the first record
     assert main(TINY + ["--train.steps", "1", "--checkpoint.dir", str(tmp_path / "r2")]) == 1
     assert capsys.readouterr().err.splitlines()[-1].startswith(
         f"error: could not write {tmp_path / 'r2' / 'config.yaml'}: No space left on device (ENOSPC); free some space")
@@ -401,3 +401,56 @@ def test_a_full_disk_while_writing_the_run_files_is_an_error_line(tmp_path, caps
     assert main(TINY + ["--train.steps", "1", "--checkpoint.dir", str(tmp_path / "r3")]) == 0
     assert (f"warning: no loss curve: could not write {tmp_path / 'r3' / 'loss.png'}: No space left on device "
             f"(ENOSPC)") in capsys.readouterr().err
+
+
+def test_out_of_memory_names_the_allocation_the_step_and_what_to_change(monkeypatch, tmp_path, capsys):
+    import glm5f.step as step_mod
+
+    real = step_mod.step_grads
+
+    def step_grads(*args, **kwargs):
+        if len(calls := step_grads.calls) == 1:
+            raise step_grads.error
+        calls.append(1)
+        return real(*args, **kwargs)
+    step_grads.calls = []
+    step_grads.error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a total "
+                                              "capacity of 79.11 GiB of which 1.02 GiB is free.")
+    monkeypatch.setattr(step_mod, "step_grads", step_grads)
+    assert main(["--model.preset", "glm5-tiny", "--data.type", "synthetic", *RUN_64[:4], "--train.steps", "3",
+                 "--checkpoint.dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: step 2: out of memory on cpu trying to allocate 2.50 GiB") and \
+        "--train.grad_accum" in err and "--train.activation_checkpointing" in err and "--plan" in err, err
+    step_grads.calls = [1]  # the CPU allocator's error
+    step_grads.error = RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 3221225472 bytes.")
+    assert main(["--model.preset", "glm5-tiny", "--data.type", "synthetic", *RUN_64[:4], "--train.steps", "3",
+                 "--checkpoint.dir", str(tmp_path / "cpu")]) == 1
+    assert "error: step 1: out of memory on cpu trying to allocate 3.00 GiB" in capsys.readouterr().err
+
+
+def test_trained_leaves_without_a_gradient_and_positions_past_the_model_are_warned(tmp_path, capsys):
+    tiny = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", *RUN_64]
+    assert main(tiny + ["--lora.rank", "2", "--lora.targets", "indexer", "--checkpoint.dir", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err
+    assert "warning: 6 of the 6 trained leaves got no gradient in the first step " \
+           "(model.layers.0.self_attn.indexer.wq_b, " in err, err
+    assert main(tiny + ["--lora.rank", "2", "--checkpoint.dir", str(tmp_path / "b"),
+                        "--model.max_position_embeddings", "32"]) == 0
+    err = capsys.readouterr().err
+    assert "no gradient" not in err and "--data.seq_len 64 reaches past the model's max_position_embeddings 32" in err
+
+
+def test_a_preset_pt_runs_start_line_shows_the_sizes_of_its_batches(tmp_path, capsys):
+    """--data.type preset_pt trains on the batches of its file, whatever --data.batch_size and --data.seq_len say:
+    the start line shows their sizes (the tokens each step's metrics record counts), not the flags'."""
+    path = tmp_path / "batches.pt"
+    g = torch.Generator().manual_seed(0)
+    torch.save([{"input_ids": torch.randint(0, 200, (4, 48), generator=g)},
+                {"input_ids": torch.randint(0, 200, (2, 64), generator=g)}], path)
+    assert main(["--model.preset", "glm5-tiny", "--data.path", str(path), "--data.batch_size", "16",
+                 "--data.seq_len", "128", "--train.steps", "2", "--checkpoint.dir", str(tmp_path / "run")]) == 0
+    start = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("glm5f:"))
+    assert f"preset_pt data, 4x48 or 2x64 tokens/step (the batches of {path})," in start and "16x128" not in start
+    assert [json.loads(line)["tokens"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()] \
+        == [4 * 48, 2 * 64]
