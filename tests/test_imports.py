@@ -29,7 +29,8 @@ def modules(root: pathlib.Path) -> dict[str, pathlib.Path]:
 def import_graph(root: pathlib.Path) -> dict[str, set[str]]:
     """{module: the package's modules it imports} over every import statement of its file, at any depth (inside
     functions, under TYPE_CHECKING). `from P import n` imports P, and P.n when that is a module; relative imports
-    are resolved against the importing module's package."""
+    are resolved against the importing module's package. A module's own parent packages are no edge: Python loads
+    them before the module itself, whatever it imports (a package's modules import each other through it)."""
     found = modules(root)
     graph = {}
     for name, path in found.items():
@@ -45,7 +46,8 @@ def import_graph(root: pathlib.Path) -> dict[str, set[str]]:
                 else:
                     base = node.module
                 targets |= {base} | {f"{base}.{a.name}" for a in node.names}
-        graph[name] = (targets & found.keys()) - {name}
+        ancestors = {name.rsplit(".", k)[0] for k in range(1, name.count(".") + 1)}
+        graph[name] = (targets & found.keys()) - {name} - ancestors
     return graph
 
 
