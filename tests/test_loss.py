@@ -177,8 +177,9 @@ def test_indexer_mean_target_without_shared_layers_is_own_and_works_under_checkp
     args = ["--model.preset", "glm5-tiny", "--model.index_topk", "8", "--model.initializer_range", "0.2",
             "--train.indexer_loss", "dense"]
     every_full = dataclasses.replace(CFG, indexer_types=("full",) * 3)
-    own, g_own, _ = run_step(params, batch, cli(*args), every_full)
-    mean, g_mean, _ = run_step(params, batch, cli(*args, "--train.indexer_target", "mean"), every_full)
+    full_params = glm5f.init_params(every_full)  # every layer with its own indexer
+    own, g_own, _ = run_step(full_params, batch, cli(*args), every_full)
+    mean, g_mean, _ = run_step(full_params, batch, cli(*args, "--train.indexer_target", "mean"), every_full)
     assert own == mean and set(g_own) == set(g_mean)
     for k in g_own:
         assert torch.equal(g_own[k], g_mean[k]), k
