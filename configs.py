@@ -1,5 +1,5 @@
 """Run configuration: nested dataclasses parsed by tyro into `--section.field value` flags, over a recipe file's
-values (`--config FILE.yaml`: the same sections and fields, nested; flags override the file; config_file.py reads it).
+values (`--config FILE.yaml`: the same sections and fields, nested; flags override the file; glm5f/recipe_file.py reads it).
 
     python train.py --help
     python train.py --model.preset glm5-scaled-moe --train.steps 20 --checkpoint.dir runs/moe
@@ -18,6 +18,7 @@ from typing import Annotated, Literal, Optional
 import tyro
 
 import glm5f
+from glm5f import recipe_file
 from glm5f.data import check_path_fits, infer_data_type, load_batches
 from glm5f.lora import DEFAULT_TARGETS, LoraSpec, target_modules
 from glm5f.optim import OPTIMIZERS, trained_paths
@@ -581,3 +582,13 @@ def _lora_errors(cfg: Config, model: glm5f.GLM5Config) -> list[str]:
     except ValueError as e:
         errs.append(str(e))
     return errs
+
+
+def parse(argv: list[str], description: str | None = None) -> Config:
+    """The Config of a command line: `--config FILE` (a recipe, or a run's config.yaml) with the flags over it."""
+    return recipe_file.parse(argv, Config, description)
+
+
+def load_config(path: str) -> Config:
+    """The Config of recipe file `path` (`glm5f.recipe_file.load_config`)."""
+    return recipe_file.load_config(path, Config)

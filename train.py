@@ -22,8 +22,7 @@ import torch
 import torch.distributed as dist
 
 import glm5f
-from config_file import parse, write_config
-from configs import Config, mesh_errors, validate, with_data_type
+from configs import Config, mesh_errors, parse, validate, with_data_type
 from glm5f import checkpoint, lora, preempt, rundir
 from glm5f.chat import RUN_TOKENIZER_DIR, check_same_tokenizer, resolve_tokenizer
 from glm5f.data import (PresetSource, check_first_batch, make_eval_source, make_source, make_tokenizer,
@@ -43,6 +42,7 @@ from glm5f.parallel import Layout, local_tensor, nonfinite_counts
 from glm5f.preflight import check_inputs, check_run
 from glm5f.params import flatten, leaf_dtype, map_with_path, region_of
 from glm5f.resume import check_resumable
+from glm5f.recipe_file import write_config
 from glm5f.step import Trainer, TrainState, train_step
 
 

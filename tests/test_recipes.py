@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from config_file import load_config
+from configs import load_config
 from glm5f.rundir import CONFIG_FILE
 from glm5f import checkpoint
 from glm5f.metrics import read_metrics

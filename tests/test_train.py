@@ -369,7 +369,7 @@ def test_default_run_evaluates():
 
 
 def test_a_full_disk_while_writing_the_run_files_is_an_error_line(tmp_path, capsys, monkeypatch):
-    import config_file
+    from glm5f import recipe_file
     import glm5f.metrics as metrics
     import train as train_mod
     run = tmp_path / "run"
@@ -390,7 +390,7 @@ def test_a_full_disk_while_writing_the_run_files_is_an_error_line(tmp_path, caps
 
     def full(cfg):
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(config_file, "config_yaml", full)  # config.yaml, written beside the first record
+    monkeypatch.setattr(recipe_file, "config_yaml", full)  # config.yaml, written beside the first record
     assert main(TINY + ["--train.steps", "1", "--checkpoint.dir", str(tmp_path / "r2")]) == 1
     assert capsys.readouterr().err.splitlines()[-1].startswith(
         f"error: could not write {tmp_path / 'r2' / 'config.yaml'}: No space left on device (ENOSPC); free some space")

@@ -1,5 +1,5 @@
-"""The recipe file: reading one (`--config FILE.yaml`, under the command line's flags) into a Config, and writing
-a run's resolved config.yaml, which `--config` reads back to repeat the run.
+"""The recipe file: reading one (`--config FILE.yaml`, under the command line's flags) into a run config (the
+dataclass `configs.Config`, passed in), and writing a run's resolved config.yaml, which `--config` reads back.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from typing import Literal
 import tyro
 import yaml
 
-from configs import Config
 from glm5f.rundir import CONFIG_FILE
 
 
@@ -39,7 +38,7 @@ _Loader.add_implicit_resolver("tag:yaml.org,2002:float",
                               re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
 
 
-def parse(argv: list[str], description: str | None = None) -> Config:
+def parse(argv: list[str], cls, description: str | None = None):
     """The run config of a command line: `--config FILE` (a recipe, or a run's config.yaml) if given, with the
     other flags over it. A bad file is a ValueError naming the file, the key and what would be valid."""
     rest, path = [], None
@@ -53,12 +52,12 @@ def parse(argv: list[str], description: str | None = None) -> Config:
                 raise ValueError("--config needs a file: --config recipes/tiny.yaml")
         else:
             rest.append(a)
-    default = load_config(path) if path else Config()
-    return tyro.cli(Config, args=rest, default=default, use_underscores=True, description=description)
+    default = load_config(path, cls) if path else cls()
+    return tyro.cli(cls, args=rest, default=default, use_underscores=True, description=description)
 
 
-def load_config(path: str) -> Config:
-    """The Config of recipe file `path`: a YAML mapping of sections (model, data, ...) to mappings of fields, every
+def load_config(path: str, cls):
+    """The run config (an instance of dataclass `cls`) of recipe file `path`: a YAML mapping of sections (model, data, ...) to mappings of fields, every
     field optional (its default), each value of the field's type."""
     try:
         with open(path) as f:
@@ -68,7 +67,7 @@ def load_config(path: str) -> Config:
                          f"recipes/tiny.yaml") from None
     except yaml.YAMLError as e:
         raise ValueError(f"--config {path}: not valid YAML ({' '.join(str(e).split())})") from None
-    return _build(Config, tree if tree is not None else {}, path, "")
+    return _build(cls, tree if tree is not None else {}, path, "")
 
 
 def _build(cls, tree, path: str, where: str):
@@ -143,7 +142,7 @@ def _value(value, hint, path: str, key: str):
     raise ValueError(f"--config {path}: {key} must be {want}{optional}, found {_found(value)}")
 
 
-def config_yaml(cfg: Config) -> str:
+def config_yaml(cfg) -> str:
     """The text of a run's config.yaml: every field of `cfg`, as `--config` reads it back. The checkpoint flags
     that act on an existing run directory (resume, overwrite) are left at their defaults, so the file repeats
     the run; `--config RUN/config.yaml --checkpoint.resume latest` continues it."""
@@ -153,7 +152,7 @@ def config_yaml(cfg: Config) -> str:
             f"--checkpoint.dir NEW_DIR repeats this run\n{yaml.safe_dump(tree, sort_keys=False)}")
 
 
-def write_config(cfg: Config) -> str:
+def write_config(cfg) -> str:
     """Write config.yaml into the run directory (atomically: a temporary file renamed); returns its path."""
     path = os.path.join(cfg.checkpoint.dir, CONFIG_FILE)
     try:
