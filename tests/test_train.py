@@ -146,14 +146,14 @@ TINY = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", "--data.batch
 
 def nan_grad_norm_at(monkeypatch, bad_step):
     """Make clip_by_global_norm report a NaN norm (with a finite loss) on the bad_step-th call."""
-    import train as train_mod
-    real, calls = train_mod.clip_by_global_norm, []
+    import glm5f.step as step_mod
+    real, calls = step_mod.clip_by_global_norm, []
 
     def clip(grads, max_norm):
         calls.append(1)
         grads, norm = real(grads, max_norm)
         return grads, torch.full_like(norm, float("nan")) if len(calls) == bad_step else norm
-    monkeypatch.setattr(train_mod, "clip_by_global_norm", clip)
+    monkeypatch.setattr(step_mod, "clip_by_global_norm", clip)
 
 
 def test_nan_grad_norm_with_finite_loss_stops_before_the_update(tmp_path, capsys, monkeypatch):
@@ -185,11 +185,11 @@ def test_skip_nonfinite_skips_the_update_and_goes_on(tmp_path, capsys, monkeypat
 def test_nonfinite_params_are_never_checkpointed(tmp_path, capsys, monkeypatch):
     import dataclasses
 
-    import train as train_mod
-    make, calls = train_mod.make_optimizer, []
+    import glm5f.step as step_mod
+    make, calls = step_mod.make_optimizer, []
 
-    def with_inf_at_step_two(o, model_cfg):
-        opt = make(o, model_cfg)
+    def with_inf_at_step_two(o, model_cfg, lora=False):
+        opt = make(o, model_cfg, lora=lora)
 
         def update(params, *a, **k):
             calls.append(1)
@@ -198,7 +198,7 @@ def test_nonfinite_params_are_never_checkpointed(tmp_path, capsys, monkeypatch):
                 params = {**params, "lm_head": {"weight": params["lm_head"]["weight"] * float("inf")}}
             return params, state
         return dataclasses.replace(opt, update=update)
-    monkeypatch.setattr(train_mod, "make_optimizer", with_inf_at_step_two)
+    monkeypatch.setattr(step_mod, "make_optimizer", with_inf_at_step_two)
     assert main(TINY + ["--train.steps", "4", "--checkpoint.every", "1", "--checkpoint.dir", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "error: step 2: non-finite values in 1 parameter(s) (lm_head.weight); not writing a checkpoint" in err
