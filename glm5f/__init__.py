@@ -5,6 +5,7 @@ from glm5f.decode import generate
 from glm5f.hf import hf_state_dict, load_hf, save_hf
 from glm5f.data import IGNORE_INDEX
 from glm5f.env import make_env
+from glm5f.logprobs import token_logprobs
 from glm5f.loss import causal_lm_loss, cross_entropy_sum, shift_labels
 from glm5f.model import apply, decoder_layer, forward
 from glm5f.params import abstract_params, check_params, flatten, init_params, param_count, unflatten
@@ -12,5 +13,5 @@ from glm5f.params import abstract_params, check_params, flatten, init_params, pa
 __all__ = [
     "GLM5Config", "PRESETS", "preset", "init_params", "abstract_params", "param_count", "check_params", "flatten",
     "unflatten", "forward", "apply", "make_env", "decoder_layer", "causal_lm_loss", "cross_entropy_sum", "shift_labels",
-    "IGNORE_INDEX", "load_hf", "save_hf", "hf_state_dict", "generate",
+    "IGNORE_INDEX", "load_hf", "save_hf", "hf_state_dict", "generate", "token_logprobs",
 ]
