@@ -145,7 +145,7 @@ def test_the_first_compiled_step_and_evaluation_are_announced_before_they_compil
 
     def spy(name, real):
         def call(*args, **kwargs):
-            step = args[-1]
+            step = args[4]  # step_grads and eval_loss: (params, batch(es), cfg, layout, step, ...)
             calls.append((name, step.compile, capsys.readouterr().out))
             return real(*args, **kwargs)
         return call
