@@ -105,11 +105,13 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    type: Optional[Literal["text", "synthetic", "json_file", "preset_pt", "hf_datasets", "chat", "preference"]] = None
+    type: Optional[Literal["text", "synthetic", "json_file", "preset_pt", "hf_datasets", "chat", "preference",
+                           "rollouts"]] = None
     """text: the embedded corpus; synthetic: seeded bigram sequences; json_file: JSONL; preset_pt: torch.save'd
     batches; hf_datasets: a datasets.save_to_disk directory; chat: the embedded chat sample, or a JSONL of chat
     records with --data.path; preference: a JSONL of preference pairs for --train.objective dpo (glm5f/data/pairs.py;
-    --data.batch_size counts pairs). None: from --data.path (.jsonl[.gz]: json_file, .pt: preset_pt, a saved dataset:
+    --data.batch_size counts pairs); rollouts: a JSONL of prompts with sampled completions and their rewards for
+    --train.objective grpo (glm5f/data/rollouts.py; --data.batch_size counts groups). None: from --data.path (.jsonl[.gz]: json_file, .pt: preset_pt, a saved dataset:
     hf_datasets); text without a path."""
     path: Optional[str] = None
     """File or directory for json_file, preset_pt and hf_datasets (for chat: a JSONL of chat records)."""
@@ -323,6 +325,29 @@ class DPOConfig:
 
 
 @dataclass
+class RLConfig:
+    loss: Literal["dapo", "grpo"] = "dapo"
+    """GRPO: how token losses become the step's: dapo, their sum over the global batch's completion tokens; grpo,
+    the mean over completions of each one's token mean."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """GRPO: advantages are (reward - its group's mean) over the group's reward std (group), the global batch's
+    (batch) or 1 (none); std with Bessel's correction, plus 1e-4."""
+    epsilon_low: float = 0.2
+    """GRPO: the ratio exp(logp - old) is clipped below at 1 - epsilon_low."""
+    epsilon_high: float = 0.28
+    """GRPO: the ratio is clipped above at 1 + epsilon_high."""
+    tis_cap: float = 2.0
+    """GRPO: cap of the truncated importance weight exp(old - rollout) that corrects for the rollout engine's
+    log-probabilities (a completion's "logprobs"); 0: no weight."""
+    kl_beta: float = 0.0
+    """GRPO: weight of the KL estimate exp(ref - logp) - (ref - logp) - 1 to the reference (the run's starting
+    weights; a LoRA run's base); 0: none, and no reference is kept."""
+    updates_per_batch: int = 1
+    """GRPO: optimizer steps taken on each batch of groups (each a --train.steps step); the ratio's old
+    log-probabilities are the policy's before the batch's first one."""
+
+
+@dataclass
 class EvalConfig:
     every: int = 100
     """Held-out loss every N steps and at the end (eval_loss, eval_ppl in metrics.jsonl); 0: never."""
@@ -350,6 +375,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
     plan: Optional[Literal["table", "json", "search"]] = None
     """Print the per-rank memory plan of this run instead of running it (table, json, or search: the smallest
     meshes that fit --parallel.device_memory_gb); allocates nothing, starts no process, writes nothing."""
@@ -409,6 +435,15 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
                     f"log-probabilities would be summed across ranks); use --parallel.dp_shard or --parallel.ep")
     if cfg.data.type == "preference" and cfg.train.objective != "dpo":
         errs.append(f"--data.type preference holds pairs for --train.objective dpo, not {cfg.train.objective}")
+    if cfg.data.type == "rollouts" and cfg.train.objective != "grpo":
+        errs.append(f"--data.type rollouts holds sampled completions for --train.objective grpo, not "
+                    f"{cfg.train.objective}")
+    r = cfg.rl
+    if not (0 <= r.epsilon_low < 1 and r.epsilon_high >= 0 and r.tis_cap >= 0 and r.kl_beta >= 0
+            and r.updates_per_batch >= 1):
+        errs.append(f"--rl.epsilon_low must lie in [0, 1), --rl.epsilon_high, --rl.tis_cap and --rl.kl_beta be >= 0 "
+                    f"and --rl.updates_per_batch >= 1; got {r.epsilon_low}, {r.epsilon_high}, {r.tis_cap}, "
+                    f"{r.kl_beta}, {r.updates_per_batch}")
     if cfg.dpo.reference and cfg.lora.rank:
         errs.append("--dpo.reference with --lora.rank: a LoRA run's reference is its base with the adapters off; "
                     "drop --dpo.reference, or train the full model (without --lora.rank)")
@@ -437,7 +472,7 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     if cfg.train.grad_accum >= 1 and p.dp_shard >= 1 and cfg.data.batch_size % (cfg.train.grad_accum * p.dp_shard):
         errs.append(f"--data.batch_size ({cfg.data.batch_size}) must divide by --train.grad_accum x "
                     f"--parallel.dp_shard ({cfg.train.grad_accum} x {p.dp_shard})")
-    if cfg.data.type in ("json_file", "preset_pt", "hf_datasets", "preference") and not cfg.data.path:
+    if cfg.data.type in ("json_file", "preset_pt", "hf_datasets", "preference", "rollouts") and not cfg.data.path:
         errs.append(f"--data.type {cfg.data.type} needs --data.path")
     if cfg.data.chat_template is not None and not os.path.isfile(cfg.data.chat_template):
         errs.append(f"--data.chat_template {cfg.data.chat_template}: no such file (expected a jinja chat template)")

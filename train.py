@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import glm5f
 from configs import Config, mesh_errors, parse, validate, with_data_type
-from glm5f import checkpoint, lora, preempt, rundir
+from glm5f import checkpoint, grpo, lora, preempt, rundir
 from glm5f.chat import RUN_TOKENIZER_DIR, check_same_tokenizer, resolve_tokenizer
 from glm5f.data import (PresetSource, check_first_batch, make_eval_source, make_source, make_tokenizer,
                         print_warning, warnings_as_lines)
@@ -43,6 +43,7 @@ from glm5f.preflight import check_inputs, check_run
 from glm5f.params import flatten, leaf_dtype, map_with_path, region_of
 from glm5f.resume import check_resumable
 from glm5f.recipe_file import write_config
+from glm5f.grpo import old_logprobs
 from glm5f.step import Trainer, TrainState, train_step
 
 
@@ -121,7 +122,7 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     for message in unused if layout.is_main else ():
         print_warning(message)
     trainer = Trainer.of(cfg, model_cfg, layout)
-    reference = init_reference(cfg, model_cfg, params, layout) if trainer.step.objective.reference else None
+    reference = init_reference(cfg, model_cfg, params, layout) if trainer.step.objective.needs_reference(trainer.step.settings) else None
     state = trainer.init(trained, frozen, reference)
     data, eval_batches = make_data(cfg, model_cfg, layout, say, tokenizer.path)
     state, last_ckpt = resume(cfg, model_cfg, state, base, trainer.optimizer, data, say, tokenizer)
@@ -145,20 +146,29 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
             "tokenizer": tokenizer.fingerprint(), **({"lora_base": base} if base else {})}
     warn = print_warning if layout.is_main else (lambda message: None)
     records = []
+    per_batch = cfg.rl.updates_per_batch if cfg.train.objective == "grpo" else 1
+    batch = resumed_batch(last_ckpt, layout) if start % per_batch else None  # resumed between a batch's updates
     for i in range(start, cfg.train.steps):
         t0 = time.perf_counter()
-        with user_errors():  # a streamed record is read, and checked, when a batch needs it
-            batch = {k: v.to(layout.device) for k, v in data.next_batch().items()}
+        if batch is None or i % per_batch == 0:
+            with user_errors():  # a streamed record is read, and checked, when a batch needs it
+                batch = {k: v.to(layout.device) for k, v in data.next_batch().items()}
+            if per_batch > 1:  # the ratio's old log-probabilities: the policy's before the batch's first update
+                batch["old_targets"] = old_logprobs(state.params, batch, model_cfg, layout, trainer.step)
         check_input_ids(batch["input_ids"], model_cfg)
         if i == start:
             with user_errors():
                 check_first_batch(batch, i, cfg.data.path or cfg.data.type)
         if i == start and cfg.train.compile:
             say("compiling the step (the first step takes a while; the next ones reuse it)...", flush=True)
+        no_signal = "reward" in batch and not trainer.step.settings.kl_beta and not grpo.has_signal(batch)
+        if no_signal:
+            say(f"step {i + 1}: every group's completions have the same reward, so every advantage is 0 and there "
+                f"is nothing to learn; skipping this step's update")
         with out_of_memory(i + 1, layout, cfg):
             state, metrics = train_step(
                 state, batch, trainer,
-                skip=lambda m: check_step(cfg, i + 1, m["loss"], m["grad_norm"], last_ckpt, say),
+                skip=lambda m: check_step(cfg, i + 1, m["loss"], m["grad_norm"], last_ckpt, say) or no_signal,
                 inspect=(lambda grads: check_gradients(grads, layout, warn)) if i == start else None)
         skipped = metrics.pop("skipped", False)
         dt = time.perf_counter() - t0
@@ -187,13 +197,24 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
             check_finite(state.trained, layout, i + 1, last_ckpt)
             last_ckpt = checkpoint.save(
                 cfg.checkpoint.dir, i + 1, state.saved(),
-                extra={"step": i + 1, "data": data.state_dict(), "rng": checkpoint.rng_state()},
+                extra={"step": i + 1, "data": data.state_dict(), "rng": checkpoint.rng_state(),
+                       **({"batch": {k: v.cpu() for k, v in batch.items()}} if (i + 1) % per_batch else {})},
                 meta=meta, keep=cfg.checkpoint.keep)
         if stop:
             raise preempt.Preempted(i + 1, last_ckpt)
     report(cfg, layout, say)
     export(cfg, model_cfg, state, layout, say, tokenizer)
     return records
+
+
+def resumed_batch(ckpt: str | None, layout: Layout) -> dict:
+    """The batch a checkpoint taken between a batch's updates (--rl.updates_per_batch) was training on, with its
+    old log-probabilities, on the layout's device."""
+    saved = checkpoint.read_extra(ckpt).get("batch") if ckpt else None
+    if saved is None:
+        raise TrainingError(f"{ckpt}: taken between the updates of a batch (--rl.updates_per_batch), but it holds no "
+                            f"batch; resume with the --rl.updates_per_batch it was saved with")
+    return {k: v.to(layout.device) for k, v in saved.items()}
 
 
 def batch_sizes(cfg: Config, data) -> str:
@@ -294,9 +315,10 @@ def make_data(cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout, say, tok
             [{k: v.to(layout.device) for k, v in held_out.next_batch().items()} for _ in range(cfg.eval.batches)]
         for b in eval_batches:
             check_input_ids(b["input_ids"], model_cfg)
-    if held_out is None and cfg.eval.every and d.type == "preference":
+    if held_out is None and cfg.eval.every and d.type in ("preference", "rollouts"):
         say(f"no evaluation: the held-out loss is the LM loss of held-out text, and --train.objective "
-            f"{cfg.train.objective} trains on preference pairs (--eval.every 0 says so)")
+            f"{cfg.train.objective} trains on {'preference pairs' if d.type == 'preference' else 'rollouts'} "
+            f"(--eval.every 0 says so)")
     elif held_out is None and cfg.eval.every:
         say(f"no evaluation: {d.type} data has no held-out part; pass --eval.path (or --eval.split), or hold out a "
             f"part of --data.path with --eval.split_fraction")

@@ -401,6 +401,11 @@ def load_params(path: str) -> tuple[GLM5Config, dict]:
     return cfg, params
 
 
+def read_extra(path: str) -> dict:
+    """Checkpoint `path`'s extra (what `save` got as `extra`)."""
+    return torch.load(os.path.join(path, "extra.pt"), weights_only=True)
+
+
 def load(path: str, state: dict) -> dict:
     """Fill `state` (same tree as saved, any sharding) in place from checkpoint `path` (one `choose` took);
     returns its extra. A checkpoint whose files do not read back (damaged past what its manifest could catch, or
@@ -408,7 +413,7 @@ def load(path: str, state: dict) -> dict:
     read_meta(path)
     try:
         _quiet_dcp(dcp.load, state, checkpoint_id=path)
-        return torch.load(os.path.join(path, "extra.pt"), weights_only=True)
+        return read_extra(path)
     except (Exception, dcp.CheckpointException) as e:  # damaged, no manifest: DCP or torch.load fails part-way
         if isinstance(e, dcp.CheckpointException) and e.failures:
             e = next(iter(e.failures.values()))[0]  # (exception, stack) of the first rank that failed

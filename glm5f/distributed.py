@@ -89,6 +89,11 @@ class DistLayout(Layout):
         dist.all_reduce(t, group=group)
         return t
 
+    def max(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().clone()
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t
+
     def seq_sum(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.cp == 1 else self.sum(t, self.cp_group)
 

@@ -43,7 +43,7 @@ def dpo_terms(pi_c: torch.Tensor, pi_r: torch.Tensor, ref_c: torch.Tensor, ref_r
             "accuracy": (margin > 0).to(margin.dtype)}
 
 
-def prepare(batch: dict) -> dict:
+def prepare(batch: dict, settings=None) -> dict:
     """The batch with "answer_targets": which answer each next-token target belongs to (the "answer" entries
     shifted as the labels are), made on whole sequences."""
     return {**batch, "answer_targets": shift_labels(batch["answer"].masked_fill(batch["answer"] == 0, IGNORE_INDEX))

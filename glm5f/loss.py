@@ -213,22 +213,29 @@ class Objective:
     fp64 sum of it}, "loss" among them (the run stops, or skips, on a non-finite one). Each metric is logged as
     its sum over the global batch divided by denoms[metrics[name]]. denoms(batch) -> {name: global count >= 1} of
     the global batch (`with_targets`'s, after `prepare`): what the value and metrics are averaged over.
-    prepare(batch) -> batch: the global batch with what `loss` reads, made on whole sequences before any split
-    (every [B, S, ...] tensor of it is cut as the tokens are). plan_bytes(model_cfg, run, state) -> bytes per rank
+    prepare(batch, settings) -> batch: the global batch with what `loss` reads, made on whole sequences before any
+    split (every [B, S, ...] tensor of it is cut as the tokens are; 0-dim tensors are not), `settings` the
+    objective's flags (Step.settings). A metric whose denominator is "max" is logged as its largest value over
+    micro-batches and ranks instead. plan_bytes(model_cfg, run, state) -> bytes per rank
     the memory plan adds beyond the LM step (e.g. a reference copy of the params; `state`: `plan.state_bytes`).
     data_types: the --data.type values it trains on (None: any). settings: the Config section of its flags (e.g.
-    "dpo"), which the step hands its loss as ctx.step.settings. reference: its loss reads a reference model
-    (`Context.reference_forward`; the run keeps one, `TrainState.reference`). cp: whether it runs under CP."""
+    "dpo"), which the step hands its loss as ctx.step.settings. reference: whether its loss reads a reference model
+    (`Context.reference_forward`; the run keeps one, `TrainState.reference`): a bool or a function of its
+    settings (`needs_reference`). cp: whether it runs under CP."""
 
     loss: Callable[[dict, dict, Context], tuple[torch.Tensor, dict]]
     denoms: Callable[[dict], dict]
     metrics: dict
-    prepare: Callable[[dict], dict] = lambda batch: batch
+    prepare: Callable[[dict, object], dict] = lambda batch, settings: batch
     plan_bytes: Callable[..., int] = lambda model_cfg, run, state: 0
     data_types: tuple[str, ...] | None = None
     settings: str | None = None
-    reference: bool = False
+    reference: bool | Callable[[object], bool] = False
     cp: bool = True
+
+    def needs_reference(self, settings: object = None) -> bool:
+        """Whether a run with these settings (its --<settings> section) keeps a reference model."""
+        return self.reference(settings) if callable(self.reference) else self.reference
 
 
 def lm_loss(params: dict, batch: dict, ctx: Context) -> tuple[torch.Tensor, dict]:
@@ -442,17 +449,19 @@ def device_step(params: dict, batch: dict, cfg: GLM5Config, layout: Layout, step
     master = {p: t.dtype for p, t in flatten(params).items()}
     if step.reduce_dtype is not None:
         params = pytree.tree_map(lambda t: t.to(torch.promote_types(t.dtype, step.reduce_dtype)), params)
-    batch = step.objective.prepare(with_targets(batch, step.objectives.mtp_depths))
+    batch = step.objective.prepare(with_targets(batch, step.objectives.mtp_depths), step.settings)
     denoms = step_denoms(batch, cfg, step.objectives, step.objective)
     grad_fn = value_and_grad(micro_loss, has_aux=True, paths=step.trained(params))
     grads, sums, counts = None, {}, {}
     for mb in micro_batches(batch, step.grad_accum):
         (_, (mb_sums, mb_counts)), g = grad_fn(params, mb, denoms, cfg, layout, step, reference)
         grads = g if grads is None else dict(zip(grads, torch._foreach_add(list(grads.values()), list(g.values()))))
-        sums = {k: sums.get(k, 0) + v for k, v in mb_sums.items()}
+        sums = {k: (torch.maximum(sums[k], v) if step.denom(k) == "max" else sums[k] + v) if k in sums else v
+                for k, v in mb_sums.items()}
         counts = {k: counts.get(k, 0) + c for k, c in mb_counts.items()}
     grads = {p: g.to(master[p]) for p, g in grads.items()}
-    metrics = {k: (layout.sum(v) / denoms[step.denom(k)]).to(torch.float64) for k, v in sums.items()}
+    metrics = {k: (layout.max(v) if step.denom(k) == "max" else layout.sum(v) / denoms[step.denom(k)])
+               .to(torch.float64) for k, v in sums.items()}
     return metrics, grads, {k: layout.sum(c) for k, c in counts.items()}
 
 

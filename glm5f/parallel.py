@@ -117,6 +117,10 @@ class Layout:
         """Sum of a tensor over all ranks (here: itself), without autograd."""
         return t
 
+    def max(self, t: torch.Tensor) -> torch.Tensor:
+        """Elementwise largest value of a tensor over all ranks (here: itself), without autograd."""
+        return t
+
     def step_done(self, step: int) -> None:
         """The train loop finished step `step` (a multi-process layout passes it to its `on_step` hook)."""
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
-from glm5f import dpo
+from glm5f import dpo, grpo
 from glm5f.config import GLM5Config
 from glm5f.lora import attach
 from glm5f.loss import LM, Objective, Step, step_grads
@@ -21,7 +21,7 @@ from glm5f.params import flatten
 
 # The main objectives --train.objective names (`loss.Objective` rows). A new one is a row here; its functions live
 # in a file of their own.
-OBJECTIVES: dict[str, Objective] = {"lm": LM, "dpo": dpo.DPO}
+OBJECTIVES: dict[str, Objective] = {"lm": LM, "dpo": dpo.DPO, "grpo": grpo.GRPO}
 
 
 def objective(name: str) -> Objective:

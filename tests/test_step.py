@@ -41,7 +41,7 @@ def weighted_loss(params, batch, ctx):
 
 TOY = Objective(weighted_loss, lambda batch: {"weight": batch["position_weights"].sum().clamp(min=1)},
                 {"loss": "weight"},
-                prepare=lambda batch: {**batch, "position_weights": position_weights(batch["targets"])},
+                prepare=lambda batch, settings: {**batch, "position_weights": position_weights(batch["targets"])},
                 plan_bytes=lambda model_cfg, run, state: state["params"])  # as if it held a reference copy
 
 

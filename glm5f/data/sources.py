@@ -12,6 +12,7 @@ from glm5f.data.packing import PackedSource, RowPacker
 from glm5f.data.readers import (DatasetReader, JsonlReader, check_same_files, embedded_documents, fingerprint,
                                 load_batches, record_example, text_example)
 from glm5f.data.pairs import PairSource, read_pairs
+from glm5f.data.rollouts import RolloutSource, read_groups
 from glm5f.tokens import IGNORE_INDEX, Example, check_vocab, has_target, make_tokenizer
 
 
@@ -239,6 +240,11 @@ def make_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, se
             raise ValueError("--data.type preference needs --data.path (a JSONL of preference records)")
         fmt = chat_data.ChatFormat.load(tokenizer_path, chat_template)
         return PairSource(read_pairs(path, tok, fmt), batch_size, seq_len, vocab_size, seed, tok.pad_id, warn, path)
+    if kind == "rollouts":  # groups of sampled completions for GRPO, in memory (glm5f.data.rollouts)
+        if path is None:
+            raise ValueError("--data.type rollouts needs --data.path (a JSONL of rollout groups)")
+        fmt = chat_data.ChatFormat.load(tokenizer_path, chat_template)
+        return RolloutSource(read_groups(path, tok, fmt), batch_size, seq_len, vocab_size, seed, tok.pad_id, path)
     if kind == "chat" and path is None:
         return sample_source("train", vocab_size=vocab_size, batch_size=batch_size, seq_len=seq_len,
                                        seed=seed, tokenizer_path=tokenizer_path, pack=pack, chat=chat(), warn=warn)
@@ -271,7 +277,7 @@ def make_eval_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: in
     common = dict(vocab_size=vocab_size, batch_size=batch_size, seq_len=seq_len, seed=seed,
                   tokenizer_path=tokenizer_path, pack=pack, shuffle_buffer=shuffle_buffer,
                   chat_template=chat_template, train_on=train_on)
-    if kind == "preference":  # DPO's pairs have no LM loss to hold out
+    if kind in ("preference", "rollouts"):  # DPO's pairs and GRPO's groups have no LM loss to hold out
         return None
     if path is not None or split is not None:
         eval_kind = "json_file" if kind in ("text", "synthetic") else kind
