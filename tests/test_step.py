@@ -134,7 +134,7 @@ def test_the_objective_flag_takes_the_table_and_its_data_types(toy, monkeypatch,
     assert not validate(cli(*TINY, "--train.objective", "toy"))
     assert main([*TINY, "--train.objective", "ppo", "--checkpoint.dir", str(tmp_path / "run")]) == 1
     err = capsys.readouterr().err
-    assert "--train.objective 'ppo' is unknown; choose one of lm, dpo, toy" in err and not (tmp_path / "run").exists()
+    assert "--train.objective 'ppo' is unknown; choose one of lm, dpo, grpo, toy" in err and not (tmp_path / "run").exists()
     monkeypatch.setitem(OBJECTIVES, "toy", dataclasses.replace(TOY, data_types=("chat",)))
     assert validate(cli(*TINY, "--train.objective", "toy")) == [
         "--train.objective toy trains on --data.type chat, not synthetic; pass one of them"]
