@@ -363,3 +363,61 @@ def test_dpo_layouts_equal_one_process_fp64(preset, lora, layouts, tmp_path):
         print(f"{preset} {'lora' if lora else 'full'} {layout}: max |weight difference| {worst:.1e}, max |metric "
               f"difference| {metric:.1e}")
         assert worst <= 1e-9, f"{layout}: final weights differ from one process's by {worst:.2e}"
+
+
+# ---- GRPO ---------------------------------------------------------------------------------------------------------
+
+GRPO_METRICS = ("loss", "reward", "reward_std", "advantage_abs", "completion_length", "clip_fraction",
+                "tis_capped_fraction", "rollout_logprob_gap", "rollout_logprob_gap_max", "kl")
+
+
+def _grpo_run(run_dir, preset: str, data: str, *args) -> tuple[list[dict], dict]:
+    """A 4-step fp64 GRPO run over a rollouts file, two updates per batch, with a KL to the start: (its step
+    records, its final trained weights gathered into this process)."""
+    from glm5f.checkpoint import latest, load_params
+
+    assert main(["--model.preset", preset, "--train.objective", "grpo", "--data.type", "rollouts", "--data.path",
+                 data, "--data.batch_size", "2", "--data.seq_len", "16", "--train.steps", "4", "--train.dtype",
+                 "float64", "--optim.warmup_steps", "0", "--optim.lr", "3e-2", "--eval.every", "0",
+                 "--rl.updates_per_batch", "2", "--rl.kl_beta", "0.1", "--checkpoint.every", "4",
+                 "--checkpoint.dir", str(run_dir), *args]) == 0
+    records = [r for r in read_metrics(run_dir) if "reward" in r]
+    return records, load_params(latest(str(run_dir)))[1]
+
+
+@pytest.mark.parametrize("layouts,lora", [
+    pytest.param(("dp2", "ep2"), False, id="dp-ep-full"),
+    pytest.param(("cp2", "cp2-ep2"), True, id="cp-lora"),
+    pytest.param(("cp2", "cp2-ep2"), False, id="cp-full", marks=pytest.mark.slow),
+    pytest.param(("dp2", "ep2"), True, id="dp-ep-lora", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("preset", ["glm5-tiny", "glm53-tiny"])
+def test_grpo_layouts_equal_one_process_fp64(preset, layouts, lora, tmp_path):
+    """GRPO over rollouts (group advantages on the global batch, the old policy's log-probabilities gathered from
+    every rank's share, the engine's importance weights, the KL to the reference, per-completion token means
+    under CP) under dp_shard 2, ep 2, cp 2 and cp 2 x ep 2, full training and LoRA: 4 steps' metrics and the final
+    weights equal one process's within 1e-9."""
+    from glm5f.params import flatten
+    from test_grpo import rollout_records
+
+    cfg = glm5f.preset(preset)
+    recs = rollout_records(cfg.vocab_size, groups=4, size=2, seed=3)
+    g = torch.Generator().manual_seed(4)
+    for rec in recs:
+        for c in rec["completions"]:
+            c["logprobs"] = (-torch.rand(len(c["ids"]), generator=g, dtype=torch.float64) * 8).tolist()
+    data = tmp_path / "rollouts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    extra = ["--lora.rank", "4"] if lora else ["--rl.loss", "grpo"]
+    ref_records, ref_params = _grpo_run(tmp_path / "one", preset, str(data), *extra)
+    assert len(ref_records) == 4 and ref_records[-1]["kl"] > 0 and ref_records[1]["clip_fraction"] > 0
+    ref_flat = flatten(ref_params)
+    for layout in layouts:
+        records, params = _grpo_run(tmp_path / layout, preset, str(data), *extra, *LAYOUTS[layout])
+        assert len(records) == len(ref_records)
+        for got, want in zip(records, ref_records):
+            for k in GRPO_METRICS:
+                assert abs(got[k] - want[k]) <= 1e-9, f"{layout} step {want['step']} {k}: {got[k]} vs {want[k]}"
+        flat = flatten(params)
+        worst = max(float((flat[k] - w).abs().max()) for k, w in ref_flat.items())
+        print(f"{preset} {'lora' if lora else 'full'} {layout}: max |weight difference| {worst:.1e}")
+        assert worst <= 1e-9, f"{layout}: final weights differ from one process's by {worst:.2e}"
