@@ -330,9 +330,20 @@ def _dpo_run(run_dir, preset: str, data: str, *args) -> tuple[list[dict], dict]:
     return records, load_params(latest(str(run_dir)))[1]
 
 
-@pytest.mark.parametrize("layouts", [("dp2", "ep2"), ("cp2", "cp2-ep2")], ids=["dp-ep", "cp"])
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-@pytest.mark.parametrize("preset", ["glm5-tiny", "glm53-tiny"])
+def layout_cases() -> list:
+    """(preset, layouts, lora) of the post-training layout tests: two in CI (GLM-5 full over dp and ep, GLM-5.3
+    LoRA over cp and cp x ep), the other six behind the slow marker."""
+    cases = []
+    for preset in ("glm5-tiny", "glm53-tiny"):
+        for layouts, name in ((("dp2", "ep2"), "dp-ep"), (("cp2", "cp2-ep2"), "cp")):
+            for lora in (False, True):
+                ci = (preset, name, lora) in (("glm5-tiny", "dp-ep", False), ("glm53-tiny", "cp", True))
+                cases.append(pytest.param(preset, layouts, lora, id=f"{preset}-{name}-{'lora' if lora else 'full'}",
+                                          marks=[] if ci else [pytest.mark.slow]))
+    return cases
+
+
+@pytest.mark.parametrize("preset,layouts,lora", layout_cases())
 def test_dpo_layouts_equal_one_process_fp64(preset, lora, layouts, tmp_path):
     """DPO (the reference forward beside the policy's, each pair's answer sums, the per-pair sigmoid) under
     dp_shard 2, ep 2, cp 2 (each answer's sums over the CP group, with gradients, before the sigmoid) and cp 2 x
@@ -385,12 +396,7 @@ def _grpo_run(run_dir, preset: str, data: str, *args) -> tuple[list[dict], dict]
     return records, load_params(latest(str(run_dir)))[1]
 
 
-@pytest.mark.parametrize("layouts,lora", [
-    pytest.param(("dp2", "ep2"), False, id="dp-ep-full"),
-    pytest.param(("cp2", "cp2-ep2"), True, id="cp-lora"),
-    pytest.param(("cp2", "cp2-ep2"), False, id="cp-full", marks=pytest.mark.slow),
-    pytest.param(("dp2", "ep2"), True, id="dp-ep-lora", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("preset", ["glm5-tiny", "glm53-tiny"])
+@pytest.mark.parametrize("preset,layouts,lora", layout_cases())
 def test_grpo_layouts_equal_one_process_fp64(preset, layouts, lora, tmp_path):
     """GRPO over rollouts (group advantages on the global batch, the old policy's log-probabilities gathered from
     every rank's share, the engine's importance weights, the KL to the reference, per-completion token means
