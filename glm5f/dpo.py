@@ -86,7 +86,7 @@ def loss(params: dict, batch: dict, ctx: Context) -> tuple[torch.Tensor, dict]:
 
 def plan_bytes(model_cfg, run, state: dict) -> int:
     """The reference's bytes per rank: none in a LoRA run (its base), else a copy of the params (sharded as they
-    are) in the compute dtype."""
+    are) in the compute dtype. (GRPO's, with --rl.kl_beta, is the same.)"""
     if run.lora_rank:
         return 0
     act = run.dtypes[0]

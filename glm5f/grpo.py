@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from glm5f import dpo
 from glm5f.loss import Context, Objective, head_token_losses, micro_batches, micro_loss, with_targets
 from glm5f.tokens import IGNORE_INDEX
 
@@ -199,5 +200,15 @@ METRICS = {"loss": "loss_units", **{k: "completions" for k in ("reward", "reward
            "rollout_logprob_gap_max": "max"}
 
 
-GRPO = Objective(loss, denoms, METRICS, prepare=prepare, data_types=("rollouts",), settings="rl",
-                 reference=lambda o: bool(o and o.kl_beta))
+def plan_bytes(model_cfg, run, state: dict) -> int:
+    """Bytes per rank beyond the LM step: the reference (`dpo.plan_bytes`) when --rl.kl_beta asks for one."""
+    return dpo.plan_bytes(model_cfg, run, state) if needs_reference(run.settings) else 0
+
+
+def needs_reference(settings) -> bool:
+    """Whether the run keeps a reference model: only for the KL term."""
+    return bool(settings is not None and settings.kl_beta)
+
+
+GRPO = Objective(loss, denoms, METRICS, prepare=prepare, plan_bytes=plan_bytes, data_types=("rollouts",),
+                 settings="rl", reference=needs_reference)

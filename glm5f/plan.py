@@ -25,6 +25,7 @@ from torch.distributed.tensor import Shard
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from glm5f.config import GLM5Config
+from glm5f.data.rollouts import file_group_size
 from glm5f.env import make_env
 from glm5f.layers import LeafKind, kinds, layer_spec
 from glm5f.loss import head_chunk_rows, head_loss_sum, shift_labels
@@ -56,6 +57,7 @@ class RunShape:
     lora_targets: str = DEFAULT_TARGETS
     base_dtype: str | None = None
     objective: str = "lm"
+    settings: object = None  # the objective's flags (its Config section), for its plan_bytes
 
     @property
     def lora(self) -> LoraSpec | None:
@@ -82,9 +84,23 @@ def run_shape(cfg) -> RunShape:
     p, t = cfg.parallel, cfg.train
     lo = getattr(cfg, "lora", None)
     return dataclasses.replace(
-        RunShape(p.dp_shard, p.cp, p.ep, cfg.data.batch_size, cfg.data.seq_len, t.grad_accum, t.dtype, t.reduce_dtype,
+        RunShape(p.dp_shard, p.cp, p.ep, cfg.data.batch_size * rows_per_item(cfg), cfg.data.seq_len, t.grad_accum, t.dtype, t.reduce_dtype,
                  t.activation_checkpointing, *((lo.rank, lo.targets, lo.base_dtype) if lo else ())),
-        objective=getattr(t, "objective", "lm"))
+        objective=getattr(t, "objective", "lm"), settings=objective_settings(cfg))
+
+
+def rows_per_item(cfg) -> int:
+    """Rows of a batch per --data.batch_size item: a GRPO group's completions (a rollouts file's group size),
+    else 1."""
+    if getattr(cfg.train, "objective", "lm") != "grpo" or cfg.data.type != "rollouts" or not cfg.data.path:
+        return 1
+    return file_group_size(cfg.data.path) or 1
+
+
+def objective_settings(cfg) -> object:
+    """The flags of the run's main objective (its Config section, e.g. cfg.rl), None when it has none."""
+    row = OBJECTIVES.get(getattr(cfg.train, "objective", "lm"))
+    return getattr(cfg, row.settings, None) if row is not None and row.settings else None
 
 
 # ---- parameters, gradients, optimizer state -----------------------------------------------------------------------

@@ -180,3 +180,19 @@ def test_a_reward_that_is_not_finite_stops_the_run_in_one_line(setup, tmp_path):
     with pytest.raises(ValueError, match=rf"{path}:2: completion 0: 'reward' must be a finite number"):
         train(cli(*grpo_flags(tmp, str(path), "run_bad", "--train.steps", "1")))
     assert not os.path.exists(os.path.join(tmp, "run_bad", "checkpoints"))
+
+
+def test_the_plan_counts_each_group_s_rows_and_the_kl_reference(tmp_path):
+    from glm5f.plan import plan, run_shape
+
+    recs = rollout_records(64, groups=2, size=4)
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    base = ["--model.preset", "glm5-tiny", "--data.batch_size", "4", "--data.seq_len", "32"]
+    grpo = [*base, "--train.objective", "grpo", "--data.type", "rollouts", "--data.path", str(path)]
+    lm, off, on = (run_shape(cli(*flags)) for flags in (base, grpo, [*grpo, "--rl.kl_beta", "0.1"]))
+    assert (lm.micro_batch, off.micro_batch) == (4, 16)  # 4 groups of 4 completions, one per row
+    cfg = glm5f.preset("glm5-tiny")
+    assert plan(cfg, off)["objective_bytes"] == 0
+    dpo = run_shape(cli(*base, "--train.objective", "dpo", "--data.type", "preference", "--data.path", "x.jsonl"))
+    assert plan(cfg, on)["objective_bytes"] == plan(cfg, dpo)["objective_bytes"] > 0  # the same reference copy

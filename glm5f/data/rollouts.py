@@ -171,6 +171,17 @@ def read_groups(path: str, tok, fmt=None, replay_shapes: dict | None = None) -> 
     return groups
 
 
+def file_group_size(path: str) -> int | None:
+    """The number of completions in the first group of a rollouts file (every group has as many), None when the
+    file or its first record cannot be read (the run's reader says why)."""
+    try:
+        with open(path, "rb") as f:
+            first = next(line for line in f if line.strip())
+        return len(json.loads(first)["completions"])
+    except (OSError, StopIteration, ValueError, KeyError, TypeError):
+        return None
+
+
 def rollout_batch(groups: list[Group], seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
     """One completion per row (prompt, completion, then padding with positions of its own, never scored), the
     groups in order: "input_ids", "labels", "position_ids" [R, S]; "rollout_logprobs" [R, S] (fp64: the engine's
