@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
+from glm5f import replay
 from glm5f.config import GLM5Config
 from glm5f.kernels import allowed_rows
 from glm5f.lora import LoraSpec, bind
@@ -124,7 +125,10 @@ class Env:
     spec (scale, dropout) of the adapters in the params, None without; `query_parts`: the parts of the queries
     sparse attention runs over (`attention.sparse_mla`); `topk_dense`: whether a CPU layer may attend its top-k
     with per-head keys where that costs less (`attention.dense_topk_pays`; off in the memory plan's traces, which
-    follow the accelerators' sparse kernels)."""
+    follow the accelerators' sparse kernels). `routing` and `indexer`: the batch's replay records of this rank's
+    positions by layer (`glm5f.replay`): routing[layer] [B, S, K] the experts to use, indexer[layer] [B, S, T] the
+    key rows (pool ends) to attend (`replay.key_rows`); empty without replay. `record`: the layers' aux also hold
+    what `replay.record` reads (the indexers' selections)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -138,6 +142,9 @@ class Env:
     lora: LoraSpec | None = None
     query_parts: int = 1
     topk_dense: bool = True
+    routing: dict[int, torch.Tensor] = field(default_factory=dict)
+    indexer: dict[int, torch.Tensor] = field(default_factory=dict)
+    record: bool = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -237,10 +244,14 @@ def make_env(cfg: GLM5Config, batch: dict, dtype: torch.dtype, layout: Layout | 
              remat: bool = False, compile: bool = False, lora: LoraSpec | None = None,
              query_parts: int = 1) -> tuple[dict, Env]:
     """(this rank's share of a global batch, the Env its layers run in). The batch holds [B, S] "input_ids" and
-    "position_ids", optionally "attention_mask" (2D or 4D, see `make_mask`), "valid" and any other per-token
-    tensors (split alike); the layout says which rows and positions are this rank's."""
+    "position_ids", optionally "attention_mask" (2D or 4D, see `make_mask`), "valid", the replay records "routing"
+    and "indexer" (`glm5f.replay`; shapes checked, values not: `replay.check_replay` reads them) and any other
+    per-token tensors (split alike); the layout says which rows and positions are this rank's."""
     layout = layout or Layout(batch["input_ids"].device)
     B, S = batch["input_ids"].shape
+    replaying = any(batch.get(k) is not None for k in replay.REPLAY_KEYS)
+    if replaying:
+        replay.check_shapes(batch, cfg)
     rows, positions = layout.share(B, S)
     packed = batch.get("position_ids") is not None  # else one document per row (deciding it would read the ids)
     position_ids = default_positions(batch.get("position_ids"), B, S, batch["input_ids"].device)
@@ -249,5 +260,19 @@ def make_env(cfg: GLM5Config, batch: dict, dtype: torch.dtype, layout: Layout | 
     mask = batch.get("attention_mask")
     mask = make_mask(None if mask is None else mask[rows], position_ids[rows], positions, packed)
     cos, sin = rope_tables(cfg, local["position_ids"], dtype)
-    return local, Env(cos, sin, mask, layout, objectives, local.get("valid"), weight_dtype, remat, compile, lora,
-                      query_parts)
+    env = Env(cos, sin, mask, layout, objectives, local.get("valid"), weight_dtype, remat, compile, lora, query_parts)
+    if replaying:
+        env.routing, env.indexer = replay_records(cfg, local, mask)
+    return local, env
+
+
+def replay_records(cfg: GLM5Config, local: dict, mask: Mask) -> tuple[dict, dict]:
+    """(`Env.routing`, `Env.indexer`) of this rank's share of a batch with replay keys."""
+    slots = replay.replay_slots(cfg)
+    routing = local.get("routing")
+    routing = {} if routing is None else {layer: routing[:, :, m] for layer, m in slots["routing"].items()}
+    indexer = local.get("indexer")
+    if indexer is None:
+        return routing, {}
+    rows_BxSxLxT = replay.key_rows(indexer, mask.q_index, local["position_ids"], cfg)
+    return routing, {layer: rows_BxSxLxT[:, :, j] for layer, j in slots["indexer"].items()}

@@ -92,7 +92,8 @@ def hyper_residual(p: dict, streams_BxSxNxD: torch.Tensor, cfg, layer: int, env,
         return out_BxSxD, (next_carry, aux)
 
     def feed_forward(x_BxSxD):
-        return mlp(p["mlp"], rms_norm(p["post_attention_layernorm"]["weight"], x_BxSxD, cfg.rms_norm_eps), cfg, env)
+        x_norm_BxSxD = rms_norm(p["post_attention_layernorm"]["weight"], x_BxSxD, cfg.rms_norm_eps)
+        return mlp(p["mlp"], x_norm_BxSxD, cfg, layer, env)
 
     streams_BxSxNxD, (carry, aux) = hc_block(hc_params(p, "attn"), streams_BxSxNxD, attend, *hc)
     streams_BxSxNxD, mlp_aux = hc_block(hc_params(p, "ffn"), streams_BxSxNxD, feed_forward, *hc)

@@ -103,7 +103,7 @@ def no_transient(c: GLM5Config, spec: LayerSpec, B: int, S: int, T: int, act: to
 class Kind:
     """One kind of a layer's part: its function and all that depends on it.
 
-    fn: attention(p, x, cfg, layer, env, carry) -> (out, carry, aux); mlp(p, x, cfg, env) -> (out, aux);
+    fn: attention(p, x, cfg, layer, env, carry) -> (out, carry, aux); mlp(p, x, cfg, layer, env) -> (out, aux);
     residual(p, x, cfg, layer, env, carry, attention fn, mlp fn) -> (x, carry, aux). params(cfg, spec): its Leaf
     tree (under "self_attn", "mlp", or the layer itself for a residual). rows: its (pattern, LeafKind) rows of
     `params.leaf_kinds()`. macs(cfg, spec, seq): (multiply-adds per token the backward also runs, forward-only ones)

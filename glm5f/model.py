@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from glm5f import replay
 from glm5f.attention import INDEXER_KINDS, MLA_DSA, Selection
 from glm5f.config import GLM5Config
 from glm5f.env import Env, make_env
@@ -43,11 +44,11 @@ def plain_residual(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, 
     a_BxSxD, carry, aux = attend(p["self_attn"], x_norm_BxSxD, cfg, layer, env, carry)
     x_BxSxD = x_BxSxD + a_BxSxD
     h_BxSxD = rms_norm(p["post_attention_layernorm"]["weight"], x_BxSxD, cfg.rms_norm_eps)
-    m_BxSxD, mlp_aux = mlp(p["mlp"], h_BxSxD, cfg, env)
+    m_BxSxD, mlp_aux = mlp(p["mlp"], h_BxSxD, cfg, layer, env)
     return x_BxSxD + m_BxSxD, carry, {**aux, **mlp_aux}
 
 
-def dense_mlp(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, env: Env) -> tuple[torch.Tensor, dict]:
+def dense_mlp(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, env: Env) -> tuple[torch.Tensor, dict]:
     return swiglu_mlp(p, x_BxSxD, cfg.swiglu_limit), {}
 
 
@@ -190,19 +191,24 @@ def mtp_layer(params: dict, cfg: GLM5Config, depth: int, h_BxSxD: torch.Tensor, 
 
 
 def forward(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
-            position_ids: torch.Tensor | None = None, lora: LoraSpec | None = None) -> torch.Tensor:
+            position_ids: torch.Tensor | None = None, lora: LoraSpec | None = None,
+            routing: torch.Tensor | None = None, indexer: torch.Tensor | None = None) -> torch.Tensor:
     """Logits [B, S, V] of the causal LM, as `GlmMoeDsaForCausalLM` computes them.
 
     attention_mask: None (causal), 2D [B, S] padding mask (1 keep, 0 pad), or a 4D [B, 1, S, S] mask, boolean
     (True attends) or additive float (0 attends, dtype-min masks), used as given. position_ids [B, S] or [1, S]
     (default 0..S-1); with no attention_mask, positions that restart mark packed documents, and attention stays
     within each document. `lora`: the spec of the LoRA adapters `params` holds (`lora.attach`), applied unmerged
-    (without dropout).
+    (without dropout). `routing` [B, S, M, K] and `indexer` [B, S, L, T]: recorded experts and keys to use
+    (`glm5f.replay`, checked by `replay.check_replay`).
     """
     check_input_ids(input_ids, cfg)
     batch = {"input_ids": input_ids, "position_ids": position_ids}
     if attention_mask is not None:
         batch["attention_mask"] = attention_mask
+    if routing is not None or indexer is not None:
+        batch.update(routing=routing, indexer=indexer)
+        replay.check_replay(batch, cfg)
     spec = None if lora is None else dataclasses.replace(lora, dropout=0.0)
     local, env = make_env(cfg, batch, params["model"]["embed_tokens"]["weight"].dtype, lora=spec)
     return apply(params, cfg, local["input_ids"], env)[0]

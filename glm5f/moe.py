@@ -47,10 +47,24 @@ def select_experts(p: dict, scores_NxE: torch.Tensor, cfg: GLM5Config) -> tuple[
             1, group_NxG.topk(cfg.topk_group, dim=-1, sorted=False).indices, True)
         choice_NxE = choice_NxE.masked_fill(~keep_NxG.repeat_interleave(E // G, dim=1), float("-inf"))
     idx_NxK = choice_NxE.topk(cfg.num_experts_per_tok, dim=-1, sorted=False).indices
+    return idx_NxK, expert_weights(scores_NxE, idx_NxK, cfg)
+
+
+def expert_weights(scores_NxE: torch.Tensor, idx_NxK: torch.Tensor, cfg: GLM5Config) -> torch.Tensor:
+    """The gate weights [N, K] of experts idx: their unbiased scores, normalised over the K when norm_topk_prob,
+    scaled by routed_scaling_factor (differentiable in the scores: the router learns through them)."""
     w_NxK = scores_NxE.gather(1, idx_NxK)
     if cfg.norm_topk_prob:
         w_NxK = w_NxK / (w_NxK.sum(-1, keepdim=True) + 1e-20)
-    return idx_NxK, w_NxK * cfg.routed_scaling_factor
+    return w_NxK * cfg.routed_scaling_factor
+
+
+def replay_experts(scores_NxE: torch.Tensor, own_NxK: torch.Tensor, recorded_NxK: torch.Tensor,
+                   cfg: GLM5Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """(experts [N, K], weights [N, K]) under routing replay: the recorded experts where a token has them (a row
+    of -1: none, its router's choice `own_NxK` stays), weighted as the router weights its own (`expert_weights`)."""
+    idx_NxK = torch.where(recorded_NxK[:, :1] >= 0, recorded_NxK, own_NxK)
+    return idx_NxK, expert_weights(scores_NxE, idx_NxK, cfg)
 
 
 def _grouped_mm_ok(x: torch.Tensor, *ws: torch.Tensor) -> bool:
@@ -262,12 +276,16 @@ def seq_aux_loss(scores_BxSxE: torch.Tensor, idx_BxSxK: torch.Tensor, env: Env) 
     return torch.einsum("bse,bs,be->", share_BxSxE.to(torch.float64), valid_BxS, coef_BxE)
 
 
-def moe(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, env: Env):
+def moe(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, env: Env, routing_BxSxK: torch.Tensor | None = None):
     """Routed experts (computed by env.experts) plus shared experts. Returns (output [B, S, D], expert indices
-    [N, K] of each token, aux): aux holds "seq_aux_loss" (see `seq_aux_loss`) when env.objectives asks for it."""
+    [N, K] of each token, aux): aux holds "seq_aux_loss" (see `seq_aux_loss`) when env.objectives asks for it.
+    `routing_BxSxK`: recorded experts to use instead of the router's choice (`replay_experts`; the indices returned
+    are those used)."""
     x_NxD = x_BxSxD.reshape(-1, x_BxSxD.shape[-1])
     scores_NxE = router_scores(p["gate"], x_NxD)
     idx_NxK, w_NxK = select_experts(p["gate"], scores_NxE, cfg)
+    if routing_BxSxK is not None:
+        idx_NxK, w_NxK = replay_experts(scores_NxE, idx_NxK, routing_BxSxK.reshape(idx_NxK.shape), cfg)
     y_NxD = routed_experts(p["experts"], x_NxD, idx_NxK, w_NxK, cfg.n_routed_experts, env.experts, cfg.swiglu_limit)
     if "shared_experts" in p:
         y_NxD = y_NxD + swiglu_mlp(p["shared_experts"], x_NxD, cfg.swiglu_limit)
@@ -280,8 +298,9 @@ def moe(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, env: Env):
 
 # ---- the kind record (glm5f.layers) -------------------------------------------------------------------------------
 
-def moe_mlp(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, env: Env) -> tuple[torch.Tensor, dict]:
-    y_BxSxD, expert_idx_NxK, aux = moe(p, x_BxSxD, cfg, env)
+def moe_mlp(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, env: Env) -> tuple[torch.Tensor, dict]:
+    """`moe`, with the layer's recorded experts where the batch holds "routing" (`Env.routing`)."""
+    y_BxSxD, expert_idx_NxK, aux = moe(p, x_BxSxD, cfg, env, env.routing.get(layer))
     return y_BxSxD, {"expert_idx": expert_idx_NxK, **aux}
 
 
