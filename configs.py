@@ -345,6 +345,14 @@ class RLConfig:
     updates_per_batch: int = 1
     """GRPO: optimizer steps taken on each batch of groups (each a --train.steps step); the ratio's old
     log-probabilities are the policy's before the batch's first one."""
+    replay: str = ""
+    """GRPO: what the forward takes from the rollouts' records instead of choosing it (comma-separated): routing,
+    each MoE layer's experts; indexer, each DSA layer's selected keys (GLM-5.3: pools). Empty: none."""
+
+    @property
+    def replayed(self) -> tuple[str, ...]:
+        """The --rl.replay names, in order."""
+        return tuple(n.strip() for n in self.replay.split(",") if n.strip())
 
 
 @dataclass
@@ -439,6 +447,9 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         errs.append(f"--data.type rollouts holds sampled completions for --train.objective grpo, not "
                     f"{cfg.train.objective}")
     r = cfg.rl
+    unknown = [n for n in r.replayed if n not in ("routing", "indexer")]
+    if unknown:
+        errs.append(f"--rl.replay takes routing and/or indexer (comma-separated), found {', '.join(unknown)}")
     if not (0 <= r.epsilon_low < 1 and r.epsilon_high >= 0 and r.tis_cap >= 0 and r.kl_beta >= 0
             and r.updates_per_batch >= 1):
         errs.append(f"--rl.epsilon_low must lie in [0, 1), --rl.epsilon_high, --rl.tis_cap and --rl.kl_beta be >= 0 "

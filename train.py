@@ -308,7 +308,8 @@ def make_data(cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout, say, tok
         warn(f"--train.steps {steps} ends inside the {warmup}-step warm-up (--optim.warmup_steps): the learning "
              f"rate peaks at {cfg.optim.lr * steps / warmup:.2e}, not --optim.lr {cfg.optim.lr:.2e}")
     with user_errors():
-        data = make_source(d.type, path=d.path, split=d.split, warn=warn, allow_changed=d.allow_changed, **common)
+        data = make_source(d.type, path=d.path, split=d.split, warn=warn, allow_changed=d.allow_changed,
+                           model_cfg=model_cfg, **common)
         held_out = make_eval_source(d.type, path=cfg.eval.path, split=cfg.eval.split, train_path=d.path,
                                     train_split=d.split, **common)
         eval_batches = [] if held_out is None or not cfg.eval.every else \

@@ -15,6 +15,7 @@ from configs import validate
 from conftest import cli, hf_model_fp64, stable_topk, transformers_in_fp64
 from glm5f import checkpoint
 from glm5f.grpo import STD_EPS, advantages
+from test_replay import hf_router_replay  # noqa: F401  (a fixture)
 from train import train
 
 EPS_LOW, EPS_HIGH, CAP = 0.2, 0.28, 2.0
@@ -196,3 +197,44 @@ def test_the_plan_counts_each_group_s_rows_and_the_kl_reference(tmp_path):
     assert plan(cfg, off)["objective_bytes"] == 0
     dpo = run_shape(cli(*base, "--train.objective", "dpo", "--data.type", "preference", "--data.path", "x.jsonl"))
     assert plan(cfg, on)["objective_bytes"] == plan(cfg, dpo)["objective_bytes"] > 0  # the same reference copy
+
+
+def test_routing_replay_step_one_equals_transformers_with_its_router_picking_the_recorded_experts(setup,
+                                                                                                 hf_router_replay):
+    """Completions carrying "routing" (random experts, not the router's choice) and --rl.replay routing: step 1's
+    loss is the formula over Transformers' fp64 log-probabilities with its router made to pick those experts; the
+    engine's log-probabilities are those same replayed ones, so the importance weights are 1 and the gap 0."""
+    from glm5f.replay import replay_shapes, replay_slots
+
+    tmp, policy, recs, _ = setup
+    cfg = glm5f.preset("glm5-tiny")
+    M, K = replay_shapes(cfg)["routing"]
+    g = torch.Generator().manual_seed(5)
+    slots = replay_slots(cfg)["routing"]
+
+    def replayed_logp(rec, c):
+        routing = torch.tensor(c["routing"] + [[[-1] * K] * M])  # the last position has no record
+        for layer, m in slots.items():
+            policy.model.layers[layer].mlp.gate.replay = routing[:, m]
+        try:
+            return completion_logp(policy, rec, c)
+        finally:
+            for layer in slots:
+                policy.model.layers[layer].mlp.gate.replay = None
+
+    replay_recs = json.loads(json.dumps(recs))
+    for rec in replay_recs:
+        for c in rec["completions"]:
+            n = len(rec["prompt_ids"]) + len(c["ids"])
+            c["routing"] = [[torch.randperm(cfg.n_routed_experts, generator=g)[:K].tolist() for _ in range(M)]
+                            for _ in range(n - 1)]
+            c["logprobs"] = replayed_logp(rec, c).tolist()
+    path = tmp / "routed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in replay_recs))
+    replayed_run = train(cli(*grpo_flags(tmp, str(path), "run_replay", "--train.steps", "1", "--rl.replay", "routing")))
+    own_run = train(cli(*grpo_flags(tmp, str(path), "run_noreplay", "--train.steps", "1")))
+    expected = formula(replay_recs, replayed_logp, replayed_logp)
+    r = replayed_run[0]
+    assert abs(r["loss"] - expected["loss"]) <= 1e-8, (r["loss"], expected)
+    assert r["rollout_logprob_gap_max"] <= 1e-9 and r["tis_capped_fraction"] == 0
+    assert own_run[0]["rollout_logprob_gap"] > 1e-3  # without replay the router's own experts give other numbers

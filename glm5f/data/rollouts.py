@@ -19,10 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from glm5f.replay import REPLAY_KEYS, check_replay
 from glm5f.tokens import IGNORE_INDEX, Example, check_vocab
 
-# What a completion may carry besides its tokens and reward, and the batch key each becomes ([B, S, slots, k]).
-REPLAY_FIELDS = ("routing", "indexer")
 
 
 @dataclass(frozen=True)
@@ -85,27 +84,30 @@ def completion_example(rec: dict, prompt: list[int], completion, what: str, tok,
     return Example(prompt + ids, [IGNORE_INDEX] * len(prompt) + ids)
 
 
-def replay_array(value, field: str, positions: int, shape: tuple[int, int] | None, what: str) -> torch.Tensor:
-    """A completion's `field` ("routing" | "indexer") as a LongTensor [positions, slots, k], checked against the
-    model's (slots, k) when `shape` is given."""
+def replay_array(value, field: str, ids: list[int], cfg, what: str) -> torch.Tensor:
+    """A completion's `field` ("routing" | "indexer") as a LongTensor [len(ids) - 1, slots, k]: one entry per
+    position of prompt + completion but the last, checked against the model of `cfg` (`replay.check_replay`:
+    shapes, expert ids, key positions) when given."""
     try:
         t = torch.tensor(value, dtype=torch.long)
-    except (TypeError, ValueError, RuntimeError):
+    except (TypeError, ValueError, RuntimeError, OverflowError):
         t = None
     if t is None or t.ndim != 3:
         raise ValueError(f"{what}: {field!r} must be a list (one per position) of lists (one per layer) of integer "
                          f"lists, found {json.dumps(value)[:60]}")
-    if t.shape[0] != positions:
-        raise ValueError(f"{what}: {field!r} has {t.shape[0]} positions, expected {positions} (every position of "
+    if t.shape[0] != len(ids) - 1:
+        raise ValueError(f"{what}: {field!r} has {t.shape[0]} positions, expected {len(ids) - 1} (every position of "
                          f"prompt + completion but the last)")
-    if shape is not None and tuple(t.shape[1:]) != tuple(shape):
-        raise ValueError(f"{what}: {field!r} has {t.shape[1]} layers x {t.shape[2]} per position, expected the "
-                         f"model's {shape[0]} x {shape[1]}")
+    if cfg is not None:
+        whole = torch.cat([t, t.new_full((1, *t.shape[1:]), -1)])  # the last position has no record
+        try:
+            check_replay({"input_ids": torch.tensor(ids), field: whole}, cfg)
+        except ValueError as e:
+            raise ValueError(f"{what}: {e}") from None
     return t
 
 
-def completion_of(c, i: int, rec: dict, prompt: list[int], where: str, tok, fmt=None,
-                  replay_shapes: dict | None = None) -> Completion:
+def completion_of(c, i: int, rec: dict, prompt: list[int], where: str, tok, fmt=None, cfg=None) -> Completion:
     what = f"{where}: completion {i}"
     if not isinstance(c, dict):
         raise ValueError(f"{what}: expected a JSON object, found {type(c).__name__}")
@@ -128,12 +130,11 @@ def completion_of(c, i: int, rec: dict, prompt: list[int], where: str, tok, fmt=
         if len(logprobs) != n:
             raise ValueError(f"{what}: {len(logprobs)} logprobs for {n} completion tokens; give the engine's "
                              f"log-probability of each completion token, in order")
-    shapes = replay_shapes or {}
-    replay = {f: replay_array(c[f], f, len(ex.ids) - 1, shapes.get(f), what) for f in REPLAY_FIELDS if f in c}
+    replay = {f: replay_array(c[f], f, ex.ids, cfg, what) for f in REPLAY_KEYS if f in c}
     return Completion(ex, float(reward), None if logprobs is None else [float(x) for x in logprobs], replay)
 
 
-def group_of(rec, where: str, tok, fmt=None, replay_shapes: dict | None = None) -> Group:
+def group_of(rec, where: str, tok, fmt=None, cfg=None) -> Group:
     """The Group of one record (see the module docstring)."""
     if not isinstance(rec, dict):
         raise ValueError(f"{where}: expected a JSON object, found {type(rec).__name__}")
@@ -143,13 +144,14 @@ def group_of(rec, where: str, tok, fmt=None, replay_shapes: dict | None = None) 
         found = f"{len(completions)}" if isinstance(completions, list) else json.dumps(completions)[:40]
         raise ValueError(f"{where}: 'completions' must list at least 2 completions of the prompt (a group's "
                          f"advantages compare them), found {found}")
-    return Group(tuple(completion_of(c, i, rec, prompt, where, tok, fmt, replay_shapes)
+    return Group(tuple(completion_of(c, i, rec, prompt, where, tok, fmt, cfg)
                        for i, c in enumerate(completions)), where,
                  {k: v for k, v in rec.items() if k != "completions"})
 
 
-def read_groups(path: str, tok, fmt=None, replay_shapes: dict | None = None) -> list[Group]:
-    """Every group of a JSONL file (blank lines skipped); a ValueError naming file:line for a bad record."""
+def read_groups(path: str, tok, fmt=None, cfg=None) -> list[Group]:
+    """Every group of a JSONL file (blank lines skipped); a ValueError naming file:line for a bad record. `cfg`:
+    the model's config, which replay records are checked against (`replay.check_replay`)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--data.path {path!r}: no such file (expected a JSONL file of rollout groups)")
     groups = []
@@ -162,7 +164,7 @@ def read_groups(path: str, tok, fmt=None, replay_shapes: dict | None = None) -> 
                 rec = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise ValueError(f"{where}: not valid JSON ({e})") from None
-            groups.append(group_of(rec, where, tok, fmt, replay_shapes))
+            groups.append(group_of(rec, where, tok, fmt, cfg))
             if len(groups[-1].completions) != len(groups[0].completions):
                 raise ValueError(f"{where}: {len(groups[-1].completions)} completions, but {groups[0].where} has "
                                  f"{len(groups[0].completions)}: every group of a file has the same size")
@@ -202,7 +204,7 @@ def rollout_batch(groups: list[Group], seq_len: int, pad_id: int) -> dict[str, t
         out["position_ids"][r] = torch.cat([torch.arange(n), torch.arange(S - n)])
         if c.logprobs is not None:
             out["rollout_logprobs"][r, n - len(c.logprobs):n] = torch.tensor(c.logprobs, dtype=torch.float64)
-    for f in REPLAY_FIELDS:
+    for f in REPLAY_KEYS:
         have = [c.replay[f] for c, _ in rows if f in c.replay]
         if not have:
             continue
