@@ -73,3 +73,40 @@ def test_resume_serves_the_same_groups(tmp_path):
         x, y = a.next_batch(), b.next_batch()
         assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["reward"], y["reward"])
     assert not math.isnan(float(x["reward"].sum()))
+
+
+@pytest.mark.parametrize("routing,message", [
+    (lambda M, K, E, n: [[[0] * K] * M] * (n - 2), "positions, expected"),
+    (lambda M, K, E, n: [[[0] * (K + 1)] * M] * (n - 1), "must be"),
+    (lambda M, K, E, n: [[[E] + [0] * (K - 1)] * M] * (n - 1), "expert id"),
+    (lambda M, K, E, n: "experts", "must be a list"),
+])
+def test_routing_records_of_the_wrong_shape_or_ids_are_refused(tmp_path, routing, message):
+    import glm5f
+    from glm5f.replay import replay_shapes
+
+    cfg = glm5f.preset("glm5-tiny")
+    (M, K), E = replay_shapes(cfg)["routing"], cfg.n_routed_experts
+    ids = [1, 2, 3]
+    bad = {"ids": [4, 5], "reward": 1, "routing": routing(M, K, E, len(ids) + 2)}
+    rec = {"prompt_ids": ids, "completions": [{"ids": [4], "reward": 0}, bad]}
+    path = write(tmp_path / "r.jsonl", [rec])
+    with pytest.raises(ValueError, match=message) as e:
+        read_groups(path, None, cfg=cfg)
+    assert str(e.value).startswith(f"{path}:1: completion 1")
+
+
+def test_routing_records_become_the_batch_key_minus_one_where_none(tmp_path):
+    import glm5f
+    from glm5f.replay import replay_shapes
+
+    cfg = glm5f.preset("glm5-tiny")
+    M, K = replay_shapes(cfg)["routing"]
+    routed = [[[(p + m + k) % cfg.n_routed_experts for k in range(K)] for m in range(M)] for p in range(3)]
+    rec = {"prompt_ids": [1, 2], "completions": [{"ids": [3, 4], "reward": 1, "routing": routed},
+                                                 {"ids": [5], "reward": 0}]}
+    src = RolloutSource(read_groups(write(tmp_path / "r.jsonl", [rec]), None, cfg=cfg), batch_size=1, seq_len=6,
+                        vocab_size=cfg.vocab_size, seed=0, pad_id=0)
+    b = src.next_batch()
+    assert b["routing"].shape == (2, 6, M, K)
+    assert b["routing"][0, :3].tolist() == routed and (b["routing"][0, 3:] == -1).all() and (b["routing"][1] == -1).all()
