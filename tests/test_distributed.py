@@ -383,14 +383,15 @@ GRPO_METRICS = ("loss", "reward", "reward_std", "advantage_abs", "completion_len
 
 
 def _grpo_run(run_dir, preset: str, data: str, *args) -> tuple[list[dict], dict]:
-    """A 4-step fp64 GRPO run over a rollouts file, two updates per batch, with a KL to the start: (its step
-    records, its final trained weights gathered into this process)."""
+    """A 4-step fp64 GRPO run over a rollouts file, two updates per batch, with a KL to the start and the recorded
+    experts replayed: (its step records, its final trained weights gathered into this process)."""
     from glm5f.checkpoint import latest, load_params
 
     assert main(["--model.preset", preset, "--train.objective", "grpo", "--data.type", "rollouts", "--data.path",
                  data, "--data.batch_size", "2", "--data.seq_len", "16", "--train.steps", "4", "--train.dtype",
                  "float64", "--optim.warmup_steps", "0", "--optim.lr", "3e-2", "--eval.every", "0",
-                 "--rl.updates_per_batch", "2", "--rl.kl_beta", "0.1", "--checkpoint.every", "4",
+                 "--rl.updates_per_batch", "2", "--rl.kl_beta", "0.1", "--rl.replay", "routing",
+                 "--checkpoint.every", "4",
                  "--checkpoint.dir", str(run_dir), *args]) == 0
     records = [r for r in read_metrics(run_dir) if "reward" in r]
     return records, load_params(latest(str(run_dir)))[1]
@@ -400,17 +401,24 @@ def _grpo_run(run_dir, preset: str, data: str, *args) -> tuple[list[dict], dict]
 def test_grpo_layouts_equal_one_process_fp64(preset, layouts, lora, tmp_path):
     """GRPO over rollouts (group advantages on the global batch, the old policy's log-probabilities gathered from
     every rank's share, the engine's importance weights, the KL to the reference, per-completion token means
-    under CP) under dp_shard 2, ep 2, cp 2 and cp 2 x ep 2, full training and LoRA: 4 steps' metrics and the final
+    under CP, the recorded experts of half the groups) under dp_shard 2, ep 2, cp 2 and cp 2 x ep 2, full training and LoRA: 4 steps' metrics and the final
     weights equal one process's within 1e-9."""
     from glm5f.params import flatten
     from test_grpo import rollout_records
 
+    from glm5f.replay import replay_shapes
+
     cfg = glm5f.preset(preset)
     recs = rollout_records(cfg.vocab_size, groups=4, size=2, seed=3)
     g = torch.Generator().manual_seed(4)
-    for rec in recs:
+    M, K = replay_shapes(cfg)["routing"]
+    for i, rec in enumerate(recs):
         for c in rec["completions"]:
             c["logprobs"] = (-torch.rand(len(c["ids"]), generator=g, dtype=torch.float64) * 8).tolist()
+            if i % 2:  # half the groups carry their experts (--rl.replay routing), the others route themselves
+                n = len(rec["prompt_ids"]) + len(c["ids"])
+                c["routing"] = [[torch.randperm(cfg.n_routed_experts, generator=g)[:K].tolist() for _ in range(M)]
+                                for _ in range(n - 1)]
     data = tmp_path / "rollouts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in recs))
     extra = ["--lora.rank", "4"] if lora else ["--rl.loss", "grpo"]

@@ -10,11 +10,11 @@ SFT trains them); {"prompt_ids", "chosen_ids", "rejected_ids"} (token ids, the a
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 
 import torch
 
+from glm5f.data.readers import jsonl_records
 from glm5f.tokens import IGNORE_INDEX, Example, check_vocab
 
 CHOSEN, REJECTED = 1, 2  # a batch's "answer" entries: which answer a label belongs to (0: none)
@@ -82,22 +82,7 @@ def pair_of(rec, where: str, tok, fmt=None) -> Pair:
 
 def read_pairs(path: str, tok, fmt=None) -> list[Pair]:
     """Every pair of a JSONL file (blank lines skipped); a ValueError naming file:line for a bad record."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"--data.path {path!r}: no such file (expected a JSONL file of preference records)")
-    pairs = []
-    with open(path, "rb") as f:
-        for line, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            where = f"{path}:{line}"
-            try:
-                rec = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ValueError(f"{where}: not valid JSON ({e})") from None
-            pairs.append(pair_of(rec, where, tok, fmt))
-    if not pairs:
-        raise ValueError(f"{path}: no preference records")
-    return pairs
+    return [pair_of(rec, where, tok, fmt) for where, rec in jsonl_records(path, "preference records")]
 
 
 def scored(ex: Example) -> int:

@@ -89,6 +89,28 @@ def embedded_documents(part: str | None = None) -> list[str]:
     return [d for i, d in enumerate(docs) if held(i) == (part == "eval")]
 
 
+def jsonl_records(path: str, what: str):
+    """(where "file:line", record) of each non-blank line of a JSONL file read whole (`what`: its records' kind,
+    for the errors): a FileNotFoundError when there is no such file, a ValueError naming file:line for a line that
+    is not JSON, and one when the file holds no record."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--data.path {path!r}: no such file (expected a JSONL file of {what})")
+    found = False
+    with open(path, "rb") as f:
+        for line, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            where = f"{path}:{line}"
+            try:
+                rec = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"{where}: not valid JSON ({e})") from None
+            found = True
+            yield where, rec
+    if not found:
+        raise ValueError(f"{path}: no {what}")
+
+
 class JsonlReader:
     """The records of a JSONL file (gzip-compressed if its name ends in .gz), read one line at a time. A record's
     location is (byte offset, line number, record index), its payload the line's bytes; a .gz file seeks by

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 
+from glm5f.data.readers import jsonl_records
 from glm5f.replay import REPLAY_KEYS, check_replay
 from glm5f.tokens import IGNORE_INDEX, Example, check_vocab
 
@@ -152,24 +152,12 @@ def group_of(rec, where: str, tok, fmt=None, cfg=None) -> Group:
 def read_groups(path: str, tok, fmt=None, cfg=None) -> list[Group]:
     """Every group of a JSONL file (blank lines skipped); a ValueError naming file:line for a bad record. `cfg`:
     the model's config, which replay records are checked against (`replay.check_replay`)."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"--data.path {path!r}: no such file (expected a JSONL file of rollout groups)")
     groups = []
-    with open(path, "rb") as f:
-        for line, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            where = f"{path}:{line}"
-            try:
-                rec = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ValueError(f"{where}: not valid JSON ({e})") from None
-            groups.append(group_of(rec, where, tok, fmt, cfg))
-            if len(groups[-1].completions) != len(groups[0].completions):
-                raise ValueError(f"{where}: {len(groups[-1].completions)} completions, but {groups[0].where} has "
-                                 f"{len(groups[0].completions)}: every group of a file has the same size")
-    if not groups:
-        raise ValueError(f"{path}: no rollout records")
+    for where, rec in jsonl_records(path, "rollout groups"):
+        groups.append(group_of(rec, where, tok, fmt, cfg))
+        if len(groups[-1].completions) != len(groups[0].completions):
+            raise ValueError(f"{where}: {len(groups[-1].completions)} completions, but {groups[0].where} has "
+                             f"{len(groups[0].completions)}: every group of a file has the same size")
     return groups
 
 
