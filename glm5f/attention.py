@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from glm5f import indexer_loss, kernels, kpool
+from glm5f import indexer_loss, kernels, kpool, replay
 from glm5f.config import GLM5Config
 from glm5f.lora import merged
 from glm5f.env import Env, Mask
@@ -99,20 +99,23 @@ class Selection:
     [B, S, I, J], head weights [B, S, I] and index keys [B, T, J], with their graph to the indexer's leaves;
     `targets`, per layer of the group so far, its detached absorbed queries [B, S, H, C] and latent rows
     [B, T, C] (O(S H C) each: the target distributions are made per query block in `indexer_loss.kl`).
-    `allowed`: GLM-5.3's pooled selection says itself which of its token slots count (`kpool`)."""
+    `allowed`: GLM-5.3's pooled selection says itself which of its token slots count (`kpool`), as does a replayed
+    one (`replay.replayed`); `own`: under replay, the indexer's own selection, which its loss scores."""
 
     topk: torch.Tensor | None
     student: tuple | None = None
     targets: tuple = ()
     allowed: torch.Tensor | None = None  # [B, S, K]: which selections count (None: those the mask allows)
     pooling: indexer_loss.Pooling | None = None  # GLM-5.3: the student scores pools (`indexer_loss.Pooling`)
+    own: torch.Tensor | None = None  # [B, S, K]: the indexer's own top-k where replay replaced `topk`
 
 
 def select(ip: dict, x_BxSxD: torch.Tensor, q_BxSxQ: torch.Tensor, cfg: GLM5Config, layer: int, env: Env,
            num_keys: int) -> Selection:
     """A full layer's Selection: its indexer's top-k over the num_keys keys (None when index_topk covers them).
     The indexer is not differentiated by the language-model loss (as in the reference); with the indexer loss on
-    it learns from that loss alone, its inputs detached."""
+    it learns from that loss alone, its inputs detached. Where the batch records the layer's keys (`Env.indexer`),
+    the queries with a record attend those (`replay.replayed`)."""
     train = env.objectives.indexer_loss != "off"
     # the index keys are gathered (and their gradients summed over queries and CP ranks) in wk's dtype
     key_dtype = torch.promote_types(x_BxSxD.dtype, ip["wk"]["weight"].dtype)
@@ -124,7 +127,12 @@ def select(ip: dict, x_BxSxD: torch.Tensor, q_BxSxQ: torch.Tensor, cfg: GLM5Conf
     if num_keys > cfg.index_topk:
         topk = indexer_topk(index_queries_narrow(q_BxSxIxJ.detach(), env.dtype), w_BxSxI.detach(),
                             keys_BxTxJ.detach(), env.mask, cfg.index_topk)
-    return Selection(topk, (q_BxSxIxJ, w_BxSxI, keys_BxTxJ) if train else None)
+    student = (q_BxSxIxJ, w_BxSxI, keys_BxTxJ) if train else None
+    recorded_BxSxK = env.indexer.get(layer)
+    if topk is None or recorded_BxSxK is None:
+        return Selection(topk, student)
+    idx_BxSxK, allowed_BxSxK = replay.replayed(topk, recorded_BxSxK, env.mask.at)
+    return Selection(idx_BxSxK, student, allowed=allowed_BxSxK, own=topk)
 
 
 def index_queries_narrow(q_BxSxIxJ: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -139,7 +147,8 @@ def select_pooled(ip: dict, x_BxSxD: torch.Tensor, q_BxSxQ: torch.Tensor, cfg: G
                   env: Env) -> Selection:
     """A GLM-5.3 DSA layer's Selection: the pooled indexer's tokens and which of them count (`kpool`). Not
     differentiated by the language-model loss, as in the reference; with the indexer loss on it learns from that
-    loss alone (`indexer_loss.kl` with its `Pooling`), its inputs detached."""
+    loss alone (`indexer_loss.kl` with its `Pooling`, over its own selection), its inputs detached. Where the batch
+    records the layer's pools (`Env.indexer`), the queries with a record attend those."""
     train = env.objectives.indexer_loss != "off"
     J, P = cfg.index_head_dim, cfg.index_kpool
     key_dtype = torch.promote_types(x_BxSxD.dtype, ip["wk"]["weight"].dtype)
@@ -150,14 +159,18 @@ def select_pooled(ip: dict, x_BxSxD: torch.Tensor, q_BxSxQ: torch.Tensor, cfg: G
         where = kpool.pools(env.mask, x_BxSxD.shape[0], P)
         keys_BxTxJ, gate_BxTxJ = keys_BxTx_.split([J, J], dim=-1)
         pooled_BxTxJ = kpool.pool_keys(keys_BxTxJ, gate_BxTxJ, ip["index_kpool_compress_ape"], where, P)
-    idx_BxSxW, allowed_BxSxW = kpool.pooled_selection(q_BxSxIxJ.detach(), w_BxSxI.detach(), pooled_BxTxJ.detach(),
-                                                      where, env.mask, cfg.index_topk, P,
-                                                      cfg.index_kpool_always_select_tail)
+    args = (q_BxSxIxJ.detach(), w_BxSxI.detach(), pooled_BxTxJ.detach(), where, env.mask, cfg.index_topk, P,
+            cfg.index_kpool_always_select_tail)
+    recorded_BxSxG = env.indexer.get(layer)
+    idx_BxSxW, allowed_BxSxW = kpool.pooled_selection(*args, recorded_BxSxG)
     if not train:
         return Selection(idx_BxSxW, allowed=allowed_BxSxW)
+    own_BxSxW, own_allowed_BxSxW = (idx_BxSxW, allowed_BxSxW) if recorded_BxSxG is None else \
+        kpool.pooled_selection(*args)
     pooling = indexer_loss.Pooling(P, min(cfg.index_topk // P, pooled_BxTxJ.shape[1]), kpool.candidates(env.mask, where),
-                                   allowed_BxSxW)
-    return Selection(idx_BxSxW, (q_BxSxIxJ, w_BxSxI, pooled_BxTxJ), allowed=allowed_BxSxW, pooling=pooling)
+                                   own_allowed_BxSxW)
+    return Selection(idx_BxSxW, (q_BxSxIxJ, w_BxSxI, pooled_BxTxJ), allowed=allowed_BxSxW, pooling=pooling,
+                     own=None if recorded_BxSxG is None else own_BxSxW)
 
 
 # ---- the MLA core -------------------------------------------------------------------------------------------------
@@ -314,7 +327,9 @@ def attention(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, env: 
     """MLA + DSA for one layer -> (output [B, S, D], the Selection the next layer may reuse, aux). A layer whose
     indexer variant selects (`INDEXERS`: "full", GLM-5.3's "pooled") selects its own keys; a shared layer attends
     to `carry`'s. With env.objectives.indexer_loss on, the aux of a group's last layer (with target "own", every
-    full layer) holds the indexer loss's fp64 sums "indexer_loss" and "indexer_recall" (`indexer_loss.kl`)."""
+    full layer) holds the indexer loss's fp64 sums "indexer_loss" and "indexer_recall" (`indexer_loss.kl`). With
+    env.record, a selecting layer's aux holds the keys it attended, "selected_keys" [B, S, K] and
+    "selected_allowed" (the Selection's `allowed`, None: those the mask allows), where it selected any."""
     q_nope, q_rot, q_BxSxQ, latent_BxSxC = mla_project(p, x_BxSxD, cfg, env)
     # the latent rows are gathered (and their gradients summed over queries and CP ranks) in kv_b's dtype
     latent_dtype = torch.promote_types(latent_BxSxC.dtype, p["kv_b_proj"]["weight"].dtype)
@@ -325,16 +340,20 @@ def attention(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, env: 
     out_BxSxHxV = mla_core(p, q_nope, q_rot, latent_BxTxC, carry.topk, env.mask, cfg, env.query_parts,
                            carry.allowed, env.topk_dense)
     out_BxSxD = linear(p["o_proj"], rearrange(out_BxSxHxV, "b s h v -> b s (h v)"))
+    aux = {}
+    if env.record and indexer.selects and carry.topk is not None:
+        aux = {"selected_keys": carry.topk, "selected_allowed": carry.allowed}
     if carry.student is None:
-        return out_BxSxD, carry, {}
+        return out_BxSxD, carry, aux
     target = (target_queries(p, q_nope.detach(), q_rot.detach(), latent_BxTxC.detach(), cfg), latent_BxTxC.detach())
     carry = dataclasses.replace(carry, targets=carry.targets + (target,))
     last = env.objectives.indexer_target == "own" or not INDEXERS[layer_spec(cfg, layer + 1).indexer].reuses
     if not last:
-        return out_BxSxD, carry, {}
-    loss, recall = indexer_loss.kl(*carry.student, carry.targets, carry.topk, cfg, env, kl_block_elems,
-                                   carry.pooling)
-    return out_BxSxD, Selection(carry.topk, allowed=carry.allowed), {"indexer_loss": loss, "indexer_recall": recall}
+        return out_BxSxD, carry, aux
+    loss, recall = indexer_loss.kl(*carry.student, carry.targets, carry.topk if carry.own is None else carry.own, cfg,
+                                   env, kl_block_elems, carry.pooling)
+    return (out_BxSxD, Selection(carry.topk, allowed=carry.allowed),
+            {**aux, "indexer_loss": loss, "indexer_recall": recall})
 
 
 # ---- the kind records: MLA + DSA and its indexer variants (glm5f.layers) ------------------------------------------

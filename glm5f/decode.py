@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from glm5f import replay
 from glm5f.config import GLM5Config
 from glm5f.env import Env, Mask, make_env
 from glm5f.layers import carries_state, layer_cache
@@ -62,9 +63,11 @@ class CacheLayout(Layout):
 
 @torch.no_grad()
 def extend(params: dict, cfg: GLM5Config, cache: Cache, input_ids_BxS: torch.Tensor, position_ids_BxS: torch.Tensor,
-           key_valid_BxT: torch.Tensor | None = None, *, with_hidden: bool = False):
+           key_valid_BxT: torch.Tensor | None = None, *, with_hidden: bool = False, record: bool = False):
     """Run S new tokens against the cache (appending their keys) and return their logits [B, S, V] (and the
-    last layer's hidden states [B, S, D] before the final norm with `with_hidden`).
+    last layer's hidden states [B, S, D] before the final norm with `with_hidden`; then with `record` the routing
+    and indexer selections of the S positions, {"routing": [B, S, M, K], "indexer": [B, S, L, T]} in the replay
+    batch keys' format, `replay.record`).
 
     key_valid_BxT: padding of every position so far including the new ones (None: no padding). Setting
     `cache.length` back drops the last positions (they are overwritten by the next extend), in a model without
@@ -83,9 +86,12 @@ def extend(params: dict, cfg: GLM5Config, cache: Cache, input_ids_BxS: torch.Ten
                 key_valid=None if key_valid_BxT is None else key_valid_BxT[:, :stop],
                 q_index_host=range(start, stop))
     cos, sin = rope_tables(cfg, position_ids_BxS, cache.dtype)
-    logits, aux = apply(params, cfg, input_ids_BxS, Env(cos, sin, mask, CacheLayout(cache, start, stop)))
+    env = Env(cos, sin, mask, CacheLayout(cache, start, stop), record=record)
+    logits, aux = apply(params, cfg, input_ids_BxS, env)
     cache.length = cache.state_length = stop
-    return (logits, aux["hidden"]) if with_hidden else logits
+    out = (logits,) + ((aux["hidden"],) if with_hidden else ()) + \
+        ((replay.record(aux, cfg, mask, position_ids_BxS),) if record else ())
+    return out if len(out) > 1 else logits
 
 
 def sample(logits_BxV: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
@@ -120,14 +126,24 @@ def stop_ids(cfg: GLM5Config, eos_token_id: Eos, device: torch.device) -> torch.
 @torch.no_grad()
 def stream(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, max_new_tokens: int, *,
            attention_mask: torch.Tensor | None = None, eos_token_id: Eos = "config", temperature: float = 0.0,
-           top_p: float = 1.0, generator: torch.Generator | None = None, with_logits: bool = False):
+           top_p: float = 1.0, generator: torch.Generator | None = None, with_logits: bool = False,
+           record: bool = False):
     """Yield the new tokens [B] one step at a time (see `generate`); with `with_logits`, each with the logits
-    [B, V] it was chosen from."""
+    [B, V] it was chosen from; with `record`, then the routing and indexer selections of the positions run to choose
+    it (`extend`: the prompt's S positions for the first token, the previous token's one after), as tuples.
+    Concatenated along dim 1 they are the "routing" and "indexer" replay keys (`glm5f.replay`) of the prompt and
+    completion but its last token; with left padding, a row's keys count from its first real token."""
     valid, positions = prompt_positions(input_ids, cfg, attention_mask, max_new_tokens)
     eos = stop_ids(cfg, eos_token_id, input_ids.device)
     B, S = input_ids.shape
     cache = init_cache(cfg, B, S + max_new_tokens, params["model"]["embed_tokens"]["weight"].dtype, input_ids.device)
-    logits = extend(params, cfg, cache, input_ids, positions[:, :S], valid)[:, -1]
+
+    def run(ids_BxS, positions_BxS):  # (the last position's logits [B, V], the positions' record or None)
+        out = extend(params, cfg, cache, ids_BxS, positions_BxS, valid, record=record)
+        logits_BxSxV, seen = out if record else (out, None)
+        return logits_BxSxV[:, -1], seen
+
+    logits, seen = run(input_ids, positions[:, :S])
     done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
     token = None
     for step in range(max_new_tokens):
@@ -136,10 +152,11 @@ def stream(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, max_new_token
             new = new if token is None else torch.where(done, token, new)
             done = done | torch.isin(new, eos)
         token = new
-        yield (token, logits) if with_logits else token
+        out = (token,) + ((logits,) if with_logits else ()) + ((seen,) if record else ())
+        yield out if len(out) > 1 else token
         if step == max_new_tokens - 1 or bool(done.all()):
             break
-        logits = extend(params, cfg, cache, token[:, None], positions[:, S + step:S + step + 1], valid)[:, -1]
+        logits, seen = run(token[:, None], positions[:, S + step:S + step + 1])
 
 
 def prompt_positions(input_ids: torch.Tensor, cfg: GLM5Config, attention_mask: torch.Tensor | None,

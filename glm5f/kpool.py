@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from glm5f import kernels
+from glm5f import kernels, replay
 from glm5f.env import Mask
 from glm5f.ops import layer_norm, linear, wide
 
@@ -85,18 +85,23 @@ def candidates(mask: Mask, where: Pools) -> Mask:
 
 
 def pooled_selection(q_BxSxIxJ: torch.Tensor, w_BxSxI: torch.Tensor, pooled_BxTxJ: torch.Tensor, where: Pools,
-                     mask: Mask, index_topk: int, kpool: int, tail: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                     mask: Mask, index_topk: int, kpool: int, tail: bool,
+                     recorded_BxSxG: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(token indices [B, S, W], allowed [B, S, W]) each query attends: its top index_topk / index_kpool candidate
-    pools by index score (`glm5f::indexer_topk`; fewer when fewer are candidates), expanded to their tokens, then
-    with `tail` the real tokens of its own pool up to itself when it does not end that pool (index_kpool - 1
-    slots). Padding queries attend to nothing."""
+    pools by index score (`glm5f::indexer_topk`; fewer when fewer are candidates), or with `recorded_BxSxG` (pool
+    ends, `replay.key_rows`) the recorded pools where a query has a record (`replay.replayed`), expanded to their
+    tokens, then with `tail` the real tokens of its own pool up to itself when it does not end that pool
+    (index_kpool - 1 slots). Padding queries attend to nothing."""
     B, S = q_BxSxIxJ.shape[:2]
     T = pooled_BxTxJ.shape[1]
     pool_mask = candidates(mask, where)
     k = min(index_topk // kpool, T)
     ends_BxSxG = kernels.indexer_topk(q_BxSxIxJ, w_BxSxI, pooled_BxTxJ.to(q_BxSxIxJ.dtype), pool_mask.q_index,
                                       pool_mask.key_valid, pool_mask.q_segment, pool_mask.k_segment, None, None, k)
-    chosen_BxSxG = pool_mask.at(ends_BxSxG)
+    if recorded_BxSxG is None:
+        chosen_BxSxG = pool_mask.at(ends_BxSxG)
+    else:
+        ends_BxSxG, chosen_BxSxG = replay.replayed(ends_BxSxG, recorded_BxSxG, pool_mask.at)
     step_P = torch.arange(kpool, device=ends_BxSxG.device)
     idx_BxSxW = (ends_BxSxG[..., None] - (kpool - 1) + step_P).flatten(2)
     allowed_BxSxW = chosen_BxSxG[..., None].expand(-1, -1, -1, kpool).flatten(2)

@@ -33,7 +33,8 @@ def replay_slots(cfg: GLM5Config) -> dict[str, dict[int, int]]:
     layers = range(cfg.num_hidden_layers)
     moe = [i for i in layers if layer_spec(cfg, i).mlp == "moe"]
     indexed = [i for i in layers if INDEXERS[layer_spec(cfg, i).indexer].selects]
-    return {"routing": {layer: m for m, layer in enumerate(moe)}, "indexer": {layer: j for j, layer in enumerate(indexed)}}
+    return {"routing": {layer: m for m, layer in enumerate(moe)},
+            "indexer": {layer: j for j, layer in enumerate(indexed)}}
 
 
 def pool_size(cfg: GLM5Config) -> int:
@@ -137,7 +138,7 @@ def record(aux: dict, cfg: GLM5Config, mask, position_ids_BxS: torch.Tensor) -> 
     """{"routing": [B, S, M, K], "indexer": [B, S, L, T]} of a forward's aux (`model.apply` under an Env with
     `record`), in the batch keys' format; a layer that selected no keys (every key within the top-k) records -1."""
     B, S = position_ids_BxS.shape
-    slots, (L, T) = replay_slots(cfg), replay_shapes(cfg)["indexer"]
+    slots, T = replay_slots(cfg), replay_shapes(cfg)["indexer"][1]
     layers = aux["layers"]
     routing = [layers[i]["expert_idx"].view(B, S, -1) for i in slots["routing"]]
     indexer = []
@@ -148,6 +149,6 @@ def record(aux: dict, cfg: GLM5Config, mask, position_ids_BxS: torch.Tensor) -> 
             continue
         allowed = a["selected_allowed"] if a["selected_allowed"] is not None else mask.at(a["selected_keys"])
         indexer.append(recorded_keys(a["selected_keys"], allowed, mask.q_index, position_ids_BxS, cfg))
-    empty = position_ids_BxS.new_zeros(B, S, 0)
-    return {"routing": torch.stack(routing, 2) if routing else empty[..., None].expand(B, S, 0, cfg.num_experts_per_tok),
-            "indexer": torch.stack(indexer, 2) if indexer else empty[..., None].expand(B, S, 0, T)}
+    K = cfg.num_experts_per_tok
+    return {"routing": torch.stack(routing, 2) if routing else position_ids_BxS.new_zeros(B, S, 0, K),
+            "indexer": torch.stack(indexer, 2) if indexer else position_ids_BxS.new_zeros(B, S, 0, T)}
