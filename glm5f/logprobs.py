@@ -16,6 +16,7 @@ from glm5f.loss import HeadLosses, head_chunk_rows, shift_labels
 from glm5f.lora import LoraSpec
 from glm5f.model import check_input_ids, hidden_states, main_head
 from glm5f.parallel import Layout
+from glm5f.replay import check_replay
 from glm5f.tokens import IGNORE_INDEX
 
 
@@ -32,12 +33,12 @@ def head_logprobs(head: dict, x_BxSxD: torch.Tensor, targets_BxS: torch.Tensor, 
 
 def token_logprobs(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, targets: torch.Tensor | None = None, *,
                    attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                   lora: LoraSpec | None = None, layout: Layout | None = None,
-                   dtype: torch.dtype | None = None) -> torch.Tensor:
+                   lora: LoraSpec | None = None, layout: Layout | None = None, dtype: torch.dtype | None = None,
+                   routing: torch.Tensor | None = None, indexer: torch.Tensor | None = None) -> torch.Tensor:
     """log p(targets[b, s] | input_ids[b, :s+1]) [B, S]: the model's log-probability of each target token, 0 where
     a target is IGNORE_INDEX. targets default to the next token (`loss.shift_labels(input_ids)`: the last
-    position has none). attention_mask, position_ids and lora as `glm5f.forward`'s; dtype: the activations' (the
-    weights' by default). Under a `layout` (CP, dp_shard) the result is this rank's share of the rows and
+    position has none). attention_mask, position_ids, lora, routing and indexer (replayed experts and keys,
+    `glm5f.replay`) as `glm5f.forward`'s; dtype: the activations' (the weights' by default). Under a `layout` (CP, dp_shard) the result is this rank's share of the rows and
     positions, as `env.make_env` cuts them; the targets are taken on whole sequences before the cut."""
     check_input_ids(input_ids, cfg)
     if targets is None:
@@ -48,6 +49,9 @@ def token_logprobs(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, targe
     batch = {"input_ids": input_ids, "position_ids": position_ids, "targets": targets}
     if attention_mask is not None:
         batch["attention_mask"] = attention_mask
+    if routing is not None or indexer is not None:
+        check_replay({**batch, "routing": routing, "indexer": indexer}, cfg)
+        batch.update(routing=routing, indexer=indexer)
     spec = None if lora is None else dataclasses.replace(lora, dropout=0.0)
     dtype = dtype or params["model"]["embed_tokens"]["weight"].dtype
     local, env = make_env(cfg, batch, dtype, layout, lora=spec)

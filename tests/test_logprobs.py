@@ -65,3 +65,22 @@ def test_targets_of_another_shape_are_refused():
     params = glm5f.init_params(cfg, seed=0)
     with pytest.raises(ValueError, match="targets must be"):
         token_logprobs(params, cfg, torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 7, dtype=torch.long))
+
+
+def test_replayed_experts_reach_the_log_probabilities():
+    """token_logprobs with "routing" equals the log-softmax of glm5f.forward with the same experts (fp64), and
+    differs from the router's own choice."""
+    from glm5f.replay import replay_shapes
+
+    cfg = glm5f.preset("glm5-tiny")
+    params = map_with_path(lambda path, t: t.double(), glm5f.init_params(cfg, seed=0))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=g)
+    M, K = replay_shapes(cfg)["routing"]
+    routing = torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:K] for _ in range(2 * 12 * M)])
+    routing = routing.view(2, 12, M, K)
+    got = glm5f.token_logprobs(params, cfg, ids, routing=routing)
+    logits = glm5f.forward(params, cfg, ids, routing=routing)
+    want = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    assert (got[:, :-1] - want).abs().max() <= 1e-12
+    assert (got - glm5f.token_logprobs(params, cfg, ids)).abs().max() > 1e-3
