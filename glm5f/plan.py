@@ -56,6 +56,7 @@ class RunShape:
     lora_targets: str = DEFAULT_TARGETS
     base_dtype: str | None = None
     objective: str = "lm"
+    precompute_reference: bool = False
 
     @property
     def lora(self) -> LoraSpec | None:
@@ -84,7 +85,8 @@ def run_shape(cfg) -> RunShape:
     return dataclasses.replace(
         RunShape(p.dp_shard, p.cp, p.ep, cfg.data.batch_size, cfg.data.seq_len, t.grad_accum, t.dtype, t.reduce_dtype,
                  t.activation_checkpointing, *((lo.rank, lo.targets, lo.base_dtype) if lo else ())),
-        objective=getattr(t, "objective", "lm"))
+        objective=getattr(t, "objective", "lm"),
+        precompute_reference=bool(getattr(getattr(cfg, "dpo", None), "precompute_reference", False)))
 
 
 # ---- parameters, gradients, optimizer state -----------------------------------------------------------------------
@@ -486,6 +488,8 @@ def format_table(p: dict, model_name: str, run: RunShape, limit_note: str) -> st
         rows.append(("params + grads in --train.reduce_dtype", p["reduce_copy_bytes"]))
     if p["objective_bytes"]:
         rows.append((f"objective {p['objective']} (beyond the LM step)", p["objective_bytes"]))
+    elif run.precompute_reference:
+        rows.append((f"objective {p['objective']} (reference precomputed)", 0))
     rows += [
         (f"activations {'with' if run.remat else 'without'} checkpointing", p["activations_bytes"]),
         ("  decoder layers (kept for backward)", p["activation_layers_bytes"]),

@@ -363,3 +363,19 @@ def test_dpo_layouts_equal_one_process_fp64(preset, lora, layouts, tmp_path):
         print(f"{preset} {'lora' if lora else 'full'} {layout}: max |weight difference| {worst:.1e}, max |metric "
               f"difference| {metric:.1e}")
         assert worst <= 1e-9, f"{layout}: final weights differ from one process's by {worst:.2e}"
+
+
+def test_dpo_precomputed_reference_under_layouts_fp64(tmp_path):
+    """--dpo.precompute_reference under dp_shard 2 (each rank its rows of the pass) and cp 2 x ep 2 (each answer's
+    sums over the CP group, counted once; the table summed over ranks): 3 steps' metrics equal one process's with
+    the reference in memory within 1e-9."""
+    from test_dpo import pair_records, write
+
+    data = write(tmp_path / "pairs.jsonl", pair_records(glm5f.preset("glm5-tiny").vocab_size, n=6, seed=7))
+    ref_records, _ = _dpo_run(tmp_path / "one", "glm5-tiny", data)
+    for layout in ("dp2", "cp2-ep2"):
+        records, _ = _dpo_run(tmp_path / layout, "glm5-tiny", data, "--dpo.precompute_reference", *LAYOUTS[layout])
+        assert os.path.isfile(tmp_path / layout / "dpo_reference.safetensors")
+        for got, want in zip(records, ref_records, strict=True):
+            for k in (k for k in DPO_METRICS if k in want):
+                assert abs(got[k] - want[k]) <= 1e-9, f"{layout} step {want['step']} {k}: {got[k]} vs {want[k]}"
