@@ -322,6 +322,10 @@ class DPOConfig:
     reference: Optional[str] = None
     """DPO: the reference model, a Transformers checkpoint directory; default the run's starting weights (a LoRA
     run: its base with the adapters off, no second copy in memory)."""
+    precompute_reference: bool = False
+    """DPO, full training: compute the reference's log-probabilities of every pair once, in a pass before the first
+    step, store them in the run directory (dpo_reference.safetensors, reused while the data and the reference are
+    the same) and free the reference, instead of keeping a copy of it in memory."""
 
 
 @dataclass
@@ -458,6 +462,11 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     if cfg.dpo.reference and cfg.lora.rank:
         errs.append("--dpo.reference with --lora.rank: a LoRA run's reference is its base with the adapters off; "
                     "drop --dpo.reference, or train the full model (without --lora.rank)")
+    if cfg.dpo.precompute_reference and cfg.lora.rank:
+        errs.append("--dpo.precompute_reference with --lora.rank: a LoRA run's reference is its base with the "
+                    "adapters off, already in memory at no cost; drop --dpo.precompute_reference")
+    elif cfg.dpo.precompute_reference and cfg.train.objective != "dpo":
+        errs.append(f"--dpo.precompute_reference is for --train.objective dpo, not {cfg.train.objective}; drop it")
     if cfg.dpo.beta <= 0 or cfg.dpo.sft_weight < 0:
         errs.append(f"--dpo.beta must be positive and --dpo.sft_weight >= 0, got {cfg.dpo.beta} and "
                     f"{cfg.dpo.sft_weight}")

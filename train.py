@@ -23,10 +23,10 @@ import torch.distributed as dist
 
 import glm5f
 from configs import Config, mesh_errors, parse, validate, with_data_type
-from glm5f import checkpoint, grpo, lora, preempt, rundir
+from glm5f import checkpoint, dpo_reference, grpo, lora, preempt, rundir
 from glm5f.chat import RUN_TOKENIZER_DIR, check_same_tokenizer, resolve_tokenizer
 from glm5f.data import (PresetSource, check_first_batch, make_eval_source, make_source, make_tokenizer,
-                        print_warning, warnings_as_lines)
+                        print_warning, readers, warnings_as_lines)
 from glm5f.distributed import DistLayout
 from glm5f.hf.export import export_run
 from glm5f.hf.export_dir import note_base
@@ -122,9 +122,13 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     for message in unused if layout.is_main else ():
         print_warning(message)
     trainer = Trainer.of(cfg, model_cfg, layout)
-    reference = init_reference(cfg, model_cfg, params, layout) if trainer.step.objective.needs_reference(trainer.step.settings) else None
-    state = trainer.init(trained, frozen, reference)
+    reference = init_reference(cfg, model_cfg, params, layout) \
+        if trainer.step.objective.needs_reference(trainer.step.settings) else None
     data, eval_batches = make_data(cfg, model_cfg, layout, say, tokenizer.path)
+    if cfg.dpo.precompute_reference:  # the reference's sums go with the data; its weights are freed
+        precompute_reference(cfg, model_cfg, reference, data, trainer, say, tokenizer)
+        reference = None
+    state = trainer.init(trained, frozen, reference)
     state, last_ckpt = resume(cfg, model_cfg, state, base, trainer.optimizer, data, say, tokenizer)
     start = state.step
     if start >= cfg.train.steps:
@@ -274,6 +278,34 @@ def init_reference(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, layou
                                 f"config.json differs); pass a checkpoint of the same architecture")
         params = ref
     return map_with_path(lambda path, t: t.detach().to(leaf_dtype(path, act), copy=True), params)
+
+
+def precompute_reference(cfg: Config, model_cfg: glm5f.GLM5Config, reference: dict, data, trainer: Trainer, say,
+                         tokenizer) -> None:
+    """--dpo.precompute_reference: the reference's summed answer log-probabilities of every pair, handed to the
+    data (`PairSource.use_reference`): read from the run directory's dpo_reference.safetensors when it was made
+    from this data (the file's fingerprint, --data.seq_len, the tokenizer and template) and this reference (its
+    weights' fingerprint, the model config, --train.dtype and reduce_dtype), else computed in one pass (`dpo_reference.compute`)
+    and written there by rank 0. Every rank reuses the file, or none does. Collective."""
+    layout = trainer.layout
+    fingerprint = {"data": readers.fingerprint(cfg.data.path), "seq_len": cfg.data.seq_len,
+                   "tokenizer": tokenizer.fingerprint(), "reference": checkpoint.fingerprint(reference, layout.sum),
+                   "model": model_cfg.to_hf(), "dtype": [cfg.train.dtype, cfg.train.reduce_dtype]}
+    path = os.path.join(cfg.checkpoint.dir, dpo_reference.FILE)
+    table, why = dpo_reference.load(path, fingerprint, len(data.pairs))
+    if int(layout.sum(torch.tensor(float(table is not None), device=layout.device))) == layout.world:
+        say(f"reference log-probabilities: reusing {path} (the same data and reference)")
+    else:
+        why = why or f"another rank could not read {path}"
+        say(f"reference log-probabilities: {why}; computing them ({len(data.pairs)} pairs)", flush=True)
+        step = trainer.step
+        table = dpo_reference.compute(reference, data, model_cfg, layout, step,
+                                      cfg.data.batch_size // step.grad_accum, lambda line: say(line, flush=True))
+        if layout.is_main:
+            with writing(path, cfg.checkpoint.dir):
+                os.makedirs(cfg.checkpoint.dir, exist_ok=True)
+                dpo_reference.save(path, table, fingerprint)
+    data.use_reference(table)
 
 
 def init_adapters(cfg: Config, spec: lora.LoraSpec, params: dict, layout: Layout) -> dict:

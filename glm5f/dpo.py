@@ -56,22 +56,33 @@ def denoms(batch: dict) -> dict:
     return {"pairs": (ans == CHOSEN).any(1).sum().clamp(min=1), "chosen_targets": (ans == CHOSEN).sum().clamp(min=1)}
 
 
+def reference_sums(batch: dict, ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) [B] of this rank's rows of `batch` (a `prepare`d share): each answer's summed
+    log-probabilities under the run's reference (`Context.reference_forward`), over the CP group; no gradient."""
+    targets = batch["targets"]
+    B, S = targets.shape
+    with torch.no_grad():
+        ref_hidden_BxSxD, ref_head = ctx.reference_forward(batch)
+        ref_BxS = -head_token_losses(ref_head, ref_hidden_BxSxD, targets, ctx.cfg.rms_norm_eps).view(B, S)
+        return tuple(ctx.layout.seq_sum(s) for s in answer_sums(ref_BxS, batch["answer_targets"]))
+
+
 def loss(params: dict, batch: dict, ctx: Context) -> tuple[torch.Tensor, dict]:
     """This rank's share of the DPO loss over its rows (`loss.Objective.loss`); the policy's forward records the
-    terms, the reference's (no gradient) does not. --dpo flags come as ctx.step.settings."""
+    terms, the reference's (no gradient) does not. A batch holding each row's "ref_chosen" and "ref_rejected" [B]
+    (fp64; --dpo.precompute_reference) is compared with them and runs no reference forward. --dpo flags come as
+    ctx.step.settings."""
     o = ctx.step.settings or DPOConfig()
     eps, targets, answer = ctx.cfg.rms_norm_eps, batch["targets"], batch["answer_targets"]
     B, S = targets.shape
     hidden_BxSxD, head = ctx.forward(params, batch)
     logp_BxS = -head_token_losses(head, hidden_BxSxD, targets, eps).view(B, S)
-    with torch.no_grad():
-        ref_hidden_BxSxD, ref_head = ctx.reference_forward(batch)
-        ref_BxS = -head_token_losses(ref_head, ref_hidden_BxSxD, targets, eps).view(B, S)
+    ref_c, ref_r = (batch["ref_chosen"], batch["ref_rejected"]) if "ref_chosen" in batch else \
+        reference_sums(batch, ctx)
     # Under CP each rank holds part of every answer: the sums are taken over the CP group (with gradients) before
     # the sigmoid, every rank of the group then holds the same pairs' terms, and the first one counts them.
     layout = ctx.layout
     pi_c, pi_r = (layout.seq_total(s) for s in answer_sums(logp_BxS, answer))
-    ref_c, ref_r = (layout.seq_sum(s) for s in answer_sums(ref_BxS, answer))
     is_pair = layout.seq_sum((answer == CHOSEN).sum(1)) > 0
     counted = float(layout.cp_rank == 0)
     t = {k: torch.where(is_pair, v, 0.0) for k, v in dpo_terms(pi_c, pi_r, ref_c, ref_r, o.beta).items()}
@@ -85,9 +96,9 @@ def loss(params: dict, batch: dict, ctx: Context) -> tuple[torch.Tensor, dict]:
 
 
 def plan_bytes(model_cfg, run, state: dict) -> int:
-    """The reference's bytes per rank: none in a LoRA run (its base), else a copy of the params (sharded as they
-    are) in the compute dtype. (GRPO's, with --rl.kl_beta, is the same.)"""
-    if run.lora_rank:
+    """The reference's bytes per rank: none in a LoRA run (its base) or with --dpo.precompute_reference (freed
+    after its pass), else a copy of the params (sharded as they are) in the compute dtype. (GRPO's, with --rl.kl_beta, is the same.)"""
+    if run.lora_rank or run.precompute_reference:
         return 0
     act = run.dtypes[0]
     return state["params"] * act.itemsize // wide_dtype(act).itemsize

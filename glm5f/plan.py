@@ -58,6 +58,7 @@ class RunShape:
     base_dtype: str | None = None
     objective: str = "lm"
     settings: object = None  # the objective's flags (its Config section), for its plan_bytes
+    precompute_reference: bool = False
 
     @property
     def lora(self) -> LoraSpec | None:
@@ -86,7 +87,8 @@ def run_shape(cfg) -> RunShape:
     return dataclasses.replace(
         RunShape(p.dp_shard, p.cp, p.ep, cfg.data.batch_size * rows_per_item(cfg), cfg.data.seq_len, t.grad_accum, t.dtype, t.reduce_dtype,
                  t.activation_checkpointing, *((lo.rank, lo.targets, lo.base_dtype) if lo else ())),
-        objective=getattr(t, "objective", "lm"), settings=objective_settings(cfg))
+        objective=getattr(t, "objective", "lm"), settings=objective_settings(cfg),
+        precompute_reference=bool(getattr(getattr(cfg, "dpo", None), "precompute_reference", False)))
 
 
 def rows_per_item(cfg) -> int:
@@ -502,6 +504,8 @@ def format_table(p: dict, model_name: str, run: RunShape, limit_note: str) -> st
         rows.append(("params + grads in --train.reduce_dtype", p["reduce_copy_bytes"]))
     if p["objective_bytes"]:
         rows.append((f"objective {p['objective']} (beyond the LM step)", p["objective_bytes"]))
+    elif run.precompute_reference:
+        rows.append((f"objective {p['objective']} (reference precomputed)", 0))
     rows += [
         (f"activations {'with' if run.remat else 'without'} checkpointing", p["activations_bytes"]),
         ("  decoder layers (kept for backward)", p["activation_layers_bytes"]),

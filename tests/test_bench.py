@@ -3,6 +3,7 @@ themselves come from the full-size commands in docs/, never from a test)."""
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 
@@ -34,6 +35,19 @@ def test_bench_runs_both_sides(name):
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert expected in res.stdout, res.stdout
+
+
+def test_posttrain_runs_both_sides():
+    """bench/posttrain.py dpo at toy size: glm5f's and TRL's rows in one table, with their ratio."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "posttrain.py"), "dpo", "--preset", "glm5-tiny",
+                          "--batch", "1", "--seq", "32", "--warmup", "1", "--steps", "1"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    rows = [line.split() for line in res.stdout.splitlines() if re.match(r"  (glm5f|trl) +[\d.]+ ", line)]
+    assert [r[0] for r in rows] == ["glm5f", "trl"] and all(len(r) == 6 for r in rows), res.stdout
+    assert all(float(r[1]) > 0 and float(r[4]) > 0 for r in rows), res.stdout
+    assert "glm5f / trl:" in res.stdout, res.stdout
 
 
 def op_families(side: str) -> dict:

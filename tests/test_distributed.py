@@ -401,12 +401,11 @@ def _grpo_run(run_dir, preset: str, data: str, *args) -> tuple[list[dict], dict]
 def test_grpo_layouts_equal_one_process_fp64(preset, layouts, lora, tmp_path):
     """GRPO over rollouts (group advantages on the global batch, the old policy's log-probabilities gathered from
     every rank's share, the engine's importance weights, the KL to the reference, per-completion token means
-    under CP, the recorded experts of half the groups) under dp_shard 2, ep 2, cp 2 and cp 2 x ep 2, full training and LoRA: 4 steps' metrics and the final
-    weights equal one process's within 1e-9."""
+    under CP, the recorded experts of half the groups) under dp_shard 2, ep 2, cp 2 and cp 2 x ep 2, full
+    training and LoRA: 4 steps' metrics and the final weights equal one process's within 1e-9."""
     from glm5f.params import flatten
-    from test_grpo import rollout_records
-
     from glm5f.replay import replay_shapes
+    from test_grpo import rollout_records
 
     cfg = glm5f.preset(preset)
     recs = rollout_records(cfg.vocab_size, groups=4, size=2, seed=3)
@@ -435,3 +434,19 @@ def test_grpo_layouts_equal_one_process_fp64(preset, layouts, lora, tmp_path):
         worst = max(float((flat[k] - w).abs().max()) for k, w in ref_flat.items())
         print(f"{preset} {'lora' if lora else 'full'} {layout}: max |weight difference| {worst:.1e}")
         assert worst <= 1e-9, f"{layout}: final weights differ from one process's by {worst:.2e}"
+
+
+def test_dpo_precomputed_reference_under_layouts_fp64(tmp_path):
+    """--dpo.precompute_reference under dp_shard 2 (each rank its rows of the pass) and cp 2 x ep 2 (each answer's
+    sums over the CP group, counted once; the table summed over ranks): 3 steps' metrics equal one process's with
+    the reference in memory within 1e-9."""
+    from test_dpo import pair_records, write
+
+    data = write(tmp_path / "pairs.jsonl", pair_records(glm5f.preset("glm5-tiny").vocab_size, n=6, seed=7))
+    ref_records, _ = _dpo_run(tmp_path / "one", "glm5-tiny", data)
+    for layout in ("dp2", "cp2-ep2"):
+        records, _ = _dpo_run(tmp_path / layout, "glm5-tiny", data, "--dpo.precompute_reference", *LAYOUTS[layout])
+        assert os.path.isfile(tmp_path / layout / "dpo_reference.safetensors")
+        for got, want in zip(records, ref_records, strict=True):
+            for k in (k for k in DPO_METRICS if k in want):
+                assert abs(got[k] - want[k]) <= 1e-9, f"{layout} step {want['step']} {k}: {got[k]} vs {want[k]}"

@@ -108,7 +108,8 @@ class PairSource:
     """One pair per row, in a seeded per-epoch order: the chosen sequence, then the rejected one (positions
     restarting, so each attends only to itself), then padding (its own positions, never scored). A batch holds
     "input_ids", "labels", "position_ids" [B, S] and "answer" [B, S]: CHOSEN or REJECTED where the label is an
-    answer's, else 0."""
+    answer's, else 0; with reference sums given (`use_reference`), also each row's pair's "ref_chosen" and
+    "ref_rejected" [B] (fp64). `pairs` are the pairs kept (fitted to seq_len), indexed as the reference sums are."""
 
     def __init__(self, pairs: list[Pair], batch_size: int, seq_len: int, vocab_size: int, seed: int, pad_id: int,
                  warn=lambda message: None, name: str = "preference data"):
@@ -127,17 +128,22 @@ class PairSource:
         self.pairs, self.B, self.S, self.seed, self.pad_id = kept, batch_size, seq_len, seed, pad_id
         self.epoch, self.index = 0, 0
         self._order = self._permutation(0)
+        self.reference_Px2 = None
 
     def _permutation(self, epoch: int) -> list[int]:
         g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
         return torch.randperm(len(self.pairs), generator=g).tolist()
 
-    def _row(self) -> tuple[list[int], list[int], list[int], list[int]]:
-        p = self.pairs[self._order[self.index]]
+    def _next_pair(self) -> int:
+        """The index of the next pair in this epoch's order (the position moves on)."""
+        i = self._order[self.index]
         self.index += 1
         if self.index == len(self.pairs):
             self.epoch, self.index = self.epoch + 1, 0
             self._order = self._permutation(self.epoch)
+        return i
+
+    def _row(self, p: Pair) -> tuple[list[int], list[int], list[int], list[int]]:
         ids, labels, pos, answer = [], [], [], []
         for ex, which in ((p.chosen, CHOSEN), (p.rejected, REJECTED)):
             lab = [IGNORE_INDEX] + ex.labels[1:]  # a sequence's first token is not predicted from another
@@ -149,10 +155,24 @@ class PairSource:
         return (ids + [self.pad_id] * pad, labels + [IGNORE_INDEX] * pad, pos + list(range(pad)),
                 answer + [0] * pad)
 
+    def batch_of(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        """The batch of the pairs `indices` (one row each, in that order); the position does not move."""
+        rows = [self._row(self.pairs[i]) for i in indices]
+        batch = {name: torch.tensor([r[i] for r in rows])
+                 for i, name in enumerate(("input_ids", "labels", "position_ids", "answer"))}
+        if self.reference_Px2 is not None:
+            batch["ref_chosen"], batch["ref_rejected"] = self.reference_Px2[indices].unbind(1)
+        return batch
+
     def next_batch(self) -> dict[str, torch.Tensor]:
-        rows = [self._row() for _ in range(self.B)]
-        return {name: torch.tensor([r[i] for r in rows])
-                for i, name in enumerate(("input_ids", "labels", "position_ids", "answer"))}
+        return self.batch_of([self._next_pair() for _ in range(self.B)])
+
+    def use_reference(self, reference_Px2: torch.Tensor) -> None:
+        """From now on, batches carry each row's reference sums: reference_Px2[i] = (chosen, rejected) of pair i."""
+        if tuple(reference_Px2.shape) != (len(self.pairs), 2):
+            raise ValueError(f"reference sums must be [pairs, 2] = [{len(self.pairs)}, 2], found "
+                             f"{list(reference_Px2.shape)}")
+        self.reference_Px2 = reference_Px2.to("cpu", torch.float64)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "index": self.index}

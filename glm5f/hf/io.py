@@ -53,14 +53,19 @@ def inventory(files: list[str]) -> dict[str, tuple[str, tuple[int, ...], str, in
     return inv
 
 
+def _header_json(fn: str) -> tuple[dict, int]:
+    """(a safetensors file's header as its JSON says, its length in bytes); a ValueError for a bad length."""
+    with open(fn, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if not 0 < n <= min(os.path.getsize(fn) - 8, 1 << 30):
+            raise ValueError("bad header length")
+        return json.loads(f.read(n)), n
+
+
 def _read_header(fn: str) -> tuple[dict, int]:
     """A safetensors file's header {key: {"dtype", "shape", "data_offsets"}} and the byte its data starts at."""
     try:
-        with open(fn, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if not 0 < n <= min(os.path.getsize(fn) - 8, 1 << 30):
-                raise ValueError("bad header length")
-            header = json.loads(f.read(n))
+        header, n = _header_json(fn)
         header.pop("__metadata__", None)
         for k, h in header.items():
             if h["dtype"] not in DTYPES:
@@ -69,6 +74,14 @@ def _read_header(fn: str) -> tuple[dict, int]:
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{fn}: not a readable safetensors file ({e}); re-export or re-download it") from None
     return header, 8 + n
+
+
+def read_metadata(fn: str) -> dict[str, str]:
+    """The "__metadata__" strings of a safetensors file's header ({} when it has none)."""
+    try:
+        return _header_json(fn)[0].get("__metadata__") or {}
+    except (ValueError, AttributeError) as e:
+        raise ValueError(f"{fn}: not a readable safetensors file ({e}); delete it or write it again") from None
 
 
 def read_part(f, shape: tuple[int, ...], dtype: torch.dtype, begin: int, part: tuple[slice, ...],
@@ -103,10 +116,11 @@ def read_into(f, shape: tuple[int, ...], begin: int, part: tuple[slice, ...], ou
             raise ValueError(f"{f.name}: the file ends inside a tensor (truncated); re-export or re-download it")
 
 
-def write_safetensors(fn: str, entries: list[tuple[str, tuple[int, ...], torch.dtype]], tensors) -> None:
+def write_safetensors(fn: str, entries: list[tuple[str, tuple[int, ...], torch.dtype]], tensors,
+                      metadata: dict[str, str] | None = None) -> None:
     """Write a safetensors file of `entries` (key, shape, dtype), taking each tensor from the iterator `tensors`
-    as its bytes are due (one at a time in memory)."""
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    as its bytes are due (one at a time in memory); `metadata` (strings) joins the header's "__metadata__"."""
+    header, offset = {"__metadata__": {"format": "pt", **(metadata or {})}}, 0
     for key, shape, dt in entries:
         nbytes = math.prod(shape) * torch.empty((), dtype=dt).element_size()
         header[key] = {"dtype": _DTYPE_NAMES[dt], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
