@@ -199,5 +199,5 @@ METRICS = {"loss": "loss_units", **{k: "completions" for k in ("reward", "reward
            "rollout_logprob_gap_max": "max"}
 
 
-GRPO = Objective(loss, denoms, METRICS, prepare=prepare, data_types=("rollouts",), settings="rl",
+GRPO = Objective(loss, denoms, METRICS, prepare=prepare, data_types=("rollouts", "prompts"), settings="rl",
                  reference=lambda o: bool(o and o.kl_beta))
