@@ -106,12 +106,14 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     type: Optional[Literal["text", "synthetic", "json_file", "preset_pt", "hf_datasets", "chat", "preference",
-                           "rollouts"]] = None
+                           "rollouts", "prompts"]] = None
     """text: the embedded corpus; synthetic: seeded bigram sequences; json_file: JSONL; preset_pt: torch.save'd
     batches; hf_datasets: a datasets.save_to_disk directory; chat: the embedded chat sample, or a JSONL of chat
     records with --data.path; preference: a JSONL of preference pairs for --train.objective dpo (glm5f/data/pairs.py;
     --data.batch_size counts pairs); rollouts: a JSONL of prompts with sampled completions and their rewards for
-    --train.objective grpo (glm5f/data/rollouts.py; --data.batch_size counts groups). None: from --data.path (.jsonl[.gz]: json_file, .pt: preset_pt, a saved dataset:
+    --train.objective grpo (glm5f/data/rollouts.py; --data.batch_size counts groups); prompts: a JSONL of prompt records
+    that the on-policy sampler completes with the current policy each batch (glm5f/sampler.py; --data.batch_size
+    counts prompts, each sampled --rl.group_size times). None: from --data.path (.jsonl[.gz]: json_file, .pt: preset_pt, a saved dataset:
     hf_datasets); text without a path."""
     path: Optional[str] = None
     """File or directory for json_file, preset_pt and hf_datasets (for chat: a JSONL of chat records)."""
@@ -353,6 +355,21 @@ class RLConfig:
     """GRPO: what the forward takes from the rollouts' records instead of choosing it (comma-separated): routing,
     each MoE layer's experts; indexer, each DSA layer's selected keys (GLM-5.3: pools). Empty: none."""
 
+    group_size: int = 8
+    """--data.type prompts: completions sampled per prompt (at least 2: a group's advantages compare them)."""
+    temperature: float = 1.0
+    """--data.type prompts: sampling temperature (0: greedy); the recorded log-probabilities are at temperature 1."""
+    top_p: float = 1.0
+    """--data.type prompts: nucleus sampling, from the most likely tokens holding this much probability."""
+    max_new_tokens: int = 64
+    """--data.type prompts: most tokens sampled per completion (a stop token ends one sooner); a prompt and this
+    many tokens must fit --data.seq_len."""
+    reward: Optional[str] = None
+    """--data.type prompts: the reward function, module:function (imported with the working directory and
+    PYTHONPATH on the path), called per completion with keyword arguments prompt, completion (text), prompt_ids,
+    completion_ids and the prompt record's other fields; returns a finite number. glm5f.rewards:lowercase_share is the
+    toy task's (recipes/grpo-tiny.yaml)."""
+
     @property
     def replayed(self) -> tuple[str, ...]:
         """The --rl.replay names, in order."""
@@ -450,10 +467,24 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     if cfg.data.type == "rollouts" and cfg.train.objective != "grpo":
         errs.append(f"--data.type rollouts holds sampled completions for --train.objective grpo, not "
                     f"{cfg.train.objective}")
+    if cfg.data.type == "prompts" and cfg.train.objective != "grpo":
+        errs.append(f"--data.type prompts is sampled for --train.objective grpo, not {cfg.train.objective}")
     r = cfg.rl
     unknown = [n for n in r.replayed if n not in ("routing", "indexer")]
     if unknown:
         errs.append(f"--rl.replay takes routing and/or indexer (comma-separated), found {', '.join(unknown)}")
+    if cfg.data.type == "prompts":
+        if not r.reward:
+            errs.append("--data.type prompts needs --rl.reward module:function (the reward of a sampled completion)")
+        if r.group_size < 2 or r.max_new_tokens < 1 or r.temperature < 0 or not 0 < r.top_p <= 1:
+            errs.append(f"--rl.group_size must be >= 2, --rl.max_new_tokens >= 1, --rl.temperature >= 0 and "
+                        f"--rl.top_p in (0, 1]; got {r.group_size}, {r.max_new_tokens}, {r.temperature}, {r.top_p}")
+        if cfg.parallel.cp > 1:
+            errs.append("--data.type prompts does not run under --parallel.cp (the decoder does not); sample with "
+                        "scripts/rollouts.py and train on --data.type rollouts, or drop --parallel.cp")
+        elif cfg.parallel.world > 1 or cfg.parallel.ep > 1:
+            errs.append("--data.type prompts samples in one process for now; sample with scripts/rollouts.py and "
+                        "train on --data.type rollouts under --parallel.dp_shard / --parallel.ep, or run one process")
     if not (0 <= r.epsilon_low < 1 and r.epsilon_high >= 0 and r.tis_cap >= 0 and r.kl_beta >= 0
             and r.updates_per_batch >= 1):
         errs.append(f"--rl.epsilon_low must lie in [0, 1), --rl.epsilon_high, --rl.tis_cap and --rl.kl_beta be >= 0 "
@@ -492,7 +523,8 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     if cfg.train.grad_accum >= 1 and p.dp_shard >= 1 and cfg.data.batch_size % (cfg.train.grad_accum * p.dp_shard):
         errs.append(f"--data.batch_size ({cfg.data.batch_size}) must divide by --train.grad_accum x "
                     f"--parallel.dp_shard ({cfg.train.grad_accum} x {p.dp_shard})")
-    if cfg.data.type in ("json_file", "preset_pt", "hf_datasets", "preference", "rollouts") and not cfg.data.path:
+    if cfg.data.type in ("json_file", "preset_pt", "hf_datasets", "preference", "rollouts",
+                          "prompts") and not cfg.data.path:
         errs.append(f"--data.type {cfg.data.type} needs --data.path")
     if cfg.data.chat_template is not None and not os.path.isfile(cfg.data.chat_template):
         errs.append(f"--data.chat_template {cfg.data.chat_template}: no such file (expected a jinja chat template)")

@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 import glm5f
 from configs import Config, mesh_errors, parse, validate, with_data_type
-from glm5f import checkpoint, dpo_reference, grpo, lora, preempt, rundir
-from glm5f.chat import RUN_TOKENIZER_DIR, check_same_tokenizer, resolve_tokenizer
+from glm5f import checkpoint, dpo_reference, grpo, lora, preempt, rundir, sampler
+from glm5f.chat import RUN_TOKENIZER_DIR, ChatFormat, check_same_tokenizer, resolve_tokenizer
 from glm5f.data import (PresetSource, check_first_batch, make_eval_source, make_source, make_tokenizer,
                         print_warning, readers, warnings_as_lines)
 from glm5f.distributed import DistLayout
@@ -154,9 +154,15 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     batch = resumed_batch(last_ckpt, layout) if start % per_batch else None  # resumed between a batch's updates
     for i in range(start, cfg.train.steps):
         t0 = time.perf_counter()
+        sample_time = 0.0
         if batch is None or i % per_batch == 0:
             with user_errors():  # a streamed record is read, and checked, when a batch needs it
-                batch = {k: v.to(layout.device) for k, v in data.next_batch().items()}
+                if isinstance(data, sampler.PromptSource):  # sampled now, by the policy this step trains
+                    batch = data.next_batch(decoding_params(state, cfg, spec))
+                    sample_time = time.perf_counter() - t0
+                else:
+                    batch = data.next_batch()
+                batch = {k: v.to(layout.device) for k, v in batch.items()}
             if per_batch > 1:  # the ratio's old log-probabilities: the policy's before the batch's first update
                 batch["old_targets"] = old_logprobs(state.params, batch, model_cfg, layout, trainer.step)
         check_input_ids(batch["input_ids"], model_cfg)
@@ -178,6 +184,7 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         dt = time.perf_counter() - t0
         tokens = batch["input_ids"].numel()
         rec = {"step": i + 1, **metrics, "tokens": tokens, "tokens_per_s": tokens / dt, "step_time_s": dt,
+               **({"sample_time_s": sample_time} if isinstance(data, sampler.PromptSource) else {}),
                **({"skipped": True} if skipped else {})}
         if eval_batches and ((i + 1) % cfg.eval.every == 0 or i + 1 == cfg.train.steps):
             if cfg.train.compile and not any("eval_loss" in r for r in records):  # no gradients: other graphs
@@ -219,6 +226,14 @@ def resumed_batch(ckpt: str | None, layout: Layout) -> dict:
         raise TrainingError(f"{ckpt}: taken between the updates of a batch (--rl.updates_per_batch), but it holds no "
                             f"batch; resume with the --rl.updates_per_batch it was saved with")
     return {k: v.to(layout.device) for k, v in saved.items()}
+
+
+def decoding_params(state: TrainState, cfg: Config, spec: lora.LoraSpec | None) -> dict:
+    """The policy's weights as the on-policy sampler decodes with them: each leaf in the compute dtype (the fp32
+    leaves of `params.leaf_kinds()` stay fp32), a LoRA run's adapters merged into a copy of its base."""
+    params = lora.merge(state.frozen, state.trained, spec) if spec else state.trained
+    act = getattr(torch, cfg.train.dtype)
+    return map_with_path(lambda path, t: t.detach().to(leaf_dtype(path, act)), params)
 
 
 def batch_sizes(cfg: Config, data) -> str:
@@ -339,6 +354,9 @@ def make_data(cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout, say, tok
     if steps < warmup:
         warn(f"--train.steps {steps} ends inside the {warmup}-step warm-up (--optim.warmup_steps): the learning "
              f"rate peaks at {cfg.optim.lr * steps / warmup:.2e}, not --optim.lr {cfg.optim.lr:.2e}")
+    if d.type == "prompts":
+        with user_errors():
+            return prompt_source(cfg, model_cfg, layout, tokenizer_path), []
     with user_errors():
         data = make_source(d.type, path=d.path, split=d.split, warn=warn, allow_changed=d.allow_changed,
                            model_cfg=model_cfg, **common)
@@ -356,6 +374,22 @@ def make_data(cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout, say, tok
         say(f"no evaluation: {d.type} data has no held-out part; pass --eval.path (or --eval.split), or hold out a "
             f"part of --data.path with --eval.split_fraction")
     return data, eval_batches
+
+
+def prompt_source(cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout, tokenizer_path: str | None):
+    """--data.type prompts: the prompt records of --data.path, sampled each batch with the --rl flags, scored by
+    --rl.reward; the sampling generator seeded by --train.seed."""
+    d, r = cfg.data, cfg.rl
+    tok = make_tokenizer(tokenizer_path)
+    if tok.vocab_size > model_cfg.vocab_size:
+        raise ValueError(f"the tokenizer has {tok.vocab_size} ids but the model's vocab_size is "
+                         f"{model_cfg.vocab_size}: raise --model.vocab_size to at least {tok.vocab_size}")
+    fmt = ChatFormat.load(tokenizer_path, d.chat_template)
+    settings = sampler.SampleSettings(r.group_size, r.temperature, r.top_p, r.max_new_tokens)
+    reward = sampler.load_reward(r.reward)
+    return sampler.PromptSource(sampler.read_prompts(d.path, tok, fmt), d.batch_size, d.seq_len, model_cfg, d.seed,
+                                tok.pad_id, settings, reward, f"--rl.reward {r.reward}", tok, cfg.train.seed,
+                                layout.device)
 
 
 def resume(cfg: Config, model_cfg: glm5f.GLM5Config, state: TrainState, base: dict | None, optimizer: Optimizer,

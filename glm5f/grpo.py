@@ -217,5 +217,5 @@ def needs_reference(settings) -> bool:
     return bool(settings is not None and settings.kl_beta)
 
 
-GRPO = Objective(loss, denoms, METRICS, prepare=prepare, plan_bytes=plan_bytes, data_types=("rollouts",),
-                 settings="rl", reference=needs_reference)
+GRPO = Objective(loss, denoms, METRICS, prepare=prepare, plan_bytes=plan_bytes,
+                 data_types=("rollouts", "prompts"), settings="rl", reference=needs_reference)

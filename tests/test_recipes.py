@@ -32,7 +32,7 @@ def written(run_dir) -> dict:
 
 def test_every_shipped_recipe_is_covered_here():
     assert sorted(os.listdir(RECIPES)) == ["chat-sft.yaml", "dpo-lora.yaml", "glm5-full-sft.yaml", "glm5-lora-sft.yaml",
-                                           "glm5-muon-sft.yaml", "indexer-warmup.yaml", "muon-moe.yaml",
+                                           "glm5-muon-sft.yaml", "grpo-tiny.yaml", "indexer-warmup.yaml", "muon-moe.yaml",
                                            "sparse-stage.yaml", "tiny.yaml"]
     for name in os.listdir(RECIPES):
         load_config(recipe(name))  # parses, every key known and of its type
@@ -62,6 +62,19 @@ def test_the_dpo_recipe_starts_at_ln_2_and_learns(tmp_path):
     assert records[0]["loss"] == pytest.approx(math.log(2), abs=1e-6) and records[0]["margin"] == 0
     assert records[-1]["loss"] < records[0]["loss"] and records[-1]["margin"] > 0
     assert written(run)["train"]["objective"] == "dpo"
+
+
+def test_the_grpo_recipe_samples_on_policy_and_its_reward_rises(tmp_path):
+    """recipes/grpo-tiny.yaml, shortened: every step samples its groups (sample_time_s) from the embedded prompts
+    and scores them with the shipped reward; the mean reward of the last steps is above the first steps'."""
+    run = tmp_path / "run"
+    assert main(["--config", recipe("grpo-tiny.yaml"), "--train.steps", "12", "--train.log_every", "1",
+                 "--checkpoint.dir", str(run)]) == 0
+    records = read_metrics(run)
+    assert [r["step"] for r in records] == list(range(1, 13)) and all(r["sample_time_s"] > 0 for r in records)
+    rewards = [r["reward"] for r in records]
+    assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4, rewards
+    assert written(run)["rl"]["reward"] == "glm5f.rewards:lowercase_share"
 
 
 def test_indexer_warmup_then_sparse_stage(tmp_path):

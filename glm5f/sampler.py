@@ -1,0 +1,230 @@
+"""The on-policy sampler (`--data.type prompts`): prompt records read into memory, groups of completions sampled from
+them with the cached decoder under the current policy, scored by a reward function, served as GRPO's rollout batch.
+
+Prompt record: {"prompt": str | "messages": [...] | "prompt_ids": [int], ...any other fields, passed to the reward
+function}. Shape suffixes: B rows (one completion each), S prompt length, T decoded positions, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import numbers
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from glm5f.config import GLM5Config
+from glm5f.data.rollouts import Completion, Group, prompt_ids, rollout_batch
+from glm5f.decode import extend, init_cache, prompt_positions, sample
+from glm5f.tokens import IGNORE_INDEX, Example, check_vocab
+
+PROMPT_FIELDS = ("prompt", "messages", "prompt_ids")
+RESERVED = ("completion", "completion_ids")  # reward keyword arguments a record's own fields may not take
+
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: list[int]  # the prompt's token ids (a chat's rendered up to the assistant's turn)
+    text: str  # the record's prompt, the rendered messages, or the decoded prompt_ids
+    stops: tuple[int, ...]  # the ids a completion ends at (the template's stop tokens for a chat, else eos)
+    fields: dict  # the record's other fields
+    where: str  # file:line
+
+
+@dataclass(frozen=True)
+class SampleSettings:
+    """The --rl flags the sampler reads (configs.RLConfig has them all)."""
+
+    group_size: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+
+
+def prompt_of(rec, where: str, tok, fmt) -> Prompt:
+    """The Prompt of one record (see the module docstring); a ValueError naming `where` for a bad one."""
+    if not isinstance(rec, dict):
+        raise ValueError(f"{where}: expected a JSON object, found {type(rec).__name__}")
+    ids = prompt_ids(rec, where, tok, fmt)
+    if not ids:
+        raise ValueError(f"{where}: the prompt has no tokens; give it at least one")
+    taken = [k for k in RESERVED if k in rec]
+    if taken:
+        raise ValueError(f"{where}: field {taken[0]!r} is the name of the reward function's argument for the sampled "
+                         f"completion; rename it")
+    if "prompt_ids" in rec:
+        text, stops = tok.decode(ids), (tok.eos_id,)
+    elif "messages" in rec:
+        text, stops = fmt.render(rec["messages"], add_generation_prompt=True)[0], tuple(fmt.stop_ids)
+    else:
+        text, stops = rec["prompt"], (tok.eos_id,)
+    return Prompt(ids, text, tuple(i for i in stops if i is not None),
+                  {k: v for k, v in rec.items() if k not in PROMPT_FIELDS}, where)
+
+
+def read_prompts(path: str, tok, fmt) -> list[Prompt]:
+    """Every prompt of a JSONL file (blank lines skipped); a ValueError naming file:line for a bad record."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--data.path {path!r}: no such file (expected a JSONL file of prompt records)")
+    prompts = []
+    with open(path, "rb") as f:
+        for line, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            where = f"{path}:{line}"
+            try:
+                rec = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"{where}: not valid JSON ({e})") from None
+            prompts.append(prompt_of(rec, where, tok, fmt))
+    if not prompts:
+        raise ValueError(f"{path}: no prompt records")
+    return prompts
+
+
+def load_reward(spec: str):
+    """The function `spec` ("module:function") names, imported with the working directory and PYTHONPATH on
+    sys.path; a ValueError saying what is wrong."""
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ValueError(f"--rl.reward {spec!r}: expected module:function, e.g. my_rewards:score")
+    for d in [os.getcwd(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]:
+        if d not in sys.path:
+            sys.path.append(d)
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except Exception as e:  # the module is code: importing it can fail any way
+        raise ValueError(f"--rl.reward {spec}: cannot import it ({type(e).__name__}: {e}); check the module is on "
+                         f"the working directory or PYTHONPATH and defines {name}") from None
+    if not callable(fn):
+        raise ValueError(f"--rl.reward {spec}: {name} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def call_reward(fn, p: Prompt, completion: str, completion_ids: list[int], name: str = "the reward function") -> float:
+    """fn(prompt=, completion=, prompt_ids=, completion_ids=, **the record's other fields) as a float; a ValueError
+    naming the prompt record when it raises or returns no finite number."""
+    try:
+        r = fn(prompt=p.text, completion=completion, prompt_ids=list(p.ids), completion_ids=list(completion_ids),
+               **p.fields)
+    except Exception as e:  # the user's code: any exception is theirs to see
+        raise ValueError(f"{p.where}: {name} raised {type(e).__name__}: {e}") from None
+    if isinstance(r, bool) or not isinstance(r, numbers.Real) or not math.isfinite(float(r)):
+        raise ValueError(f"{p.where}: {name} returned {r!r:.40}; it must return a finite number")
+    return float(r)
+
+
+@torch.no_grad()
+def decode_rows(params: dict, cfg: GLM5Config, rows: list[Prompt], s: SampleSettings, pad_id: int,
+                generator: torch.Generator | None, device) -> tuple[list[list[int]], list[list[float]]]:
+    """(each row's completion ids, their log-probabilities): all rows decoded together on one cache, the prompts
+    left-padded, each row up to s.max_new_tokens and ending at the first of its stop ids (kept: it is part of the
+    completion). A log-probability is the raw log_softmax of the model's logits at temperature 1, whatever the
+    sampling temperature and top_p: the policy's log-probability the GRPO objective compares with."""
+    B, S, M = len(rows), max(len(p.ids) for p in rows), s.max_new_tokens
+    ids_BxS = torch.full((B, S), pad_id, dtype=torch.long, device=device)
+    mask_BxS = torch.zeros(B, S, dtype=torch.long, device=device)
+    stop_BxV = torch.zeros(B, cfg.vocab_size, dtype=torch.bool, device=device)
+    for b, p in enumerate(rows):
+        ids_BxS[b, S - len(p.ids):] = torch.tensor(p.ids, device=device)
+        mask_BxS[b, S - len(p.ids):] = 1
+        stop_BxV[b, list(p.stops)] = True
+    valid_BxT, positions_BxT = prompt_positions(ids_BxS, cfg, mask_BxS, M)
+    cache = init_cache(cfg, B, S + M, params["model"]["embed_tokens"]["weight"].dtype, device)
+    logits_BxV = extend(params, cfg, cache, ids_BxS, positions_BxT[:, :S], valid_BxT)[:, -1]
+    done_B = torch.zeros(B, dtype=torch.bool, device=device)
+    tokens, logps, alive = [], [], []
+    for step in range(M):
+        new_B = sample(logits_BxV, s.temperature, s.top_p, generator)
+        logps.append(torch.log_softmax(logits_BxV, dim=-1).gather(1, new_B[:, None])[:, 0])
+        tokens.append(new_B)
+        alive.append(~done_B)
+        done_B = done_B | stop_BxV.gather(1, new_B[:, None])[:, 0]
+        if step == M - 1 or bool(done_B.all()):
+            break
+        logits_BxV = extend(params, cfg, cache, new_B[:, None], positions_BxT[:, S + step:S + step + 1],
+                            valid_BxT)[:, -1]
+    keep_BxN = torch.stack(alive, 1).cpu()
+    tokens_BxN, logps_BxN = torch.stack(tokens, 1).cpu(), torch.stack(logps, 1).cpu()
+    return ([tokens_BxN[b][keep_BxN[b]].tolist() for b in range(B)],
+            [logps_BxN[b][keep_BxN[b]].tolist() for b in range(B)])
+
+
+def sample_groups(params: dict, cfg: GLM5Config, prompts: list[Prompt], s: SampleSettings, reward, tok, pad_id: int,
+                  generator: torch.Generator | None = None, recorder=None, reward_name: str = "the reward function",
+                  ) -> list[Group]:
+    """One Group per prompt: s.group_size completions sampled from `params` (see `decode_rows`: all of the call's
+    completions decoded together) at s.temperature / s.top_p, each with its log-probabilities and the reward
+    `reward` gives it (`call_reward`; completion: the text of its ids less a final stop id).
+
+    recorder: the replay recorder of the decoder (routing, indexer), None without one. When given, it is called
+    once decoding ends with the decoded rows and returns {field: [LongTensor [positions, slots, k] per row]} over
+    each row's prompt + completion positions but the last, which becomes that completion's `replay`."""
+    rows = [p for p in prompts for _ in range(s.group_size)]
+    device = params["model"]["embed_tokens"]["weight"].device
+    completions, logprobs = decode_rows(params, cfg, rows, s, pad_id, generator, device)
+    replay = recorder(rows, completions) if recorder is not None else {}
+    groups = []
+    for g, p in enumerate(prompts):
+        members = []
+        for r in range(g * s.group_size, (g + 1) * s.group_size):
+            ids = completions[r]
+            text = tok.decode(ids[:-1] if ids and ids[-1] in p.stops else ids)
+            members.append(Completion(Example(p.ids + ids, [IGNORE_INDEX] * len(p.ids) + ids),
+                                      call_reward(reward, p, text, ids, reward_name), logprobs[r],
+                                      {f: v[r] for f, v in replay.items()}))
+        groups.append(Group(tuple(members), p.where, {"prompt_ids": p.ids, **p.fields}))
+    return groups
+
+
+class PromptSource:
+    """--data.batch_size prompts per batch in a seeded per-epoch order of the file's prompts (as
+    `rollouts.RolloutSource` orders groups), each batch sampled with the params it is given (`next_batch(params)`)
+    into GRPO's rollout batch. The sampling generator (seeded by `sample_seed`) is part of the state, so a
+    resumed run samples what the uninterrupted run would."""
+
+    def __init__(self, prompts: list[Prompt], batch_size: int, seq_len: int, cfg: GLM5Config, seed: int, pad_id: int,
+                 settings: SampleSettings, reward, reward_name: str, tok, sample_seed: int,
+                 device: torch.device | str = "cpu"):
+        for p in prompts:
+            if len(p.ids) + settings.max_new_tokens > seq_len:
+                raise ValueError(f"{p.where}: a prompt of {len(p.ids)} tokens leaves no room for --rl.max_new_tokens "
+                                 f"{settings.max_new_tokens} within --data.seq_len {seq_len}; raise --data.seq_len "
+                                 f"to {len(p.ids) + settings.max_new_tokens} or shorten the prompt")
+        check_vocab([Example(p.ids, p.ids) for p in prompts], cfg.vocab_size, "prompts")
+        self.prompts, self.B, self.S, self.cfg, self.seed, self.pad_id = prompts, batch_size, seq_len, cfg, seed, pad_id
+        self.settings, self.reward, self.reward_name, self.tok = settings, reward, reward_name, tok
+        self.generator = torch.Generator(device).manual_seed(sample_seed)
+        self.epoch, self.index = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        return torch.randperm(len(self.prompts), generator=g).tolist()
+
+    def next_prompts(self) -> list[Prompt]:
+        out = []
+        for _ in range(self.B):
+            out.append(self.prompts[self._order[self.index]])
+            self.index += 1
+            if self.index == len(self.prompts):
+                self.epoch, self.index = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+        return out
+
+    def next_batch(self, params: dict) -> dict[str, torch.Tensor]:
+        groups = sample_groups(params, self.cfg, self.next_prompts(), self.settings, self.reward, self.tok,
+                               self.pad_id, self.generator, reward_name=self.reward_name)
+        return rollout_batch(groups, self.S, self.pad_id)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index, "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.index = state["epoch"], state["index"]
+        self.generator.set_state(state["generator"])
+        self._order = self._permutation(self.epoch)
