@@ -385,7 +385,7 @@ def prompt_source(cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout, toke
         raise ValueError(f"the tokenizer has {tok.vocab_size} ids but the model's vocab_size is "
                          f"{model_cfg.vocab_size}: raise --model.vocab_size to at least {tok.vocab_size}")
     fmt = ChatFormat.load(tokenizer_path, d.chat_template)
-    settings = sampler.SampleSettings(r.group_size, r.temperature, r.top_p, r.max_new_tokens)
+    settings = sampler.SampleSettings(r.group_size, r.temperature, r.top_p, r.max_new_tokens, r.replayed)
     reward = sampler.load_reward(r.reward)
     return sampler.PromptSource(sampler.read_prompts(d.path, tok, fmt), d.batch_size, d.seq_len, model_cfg, d.seed,
                                 tok.pad_id, settings, reward, f"--rl.reward {r.reward}", tok, cfg.train.seed,

@@ -43,6 +43,7 @@ class SampleSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 64
+    record: tuple[str, ...] = ()  # the replay records (`replay.REPLAY_KEYS`) the decoder keeps: --rl.replay's
 
 
 def prompt_of(rec, where: str, tok, fmt) -> Prompt:
@@ -120,11 +121,13 @@ def call_reward(fn, p: Prompt, completion: str, completion_ids: list[int], name:
 
 @torch.no_grad()
 def decode_rows(params: dict, cfg: GLM5Config, rows: list[Prompt], s: SampleSettings, pad_id: int,
-                generator: torch.Generator | None, device) -> tuple[list[list[int]], list[list[float]]]:
-    """(each row's completion ids, their log-probabilities): all rows decoded together on one cache, the prompts
-    left-padded, each row up to s.max_new_tokens and ending at the first of its stop ids (kept: it is part of the
-    completion). A log-probability is the raw log_softmax of the model's logits at temperature 1, whatever the
-    sampling temperature and top_p: the policy's log-probability the GRPO objective compares with."""
+                generator: torch.Generator | None, device) -> tuple[list[list[int]], list[list[float]], dict]:
+    """(each row's completion ids, their log-probabilities, the replay records): all rows decoded together on one
+    cache, the prompts left-padded, each row up to s.max_new_tokens and ending at the first of its stop ids (kept:
+    it is part of the completion). A log-probability is the raw log_softmax of the model's logits at temperature 1,
+    whatever the sampling temperature and top_p: the policy's log-probability the GRPO objective compares with.
+    Records: for each field of s.record, per row a LongTensor [positions, slots, k] of what the decoder chose at
+    each position of prompt + completion but the last (`decode.extend(..., record=True)`)."""
     B, S, M = len(rows), max(len(p.ids) for p in rows), s.max_new_tokens
     ids_BxS = torch.full((B, S), pad_id, dtype=torch.long, device=device)
     mask_BxS = torch.zeros(B, S, dtype=torch.long, device=device)
@@ -135,7 +138,15 @@ def decode_rows(params: dict, cfg: GLM5Config, rows: list[Prompt], s: SampleSett
         stop_BxV[b, list(p.stops)] = True
     valid_BxT, positions_BxT = prompt_positions(ids_BxS, cfg, mask_BxS, M)
     cache = init_cache(cfg, B, S + M, params["model"]["embed_tokens"]["weight"].dtype, device)
-    logits_BxV = extend(params, cfg, cache, ids_BxS, positions_BxT[:, :S], valid_BxT)[:, -1]
+    record, recs = bool(s.record), []
+
+    def step_logits(*args):
+        out = extend(params, cfg, cache, *args, record=record)
+        if record:
+            recs.append(out[1])
+            return out[0][:, -1]
+        return out[:, -1]
+    logits_BxV = step_logits(ids_BxS, positions_BxT[:, :S], valid_BxT)
     done_B = torch.zeros(B, dtype=torch.bool, device=device)
     tokens, logps, alive = [], [], []
     for step in range(M):
@@ -146,28 +157,27 @@ def decode_rows(params: dict, cfg: GLM5Config, rows: list[Prompt], s: SampleSett
         done_B = done_B | stop_BxV.gather(1, new_B[:, None])[:, 0]
         if step == M - 1 or bool(done_B.all()):
             break
-        logits_BxV = extend(params, cfg, cache, new_B[:, None], positions_BxT[:, S + step:S + step + 1],
-                            valid_BxT)[:, -1]
+        logits_BxV = step_logits(new_B[:, None], positions_BxT[:, S + step:S + step + 1], valid_BxT)
     keep_BxN = torch.stack(alive, 1).cpu()
     tokens_BxN, logps_BxN = torch.stack(tokens, 1).cpu(), torch.stack(logps, 1).cpu()
+    n_B = keep_BxN.sum(1).tolist()
+    records = {}
+    for f in s.record:  # positions S - len(prompt) .. S - 1 of the prompt, then the completion's but its last
+        whole = torch.cat([r[f] for r in recs], 1).cpu()
+        records[f] = [whole[b, S - len(p.ids):S + n_B[b] - 1] for b, p in enumerate(rows)]
     return ([tokens_BxN[b][keep_BxN[b]].tolist() for b in range(B)],
-            [logps_BxN[b][keep_BxN[b]].tolist() for b in range(B)])
+            [logps_BxN[b][keep_BxN[b]].tolist() for b in range(B)], records)
 
 
 def sample_groups(params: dict, cfg: GLM5Config, prompts: list[Prompt], s: SampleSettings, reward, tok, pad_id: int,
-                  generator: torch.Generator | None = None, recorder=None, reward_name: str = "the reward function",
-                  ) -> list[Group]:
+                  generator: torch.Generator | None = None, reward_name: str = "the reward function") -> list[Group]:
     """One Group per prompt: s.group_size completions sampled from `params` (see `decode_rows`: all of the call's
     completions decoded together) at s.temperature / s.top_p, each with its log-probabilities and the reward
-    `reward` gives it (`call_reward`; completion: the text of its ids less a final stop id).
-
-    recorder: the replay recorder of the decoder (routing, indexer), None without one. When given, it is called
-    once decoding ends with the decoded rows and returns {field: [LongTensor [positions, slots, k] per row]} over
-    each row's prompt + completion positions but the last, which becomes that completion's `replay`."""
+    `reward` gives it (`call_reward`; completion: the text of its ids less a final stop id), and the decoder's
+    choices of experts and keys s.record asks for (its `replay`)."""
     rows = [p for p in prompts for _ in range(s.group_size)]
     device = params["model"]["embed_tokens"]["weight"].device
-    completions, logprobs = decode_rows(params, cfg, rows, s, pad_id, generator, device)
-    replay = recorder(rows, completions) if recorder is not None else {}
+    completions, logprobs, replay = decode_rows(params, cfg, rows, s, pad_id, generator, device)
     groups = []
     for g, p in enumerate(prompts):
         members = []

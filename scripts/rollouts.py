@@ -46,6 +46,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64, help="tokens per completion at most")
     ap.add_argument("--batch-prompts", type=int, default=8, help="prompts decoded together (x --group-size rows)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+    ap.add_argument("--record", default="routing,indexer",
+                    help="the decoder's choices to write per completion for --rl.replay (comma-separated: routing, "
+                         "indexer; empty: none)")
     ap.add_argument("--tokenizer", help="tokenizer.json (or a directory with one) instead of the model's")
     ap.add_argument("--chat-template", help="a jinja chat template for chat records instead of the model's")
     ap.add_argument("--device", default="auto", help="auto (cuda when there is one, else cpu), cpu, cuda, ...")
@@ -77,7 +80,10 @@ def main(argv=None) -> int:
         if not args.reward:
             print("warning: no --reward: every completion's reward is 0; fill them in before training on the file",
                   file=sys.stderr)
-        settings = sampler.SampleSettings(args.group_size, args.temperature, args.top_p, args.max_new_tokens)
+        record = tuple(f.strip() for f in args.record.split(",") if f.strip())
+        if any(f not in ("routing", "indexer") for f in record):
+            raise ValueError(f"--record takes routing and/or indexer (comma-separated), got {args.record!r}")
+        settings = sampler.SampleSettings(args.group_size, args.temperature, args.top_p, args.max_new_tokens, record)
         generator = torch.Generator(device).manual_seed(args.seed)
         name = f"--reward {args.reward}" if args.reward else "the reward"
         lines = []

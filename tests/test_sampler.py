@@ -201,3 +201,40 @@ def test_scripts_rollouts_writes_what_data_type_rollouts_reads(tmp_path):
         assert rec["n"] == int(rec["prompt"].split()[1][:-1])  # the record's fields kept
         for c, got in zip(rec["completions"], g.completions):
             assert c["reward"] == len(c["ids"]) == len(c["logprobs"]) and got.logprobs == c["logprobs"]
+
+
+@pytest.mark.parametrize("preset", ["glm5-tiny", "glm53-tiny"])
+def test_recorded_choices_replayed_by_the_trainer_give_its_log_probabilities(preset):
+    """The sampler's records (routing and indexer, prompts longer than the indexer's top-k) replayed in a forward
+    over prompt + completion give the sampler's log-probabilities (fp64, 1e-10), and the records are the
+    forward's own choices: replaying them changes nothing."""
+    from glm5f.replay import replay_shapes
+
+    cfg = glm5f.preset(preset)
+    params = glm5f.init_params(cfg, 0, torch.float64)
+    s = sampler.SampleSettings(group_size=2, temperature=1.0, max_new_tokens=6, record=("routing", "indexer"))
+    long = [sampler.Prompt([TOK.bos_id] + TOK.encode("the quick brown fox jumps over"[:n]), "", (TOK.eos_id,), {},
+                           f"p:{n}") for n in (20, 26)]
+    groups = sampler.sample_groups(params, cfg, long, s, recording, TOK, TOK.pad_id, torch.Generator().manual_seed(1))
+    shapes = replay_shapes(cfg)
+    for g in groups:
+        for c in g.completions:
+            ids = torch.tensor([c.example.ids])
+            n = ids.shape[1]
+            rec = {f: torch.cat([c.replay[f], c.replay[f].new_full((1, *shapes[f]), -1)])[None] for f in shapes}
+            assert rec["routing"].shape == (1, n, *shapes["routing"]) and (rec["routing"][0, :-1] >= 0).all()
+            assert (rec["indexer"][0, :-1] >= 0).any()  # the indexer selected at the longer positions
+            replayed = glm5f.token_logprobs(params, cfg, ids, **rec)[0, -1 - len(c.logprobs):-1]
+            own = glm5f.token_logprobs(params, cfg, ids)[0, -1 - len(c.logprobs):-1]
+            assert torch.allclose(torch.tensor(c.logprobs, dtype=torch.float64), replayed, rtol=0, atol=1e-10)
+            assert torch.equal(replayed, own)
+
+
+def test_an_on_policy_run_with_replay_has_no_rollout_gap_in_fp64(tmp_path):
+    """--data.type prompts with --rl.replay routing,indexer in fp64: the trainer's first-pass log-probabilities
+    equal the sampler's (rollout_logprob_gap_max below 1e-9) at every step."""
+    records = train(cli(*run_flags(tmp_path, "run", "glm5f.rewards:lowercase_share", "--model.preset", "glm5-tiny",
+                                   "--train.dtype", "float64", "--rl.replay", "routing,indexer", "--train.steps", "3",
+                                   "--data.seq_len", "40", "--rl.max_new_tokens", "12")))
+    assert len(records) == 3
+    assert all(r["rollout_logprob_gap_max"] < 1e-9 for r in records), [r["rollout_logprob_gap_max"] for r in records]
