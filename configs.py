@@ -354,21 +354,23 @@ class RLConfig:
     replay: str = ""
     """GRPO: what the forward takes from the rollouts' records instead of choosing it (comma-separated): routing,
     each MoE layer's experts; indexer, each DSA layer's selected keys (GLM-5.3: pools). Empty: none."""
-
     group_size: int = 8
-    """--data.type prompts: completions sampled per prompt (at least 2: a group's advantages compare them)."""
+    """Sampling (--data.type prompts): completions sampled per prompt (at least 2: a group's advantages compare
+    them)."""
     temperature: float = 1.0
-    """--data.type prompts: sampling temperature (0: greedy); the recorded log-probabilities are at temperature 1."""
+    """Sampling (--data.type prompts): the temperature (0: greedy); the recorded log-probabilities are at
+    temperature 1."""
     top_p: float = 1.0
-    """--data.type prompts: nucleus sampling, from the most likely tokens holding this much probability."""
+    """Sampling (--data.type prompts): nucleus sampling, from the most likely tokens holding this much
+    probability."""
     max_new_tokens: int = 64
-    """--data.type prompts: most tokens sampled per completion (a stop token ends one sooner); a prompt and this
-    many tokens must fit --data.seq_len."""
+    """Sampling (--data.type prompts): most tokens sampled per completion (a stop token ends one sooner); a prompt
+    and this many tokens must fit --data.seq_len."""
     reward: Optional[str] = None
-    """--data.type prompts: the reward function, module:function (imported with the working directory and
-    PYTHONPATH on the path), called per completion with keyword arguments prompt, completion (text), prompt_ids,
-    completion_ids and the prompt record's other fields; returns a finite number. glm5f.rewards:lowercase_share is the
-    toy task's (recipes/grpo-tiny.yaml)."""
+    """Sampling (--data.type prompts): the reward function, module:function (imported with the working directory
+    and PYTHONPATH on the path), called per completion with keyword arguments prompt, completion (text),
+    prompt_ids, completion_ids and the prompt record's other fields; returns a finite number.
+    glm5f.rewards:lowercase_share is the toy task's (recipes/grpo-tiny.yaml)."""
 
     @property
     def replayed(self) -> tuple[str, ...]:
