@@ -58,6 +58,7 @@ class RunShape:
     base_dtype: str | None = None
     objective: str = "lm"
     settings: object = None  # the objective's flags (its Config section), for its plan_bytes
+    data_type: str | None = None
     precompute_reference: bool = False
 
     @property
@@ -87,16 +88,18 @@ def run_shape(cfg) -> RunShape:
     return dataclasses.replace(
         RunShape(p.dp_shard, p.cp, p.ep, cfg.data.batch_size * rows_per_item(cfg), cfg.data.seq_len, t.grad_accum, t.dtype, t.reduce_dtype,
                  t.activation_checkpointing, *((lo.rank, lo.targets, lo.base_dtype) if lo else ())),
-        objective=getattr(t, "objective", "lm"), settings=objective_settings(cfg),
+        objective=getattr(t, "objective", "lm"), settings=objective_settings(cfg), data_type=cfg.data.type,
         precompute_reference=bool(getattr(getattr(cfg, "dpo", None), "precompute_reference", False)))
 
 
 def rows_per_item(cfg) -> int:
-    """Rows of a batch per --data.batch_size item: a GRPO group's completions (a rollouts file's group size),
-    else 1."""
-    if getattr(cfg.train, "objective", "lm") != "grpo" or cfg.data.type != "rollouts" or not cfg.data.path:
+    """Rows of a batch per --data.batch_size item: a GRPO group's completions (a rollouts file's group size;
+    --rl.group_size for sampled prompts), else 1."""
+    if getattr(cfg.train, "objective", "lm") != "grpo":
         return 1
-    return file_group_size(cfg.data.path) or 1
+    if cfg.data.type == "prompts":
+        return cfg.rl.group_size
+    return (file_group_size(cfg.data.path) if cfg.data.type == "rollouts" and cfg.data.path else None) or 1
 
 
 def objective_settings(cfg) -> object:

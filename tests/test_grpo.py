@@ -238,3 +238,16 @@ def test_routing_replay_step_one_equals_transformers_with_its_router_picking_the
     assert abs(r["loss"] - expected["loss"]) <= 1e-8, (r["loss"], expected)
     assert r["rollout_logprob_gap_max"] <= 1e-9 and r["tis_capped_fraction"] == 0
     assert own_run[0]["rollout_logprob_gap"] > 1e-3  # without replay the router's own experts give other numbers
+
+
+def test_the_plan_counts_the_sampler_s_cache_and_its_rows():
+    from glm5f.decode import init_cache
+    from glm5f.plan import plan, run_shape
+
+    cfg = glm5f.preset("glm5-tiny")
+    shape = run_shape(cli("--model.preset", "glm5-tiny", "--train.objective", "grpo", "--data.type", "prompts",
+                          "--data.path", "p.jsonl", "--rl.reward", "m:f", "--data.batch_size", "2",
+                          "--rl.group_size", "4", "--data.seq_len", "32"))
+    assert shape.micro_batch == 8  # 2 prompts x 4 completions
+    cache = init_cache(cfg, 8, 32, torch.float32)
+    assert plan(cfg, shape)["objective_bytes"] == sum(t.numel() * 4 for layer in cache.layers for t in layer.values())
