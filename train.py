@@ -486,6 +486,8 @@ def report(cfg: Config, layout: Layout, say) -> None:
                       f"({errno.errorcode.get(e.errno, e.errno)})")
     first, last = history[0], history[-1]
     say(f"done: loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} (step {last['step']})")
+    if "reward" in first:
+        say(f"reward: {first['reward']:.4f} (step {first['step']}) -> {last['reward']:.4f} (step {last['step']})")
     if "indexer_loss" in first:
         say(f"indexer: indexer_loss {first['indexer_loss']:.4f} -> {last['indexer_loss']:.4f}, "
             f"indexer_recall {first['indexer_recall']:.4f} -> {last['indexer_recall']:.4f}")

@@ -94,9 +94,9 @@ def read_metrics(path: str, warn=lambda message: None) -> list[dict]:
     return records
 
 
-def plot_losses(runs: dict[str, list[dict]], out_png: str, title: str = "loss") -> bool:
-    """Loss curves of several runs into one PNG, each run's held-out loss (eval_loss) dashed beside its training
-    loss. False (and nothing written) without matplotlib."""
+def plot_losses(runs: dict[str, list[dict]], out_png: str, title: str = "loss", key: str = "loss") -> bool:
+    """Loss curves (or another metric's, `key`: e.g. GRPO's "reward") of several runs into one PNG, each run's
+    held-out loss (eval_loss) dashed beside its training loss. False (and nothing written) without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -106,15 +106,16 @@ def plot_losses(runs: dict[str, list[dict]], out_png: str, title: str = "loss") 
     fig, ax = plt.subplots(figsize=(7, 4))
     has_eval = False
     for name, recs in runs.items():
-        evals = [r for r in recs if "eval_loss" in r]
-        line, = ax.plot([r["step"] for r in recs], [r["loss"] for r in recs], linewidth=1,
+        evals = [r for r in recs if "eval_loss" in r] if key == "loss" else []
+        recs = [r for r in recs if key in r]
+        line, = ax.plot([r["step"] for r in recs], [r[key] for r in recs], linewidth=1,
                         label=f"{name} train" if evals else name)
         if evals:
             has_eval = True
             ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "--o", color=line.get_color(),
                     markersize=3, linewidth=1, label=f"{name} eval")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss")
+    ax.set_ylabel(key)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     if len(runs) > 1 or has_eval:

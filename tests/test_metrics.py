@@ -48,10 +48,10 @@ def pixels_of(png, colour: str) -> np.ndarray:
     return np.argwhere(np.abs(rgb - want).max(axis=-1) < 0.1)
 
 
-def check_loss_png(png, colours: list[str]) -> None:
+def check_loss_png(png, colours: list[str], rising: bool = False) -> None:
     """The loss PNG as plot_losses draws it: 7 x 4 inches at 120 dpi, not blank, and each run's curve in its colour
-    falling from left to right (the losses fall): its pixels in the left third of its width lie higher (smaller
-    rows) than those in the right third."""
+    falling from left to right (the losses fall; `rising`: climbing, as a reward does): its pixels in the left third
+    of its width lie higher (smaller rows) than those in the right third (lower, when rising)."""
     rgba = matplotlib.image.imread(png)
     assert rgba.shape[:2] == (480, 840)
     assert (rgba[..., :3].min(axis=-1) < 0.9).mean() > 0.01  # not a blank (white) canvas
@@ -59,7 +59,8 @@ def check_loss_png(png, colours: list[str]) -> None:
         at = pixels_of(png, colour)
         assert len(at) > 200, colour  # a curve, not the legend's sample line alone
         left, right = np.percentile(at[:, 1], [33, 67])
-        assert np.median(at[at[:, 1] <= left, 0]) < np.median(at[at[:, 1] >= right, 0]), colour
+        higher_left = np.median(at[at[:, 1] <= left, 0]) < np.median(at[at[:, 1] >= right, 0])
+        assert higher_left != rising, colour
 
 
 def test_loss_png_draws_each_run_s_falling_curve(tmp_path):
@@ -82,3 +83,19 @@ def test_compare_runs_png_into_a_directory(tmp_path):
     out = run_script("scripts/compare_runs.py", str(tmp_path / "a"), str(tmp_path / "b"), "--png", str(tmp_path / "plots"))
     assert out.returncode == 0 and f"plot: {tmp_path / 'plots' / 'compare.png'}" in out.stdout, out.stderr
     assert os.listdir(tmp_path / "plots") == ["compare.png"] and not (tmp_path / "plots.png").exists()
+
+
+def test_compare_runs_plots_another_metric(tmp_path):
+    """--metric reward: the rows compare rewards, and the PNG draws each run's rising reward curve."""
+    pytest.importorskip("matplotlib")
+    for k, name in enumerate(("a", "b")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": i, "loss": 1.0, "reward": (0.1 + k * 0.2) * i}) + "\n" for i in range(1, 41)))
+    png = tmp_path / "reward.png"
+    out = run_script("scripts/compare_runs.py", str(tmp_path / "a"), str(tmp_path / "b"), "--metric", "reward",
+                     "--png", str(png))
+    assert out.returncode == 0, out.stderr
+    row = next(line for line in out.stdout.splitlines() if line.startswith("b "))
+    assert row.split()[1:] == ["rewar", "40", f"{0.2 * 20.5:.3e}", f"{0.2 * 40:.3e}"], row
+    check_loss_png(png, ["#1f77b4", "#ff7f0e"], rising=True)
