@@ -39,6 +39,7 @@ from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
 from glm5f.model import check_input_ids
 from glm5f.optim import Optimizer, schedule_change, unused_flags
 from glm5f.parallel import Layout, local_tensor, nonfinite_counts
+from glm5f.plan import rows_per_item
 from glm5f.preflight import check_inputs, check_run
 from glm5f.params import flatten, leaf_dtype, map_with_path, region_of
 from glm5f.resume import check_resumable
@@ -241,6 +242,9 @@ def batch_sizes(cfg: Config, data) -> str:
     several) for preset_pt data, else --data.batch_size x --data.seq_len."""
     if isinstance(data, PresetSource):
         return " or ".join(f"{B}x{S}" for B, S in data.shapes) + f" tokens/step (the batches of {cfg.data.path})"
+    if cfg.train.objective == "grpo":
+        return (f"{cfg.data.batch_size} groups of {rows_per_item(cfg)} completions x {cfg.data.seq_len} "
+                f"tokens/step")
     return f"{cfg.data.batch_size}x{cfg.data.seq_len} tokens/step"
 
 
