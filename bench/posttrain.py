@@ -1,9 +1,11 @@
 """Post-training steps against TRL: a full-training DPO step of glm5f (`train_step` with --dpo.reference) against
-TRL's DPOTrainer (ref_model= passed), the same Transformers checkpoint, reference, preference data and batch.
+TRL's DPOTrainer (ref_model= passed), and an on-policy GRPO step, sampling included, against TRL's GRPOTrainer
+(Transformers' generate, no vLLM); the same Transformers checkpoint, data and batch on both sides.
 
     python bench/posttrain.py dpo                          # the bench model (4 layers), 4 pairs x 256 tokens a side
     python bench/posttrain.py dpo --batch 2 --seq 512 --steps 8
-    python bench/posttrain.py all                          # every section (dpo)
+    python bench/posttrain.py grpo --batch 2 --group 4 --new-tokens 32
+    python bench/posttrain.py all                          # every section (dpo, grpo)
     python bench/posttrain.py dpo --threads 1 --profile    # and where glm5f's step time goes
 
 A section writes, into a temporary directory, a Transformers GlmMoeDsaForCausalLM (save_pretrained) to train and
@@ -15,6 +17,12 @@ Each side runs in its own subprocess (its peak is its own): the median wall time
 optimizer step included, the batch's collation not) and their median CPU time (all the side's threads: on a shared
 CPU the figure that does not depend on the load), the peak resident set size at the end of the last step, and the
 peak after its imports (the libraries').
+
+The grpo section trains the policy on a JSONL of --batch x (--warmup + --steps) text prompts of --seq // 2 tokens:
+each step samples --group completions of at most --new-tokens tokens per prompt at temperature 1 (eos stops one on
+both sides), scores them with `reward` (this module's, imported by glm5f as --rl.reward posttrain:reward), and
+takes one AdamW step on the dapo loss without a KL term (TRL: beta 0, num_iterations 1). The rows add the mean
+completion length each side sampled (stop token included) and glm5f's sampling time per step.
 """
 
 from __future__ import annotations
@@ -32,8 +40,16 @@ import torch
 from common import add_model_flags, add_run_flags, model_config, model_flags, run_child, serve_child, threads_of
 
 BETA, SPECIALS = 0.1, ("<pad>", "<eos>")
+EOS_ID = SPECIALS.index("<eos>")
 TEMPLATE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "glm5f", "assets",
                         "glm5_chat_template.jinja")
+
+
+def reward(completion_ids: list[int], **_) -> float:
+    """The grpo section's reward: the share of a completion's tokens, its stop token left out, with an even id (a
+    random policy's completions differ in it, so every group has a signal; 0 for an empty completion)."""
+    ids = [i for i in completion_ids if i != EOS_ID]
+    return sum(i % 2 == 0 for i in ids) / len(ids) if ids else 0.0
 
 
 def rss_gb() -> float:
@@ -45,7 +61,7 @@ def rss_gb() -> float:
 
 def write_inputs(args, root: str) -> dict:
     """The policy and reference checkpoints (Transformers' save_pretrained, different seeds; the tokenizer beside
-    the policy) and the preference JSONL, in `root`: {"policy", "reference", "data"}."""
+    the policy), the preference JSONL and the prompt JSONL, in `root`: {"policy", "reference", "data", "prompts"}."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM, PreTrainedTokenizerFast
     from transformers.utils import logging
@@ -53,7 +69,7 @@ def write_inputs(args, root: str) -> dict:
     logging.disable_progress_bar()
     cfg = model_config(args)
     paths = {"policy": os.path.join(root, "policy"), "reference": os.path.join(root, "reference"),
-             "data": os.path.join(root, "pairs.jsonl")}
+             "data": os.path.join(root, "pairs.jsonl"), "prompts": os.path.join(root, "prompts.jsonl")}
     for seed, name in ((0, "policy"), (1, "reference")):
         torch.manual_seed(seed)
         GlmMoeDsaForCausalLM(GlmMoeDsaConfig(**cfg.to_hf())).save_pretrained(paths[name])
@@ -72,6 +88,9 @@ def write_inputs(args, root: str) -> dict:
         for _ in range(args.batch * (args.warmup + args.steps)):
             f.write(json.dumps({"prompt": text(prompt), "chosen": " " + text(answer),
                                 "rejected": " " + text(answer)}) + "\n")
+    with open(paths["prompts"], "w") as f:
+        for _ in range(args.batch * (args.warmup + args.steps)):
+            f.write(json.dumps({"prompt": text(prompt)}) + "\n")
     return paths
 
 
@@ -150,7 +169,103 @@ def dpo_trl(args, paths: dict) -> tuple[list[float], float, float, dict]:
     return seconds, peak[0], imported, {}
 
 
-SIDES = {"dpo": {"glm5f": dpo_glm5f, "trl": dpo_trl}}  # a section's sides, by name; glm5f first
+def grpo_glm5f(args, paths: dict) -> tuple[list[tuple], float, float, dict]:
+    """(each step's (seconds, CPU seconds, sampling seconds, mean completion tokens), peak RSS GB after the last,
+    RSS GB after the imports, with --profile one more update's op self time per (family, kind)): train.py's edges
+    (params, the prompt source) and, each step, the source's sampling by the current policy then `train_step`."""
+    from configs import parse, with_data_type
+    from glm5f.chat import resolve_tokenizer
+    from glm5f.parallel import Layout
+    from glm5f.step import Trainer, train_step
+    from glm5f.tokens import IGNORE_INDEX
+    from train import decoding_params, init_params, make_data
+
+    imported = rss_gb()
+    cfg = with_data_type(parse([
+        "--model.init_from", paths["policy"], "--train.objective", "grpo", "--data.type", "prompts", "--data.path",
+        paths["prompts"], "--data.batch_size", str(args.batch), "--data.seq_len",
+        str(args.seq // 2 + args.new_tokens), "--rl.reward", "posttrain:reward", "--rl.group_size", str(args.group),
+        "--rl.max_new_tokens", str(args.new_tokens), "--rl.temperature", "1.0", "--rl.kl_beta", "0", "--rl.loss",
+        "dapo", "--rl.updates_per_batch", "1", "--train.dtype", args.dtype, "--train.steps",
+        str(args.warmup + args.steps), "--optim.name", "adamw", "--optim.lr", str(args.lr), "--optim.warmup_steps",
+        "0", "--optim.weight_decay", "0", "--eval.every", "0", "--data.chat_template", TEMPLATE]))
+    layout = Layout(args.device)
+    tokenizer = resolve_tokenizer(cfg.model.tokenizer_path, cfg.model.init_from, cfg.data.chat_template)
+    model_cfg, params = init_params(cfg, layout)
+    trainer = Trainer.of(cfg, model_cfg, layout)
+    state = trainer.init(params, None, None)
+    data, _ = make_data(cfg, model_cfg, layout, lambda *a, **k: None, tokenizer.path)
+    steps = []
+    for _ in range(args.warmup + args.steps):
+        t, c = time.perf_counter(), time.process_time()
+        batch = {k: v.to(layout.device) for k, v in data.next_batch(decoding_params(state, cfg, None)).items()}
+        sampled = time.perf_counter() - t
+        state, metrics = train_step(state, batch, trainer)
+        completion = (batch["labels"] != IGNORE_INDEX).sum().item() / batch["labels"].shape[0]
+        steps.append((time.perf_counter() - t, time.process_time() - c, sampled, completion))
+    profile = {}
+    if args.profile:
+        from common import profile_split
+        batch = {k: v.to(layout.device) for k, v in data.next_batch(decoding_params(state, cfg, None)).items()}
+        profile = profile_split(lambda: train_step(state, batch, trainer), reps=1)
+    return steps, rss_gb(), imported, profile
+
+
+def grpo_trl(args, paths: dict) -> tuple[list[tuple], float, float, dict]:
+    """(each step's (seconds, CPU seconds, sampling seconds, mean completion tokens), peak RSS GB after the last,
+    RSS GB after the imports, {}): TRL's GRPOTrainer, generating with the model's own generate (no vLLM); the
+    sampling time is that of its generate calls."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    imported = rss_gb()
+    model = AutoModelForCausalLM.from_pretrained(paths["policy"], attn_implementation="eager",
+                                                 dtype=getattr(torch, args.dtype))
+    model.generation_config.eos_token_id = EOS_ID  # the stop token glm5f's sampler ends a text prompt's completion at
+    tok = PreTrainedTokenizerFast.from_pretrained(paths["policy"])
+    with open(paths["prompts"]) as f:
+        data = Dataset.from_list([json.loads(line) for line in f])
+    steps, peak, sampled, lengths = [], [], [0.0], []
+    generate = model.generate
+
+    def timed_generate(*a, **k):
+        t = time.perf_counter()
+        out = generate(*a, **k)
+        sampled[0] += time.perf_counter() - t
+        return out
+    model.generate = timed_generate
+
+    def scored(completion_ids: list[list[int]], **_) -> list[float]:
+        lengths.extend(len(ids) for ids in completion_ids)
+        return [reward(ids) for ids in completion_ids]
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.t, self.c = time.perf_counter(), time.process_time()
+            sampled[0], lengths[:] = 0.0, []
+
+        def on_step_end(self, *a, **k):
+            steps.append((time.perf_counter() - self.t, time.process_time() - self.c, sampled[0],
+                          sum(lengths) / len(lengths)))
+            peak[:] = [rss_gb()]
+
+    with tempfile.TemporaryDirectory() as out:
+        rows = args.batch * args.group  # TRL's batch sizes count completions
+        config = GRPOConfig(output_dir=out, per_device_train_batch_size=rows, generation_batch_size=rows,
+                            num_generations=args.group, max_completion_length=args.new_tokens, temperature=1.0,
+                            top_p=1.0, top_k=0, beta=0.0, num_iterations=1, loss_type="dapo", epsilon_high=0.28,
+                            max_steps=args.warmup + args.steps, learning_rate=args.lr, lr_scheduler_type="constant",
+                            weight_decay=0.0, max_grad_norm=1.0, bf16=False, gradient_checkpointing=False,
+                            use_vllm=False, use_cpu=args.device == "cpu", save_strategy="no", report_to=[],
+                            logging_steps=10**6, disable_tqdm=True, dataloader_num_workers=0, shuffle_dataset=False,
+                            seed=0)
+        GRPOTrainer(model=model, reward_funcs=scored, args=config, train_dataset=data, processing_class=tok,
+                    callbacks=[Timer()]).train()
+    return steps, peak[0], imported, {}
+
+
+SIDES = {"dpo": {"glm5f": dpo_glm5f, "trl": dpo_trl}, "grpo": {"glm5f": grpo_glm5f, "trl": grpo_trl}}  # a section's sides, by name; glm5f first
 
 
 def run_side(args) -> dict:
@@ -168,19 +283,30 @@ def run_section(section: str, args) -> None:
     here = os.path.abspath(__file__)
     with tempfile.TemporaryDirectory() as root:
         paths = write_inputs(args, root)
-        flags = [*model_flags(args), "--warmup", str(args.warmup), "--lr", str(args.lr), "--paths", json.dumps(paths),
+        flags = [*model_flags(args), "--warmup", str(args.warmup), "--lr", str(args.lr), "--group", str(args.group),
+                 "--new-tokens", str(args.new_tokens), "--paths", json.dumps(paths),
                  *(["--profile"] if args.profile else [])]
         res = {side: run_child(here, ["--child", f"{section}:{side}", *flags], f"the {section} {side} side")
                for side in SIDES[section]}
-    tokens = 2 * args.batch * args.seq
-    print(f"{section}: {args.preset} ({cfg.num_hidden_layers} layers, index_topk {cfg.index_topk}), {args.batch} pair(s) "
-          f"x 2 x {args.seq} tokens a step, full training with a reference model, {args.dtype} on {args.device} "
-          f"({threads_of(args)} threads); median of {args.steps} steps after {args.warmup} warm-up")
-    print(f"  {'side':8s}{'s/step':>10s}{'tok/s':>10s}{'CPU s/step':>12s}{'peak RSS GB':>13s}{'after imports':>15s}")
+    model = f"{args.preset} ({cfg.num_hidden_layers} layers, index_topk {cfg.index_topk})"
+    run = (f"{args.dtype} on {args.device} ({threads_of(args)} threads); median of {args.steps} steps after "
+           f"{args.warmup} warm-up")
+    if section == "grpo":
+        tokens = args.batch * args.group * (args.seq // 2 + args.new_tokens)  # at full completion length
+        print(f"grpo: {model}, {args.batch} prompt(s) of {args.seq // 2} tokens x {args.group} completions of at "
+              f"most {args.new_tokens} tokens a step, sampling at temperature 1 then one update (dapo, no KL), {run}")
+    else:
+        tokens = 2 * args.batch * args.seq
+        print(f"{section}: {model}, {args.batch} pair(s) x 2 x {args.seq} tokens a step, full training with a "
+              f"reference model, {run}")
+    extra = section == "grpo"  # the steps also record (sampling seconds, mean completion tokens)
+    print(f"  {'side':8s}{'s/step':>10s}{'tok/s':>10s}{'CPU s/step':>12s}{'peak RSS GB':>13s}{'after imports':>15s}"
+          + (f"{'sample s':>10s}{'completion':>12s}" if extra else ""))
     for side, r in res.items():
-        r["median"], r["cpu"] = (statistics.median(x[i] for x in r["seconds"][args.warmup:]) for i in (0, 1))
+        medians = [statistics.median(x[i] for x in r["seconds"][args.warmup:]) for i in range(len(r["seconds"][0]))]
+        r["median"], r["cpu"] = medians[:2]
         print(f"  {side:8s}{r['median']:10.3f}{tokens / r['median']:10.0f}{r['cpu']:12.3f}{r['peak_gb']:13.3f}"
-              f"{r['imports_gb']:15.3f}")
+              f"{r['imports_gb']:15.3f}" + (f"{medians[2]:10.3f}{medians[3]:12.1f}" if extra else ""))
     (a, ra), (b, rb) = res.items()
     print(f"  {a} / {b}: {rb['median'] / ra['median']:.2f}x the speed ({rb['cpu'] / ra['cpu']:.2f}x in CPU time), "
           f"{ra['peak_gb'] / rb['peak_gb']:.3f} of the peak memory", flush=True)
@@ -198,6 +324,8 @@ def main():
     ap.set_defaults(seq=256, steps=5)
     ap.add_argument("--warmup", type=int, default=2, help="steps run before the timed ones")
     ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--group", type=int, default=4, help="grpo: completions sampled per prompt")
+    ap.add_argument("--new-tokens", type=int, default=32, help="grpo: most tokens sampled per completion")
     ap.add_argument("--profile", action="store_true", help="after the timed steps, profile one glm5f step")
     ap.add_argument("--paths", default=None, help=argparse.SUPPRESS)
     add_run_flags(ap)

@@ -50,6 +50,20 @@ def test_posttrain_runs_both_sides():
     assert "glm5f / trl:" in res.stdout, res.stdout
 
 
+
+def test_posttrain_grpo_runs_both_sides():
+    """bench/posttrain.py grpo at toy size: glm5f's and TRL's rows (with sampling time and completion length) in one
+    table, with their ratio."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "posttrain.py"), "grpo", "--preset", "glm5-tiny",
+                          "--batch", "1", "--seq", "16", "--group", "2", "--new-tokens", "4", "--warmup", "1",
+                          "--steps", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    rows = [line.split() for line in res.stdout.splitlines() if re.match(r"  (glm5f|trl) +[\d.]+ ", line)]
+    assert [r[0] for r in rows] == ["glm5f", "trl"] and all(len(r) == 8 for r in rows), res.stdout
+    assert all(float(r[1]) > 0 and float(r[4]) > 0 and 0 < float(r[7]) <= 4 for r in rows), res.stdout
+    assert "glm5f / trl:" in res.stdout, res.stdout
+
 def op_families(side: str) -> dict:
     """{op name: {family: calls}} of one profiled step of `side` ("glm5f" or "transformers") on the bench model at
     B1 S256, index_topk 64, in this process."""
