@@ -484,9 +484,6 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         if cfg.parallel.cp > 1:
             errs.append("--data.type prompts does not run under --parallel.cp (the decoder does not); sample with "
                         "scripts/rollouts.py and train on --data.type rollouts, or drop --parallel.cp")
-        elif cfg.parallel.world > 1 or cfg.parallel.ep > 1:
-            errs.append("--data.type prompts samples in one process for now; sample with scripts/rollouts.py and "
-                        "train on --data.type rollouts under --parallel.dp_shard / --parallel.ep, or run one process")
     if not (0 <= r.epsilon_low < 1 and r.epsilon_high >= 0 and r.tis_cap >= 0 and r.kl_beta >= 0
             and r.updates_per_batch >= 1):
         errs.append(f"--rl.epsilon_low must lie in [0, 1), --rl.epsilon_high, --rl.tis_cap and --rl.kl_beta be >= 0 "

@@ -38,7 +38,7 @@ from glm5f.loss import eval_loss, unused_weights
 from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
 from glm5f.model import check_input_ids
 from glm5f.optim import Optimizer, schedule_change, unused_flags
-from glm5f.parallel import Layout, local_tensor, nonfinite_counts
+from glm5f.parallel import Layout, full_tensor, local_tensor, nonfinite_counts
 from glm5f.plan import rows_per_item
 from glm5f.preflight import check_inputs, check_run
 from glm5f.params import flatten, leaf_dtype, map_with_path, region_of
@@ -159,7 +159,7 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         if batch is None or i % per_batch == 0:
             with user_errors():  # a streamed record is read, and checked, when a batch needs it
                 if isinstance(data, sampler.PromptSource):  # sampled now, by the policy this step trains
-                    batch = data.next_batch(decoding_params(state, cfg, spec))
+                    batch = data.next_batch(decoding_params(state, cfg, spec), layout)
                     sample_time = time.perf_counter() - t0
                 else:
                     batch = data.next_batch()
@@ -230,11 +230,13 @@ def resumed_batch(ckpt: str | None, layout: Layout) -> dict:
 
 
 def decoding_params(state: TrainState, cfg: Config, spec: lora.LoraSpec | None) -> dict:
-    """The policy's weights as the on-policy sampler decodes with them: each leaf in the compute dtype (the fp32
-    leaves of `params.leaf_kinds()` stay fp32), a LoRA run's adapters merged into a copy of its base."""
-    params = lora.merge(state.frozen, state.trained, spec) if spec else state.trained
+    """The policy's weights as the on-policy sampler decodes with them: whole on every rank (gathered one leaf at
+    a time under a multi-process layout: collective), each leaf in the compute dtype (the fp32 leaves of
+    `params.leaf_kinds()` stay fp32), a LoRA run's adapters merged into a copy of its base."""
     act = getattr(torch, cfg.train.dtype)
-    return map_with_path(lambda path, t: t.detach().to(leaf_dtype(path, act)), params)
+    whole = lambda tree: map_with_path(  # noqa: E731
+        lambda path, t: full_tensor(t.detach()).to(leaf_dtype(path, act)), tree)
+    return lora.merge(whole(state.frozen), whole(state.trained), spec) if spec else whole(state.trained)
 
 
 def batch_sizes(cfg: Config, data) -> str:

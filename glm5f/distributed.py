@@ -89,6 +89,11 @@ class DistLayout(Layout):
         dist.all_reduce(t, group=group)
         return t
 
+    def gather_objects(self, obj) -> list:
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
     def max(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach().clone()
         dist.all_reduce(t, op=dist.ReduceOp.MAX)

@@ -19,6 +19,7 @@ import torch
 
 from glm5f.config import GLM5Config
 from glm5f.data.rollouts import Completion, Group, prompt_ids, rollout_batch
+from glm5f.data.sources import shuffle_draw
 from glm5f.decode import extend, init_cache, prompt_positions, sample
 from glm5f.tokens import IGNORE_INDEX, Example, check_vocab
 
@@ -150,7 +151,12 @@ def decode_rows(params: dict, cfg: GLM5Config, rows: list[Prompt], s: SampleSett
     done_B = torch.zeros(B, dtype=torch.bool, device=device)
     tokens, logps, alive = [], [], []
     for step in range(M):
-        new_B = sample(logits_BxV, s.temperature, s.top_p, generator)
+        if isinstance(generator, list):  # one per prompt: each group of rows draws from its own
+            G = B // len(generator)
+            new_B = torch.cat([sample(logits_BxV[j * G:(j + 1) * G], s.temperature, s.top_p, g)
+                               for j, g in enumerate(generator)])
+        else:
+            new_B = sample(logits_BxV, s.temperature, s.top_p, generator)
         logps.append(torch.log_softmax(logits_BxV, dim=-1).gather(1, new_B[:, None])[:, 0])
         tokens.append(new_B)
         alive.append(~done_B)
@@ -172,7 +178,7 @@ def decode_rows(params: dict, cfg: GLM5Config, rows: list[Prompt], s: SampleSett
 def sample_groups(params: dict, cfg: GLM5Config, prompts: list[Prompt], s: SampleSettings, reward, tok, pad_id: int,
                   generator: torch.Generator | None = None, reward_name: str = "the reward function") -> list[Group]:
     """One Group per prompt: s.group_size completions sampled from `params` (see `decode_rows`: all of the call's
-    completions decoded together) at s.temperature / s.top_p, each with its log-probabilities and the reward
+    completions decoded together; `generator` one for all, or a list of one per prompt) at s.temperature / s.top_p, each with its log-probabilities and the reward
     `reward` gives it (`call_reward`; completion: the text of its ids less a final stop id), and the decoder's
     choices of experts and keys s.record asks for (its `replay`)."""
     rows = [p for p in prompts for _ in range(s.group_size)]
@@ -194,8 +200,10 @@ def sample_groups(params: dict, cfg: GLM5Config, prompts: list[Prompt], s: Sampl
 class PromptSource:
     """--data.batch_size prompts per batch in a seeded per-epoch order of the file's prompts (as
     `rollouts.RolloutSource` orders groups), each batch sampled with the params it is given (`next_batch(params)`)
-    into GRPO's rollout batch. The sampling generator (seeded by `sample_seed`) is part of the state, so a
-    resumed run samples what the uninterrupted run would."""
+    into GRPO's rollout batch. Under a multi-process layout each rank samples its share of the prompts and the
+    ranks exchange their groups, so every rank holds the whole batch. Each prompt's group is sampled with a
+    generator of its own, seeded by (`sample_seed`, the prompt's draw number): the state is that count, so a
+    resumed run samples what the uninterrupted run would, and every layout draws the same numbers."""
 
     def __init__(self, prompts: list[Prompt], batch_size: int, seq_len: int, cfg: GLM5Config, seed: int, pad_id: int,
                  settings: SampleSettings, reward, reward_name: str, tok, sample_seed: int,
@@ -208,7 +216,7 @@ class PromptSource:
         check_vocab([Example(p.ids, p.ids) for p in prompts], cfg.vocab_size, "prompts")
         self.prompts, self.B, self.S, self.cfg, self.seed, self.pad_id = prompts, batch_size, seq_len, cfg, seed, pad_id
         self.settings, self.reward, self.reward_name, self.tok = settings, reward, reward_name, tok
-        self.generator = torch.Generator(device).manual_seed(sample_seed)
+        self.sample_seed, self.device, self.drawn = sample_seed, torch.device(device), 0
         self.epoch, self.index = 0, 0
         self._order = self._permutation(0)
 
@@ -226,15 +234,23 @@ class PromptSource:
                 self._order = self._permutation(self.epoch)
         return out
 
-    def next_batch(self, params: dict) -> dict[str, torch.Tensor]:
-        groups = sample_groups(params, self.cfg, self.next_prompts(), self.settings, self.reward, self.tok,
-                               self.pad_id, self.generator, reward_name=self.reward_name)
+    def next_batch(self, params: dict, layout=None) -> dict[str, torch.Tensor]:
+        """The next batch, sampled with `params` (the whole weights, on every rank of `layout`)."""
+        prompts = self.next_prompts()
+        rank, world = (layout.rank, layout.world) if layout is not None else (0, 1)
+        lo, hi = rank * len(prompts) // world, (rank + 1) * len(prompts) // world
+        generators = [torch.Generator(self.device).manual_seed(shuffle_draw(self.sample_seed, self.drawn + j) >> 1)
+                      for j in range(lo, hi)]  # non-negative int64 seeds
+        self.drawn += len(prompts)
+        groups = sample_groups(params, self.cfg, prompts[lo:hi], self.settings, self.reward, self.tok, self.pad_id,
+                               generators, reward_name=self.reward_name) if hi > lo else []
+        if world > 1:
+            groups = [g for part in layout.gather_objects(groups) for g in part]
         return rollout_batch(groups, self.S, self.pad_id)
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index, "generator": self.generator.get_state()}
+        return {"epoch": self.epoch, "index": self.index, "drawn": self.drawn}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.index = state["epoch"], state["index"]
-        self.generator.set_state(state["generator"])
+        self.epoch, self.index, self.drawn = state["epoch"], state["index"], state["drawn"]
         self._order = self._permutation(self.epoch)

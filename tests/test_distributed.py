@@ -450,3 +450,32 @@ def test_dpo_precomputed_reference_under_layouts_fp64(tmp_path):
         for got, want in zip(records, ref_records, strict=True):
             for k in (k for k in DPO_METRICS if k in want):
                 assert abs(got[k] - want[k]) <= 1e-9, f"{layout} step {want['step']} {k}: {got[k]} vs {want[k]}"
+
+
+def test_on_policy_grpo_layouts_equal_one_process_fp64(tmp_path):
+    """--data.type prompts under dp_shard 2 and ep 2: each rank samples its prompts with the whole weights (each
+    prompt's group from its own generator), the ranks exchange the groups; 3 steps' rewards, losses and final weights
+    equal one process's in fp64."""
+    from glm5f.checkpoint import latest, load_params
+    from glm5f.params import flatten
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"word {i}:"}) + "\n" for i in range(6)))
+
+    def run(name, *args):
+        assert main(["--model.preset", "glm5-tiny", "--train.objective", "grpo", "--data.type", "prompts",
+                     "--data.path", str(path), "--rl.reward", "glm5f.rewards:lowercase_share", "--data.batch_size",
+                     "2", "--rl.group_size", "3", "--rl.max_new_tokens", "5", "--data.seq_len", "24",
+                     "--train.steps", "3", "--train.dtype", "float64", "--optim.lr", "1e-2",
+                     "--optim.warmup_steps", "0", "--eval.every", "0", "--checkpoint.every", "3",
+                     "--checkpoint.dir", str(tmp_path / name), *args]) == 0
+        return read_metrics(tmp_path / name), flatten(load_params(latest(str(tmp_path / name)))[1])
+
+    ref_records, ref = run("one")
+    assert any(not r.get("skipped") for r in ref_records)
+    for layout in ("dp2", "ep2"):
+        records, got = run(layout, *LAYOUTS[layout])
+        for a, b in zip(records, ref_records):
+            for k in ("reward", "reward_std", "loss", "completion_length"):
+                assert abs(a[k] - b[k]) <= 1e-9, f"{layout} step {b['step']} {k}: {a[k]} vs {b[k]}"
+        assert max(float((got[k] - w).abs().max()) for k, w in ref.items()) <= 1e-9

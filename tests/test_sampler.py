@@ -161,7 +161,6 @@ def test_a_prompt_without_room_for_its_completion_is_refused(tmp_path, capsys):
     (["--data.path", "p.jsonl"], "--data.type prompts needs --rl.reward"),
     (["--data.path", "p.jsonl", "--rl.reward", "m:f", "--rl.group_size", "1"], "--rl.group_size must be >= 2"),
     (["--data.path", "p.jsonl", "--rl.reward", "m:f", "--parallel.cp", "2"], "does not run under --parallel.cp"),
-    (["--data.path", "p.jsonl", "--rl.reward", "m:f", "--parallel.dp_shard", "2"], "samples in one process"),
 ])
 def test_flags_that_cannot_work_are_refused(flags, message):
     assert any(message in e for e in validate(cli("--train.objective", "grpo", "--data.type", "prompts", *flags)))
