@@ -22,6 +22,7 @@ import torch
 from glm5f import dpo
 from glm5f.decode import init_cache
 from glm5f.ops import wide_dtype
+from glm5f.params import param_count
 from glm5f.replay import REPLAY_KEYS
 from glm5f.loss import Context, Objective, head_token_losses, micro_batches, micro_loss, with_targets
 from glm5f.tokens import IGNORE_INDEX
@@ -211,17 +212,18 @@ METRICS = {"loss": "loss_units", **{k: "completions" for k in ("reward", "reward
 
 def plan_bytes(model_cfg, run, state: dict) -> int:
     """Bytes per rank beyond the LM step: the reference (`dpo.plan_bytes`) when --rl.kl_beta asks for one; with
-    sampled prompts (--data.type prompts) also the sampler's, while it decodes: its decode cache of every row of
-    the batch (`decode.init_cache`, --data.seq_len positions) and its copy of the weights in the compute dtype (a
-    LoRA run's merged base; none when the params are kept in it)."""
+    sampled prompts (--data.type prompts) also the sampler's, while it decodes: its decode cache of this rank's
+    rows (`decode.init_cache`, --data.seq_len positions) and its whole copy of the weights in the compute dtype
+    (gathered under a multi-process layout; a LoRA run's merged base; none in one process keeping them in it)."""
     total = dpo.plan_bytes(model_cfg, run, state) if needs_reference(run.settings) else 0
     if run.data_type == "prompts":
         act = run.dtypes[0]
-        cache = init_cache(model_cfg, run.batch_size, run.seq_len, act, "meta")
+        cache = init_cache(model_cfg, -(-run.batch_size // run.world), run.seq_len, act, "meta")
         total += sum(t.numel() * t.element_size() for layer in cache.layers for t in layer.values())
-        master = wide_dtype(act)
-        if run.lora_rank or act != master:
-            total += state["params"] * act.itemsize // master.itemsize
+        if run.world > 1:
+            total += param_count(model_cfg) * act.itemsize
+        elif run.lora_rank or act != wide_dtype(act):
+            total += state["params"] * act.itemsize // wide_dtype(act).itemsize
     return total
 
 
