@@ -8,7 +8,6 @@ function}. Shape suffixes: B rows (one completion each), S prompt length, T deco
 from __future__ import annotations
 
 import importlib
-import json
 import math
 import numbers
 import os
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from glm5f.config import GLM5Config
+from glm5f.data.readers import jsonl_records
 from glm5f.data.rollouts import Completion, Group, prompt_ids, rollout_batch
 from glm5f.data.sources import shuffle_draw
 from glm5f.decode import extend, init_cache, prompt_positions, sample
@@ -70,22 +70,7 @@ def prompt_of(rec, where: str, tok, fmt) -> Prompt:
 
 def read_prompts(path: str, tok, fmt) -> list[Prompt]:
     """Every prompt of a JSONL file (blank lines skipped); a ValueError naming file:line for a bad record."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"--data.path {path!r}: no such file (expected a JSONL file of prompt records)")
-    prompts = []
-    with open(path, "rb") as f:
-        for line, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            where = f"{path}:{line}"
-            try:
-                rec = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ValueError(f"{where}: not valid JSON ({e})") from None
-            prompts.append(prompt_of(rec, where, tok, fmt))
-    if not prompts:
-        raise ValueError(f"{path}: no prompt records")
-    return prompts
+    return [prompt_of(rec, where, tok, fmt) for where, rec in jsonl_records(path, "prompt records")]
 
 
 def load_reward(spec: str):

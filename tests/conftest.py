@@ -326,3 +326,25 @@ def hf_model_fp64(cfg: glm5f.GLM5Config, seed: int = 0):
         if hasattr(module, "config"):
             module.config._experts_implementation = "eager"
     return model.double()
+
+
+@pytest.fixture
+def hf_router_replay(monkeypatch):
+    """GlmMoeDsaTopkRouter.forward made to pick `router.replay` [N, K] where set (a row of -1: its own choice),
+    weighted by its scores for them, normalised and scaled as its own forward does."""
+    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as m
+
+    own_forward = m.GlmMoeDsaTopkRouter.forward
+
+    def forward(self, hidden_states):
+        router_logits, own_w, own_idx = own_forward(self, hidden_states)
+        recorded = getattr(self, "replay", None)
+        if recorded is None:
+            return router_logits, own_w, own_idx
+        idx = torch.where(recorded[:, :1] >= 0, recorded, own_idx)
+        w = router_logits.sigmoid().gather(1, idx)
+        if self.norm_topk_prob:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return router_logits, w * self.routed_scaling_factor, idx
+
+    monkeypatch.setattr(m.GlmMoeDsaTopkRouter, "forward", forward)

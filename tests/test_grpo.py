@@ -15,7 +15,6 @@ from configs import validate
 from conftest import cli, hf_model_fp64, stable_topk, transformers_in_fp64
 from glm5f import checkpoint
 from glm5f.grpo import STD_EPS, advantages
-from test_replay import hf_router_replay  # noqa: F401  (a fixture)
 from train import train
 
 EPS_LOW, EPS_HIGH, CAP = 0.2, 0.28, 2.0
