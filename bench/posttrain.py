@@ -28,6 +28,7 @@ completion length each side sampled (stop token included) and glm5f's sampling t
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -332,6 +333,9 @@ def main():
     args = ap.parse_args()
     if serve_child(args, run_side):
         return
+    if importlib.util.find_spec("trl") is None:
+        raise SystemExit("error: bench/posttrain.py compares with TRL (trl>=1.16), which this Python does not have: "
+                         "pip install 'trl>=1.16', or the test extras: pip install -e '.[test]'")
     if args.threads:
         torch.set_num_threads(args.threads)
     for section in SIDES if args.section == "all" else [args.section]:
