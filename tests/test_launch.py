@@ -55,6 +55,12 @@ CTRL_C_IN_SAVE = textwrap.dedent("""
 """)
 
 
+def answer_ctrl_c() -> None:
+    """In the child before it starts: SIGINT back to its default, so Python turns it into KeyboardInterrupt as in a
+    terminal (a suite started in the background, `pytest &`, passes SIGINT on ignored, and Python keeps that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def ctrl_c_run(script, run, every: int) -> list[str]:
     """Run the DP2 wrapper `script` (whose rank 0 sends the Ctrl-C) into `run`; assert it stopped with exit 130 and
     exactly the one line naming checkpoint 2 and the resume command (no teardown warning of a collective the stop
@@ -62,7 +68,7 @@ def ctrl_c_run(script, run, every: int) -> list[str]:
     args = TINY + ["--train.steps", "50", "--checkpoint.every", str(every), "--parallel.dp_shard", "2",
                    "--checkpoint.dir", str(run)]
     proc = subprocess.run([sys.executable, str(script), *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env=ENV, start_new_session=True)
+                          env=ENV, start_new_session=True, preexec_fn=answer_ctrl_c)
     assert proc.returncode == 130, proc.stderr
     assert proc.stderr.splitlines() == [
         f"stopped on Ctrl-C (SIGINT): the last checkpoint is {run / 'checkpoints' / 'step_00000002'}; resume with: "
