@@ -26,7 +26,7 @@ from configs import Config, mesh_errors, parse, validate, with_data_type
 from glm5f import checkpoint, dpo_reference, grpo, lora, preempt, rundir, sampler
 from glm5f.chat import RUN_TOKENIZER_DIR, ChatFormat, check_same_tokenizer, resolve_tokenizer
 from glm5f.data import (PresetSource, check_first_batch, make_eval_source, make_source, make_tokenizer,
-                        print_warning, readers, warnings_as_lines)
+                        model_tokenizer, print_warning, readers, warnings_as_lines)
 from glm5f.distributed import DistLayout
 from glm5f.hf.export import export_run
 from glm5f.hf.export_dir import note_base
@@ -386,10 +386,7 @@ def prompt_source(cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout, toke
     """--data.type prompts: the prompt records of --data.path, sampled each batch with the --rl flags, scored by
     --rl.reward; the sampling generator seeded by --train.seed."""
     d, r = cfg.data, cfg.rl
-    tok = make_tokenizer(tokenizer_path)
-    if tok.vocab_size > model_cfg.vocab_size:
-        raise ValueError(f"the tokenizer has {tok.vocab_size} ids but the model's vocab_size is "
-                         f"{model_cfg.vocab_size}: raise --model.vocab_size to at least {tok.vocab_size}")
+    tok = model_tokenizer(tokenizer_path, model_cfg.vocab_size)
     fmt = ChatFormat.load(tokenizer_path, d.chat_template)
     settings = sampler.SampleSettings(r.group_size, r.temperature, r.top_p, r.max_new_tokens, r.replayed)
     reward = sampler.load_reward(r.reward)

@@ -266,7 +266,8 @@ def grpo_trl(args, paths: dict) -> tuple[list[tuple], float, float, dict]:
     return steps, peak[0], imported, {}
 
 
-SIDES = {"dpo": {"glm5f": dpo_glm5f, "trl": dpo_trl}, "grpo": {"glm5f": grpo_glm5f, "trl": grpo_trl}}  # a section's sides, by name; glm5f first
+# a section's sides, by name; glm5f first
+SIDES = {"dpo": {"glm5f": dpo_glm5f, "trl": dpo_trl}, "grpo": {"glm5f": grpo_glm5f, "trl": grpo_trl}}
 
 
 def run_side(args) -> dict:

@@ -97,7 +97,8 @@ def loss(params: dict, batch: dict, ctx: Context) -> tuple[torch.Tensor, dict]:
 
 def plan_bytes(model_cfg, run, state: dict) -> int:
     """The reference's bytes per rank: none in a LoRA run (its base) or with --dpo.precompute_reference (freed
-    after its pass), else a copy of the params (sharded as they are) in the compute dtype. (GRPO's, with --rl.kl_beta, is the same.)"""
+    after its pass), else a copy of the params (sharded as they are) in the compute dtype. (GRPO's, with
+    --rl.kl_beta, is the same.)"""
     if run.lora_rank or run.precompute_reference:
         return 0
     act = run.dtypes[0]

@@ -44,9 +44,11 @@ class GRPOConfig:
     kl_beta: float = 0.0
 
 
-def replayed(settings) -> tuple[str, ...]:
-    """The replay records (`replay.REPLAY_KEYS`) the forward takes: --rl.replay's."""
-    return getattr(settings, "replayed", ())
+def unreplayed_dropped(batch: dict, settings) -> dict:
+    """`batch` without the replay records (`replay.REPLAY_KEYS`) --rl.replay does not ask for (the forward then
+    chooses those itself)."""
+    replayed = getattr(settings, "replayed", ())
+    return {k: v for k, v in batch.items() if k not in REPLAY_KEYS or k in replayed}
 
 
 def group_stats(reward_R: torch.Tensor, group_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,7 +107,7 @@ def prepare(batch: dict, settings) -> dict:
     [R, S]); per row its batch's reward std and whether its group's rewards are all equal; "loss_units" the count
     the loss is averaged over (completion tokens for dapo, completions for grpo)."""
     o = settings or GRPOConfig()
-    batch = {k: v for k, v in batch.items() if k not in REPLAY_KEYS or k in replayed(o)}
+    batch = unreplayed_dropped(batch, o)
     if o.loss not in LOSSES:
         raise ValueError(f"--rl.loss must be one of {', '.join(LOSSES)}, found {o.loss!r}")
     scored = batch["targets"] != IGNORE_INDEX
@@ -186,7 +188,7 @@ def old_logprobs(params: dict, batch: dict, cfg, layout, step) -> torch.Tensor:
     """The policy's log-probability of each target of the global batch [R, S] (fp64; 0 where no target), computed
     as the step computes them (the same micro-batches, rank shares, dtypes and layers), every rank ending with the
     whole table: GRPO's old_t, taken before a batch's first update."""
-    b = with_targets({k: v for k, v in batch.items() if k not in REPLAY_KEYS or k in replayed(step.settings)})
+    b = with_targets(unreplayed_dropped(batch, step.settings))
     R, S = b["targets"].shape
     b["table_row"] = torch.arange(R, device=b["targets"].device)[:, None].expand(R, S)
     b["table_pos"] = torch.arange(S, device=b["targets"].device).expand(R, S)

@@ -14,9 +14,8 @@ from glm5f.config import GLM5Config
 from glm5f.env import make_env
 from glm5f.loss import HeadLosses, head_chunk_rows, shift_labels
 from glm5f.lora import LoraSpec
-from glm5f.model import check_input_ids, hidden_states, main_head
+from glm5f.model import hidden_states, input_batch, main_head
 from glm5f.parallel import Layout
-from glm5f.replay import check_replay
 from glm5f.tokens import IGNORE_INDEX
 
 
@@ -38,20 +37,15 @@ def token_logprobs(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, targe
     """log p(targets[b, s] | input_ids[b, :s+1]) [B, S]: the model's log-probability of each target token, 0 where
     a target is IGNORE_INDEX. targets default to the next token (`loss.shift_labels(input_ids)`: the last
     position has none). attention_mask, position_ids, lora, routing and indexer (replayed experts and keys,
-    `glm5f.replay`) as `glm5f.forward`'s; dtype: the activations' (the weights' by default). Under a `layout` (CP, dp_shard) the result is this rank's share of the rows and
-    positions, as `env.make_env` cuts them; the targets are taken on whole sequences before the cut."""
-    check_input_ids(input_ids, cfg)
+    `glm5f.replay`) as `glm5f.forward`'s; dtype: the activations' (the weights' by default). Under a `layout`
+    (CP, dp_shard) the result is this rank's share of the rows and positions, as `env.make_env` cuts them; the targets are taken on whole sequences before the cut."""
+    batch = input_batch(cfg, input_ids, attention_mask, position_ids, routing, indexer)
     if targets is None:
         targets = shift_labels(input_ids)
     if targets.shape != input_ids.shape:
         raise ValueError(f"targets must be [batch, seq] = {list(input_ids.shape)} like input_ids, got "
                          f"{list(targets.shape)}")
-    batch = {"input_ids": input_ids, "position_ids": position_ids, "targets": targets}
-    if attention_mask is not None:
-        batch["attention_mask"] = attention_mask
-    if routing is not None or indexer is not None:
-        check_replay({**batch, "routing": routing, "indexer": indexer}, cfg)
-        batch.update(routing=routing, indexer=indexer)
+    batch["targets"] = targets
     spec = None if lora is None else dataclasses.replace(lora, dropout=0.0)
     dtype = dtype or params["model"]["embed_tokens"]["weight"].dtype
     local, env = make_env(cfg, batch, dtype, layout, lora=spec)

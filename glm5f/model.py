@@ -202,6 +202,16 @@ def forward(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, *, attention
     (without dropout). `routing` [B, S, M, K] and `indexer` [B, S, L, T]: recorded experts and keys to use
     (`glm5f.replay`, checked by `replay.check_replay`).
     """
+    batch = input_batch(cfg, input_ids, attention_mask, position_ids, routing, indexer)
+    spec = None if lora is None else dataclasses.replace(lora, dropout=0.0)
+    local, env = make_env(cfg, batch, params["model"]["embed_tokens"]["weight"].dtype, lora=spec)
+    return apply(params, cfg, local["input_ids"], env)[0]
+
+
+def input_batch(cfg: GLM5Config, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, routing: torch.Tensor | None = None,
+                indexer: torch.Tensor | None = None) -> dict:
+    """The batch `make_env` takes for `forward`'s arguments (see there), the ids and any replay records checked."""
     check_input_ids(input_ids, cfg)
     batch = {"input_ids": input_ids, "position_ids": position_ids}
     if attention_mask is not None:
@@ -209,9 +219,7 @@ def forward(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, *, attention
     if routing is not None or indexer is not None:
         batch.update(routing=routing, indexer=indexer)
         replay.check_replay(batch, cfg)
-    spec = None if lora is None else dataclasses.replace(lora, dropout=0.0)
-    local, env = make_env(cfg, batch, params["model"]["embed_tokens"]["weight"].dtype, lora=spec)
-    return apply(params, cfg, local["input_ids"], env)[0]
+    return batch
 
 
 def check_input_ids(input_ids: torch.Tensor, cfg: GLM5Config) -> None:

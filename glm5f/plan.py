@@ -86,8 +86,9 @@ def run_shape(cfg) -> RunShape:
     p, t = cfg.parallel, cfg.train
     lo = getattr(cfg, "lora", None)
     return dataclasses.replace(
-        RunShape(p.dp_shard, p.cp, p.ep, cfg.data.batch_size * rows_per_item(cfg), cfg.data.seq_len, t.grad_accum, t.dtype, t.reduce_dtype,
-                 t.activation_checkpointing, *((lo.rank, lo.targets, lo.base_dtype) if lo else ())),
+        RunShape(p.dp_shard, p.cp, p.ep, cfg.data.batch_size * rows_per_item(cfg), cfg.data.seq_len, t.grad_accum,
+                 t.dtype, t.reduce_dtype, t.activation_checkpointing,
+                 *((lo.rank, lo.targets, lo.base_dtype) if lo else ())),
         objective=getattr(t, "objective", "lm"), settings=objective_settings(cfg), data_type=cfg.data.type,
         precompute_reference=bool(getattr(getattr(cfg, "dpo", None), "precompute_reference", False)))
 

@@ -163,8 +163,8 @@ def decode_rows(params: dict, cfg: GLM5Config, rows: list[Prompt], s: SampleSett
 def sample_groups(params: dict, cfg: GLM5Config, prompts: list[Prompt], s: SampleSettings, reward, tok, pad_id: int,
                   generator: torch.Generator | None = None, reward_name: str = "the reward function") -> list[Group]:
     """One Group per prompt: s.group_size completions sampled from `params` (see `decode_rows`: all of the call's
-    completions decoded together; `generator` one for all, or a list of one per prompt) at s.temperature / s.top_p, each with its log-probabilities and the reward
-    `reward` gives it (`call_reward`; completion: the text of its ids less a final stop id), and the decoder's
+    completions decoded together; `generator` one for all, or a list of one per prompt) at s.temperature /
+    s.top_p, each with its log-probabilities and the reward `reward` gives it (`call_reward`; completion: the text of its ids less a final stop id), and the decoder's
     choices of experts and keys s.record asks for (its `replay`)."""
     rows = [p for p in prompts for _ in range(s.group_size)]
     device = params["model"]["embed_tokens"]["weight"].device

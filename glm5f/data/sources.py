@@ -212,6 +212,15 @@ class PresetSource:
         self.index = state["index"]
 
 
+def model_tokenizer(tokenizer_path: str | None, vocab_size: int):
+    """The run's tokenizer (`make_tokenizer`), refused in one line when it has more ids than the model."""
+    tok = make_tokenizer(tokenizer_path)
+    if tok.vocab_size > vocab_size:
+        raise ValueError(f"the tokenizer has {tok.vocab_size} ids but the model's vocab_size is {vocab_size}: "
+                         f"raise --model.vocab_size to at least {tok.vocab_size}")
+    return tok
+
+
 def make_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, seed: int = 0, path: str | None = None,
                 tokenizer_path: str | None = None, pack: bool = True, split: str | None = None, warn=print_warning,
                 shuffle_buffer: int = 10_000, chat_template: str | None = None, train_on: str = "assistant",
@@ -231,10 +240,7 @@ def make_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, se
         if path is None:
             raise ValueError("--data.type preset_pt needs --data.path FILE (torch.save of a list of batches)")
         return PresetSource(path, vocab_size, allow_changed, warn)
-    tok = make_tokenizer(tokenizer_path)
-    if tok.vocab_size > vocab_size:
-        raise ValueError(f"the tokenizer has {tok.vocab_size} ids but the model's vocab_size is {vocab_size}: "
-                         f"raise --model.vocab_size to at least {tok.vocab_size}")
+    tok = model_tokenizer(tokenizer_path, vocab_size)
     chat = chat_data.run_chat_data(tokenizer_path, chat_template, train_on, seq_len, vocab_size, warn)
     if kind == "preference":  # pairs for DPO, in memory (glm5f.data.pairs)
         if path is None:
