@@ -95,9 +95,14 @@ def extend(params: dict, cfg: GLM5Config, cache: Cache, input_ids_BxS: torch.Ten
 
 
 def sample(logits_BxV: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0,
-           generator: torch.Generator | None = None) -> torch.Tensor:
+           generator: torch.Generator | list[torch.Generator] | None = None) -> torch.Tensor:
     """Next tokens [B]: argmax when temperature == 0, else sampled from softmax(logits / temperature) restricted
-    to the smallest set of most likely tokens whose probability reaches top_p."""
+    to the smallest set of most likely tokens whose probability reaches top_p. `generator`: one for all rows, or a
+    list of G, the i-th drawing the i-th of G equal runs of rows."""
+    if isinstance(generator, list):
+        n = len(logits_BxV) // len(generator)
+        return torch.cat([sample(logits_BxV[i * n:(i + 1) * n], temperature, top_p, g)
+                          for i, g in enumerate(generator)])
     if temperature <= 0:
         return logits_BxV.argmax(-1)
     probs_BxV = torch.softmax(logits_BxV.float() / temperature, dim=-1)
@@ -126,8 +131,8 @@ def stop_ids(cfg: GLM5Config, eos_token_id: Eos, device: torch.device) -> torch.
 @torch.no_grad()
 def stream(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, max_new_tokens: int, *,
            attention_mask: torch.Tensor | None = None, eos_token_id: Eos = "config", temperature: float = 0.0,
-           top_p: float = 1.0, generator: torch.Generator | None = None, with_logits: bool = False,
-           record: bool = False):
+           top_p: float = 1.0, generator: torch.Generator | list[torch.Generator] | None = None,
+           with_logits: bool = False, record: bool = False):
     """Yield the new tokens [B] one step at a time (see `generate`); with `with_logits`, each with the logits
     [B, V] it was chosen from; with `record`, then the routing and indexer selections of the positions run to choose
     it (`extend`: the prompt's S positions for the first token, the previous token's one after), as tuples.

@@ -20,7 +20,7 @@ from glm5f.config import GLM5Config
 from glm5f.data.readers import jsonl_records
 from glm5f.data.rollouts import Completion, Group, prompt_ids, rollout_batch
 from glm5f.data.sources import shuffle_draw
-from glm5f.decode import extend, init_cache, prompt_positions, sample
+from glm5f.decode import stream
 from glm5f.tokens import IGNORE_INDEX, Example, check_vocab
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_ids")
@@ -107,13 +107,14 @@ def call_reward(fn, p: Prompt, completion: str, completion_ids: list[int], name:
 
 @torch.no_grad()
 def decode_rows(params: dict, cfg: GLM5Config, rows: list[Prompt], s: SampleSettings, pad_id: int,
-                generator: torch.Generator | None, device) -> tuple[list[list[int]], list[list[float]], dict]:
+                generator: torch.Generator | list[torch.Generator] | None,
+                device) -> tuple[list[list[int]], list[list[float]], dict]:
     """(each row's completion ids, their log-probabilities, the replay records): all rows decoded together on one
-    cache, the prompts left-padded, each row up to s.max_new_tokens and ending at the first of its stop ids (kept:
-    it is part of the completion). A log-probability is the raw log_softmax of the model's logits at temperature 1,
+    cache (`decode.stream`, `generator` as `decode.sample` takes it), the prompts left-padded, each row up to
+    s.max_new_tokens and ending at the first of its stop ids (kept: it is part of the completion). A log-probability is the raw log_softmax of the model's logits at temperature 1,
     whatever the sampling temperature and top_p: the policy's log-probability the GRPO objective compares with.
     Records: for each field of s.record, per row a LongTensor [positions, slots, k] of what the decoder chose at
-    each position of prompt + completion but the last (`decode.extend(..., record=True)`)."""
+    each position of prompt + completion but the last (`decode.stream(..., record=True)`)."""
     B, S, M = len(rows), max(len(p.ids) for p in rows), s.max_new_tokens
     ids_BxS = torch.full((B, S), pad_id, dtype=torch.long, device=device)
     mask_BxS = torch.zeros(B, S, dtype=torch.long, device=device)
@@ -122,33 +123,18 @@ def decode_rows(params: dict, cfg: GLM5Config, rows: list[Prompt], s: SampleSett
         ids_BxS[b, S - len(p.ids):] = torch.tensor(p.ids, device=device)
         mask_BxS[b, S - len(p.ids):] = 1
         stop_BxV[b, list(p.stops)] = True
-    valid_BxT, positions_BxT = prompt_positions(ids_BxS, cfg, mask_BxS, M)
-    cache = init_cache(cfg, B, S + M, params["model"]["embed_tokens"]["weight"].dtype, device)
-    record, recs = bool(s.record), []
-
-    def step_logits(*args):
-        out = extend(params, cfg, cache, *args, record=record)
-        if record:
-            recs.append(out[1])
-            return out[0][:, -1]
-        return out[:, -1]
-    logits_BxV = step_logits(ids_BxS, positions_BxT[:, :S], valid_BxT)
     done_B = torch.zeros(B, dtype=torch.bool, device=device)
-    tokens, logps, alive = [], [], []
-    for step in range(M):
-        if isinstance(generator, list):  # one per prompt: each group of rows draws from its own
-            G = B // len(generator)
-            new_B = torch.cat([sample(logits_BxV[j * G:(j + 1) * G], s.temperature, s.top_p, g)
-                               for j, g in enumerate(generator)])
-        else:
-            new_B = sample(logits_BxV, s.temperature, s.top_p, generator)
+    tokens, logps, alive, recs = [], [], [], []
+    for new_B, logits_BxV, *seen in stream(params, cfg, ids_BxS, M, attention_mask=mask_BxS, eos_token_id=None,
+                                           temperature=s.temperature, top_p=s.top_p, generator=generator,
+                                           with_logits=True, record=bool(s.record)):
+        recs += seen
         logps.append(torch.log_softmax(logits_BxV, dim=-1).gather(1, new_B[:, None])[:, 0])
         tokens.append(new_B)
         alive.append(~done_B)
-        done_B = done_B | stop_BxV.gather(1, new_B[:, None])[:, 0]
-        if step == M - 1 or bool(done_B.all()):
+        done_B = done_B | stop_BxV.gather(1, new_B[:, None])[:, 0]  # each row's own stop ids end it
+        if bool(done_B.all()):
             break
-        logits_BxV = step_logits(new_B[:, None], positions_BxT[:, S + step:S + step + 1], valid_BxT)
     keep_BxN = torch.stack(alive, 1).cpu()
     tokens_BxN, logps_BxN = torch.stack(tokens, 1).cpu(), torch.stack(logps, 1).cpu()
     n_B = keep_BxN.sum(1).tolist()
