@@ -41,7 +41,7 @@ from glm5f.optim import Optimizer, schedule_change, unused_flags
 from glm5f.parallel import Layout, full_tensor, local_tensor, nonfinite_counts
 from glm5f.plan import rows_per_item
 from glm5f.preflight import check_inputs, check_run
-from glm5f.params import flatten, leaf_dtype, map_with_path, region_of
+from glm5f.core.params import flatten, leaf_dtype, map_with_path, region_of
 from glm5f.resume import check_resumable
 from glm5f.recipe_file import write_config
 from glm5f.grpo import old_logprobs

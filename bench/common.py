@@ -104,8 +104,8 @@ def matmul_peak_flops(device: str, dtype: torch.dtype, n: int = 2048, reps: int 
 
 
 def train_flops(cfg, batch: int, seq: int) -> float:
-    """Model FLOPs of one forward + backward over [batch, seq] causal tokens (`glm5f.flops.flops_per_token`)."""
-    from glm5f.flops import flops_per_token
+    """Model FLOPs of one forward + backward over [batch, seq] causal tokens (`glm5f.core.flops.flops_per_token`)."""
+    from glm5f.core.flops import flops_per_token
     return batch * seq * flops_per_token(cfg, seq)
 
 

@@ -39,7 +39,7 @@ import glm5f  # noqa: E402
 from bench.common import BENCH_MODEL, matmul_peak_flops  # noqa: E402
 from glm5f import kernels  # noqa: E402
 from glm5f.env import Mask, make_mask  # noqa: E402
-from glm5f.flops import flops_per_token  # noqa: E402
+from glm5f.core.flops import flops_per_token  # noqa: E402
 from glm5f.plan import plan, process_rss_bytes, run_shape  # noqa: E402
 
 BF16 = 2.0 ** -8
@@ -331,8 +331,8 @@ def check_kda(rows, device, shapes, gen, steps):
 
 def loss_and_grads(params, cfg, ids):
     leaves = {k: t.detach().requires_grad_() for k, t in glm5f.flatten(params).items()
-              if not glm5f.params.is_buffer(k)}
-    tree = glm5f.params.unflatten({**glm5f.flatten(params), **leaves}, params)
+              if not glm5f.core.params.is_buffer(k)}
+    tree = glm5f.core.params.unflatten({**glm5f.flatten(params), **leaves}, params)
     logits = glm5f.forward(tree, cfg, ids)
     grads = torch.autograd.grad(glm5f.causal_lm_loss(logits, ids), list(leaves.values()), allow_unused=True)
     return logits, {k: g for k, g in zip(leaves, grads) if g is not None}
@@ -345,7 +345,7 @@ def check_model(rows, device, size, gen):
     ids = torch.randint(0, cfg.vocab_size, (B, S), generator=gen)
     ref_logits, ref_grads = loss_and_grads(params, cfg, ids)
     bf = {k: v.to(device, torch.bfloat16) for k, v in glm5f.flatten(params).items()}
-    logits, grads = loss_and_grads(glm5f.params.unflatten(bf, params), cfg, ids.to(device))
+    logits, grads = loss_and_grads(glm5f.core.params.unflatten(bf, params), cfg, ids.to(device))
     logits_err = float((logits.detach().cpu().double() - ref_logits.detach()).norm() / ref_logits.detach().norm())
     row(rows, "model logits vs CPU fp64", f"bf16 {name} B{B} S{S} (norm)", logits_err, 16 * BF16)
     num = sum(float((grads[k].cpu().double() - g).norm() ** 2) for k, g in ref_grads.items())

@@ -36,7 +36,7 @@ def make_step(args):
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     ids = ids.to(args.device)
     if args.child == "glm5f":
-        leaves = [t.requires_grad_() for k, t in glm5f.flatten(params).items() if not glm5f.params.is_buffer(k)]
+        leaves = [t.requires_grad_() for k, t in glm5f.flatten(params).items() if not glm5f.core.params.is_buffer(k)]
 
         def step():
             loss = glm5f.causal_lm_loss(glm5f.forward(params, cfg, ids), ids)

@@ -22,13 +22,14 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from glm5f import indexer_loss, kernels, kpool, replay
-from glm5f.config import GLM5Config
+from glm5f import indexer_loss, kernels, kpool
+from glm5f.core import replay
+from glm5f.core.config import GLM5Config
 from glm5f.lora import merged
 from glm5f.env import Env, Mask
-from glm5f.layers import (INDEXERS, Indexer, Kind, LayerSpec, Leaf, LeafKind, layer_spec, linear_leaves,
-                          norm_leaves)
-from glm5f.ops import apply_rope, layer_norm, linear, rms_norm, wide, wide_dtype
+from glm5f.core.layers import (INDEXERS, Indexer, Kind, LayerSpec, Leaf, LeafKind, layer_spec, linear_leaves,
+                               norm_leaves)
+from glm5f.core.ops import apply_rope, layer_norm, linear, rms_norm, wide, wide_dtype
 from glm5f.parallel import cp_position_list
 
 LATENT_NORM_EPS = 1e-6  # GLM-5's q_a_layernorm and kv_a_layernorm use 1e-6, not rms_norm_eps (GLM-5.3's do)
@@ -356,7 +357,7 @@ def attention(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, env: 
             {**aux, "indexer_loss": loss, "indexer_recall": recall})
 
 
-# ---- the kind records: MLA + DSA and its indexer variants (glm5f.layers) ------------------------------------------
+# ---- the kind records: MLA + DSA and its indexer variants (glm5f.core.layers) ------------------------------------------
 
 def _indexer_params(c: GLM5Config) -> dict:
     D = c.hidden_size

@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from glm5f.config import GLM5Config, read_json
+from glm5f.core.config import GLM5Config, read_json
 from glm5f.parallel import nonfinite_counts
-from glm5f.params import abstract_params, flatten, map_with_path
+from glm5f.core.params import abstract_params, flatten, map_with_path
 
 PREFIX = "step_"
 MANIFEST = "manifest.json"
@@ -500,7 +500,7 @@ def load_lora_base(path: str) -> tuple[GLM5Config, dict]:
     --model.init_from, or its preset initialised with its --train.seed) in the dtype the run stored it in, and
     checked against the fingerprint the checkpoint recorded (a ValueError when it changed)."""
     from glm5f.hf.load import load_hf
-    from glm5f.params import init_params
+    from glm5f.core.params import init_params
 
     path = resolve(path)
     meta = read_meta(path)

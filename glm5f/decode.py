@@ -8,13 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
-from glm5f import replay
-from glm5f.config import GLM5Config
+from glm5f.core import replay
+from glm5f.core.config import GLM5Config
 from glm5f.env import Env, Mask, make_env
-from glm5f.layers import carries_state, layer_cache
+from glm5f.core.layers import carries_state, layer_cache
 from glm5f.loss import mtp_inputs
 from glm5f.model import apply, check_input_ids, head_logits, mtp_layer
-from glm5f.ops import rope_tables
+from glm5f.core.ops import rope_tables
 from glm5f.parallel import Layout
 
 Eos = int | tuple[int, ...] | None | str  # an eos id, several, None (never stop) or "config" (cfg.eos_token_id)
@@ -136,7 +136,7 @@ def stream(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, max_new_token
     """Yield the new tokens [B] one step at a time (see `generate`); with `with_logits`, each with the logits
     [B, V] it was chosen from; with `record`, then the routing and indexer selections of the positions run to choose
     it (`extend`: the prompt's S positions for the first token, the previous token's one after), as tuples.
-    Concatenated along dim 1 they are the "routing" and "indexer" replay keys (`glm5f.replay`) of the prompt and
+    Concatenated along dim 1 they are the "routing" and "indexer" replay keys (`glm5f.core.replay`) of the prompt and
     completion but its last token; with left padding, a row's keys count from its first real token."""
     valid, positions = prompt_positions(input_ids, cfg, attention_mask, max_new_tokens)
     eos = stop_ids(cfg, eos_token_id, input_ids.device)

@@ -15,7 +15,7 @@ from torch.distributed.nn.functional import all_reduce
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from glm5f.params import Region, leaf_kind, map_with_path
+from glm5f.core.params import Region, leaf_kind, map_with_path
 from glm5f.parallel import Layout, Spec, cp_positions, mesh_shapes, placements
 
 

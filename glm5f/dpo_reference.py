@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from glm5f.config import GLM5Config
+from glm5f.core.config import GLM5Config
 from glm5f.data.pairs import PairSource
 from glm5f.dpo import prepare, reference_sums
 from glm5f.env import make_env

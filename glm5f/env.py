@@ -12,13 +12,13 @@ from typing import Callable, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from glm5f import replay
-from glm5f.config import GLM5Config
+from glm5f.core import replay
+from glm5f.core.config import GLM5Config
 from glm5f.kernels import allowed_rows
 from glm5f.lora import LoraSpec, bind
-from glm5f.ops import rope_tables
+from glm5f.core.ops import rope_tables
 from glm5f.parallel import Layout
-from glm5f.params import leaf_dtype, map_with_path
+from glm5f.core.params import leaf_dtype, map_with_path
 
 
 @dataclass
@@ -126,7 +126,7 @@ class Env:
     sparse attention runs over (`attention.sparse_mla`); `topk_dense`: whether a CPU layer may attend its top-k
     with per-head keys where that costs less (`attention.dense_topk_pays`; off in the memory plan's traces, which
     follow the accelerators' sparse kernels). `routing` and `indexer`: the batch's replay records of this rank's
-    positions by layer (`glm5f.replay`): routing[layer] [B, S, K] the experts to use, indexer[layer] [B, S, T] the
+    positions by layer (`glm5f.core.replay`): routing[layer] [B, S, K] the experts to use, indexer[layer] [B, S, T] the
     key rows (pool ends) to attend (`replay.key_rows`); empty without replay. `record`: the layers' aux also hold
     what `replay.record` reads (the indexers' selections)."""
 
@@ -245,7 +245,7 @@ def make_env(cfg: GLM5Config, batch: dict, dtype: torch.dtype, layout: Layout | 
              query_parts: int = 1) -> tuple[dict, Env]:
     """(this rank's share of a global batch, the Env its layers run in). The batch holds [B, S] "input_ids" and
     "position_ids", optionally "attention_mask" (2D or 4D, see `make_mask`), "valid", the replay records "routing"
-    and "indexer" (`glm5f.replay`; shapes checked, values not: `replay.check_replay` reads them) and any other
+    and "indexer" (`glm5f.core.replay`; shapes checked, values not: `replay.check_replay` reads them) and any other
     per-token tensors (split alike); the layout says which rows and positions are this rank's."""
     layout = layout or Layout(batch["input_ids"].device)
     B, S = batch["input_ids"].shape

@@ -21,9 +21,9 @@ import torch
 
 from glm5f import dpo
 from glm5f.decode import init_cache
-from glm5f.ops import wide_dtype
-from glm5f.params import param_count
-from glm5f.replay import REPLAY_KEYS
+from glm5f.core.ops import wide_dtype
+from glm5f.core.params import param_count
+from glm5f.core.replay import REPLAY_KEYS
 from glm5f.loss import Context, Objective, head_token_losses, micro_batches, micro_loss, with_targets
 from glm5f.tokens import IGNORE_INDEX
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from glm5f.layers import Kind, Leaf, LeafKind, norm_leaves
-from glm5f.ops import linear, rms_norm, wide
+from glm5f.core.layers import Kind, Leaf, LeafKind, norm_leaves
+from glm5f.core.ops import linear, rms_norm, wide
 
 
 def hc_streams(x_BxSxD: torch.Tensor, n: int) -> torch.Tensor:
@@ -116,7 +116,7 @@ def _hyper_macs(c, spec, seq: int) -> tuple[float, float]:
     return 2 * ((2 + N) * N * N * D + N * D + N * (N + 1) * D), 0.0
 
 
-# The kind record (glm5f.layers): the two norms and both hyper-connections (their base and scale fp32, as in the
+# The kind record (glm5f.core.layers): the two norms and both hyper-connections (their base and scale fp32, as in the
 # reference); the model's hc_mult streams are copies of the embedding, their mean the last hidden state.
 HYPER = Kind(
     hyper_residual,

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from glm5f.config import GLM5Config
+from glm5f.core.config import GLM5Config
 from glm5f.kernels import block_scores, gather_rows, topk_as_mask
-from glm5f.ops import wide
+from glm5f.core.ops import wide
 
 if TYPE_CHECKING:
     from glm5f.env import Env, Mask

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from glm5f.ops import wide_dtype
+from glm5f.core.ops import wide_dtype
 
 # Tokens x heads of one block of chunks: the op prepares (WY matrices, triangular solve) this many at a time, so its
 # workspace is bounded whatever T is; across blocks only the [d_k, d_v] state per sequence and head travels.

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from glm5f.kda import CHUNK, compute_dtype, document_ids, kda, kda_recurrent, workspace_bytes
-from glm5f.layers import Kind, LayerSpec, Leaf, LeafKind, linear_leaves, norm_leaves
-from glm5f.ops import linear, wide_dtype
+from glm5f.core.layers import Kind, LayerSpec, Leaf, LeafKind, linear_leaves, norm_leaves
+from glm5f.core.ops import linear, wide_dtype
 
 # Elements of one piece of the layer's elementwise Functions (short convolutions, forget gate, gated norm): they
 # work on whole heads at a time, as many as fit, so their temporaries stay small whatever T is.
@@ -367,7 +367,7 @@ def kda_attention_cp(p: dict, x_BxSxD: torch.Tensor, cfg, starts: tuple[int, ...
     return checkpoint(_gated_out, p, o, x_BxSxD, cfg, use_reentrant=False)
 
 
-# ---- the kind record (glm5f.layers) -------------------------------------------------------------------------------
+# ---- the kind record (glm5f.core.layers) -------------------------------------------------------------------------------
 
 def kda_block(p: dict, x_BxSxD: torch.Tensor, cfg, layer: int, env, carry):
     """A GLM-5.3 linear-attention layer (`kda_attention`): padding tokens' inputs zeroed (as the reference does),

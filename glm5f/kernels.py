@@ -12,7 +12,7 @@ import warnings
 
 import torch
 
-from glm5f.ops import wide, wide_dtype
+from glm5f.core.ops import wide, wide_dtype
 from glm5f.sparse_union import UNION_BLOCK_ROWS, union_plans, union_scores
 
 SPARSE_BLOCK_ELEMS = 1 << 23  # bound on one query block's gathered rows plus scores, [B, s, K, C + 2H] elements

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from glm5f import kernels, replay
+from glm5f import kernels
+from glm5f.core import replay
 from glm5f.env import Mask
-from glm5f.ops import layer_norm, linear, wide
+from glm5f.core.ops import layer_norm, linear, wide
 
 
 @dataclass(frozen=True)

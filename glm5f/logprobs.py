@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from glm5f.config import GLM5Config
+from glm5f.core.config import GLM5Config
 from glm5f.env import make_env
 from glm5f.loss import HeadLosses, head_chunk_rows, shift_labels
 from glm5f.lora import LoraSpec
@@ -37,7 +37,7 @@ def token_logprobs(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, targe
     """log p(targets[b, s] | input_ids[b, :s+1]) [B, S]: the model's log-probability of each target token, 0 where
     a target is IGNORE_INDEX. targets default to the next token (`loss.shift_labels(input_ids)`: the last
     position has none). attention_mask, position_ids, lora, routing and indexer (replayed experts and keys,
-    `glm5f.replay`) as `glm5f.forward`'s; dtype: the activations' (the weights' by default). Under a `layout`
+    `glm5f.core.replay`) as `glm5f.forward`'s; dtype: the activations' (the weights' by default). Under a `layout`
     (CP, dp_shard) the result is this rank's share of the rows and positions, as `env.make_env` cuts them; the targets are taken on whole sequences before the cut."""
     batch = input_batch(cfg, input_ids, attention_mask, position_ids, routing, indexer)
     if targets is None:

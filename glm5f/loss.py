@@ -15,16 +15,16 @@ import torch
 import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
-from glm5f.config import GLM5Config
+from glm5f.core.config import GLM5Config
 from glm5f.data import IGNORE_INDEX
 from glm5f.env import INDEXER_LOSSES, Objectives, make_env, packed_segments
-from glm5f.layers import INDEXERS, layer_spec
+from glm5f.core.layers import INDEXERS, layer_spec
 from glm5f.lora import LoraSpec
 from glm5f.model import head_logits, hidden_states, main_head, mtp_states
-from glm5f.ops import rms_norm, wide, wide_dtype
+from glm5f.core.ops import rms_norm, wide, wide_dtype
 from glm5f.optim import trained_paths, value_and_grad
 from glm5f.parallel import Layout
-from glm5f.params import flatten
+from glm5f.core.params import flatten
 
 
 # ---- the LM loss --------------------------------------------------------------------------------------------------

@@ -10,17 +10,17 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from glm5f import replay
+from glm5f.core import replay
 from glm5f.attention import INDEXER_KINDS, MLA_DSA, Selection
-from glm5f.config import GLM5Config
+from glm5f.core.config import GLM5Config
 from glm5f.env import Env, make_env
 from glm5f.hyper import HYPER
 from glm5f.kda_layer import KDA
-from glm5f.layers import ATTENTION, INDEXERS, MLP, RESIDUAL, Kind, LeafKind, kinds, layer_spec, norm_leaves, \
+from glm5f.core.layers import ATTENTION, INDEXERS, MLP, RESIDUAL, Kind, LeafKind, kinds, layer_spec, norm_leaves, \
     swiglu_leaves
 from glm5f.lora import LoraSpec
 from glm5f.moe import MOE
-from glm5f.ops import linear, rms_norm, swiglu_mlp
+from glm5f.core.ops import linear, rms_norm, swiglu_mlp
 
 
 def decoder_layer(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, env: Env,
@@ -59,7 +59,7 @@ DENSE = Kind(dense_mlp, lambda c, spec: swiglu_leaves(c.hidden_size, c.intermedi
                    (r"\.down_proj\.weight$", LeafKind(("embed", "mlp"), optim="hidden"))),
              macs=lambda c, spec, seq: (3 * c.hidden_size * c.intermediate_size, 0.0))
 
-# The kinds a decoder layer is made of, entered in glm5f.layers' tables by the names `layers.layer_spec` gives them:
+# The kinds a decoder layer is made of, entered in glm5f.core.layers' tables by the names `layers.layer_spec` gives them:
 # each record (function, parameters, rows, cache, FLOPs, memory) comes from its kind's module. A new kind is its
 # module, its line here, and the config field or layer_types entry (`config.ATTENTION_KINDS`) that selects it.
 ATTENTION.update(mla_dsa=MLA_DSA, kda=KDA)
@@ -200,7 +200,7 @@ def forward(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, *, attention
     (default 0..S-1); with no attention_mask, positions that restart mark packed documents, and attention stays
     within each document. `lora`: the spec of the LoRA adapters `params` holds (`lora.attach`), applied unmerged
     (without dropout). `routing` [B, S, M, K] and `indexer` [B, S, L, T]: recorded experts and keys to use
-    (`glm5f.replay`, checked by `replay.check_replay`).
+    (`glm5f.core.replay`, checked by `replay.check_replay`).
     """
     batch = input_batch(cfg, input_ids, attention_mask, position_ids, routing, indexer)
     spec = None if lora is None else dataclasses.replace(lora, dropout=0.0)

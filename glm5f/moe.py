@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
-from glm5f.config import GLM5Config
-from glm5f.layers import Kind, LayerSpec, Leaf, LeafKind, swiglu_leaves
-from glm5f.ops import adapter_input, linear, swiglu, swiglu_mlp, wide
+from glm5f.core.config import GLM5Config
+from glm5f.core.layers import Kind, LayerSpec, Leaf, LeafKind, swiglu_leaves
+from glm5f.core.ops import adapter_input, linear, swiglu, swiglu_mlp, wide
 
 if TYPE_CHECKING:
     from glm5f.env import Env
@@ -296,7 +296,7 @@ def moe(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, env: Env, routing_BxSxK
     return y_NxD.view_as(x_BxSxD), idx_NxK, aux
 
 
-# ---- the kind record (glm5f.layers) -------------------------------------------------------------------------------
+# ---- the kind record (glm5f.core.layers) -------------------------------------------------------------------------------
 
 def moe_mlp(p: dict, x_BxSxD: torch.Tensor, cfg: GLM5Config, layer: int, env: Env) -> tuple[torch.Tensor, dict]:
     """`moe`, with the layer's recorded experts where the batch holds "routing" (`Env.routing`)."""

@@ -24,12 +24,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.utils import _pytree as pytree
 
-from glm5f.config import GLM5Config
-from glm5f.layers import LeafKind
+from glm5f.core.config import GLM5Config
+from glm5f.core.layers import LeafKind
 from glm5f.lora import is_adapter
-from glm5f.ops import wide_dtype
+from glm5f.core.ops import wide_dtype
 from glm5f.parallel import full_tensor, local_tensor
-from glm5f.params import flatten, leaf_kind, unflatten
+from glm5f.core.params import flatten, leaf_kind, unflatten
 
 
 def leaf_rule(path: str, ndim: int, indexer: bool = False, takes: tuple[str, ...] = (), name: str = "") -> str:

@@ -24,7 +24,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from glm5f.params import Region, flatten
+from glm5f.core.params import Region, flatten
 
 # Logical axis -> the mesh axes that may shard it, in order: each dim of a leaf takes the first of its axis's mesh
 # axes that no earlier dim took. "fsdp": stored sharded, gathered for the forward, the gradient reduce-scattered

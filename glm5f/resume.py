@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from glm5f.config import GLM5Config
+from glm5f.core.config import GLM5Config
 from glm5f.loss import Step
 from glm5f.optim import Optimizer
 

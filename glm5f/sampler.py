@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from glm5f.config import GLM5Config
+from glm5f.core.config import GLM5Config
 from glm5f.data.readers import jsonl_records
 from glm5f.data.rollouts import Completion, Group, prompt_ids, rollout_batch
 from glm5f.data.sources import shuffle_draw

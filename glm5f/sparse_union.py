@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from glm5f.ops import wide_dtype
+from glm5f.core.ops import wide_dtype
 
 UNION_BLOCK_ROWS = 256  # queries x heads of one block of the union path: the rows of its GEMMs
 

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 from glm5f import dpo, grpo
-from glm5f.config import GLM5Config
+from glm5f.core.config import GLM5Config
 from glm5f.lora import attach
 from glm5f.loss import LM, Objective, Step, step_grads
 from glm5f.optim import (Optimizer, balance_router_bias, clip_by_global_norm, lr_schedule, make_optimizer, matches,
                          schedule_total)
 from glm5f.parallel import Layout
-from glm5f.params import flatten
+from glm5f.core.params import flatten
 
 # The main objectives --train.objective names (`loss.Objective` rows). A new one is a row here; its functions live
 # in a file of their own.

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 import glm5f  # noqa: E402
 from glm5f import checkpoint  # noqa: E402
-from glm5f.config import GLM5Config  # noqa: E402
+from glm5f.core.config import GLM5Config  # noqa: E402
 from glm5f.data import make_tokenizer, warnings_as_lines  # noqa: E402
 from glm5f.chat import checkpoint_tokenizer  # noqa: E402
 from glm5f.hf.export import export_run  # noqa: E402

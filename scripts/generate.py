@@ -53,7 +53,7 @@ def load(path: str, tokenizer: str | None = None, device: str = "cpu"):
     else:
         ckpt = checkpoint.resolve(path)
         cfg, params = checkpoint.load_params(ckpt)
-        params = glm5f.params.map_with_path(lambda p, t: t.to(device), params)
+        params = glm5f.core.params.map_with_path(lambda p, t: t.to(device), params)
         tokens = checkpoint_tokenizer(ckpt, checkpoint.read_meta(ckpt).get("run") or {})[0]
     if tokenizer is not None:
         tokens = resolve_tokenizer(tokenizer, None, None)

@@ -128,8 +128,8 @@ def assert_grads_match(paths, grads, ref_grads, rtol: float = 1e-4, zero_atol: f
 
 def with_grad(params: dict) -> dict:
     """A copy of params whose leaves require grad, all but the buffers (the router bias)."""
-    return glm5f.params.map_with_path(
-        lambda path, t: t.detach().clone().requires_grad_(not glm5f.params.is_buffer(path)), params)
+    return glm5f.core.params.map_with_path(
+        lambda path, t: t.detach().clone().requires_grad_(not glm5f.core.params.is_buffer(path)), params)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -234,7 +234,7 @@ def forward_by_layers(params: dict, cfg: glm5f.GLM5Config, input_ids_BxS: torch.
     input) appended to `moe_inputs` when given. A reference for tests that replace or watch one part of a layer."""
     from glm5f.model import lm_head
     from glm5f.moe import moe
-    from glm5f.ops import rms_norm, swiglu_mlp
+    from glm5f.core.ops import rms_norm, swiglu_mlp
 
     attend = attend or attn.attention
     x_BxSxD = torch.nn.functional.embedding(input_ids_BxS, params["model"]["embed_tokens"]["weight"])

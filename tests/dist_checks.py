@@ -61,7 +61,7 @@ def rank_local_init_check(dp_shard: int, ep: int, ckpt_dir: str) -> None:
     """Each rank's rank-local init (`DistLayout.init_params`) is its shard of the one-process init, bit for bit,
     with leaves drawn in many small blocks of rows that shard boundaries cut through; each rank holds only its
     shard; the same for loading a Transformers checkpoint rank-locally."""
-    glm5f.params.INIT_BLOCK_ELEMS = 1000
+    glm5f.core.params.INIT_BLOCK_ELEMS = 1000
     layout = DistLayout(dp_shard, 1, ep, init_process(torch.device("cpu")))
     cfg = glm5f.preset("glm5-tiny", num_hidden_layers=2, index_topk_pattern="FS", pad_token_id=5)
     ours = glm5f.flatten(layout.local_params(lambda region: glm5f.init_params(cfg, 3, region=region)))
@@ -294,7 +294,7 @@ def muon_once_check(dp_shard: int, ep: int, split: str, out_path: str) -> None:
 
     from configs import OptimConfig
     from glm5f import optim
-    from glm5f.params import flatten, map_with_path, unflatten
+    from glm5f.core.params import flatten, map_with_path, unflatten
 
     layout = DistLayout(dp_shard, 1, ep, init_process(torch.device("cpu")))
     cfg = glm5f.preset("glm5-tiny")

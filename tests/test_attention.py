@@ -16,7 +16,7 @@ from glm5f.parallel import cp_position_list
 from glm5f import kernels
 from glm5f.env import Mask
 from glm5f.kernels import topk_as_mask, topk_first
-from glm5f.ops import linear
+from glm5f.core.ops import linear
 
 SETTINGS = settings(max_examples=20, deadline=None, derandomize=True)
 

@@ -12,8 +12,8 @@ import glm5f
 from glm5f.attention import attention
 from glm5f.parallel import placements
 from glm5f.env import make_env
-from glm5f.ops import swiglu_mlp
-from glm5f.params import Leaf, flatten, leaf_kind, param_layout
+from glm5f.core.ops import swiglu_mlp
+from glm5f.core.params import Leaf, flatten, leaf_kind, param_layout
 
 # The table this replaced, frozen: one logical kind per leaf ("experts" for the stacked routed experts, "any" for
 # the rest) and the (mesh, stored, gathered, gradient) placements of each kind.

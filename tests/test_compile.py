@@ -64,7 +64,7 @@ def test_compiled_step_is_as_accurate_as_eager():
     params, batch = glm5f.init_params(CFG), packed_batch()
     eager = step_grads(params, batch, CFG, Layout(), step_of())
     compiled = step_grads(params, batch, CFG, Layout(), step_of("--train.compile"))
-    wide = glm5f.params.map_with_path(lambda p, t: t.double() if t.is_floating_point() else t, params)
+    wide = glm5f.core.params.map_with_path(lambda p, t: t.double() if t.is_floating_point() else t, params)
     truth = step_grads(wide, batch, CFG, Layout(), step_of("--train.dtype", "float64"))
     eager_err, compiled_err = relative_errors(eager[1], truth[1]), relative_errors(compiled[1], truth[1])
     worse = {k: (compiled_err[k], eager_err[k]) for k in truth[1] if compiled_err[k] > 2 * eager_err[k]}
@@ -113,7 +113,7 @@ def test_glm53_every_decoder_layer_is_one_graph_without_breaks():
         explained = torch._dynamo.explain(decoder_layer)(p, x_BxSxNxD, GLM53, layer, env, carry)
         assert (explained.graph_count, explained.graph_break_count) == (1, 0), (layer, explained.break_reasons)
         _, carry, aux = decoder_layer(p, x_BxSxNxD, GLM53, layer, env, carry)
-        kinds.add((glm5f.layers.layer_spec(GLM53, layer).attention, "indexer_loss" in aux, "expert_idx" in aux))
+        kinds.add((glm5f.core.layers.layer_spec(GLM53, layer).attention, "indexer_loss" in aux, "expert_idx" in aux))
     assert kinds == {("kda", False, False), ("mla_dsa", True, True), ("kda", False, True)}, kinds
 
 

@@ -1,4 +1,4 @@
-"""glm5f/config.py: GLM5Config's checks, presets and Transformers configs (the MTP preset and its count)."""
+"""glm5f/core/config.py: GLM5Config's checks, presets and Transformers configs (the MTP preset and its count)."""
 
 import pytest
 

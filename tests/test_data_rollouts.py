@@ -83,7 +83,7 @@ def test_resume_serves_the_same_groups(tmp_path):
 ])
 def test_routing_records_of_the_wrong_shape_or_ids_are_refused(tmp_path, routing, message):
     import glm5f
-    from glm5f.replay import replay_shapes
+    from glm5f.core.replay import replay_shapes
 
     cfg = glm5f.preset("glm5-tiny")
     (M, K), E = replay_shapes(cfg)["routing"], cfg.n_routed_experts
@@ -98,7 +98,7 @@ def test_routing_records_of_the_wrong_shape_or_ids_are_refused(tmp_path, routing
 
 def test_routing_records_become_the_batch_key_minus_one_where_none(tmp_path):
     import glm5f
-    from glm5f.replay import replay_shapes
+    from glm5f.core.replay import replay_shapes
 
     cfg = glm5f.preset("glm5-tiny")
     M, K = replay_shapes(cfg)["routing"]

@@ -52,7 +52,7 @@ def test_cached_decode_logits_are_the_full_forwards_at_every_step(padded):
     ids = torch.cat([prompt, tokens], 1)
     at = slice(8, 8 + n)  # the prompt's last position and every new token's but the last
     full = glm5f.forward(params, cfg, ids, **kw)[:, at]
-    exact = glm5f.forward(glm5f.params.map_with_path(lambda path, t: t.double(), params), cfg, ids, **kw)[:, at]
+    exact = glm5f.forward(glm5f.core.params.map_with_path(lambda path, t: t.double(), params), cfg, ids, **kw)[:, at]
     bound = 4 * float((full.double() - exact).abs().max())
     assert 0 < bound and float((logits.double() - exact).abs().max()) <= bound
 
@@ -240,7 +240,7 @@ def glm53_params(cfg, seed, dtype=torch.float64):
     """init_params of `cfg` with every leaf moved off its constant init (decays, pool terms, mHC base and scale)."""
     g = torch.Generator().manual_seed(seed)
     params = glm5f.init_params(cfg, seed=seed)
-    return glm5f.params.map_with_path(
+    return glm5f.core.params.map_with_path(
         lambda path, t: (t.double() + 0.3 * torch.randn(t.shape, generator=g, dtype=torch.float64)).to(dtype)
         if t.is_floating_point() else t, params)
 
@@ -254,7 +254,7 @@ def test_glm53_cached_logits_are_the_full_forwards(padded):
     distance from the fp64 one."""
     cfg = glm5f.preset("glm53-tiny")
     assert cfg.index_kpool_always_select_tail and {"kda", "mla_dsa"} == {
-        glm5f.layers.layer_spec(cfg, i).attention for i in range(cfg.num_hidden_layers)}
+        glm5f.core.layers.layer_spec(cfg, i).attention for i in range(cfg.num_hidden_layers)}
     B, S, pieces = 2, 25, [7, 1, 3, 1, 4, 1, 1, 2, 1, 1, 1, 1, 1]
     assert sum(pieces) == S and S > cfg.index_topk + cfg.index_kpool and 7 % cfg.index_kpool
     ids = torch.randint(0, cfg.vocab_size, (B, S), generator=torch.Generator().manual_seed(1))

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 import glm5f
-from glm5f.flops import flops_per_token
+from glm5f.core.flops import flops_per_token
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -351,7 +351,7 @@ def test_dpo_layouts_equal_one_process_fp64(preset, lora, layouts, tmp_path):
     ep 2, full training (the reference a sharded copy of the start) and LoRA (the reference the base): 3 steps'
     loss, margin, accuracy, rewards, log-probabilities (and the full runs' --dpo.sft_weight term) and the final weights
     equal one process's within 1e-9."""
-    from glm5f.params import flatten
+    from glm5f.core.params import flatten
     from test_dpo import pair_records, write
 
     cfg = glm5f.preset(preset)
@@ -404,8 +404,8 @@ def test_grpo_layouts_equal_one_process_fp64(preset, layouts, lora, tmp_path):
     every rank's share, the engine's importance weights, the KL to the reference, per-completion token means
     under CP, the recorded experts of half the groups) under dp_shard 2, ep 2, cp 2 and cp 2 x ep 2, full
     training and LoRA: 4 steps' metrics and the final weights equal one process's within 1e-9."""
-    from glm5f.params import flatten
-    from glm5f.replay import replay_shapes
+    from glm5f.core.params import flatten
+    from glm5f.core.replay import replay_shapes
     from test_grpo import rollout_records
 
     cfg = glm5f.preset(preset)
@@ -458,7 +458,7 @@ def test_on_policy_grpo_layouts_equal_one_process_fp64(tmp_path):
     prompt's group from its own generator), the ranks exchange the groups; 3 steps' rewards, losses and final weights
     equal one process's in fp64."""
     from glm5f.checkpoint import latest, load_params
-    from glm5f.params import flatten
+    from glm5f.core.params import flatten
 
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"word {i}:"}) + "\n" for i in range(6)))

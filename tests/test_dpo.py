@@ -16,7 +16,7 @@ from glm5f.data.pairs import PairSource, read_pairs
 from glm5f.dpo import DPO, DPOConfig
 from glm5f.loss import Step, step_grads
 from glm5f.parallel import Layout
-from glm5f.params import flatten, map_with_path, unflatten
+from glm5f.core.params import flatten, map_with_path, unflatten
 from train import train
 
 BETA = 0.1

@@ -10,7 +10,7 @@ import torch
 
 import glm5f
 from glm5f.moe import expert_ffn
-from glm5f.ops import swiglu_mlp
+from glm5f.core.ops import swiglu_mlp
 
 TINY_VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64,
                    projection_intermediate_size=64)

@@ -155,8 +155,8 @@ def test_groups_with_equal_rewards_train_nothing_and_say_so(setup, capsys):
     assert "nothing to learn" in capsys.readouterr().out
     _, after = checkpoint.load_params(os.path.join(tmp, "run_flat", "checkpoints", "step_00000001"))
     _, before = glm5f.load_hf(str(tmp / "policy"), dtype=torch.float64)
-    assert all(torch.equal(a, b) for a, b in zip(glm5f.params.flatten(after).values(),
-                                                 glm5f.params.flatten(before).values()))
+    assert all(torch.equal(a, b) for a, b in zip(glm5f.core.params.flatten(after).values(),
+                                                 glm5f.core.params.flatten(before).values()))
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -203,7 +203,7 @@ def test_routing_replay_step_one_equals_transformers_with_its_router_picking_the
     """Completions carrying "routing" (random experts, not the router's choice) and --rl.replay routing: step 1's
     loss is the formula over Transformers' fp64 log-probabilities with its router made to pick those experts; the
     engine's log-probabilities are those same replayed ones, so the importance weights are 1 and the gap 0."""
-    from glm5f.replay import replay_shapes, replay_slots
+    from glm5f.core.replay import replay_shapes, replay_slots
 
     tmp, policy, recs, _ = setup
     cfg = glm5f.preset("glm5-tiny")

@@ -115,7 +115,7 @@ def test_indexer_types_derived_like_transformers(kw):
     from transformers import GlmMoeDsaConfig
 
     theirs = GlmMoeDsaConfig(num_hidden_layers=6, **kw)
-    assert list(glm5f.config.layer_types(6, **kw)["indexer_types"]) == list(theirs.indexer_types)
+    assert list(glm5f.core.config.layer_types(6, **kw)["indexer_types"]) == list(theirs.indexer_types)
     assert glm5f.GLM5Config.from_hf({**theirs.to_dict(), **kw}).indexer_types == tuple(theirs.indexer_types)
 
 
@@ -213,7 +213,7 @@ def test_checkpoint_with_mtp_loads_trains_saves_and_round_trips(tmp_path, copies
         cfg, params = glm5f.load_hf(tmp_path / "in")
     assert cfg == MTP_CFG
     glm5f.check_params(params, cfg)
-    assert glm5f.params.mtp_copies(params, cfg) == (("embed_tokens", "shared_head.head") if copies else ())
+    assert glm5f.core.params.mtp_copies(params, cfg) == (("embed_tokens", "shared_head.head") if copies else ())
     exported = set(glm5f.hf_state_dict(params))
     assert set(mtp_keys) <= exported and not [k for k in exported if k.startswith("model.layers.4.")]
     before = {k: v.clone() for k, v in glm5f.flatten(params).items()}

@@ -101,7 +101,7 @@ def test_the_graph_holds_the_imports_of_the_source():
     assert "glm5f.triton_dsa" in GRAPH["glm5f.kernels"]  # inside a function's try: from glm5f import triton_dsa
     assert "glm5f.env" in GRAPH["glm5f.indexer_loss"]  # under TYPE_CHECKING
     assert "glm5f.preempt" in GRAPH["glm5f.launch"]  # from glm5f import preempt
-    assert path_to(GRAPH, "glm5f.plan", lambda n: n == "glm5f.ops") is not None
+    assert path_to(GRAPH, "glm5f.plan", lambda n: n == "glm5f.core.ops") is not None
 
 
 def test_cycles_and_paths_in_a_package_of_their_own(tmp_path):

@@ -1,4 +1,4 @@
-"""A new layer kind is one record (tests/toy_kind.py) entered in glm5f.layers' table, and the layer_types entry that
+"""A new layer kind is one record (tests/toy_kind.py) entered in glm5f.core.layers' table, and the layer_types entry that
 selects it: with nothing else changed it trains through train.py, resumes bit for bit, is planned and decodes."""
 
 import json
@@ -8,7 +8,8 @@ import torch
 
 import glm5f
 from conftest import cli
-from glm5f import config, layers
+from glm5f.core import config
+from glm5f.core import layers
 from glm5f.metrics import read_metrics
 from toy_kind import LAYER_TYPE, LAYER_TYPES, TOY
 from train import main, train

@@ -1,4 +1,4 @@
-"""glm5f/layers.py: what each layer is follows the config's schedules, and every per-layer table (parameters, decode
+"""glm5f/core/layers.py: what each layer is follows the config's schedules, and every per-layer table (parameters, decode
 cache, FLOPs) follows what the layer is."""
 
 import torch
@@ -6,9 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import glm5f
-from glm5f.flops import flops_per_token
-from glm5f.layers import LayerSpec, layer_cache, layer_spec
-from glm5f.params import param_layout
+from glm5f.core.flops import flops_per_token
+from glm5f.core.layers import LayerSpec, layer_cache, layer_spec
+from glm5f.core.params import param_layout
 
 @settings(max_examples=20, deadline=None, derandomize=True)
 @given(pattern=st.lists(st.sampled_from("FS"), min_size=1, max_size=5).map(lambda s: "F" + "".join(s)),

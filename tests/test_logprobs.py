@@ -10,7 +10,7 @@ import glm5f
 from conftest import hf_model_fp64, stable_topk, transformers_in_fp64, with_grad
 from glm5f.logprobs import head_logprobs, token_logprobs
 from glm5f.model import main_head
-from glm5f.params import map_with_path
+from glm5f.core.params import map_with_path
 
 
 @pytest.mark.parametrize("preset", ["glm5-tiny", "glm53-tiny"])
@@ -70,7 +70,7 @@ def test_targets_of_another_shape_are_refused():
 def test_replayed_experts_reach_the_log_probabilities():
     """token_logprobs with "routing" equals the log-softmax of glm5f.forward with the same experts (fp64), and
     differs from the router's own choice."""
-    from glm5f.replay import replay_shapes
+    from glm5f.core.replay import replay_shapes
 
     cfg = glm5f.preset("glm5-tiny")
     params = map_with_path(lambda path, t: t.double(), glm5f.init_params(cfg, seed=0))

@@ -16,9 +16,9 @@ from glm5f.checkpoint import fingerprint
 from glm5f.loss import Step, step_grads
 from glm5f.metrics import read_metrics
 from glm5f.moe import expert_linear
-from glm5f.ops import linear
+from glm5f.core.ops import linear
 from glm5f.parallel import Layout, placements
-from glm5f.params import leaf_kind
+from glm5f.core.params import leaf_kind
 from train import main
 
 # every kind of adapted weight: the attention projections, the dense MLP, the shared and the routed experts

@@ -259,7 +259,7 @@ def test_glm53_adapters_load_onto_transformers_glm5next(tmp_path, targets):
     spec = lora.LoraSpec(rank=3, alpha=5.0, targets=lora.DEFAULT_TARGETS if targets == "default" else ".")
     adapters = random_adapters(params, spec, seed=2)
     kda_names = {m.rpartition(".")[2] for m in lora.target_modules(params, spec.targets)
-                 if glm5f.layers.layer_spec(cfg, int(m.split(".")[2])).attention == "kda"}
+                 if glm5f.core.layers.layer_spec(cfg, int(m.split(".")[2])).attention == "kda"}
     assert kda_names >= {"q_proj", "k_proj", "v_proj", "o_proj"} and not any("conv" in n for n in kda_names)
     hf.save_peft(tmp_path / "peft", cfg, adapters, spec, base_model_name_or_path=str(tmp_path / "base"))
     model = peft_model(tmp_path / "base", tmp_path / "peft", Glm5NextForConditionalGeneration)

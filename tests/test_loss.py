@@ -23,7 +23,7 @@ from glm5f.attention import LATENT_NORM_EPS, attention
 from glm5f.kernels import topk_as_mask
 from glm5f.loss import Step, cross_entropy_sum, head_loss_sum, mtp_targets, step_grads, with_targets
 from glm5f.model import apply, head_logits
-from glm5f.ops import apply_rope, layer_norm, rms_norm
+from glm5f.core.ops import apply_rope, layer_norm, rms_norm
 from glm5f.optim import value_and_grad
 from glm5f.parallel import Layout
 from train import main
@@ -38,7 +38,7 @@ def layer0_params(seed: int = 0) -> dict:
     """Layer 0's attention params in fp64, norm scales and biases perturbed (so their gradients are not special)."""
     p = glm5f.init_params(CFG, seed=seed, dtype=torch.float64)["model"]["layers"][0]["self_attn"]
     g = torch.Generator().manual_seed(seed)
-    return glm5f.params.map_with_path(
+    return glm5f.core.params.map_with_path(
         lambda path, t: t + 0.1 * torch.randn(t.shape, generator=g, dtype=t.dtype) if t.ndim == 1 else t, p)
 
 
@@ -107,13 +107,13 @@ def test_indexer_kl_and_its_gradients_match_the_formula(mode, kind, blocks):
     p = layer0_params()
     x = torch.randn(B, S, CFG.hidden_size, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     ctx = env_of(CFG, (B, S), am, pos, torch.float64, indexer_loss=mode)
-    live = glm5f.params.map_with_path(lambda path, t: t.clone().requires_grad_(".indexer." in f".{path}"), p)
+    live = glm5f.core.params.map_with_path(lambda path, t: t.clone().requires_grad_(".indexer." in f".{path}"), p)
     _, carry, aux = attention(live, x, CFG, 0, ctx, None, kl_block_elems=block_elems)
     topk = carry.topk
     assert topk is not None and topk.shape[-1] == CFG.index_topk
     selected = topk_as_mask(topk, S)
     keyset = allowed & selected if mode == "sparse" else allowed
-    ref_live = glm5f.params.map_with_path(lambda path, t: t.clone().requires_grad_(".indexer." in f".{path}"), p)
+    ref_live = glm5f.core.params.map_with_path(lambda path, t: t.clone().requires_grad_(".indexer." in f".{path}"), p)
     ref_loss, ref_recall = naive_indexer_kl(ref_live, x, ctx.cos, ctx.sin, keyset, selected, valid)
     loss, recall = float(ref_loss.detach()), float(ref_recall)
     assert loss > 0.5  # far from a trivial (near-zero) loss
@@ -141,12 +141,12 @@ def test_indexer_mean_target_and_its_gradients_match_the_formula(mode, kind):
     am, pos, allowed, valid = inputs(kind)
     g = torch.Generator().manual_seed(3)
     layers = glm5f.init_params(cfg, seed=1, dtype=torch.float64)["model"]["layers"]
-    ps = [glm5f.params.map_with_path(lambda path, t: t + 0.1 * torch.randn(t.shape, generator=g, dtype=t.dtype)
+    ps = [glm5f.core.params.map_with_path(lambda path, t: t + 0.1 * torch.randn(t.shape, generator=g, dtype=t.dtype)
                                      if t.ndim == 1 else t, layer["self_attn"]) for layer in layers]
     assert "indexer" in ps[0] and "indexer" not in ps[1] and "indexer" not in ps[2]
     xs = [torch.randn(B, S, CFG.hidden_size, generator=g, dtype=torch.float64) for _ in ps]
     ctx = env_of(cfg, (B, S), am, pos, torch.float64, indexer_loss=mode, indexer_target="mean")
-    live = glm5f.params.map_with_path(lambda path, t: t.clone().requires_grad_(".indexer." in f".{path}"), ps[0])
+    live = glm5f.core.params.map_with_path(lambda path, t: t.clone().requires_grad_(".indexer." in f".{path}"), ps[0])
     carry, auxes = None, []
     for i, (p, x) in enumerate(zip([live] + ps[1:], xs)):
         _, carry, aux = attention(p, x, cfg, i, ctx, carry, kl_block_elems=20000)  # several query blocks
@@ -156,7 +156,7 @@ def test_indexer_mean_target_and_its_gradients_match_the_formula(mode, kind):
     selected = topk_as_mask(carry.topk, S)
     keyset = allowed & selected if mode == "sparse" else allowed
     target = sum(naive_target(p, x, ctx.cos, ctx.sin, keyset) for p, x in zip(ps, xs)) / 3
-    ref_live = glm5f.params.map_with_path(lambda path, t: t.clone().requires_grad_(".indexer." in f".{path}"), ps[0])
+    ref_live = glm5f.core.params.map_with_path(lambda path, t: t.clone().requires_grad_(".indexer." in f".{path}"), ps[0])
     ref_loss, ref_recall = naive_indexer_kl(ref_live, xs[0], ctx.cos, ctx.sin, keyset, selected, valid, target)
     own_loss, _ = naive_indexer_kl(ps[0], xs[0], ctx.cos, ctx.sin, keyset, selected, valid)
     loss = float(ref_loss.detach())
@@ -602,19 +602,19 @@ def test_pooled_indexer_kl_and_its_gradients_match_the_definition(mode, kind, bl
     seg = torch.zeros(B, S, dtype=torch.long) if pos is None else \
         (torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1).cumsum(-1)
     layer = 1
-    assert glm5f.layers.layer_spec(CFG53, layer).indexer == "pooled"
+    assert glm5f.core.layers.layer_spec(CFG53, layer).indexer == "pooled"
     g = torch.Generator().manual_seed(0)
-    p = glm5f.params.map_with_path(  # the constant inits (norms, pool terms) perturbed
+    p = glm5f.core.params.map_with_path(  # the constant inits (norms, pool terms) perturbed
         lambda path, t: t + 0.3 * torch.randn(t.shape, generator=g, dtype=t.dtype),
         glm5f.init_params(CFG53, seed=0, dtype=torch.float64)["model"]["layers"][layer]["self_attn"])
     x = torch.randn(B, S, CFG53.hidden_size, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     env = env_of(CFG53, (B, S), am, pos, torch.float64, indexer_loss=mode)
-    live = glm5f.params.map_with_path(lambda path, t: t.clone().requires_grad_(".indexer." in f".{path}"), p)
+    live = glm5f.core.params.map_with_path(lambda path, t: t.clone().requires_grad_(".indexer." in f".{path}"), p)
     _, carry, aux = attention(live, x, CFG53, layer, env, None, kl_block_elems=block_elems)
     selected = torch.zeros(B, S, S + 1, dtype=torch.bool).scatter_(
         2, torch.where(carry.allowed, carry.topk, S), True)[..., :S]
     assert (selected.sum(-1) < allowed.sum(-1))[valid].any(), "the selection must be sparse for some query"
-    ref_live = glm5f.params.map_with_path(lambda path, t: t.clone().requires_grad_(".indexer." in f".{path}"), p)
+    ref_live = glm5f.core.params.map_with_path(lambda path, t: t.clone().requires_grad_(".indexer." in f".{path}"), p)
     ref_loss, ref_recall = naive_pooled_kl(ref_live, x, allowed, valid, seg, selected, mode)
     loss = float(ref_loss.detach())
     assert loss > 0.1

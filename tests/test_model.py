@@ -92,7 +92,7 @@ def reference_mtp_logits(params, cfg, ids, hidden):
 
 def test_mtp_forward_loss_and_gradients_match_the_formula():
     cfg, S = MTP_CFG, 40  # S > index_topk: the MTP layer's attention is sparse
-    params = glm5f.params.map_with_path(lambda path, t: t.double(), glm5f.init_params(cfg, seed=7))
+    params = glm5f.core.params.map_with_path(lambda path, t: t.double(), glm5f.init_params(cfg, seed=7))
     with torch.no_grad():
         params["model"]["layers"][3]["mlp"]["gate"]["e_score_correction_bias"].normal_(0, 0.1)
         for name in ("enorm", "hnorm"):  # non-trivial norm scales

@@ -12,7 +12,7 @@ import glm5f
 from conftest import env_of, naive_seq_aux, rel_err
 from glm5f.env import Objectives
 from glm5f.moe import moe, routed_experts
-from glm5f.ops import swiglu_mlp
+from glm5f.core.ops import swiglu_mlp
 
 SETTINGS = settings(max_examples=12, deadline=None, derandomize=True)
 

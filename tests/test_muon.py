@@ -16,7 +16,7 @@ from glm5f import checkpoint
 from glm5f.metrics import read_metrics
 from glm5f.optim import (OPTIMIZERS, Optimizer, adamw, leaf_rule, make_optimizer, muon, muon_blocks,
                          newton_schulz, orthogonalised, trained_paths, unused_flags)
-from glm5f.params import flatten
+from glm5f.core.params import flatten
 from train import main, train
 
 TINY = glm5f.preset("glm5-tiny")  # 4 heads; q_b_proj rows 4 x (16 + 8), kv_b_proj 4 x (16 + 16), kv_a 32 + 8

@@ -9,10 +9,10 @@ from torch.utils import _pytree as pytree
 import glm5f
 from configs import OptimConfig, TrainConfig, validate
 from conftest import cli
-from glm5f.ops import wide_dtype
+from glm5f.core.ops import wide_dtype
 from glm5f.optim import (adamw_init, adamw_update, balance_router_bias, clip_by_global_norm, leaf_rule, lr_schedule,
                          schedule_change, trained_paths, value_and_grad)
-from glm5f.params import flatten, unflatten
+from glm5f.core.params import flatten, unflatten
 
 
 def out_of_place_adamw(params, grads, state, lr, *, b1, b2, eps, weight_decay):

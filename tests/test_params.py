@@ -1,4 +1,4 @@
-"""glm5f/params.py: init of a region as that part of the whole init, and params checked against their config."""
+"""glm5f/core/params.py: init of a region as that part of the whole init, and params checked against their config."""
 
 import dataclasses
 
@@ -16,7 +16,7 @@ import glm5f
 def test_init_of_a_region_is_that_part_of_the_whole_init(block, lo, n, lo1, n1):
     """init_params(region=...) makes each leaf's part alone, block of rows by block of rows, equal to the same part
     of the whole init; the blocks (INIT_BLOCK_ELEMS elements) cut through the region anywhere."""
-    import glm5f.params as params_mod
+    import glm5f.core.params as params_mod
 
     cfg = glm5f.preset("glm5-tiny", num_hidden_layers=2, index_topk_pattern="FS", pad_token_id=7)
     whole = glm5f.flatten(glm5f.init_params(cfg, seed=1))

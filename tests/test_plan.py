@@ -22,8 +22,8 @@ from conftest import env_of, run_script
 from glm5f.parallel import mesh_shapes, placements
 from glm5f.loss import head_loss_sum, shift_labels
 from glm5f.model import hidden_states, main_head
-from glm5f.params import flatten
-from glm5f.layers import layer_spec
+from glm5f.core.params import flatten
+from glm5f.core.layers import layer_spec
 from glm5f.optim import make_optimizer
 from glm5f.plan import (GB, RunShape, activation_bytes, kept_activation_bytes, leaf_groups, least_total, local_shape,
                         mesh_coords, plan, search, state_bytes, trace, traced_activations)
@@ -248,7 +248,7 @@ class CountingLayout(glm5f.parallel.Layout):
         self.most_layers = 0  # the most decoder layers with live copies at once
 
     def gather(self, params, prefix=""):
-        out = glm5f.params.map_with_path(lambda p, t: t.clone(), params)
+        out = glm5f.core.params.map_with_path(lambda p, t: t.clone(), params)
         for t in flatten(out).values():
             self.live += t.numel() * t.element_size()
             if prefix in self.layers:
@@ -278,7 +278,7 @@ def test_gathered_weights_alive_at_once_are_what_the_plan_counts(remat):
     ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     full = with_targets({"input_ids": ids, "labels": ids, "position_ids": torch.arange(16).expand(2, 16)}, 1)
     layout = CountingLayout(cfg.num_hidden_layers)
-    p = glm5f.params.map_with_path(lambda path, t: t.detach().requires_grad_(), params)
+    p = glm5f.core.params.map_with_path(lambda path, t: t.detach().requires_grad_(), params)
     step = Step.of(dataclasses.replace(Config().train, activation_checkpointing=remat), cfg)
     objective, _ = micro_loss(p, full, step_denoms(full, cfg, step.objectives), cfg, layout, step)
     objective.backward()

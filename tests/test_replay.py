@@ -1,4 +1,4 @@
-"""glm5f/replay.py: a forward with recorded experts ("routing") equals Transformers with its router made to pick them,
+"""glm5f/core/replay.py: a forward with recorded experts ("routing") equals Transformers with its router made to pick them,
 gradients included; a forward with recorded keys ("indexer") equals attention over exactly those keys; replaying
 the model's own choices changes nothing; bad records fail in one line."""
 
@@ -10,8 +10,8 @@ from torch.func import functional_call
 
 import glm5f
 from conftest import hf_model_fp64, stable_topk, transformers_in_fp64, with_grad
-from glm5f.params import map_with_path
-from glm5f.replay import check_replay, replay_shapes, replay_slots
+from glm5f.core.params import map_with_path
+from glm5f.core.replay import check_replay, replay_shapes, replay_slots
 
 
 def fp64_params(cfg, seed):
@@ -65,7 +65,7 @@ def test_routing_replay_uses_the_recorded_experts_with_the_routers_weights():
     """One MoE layer: the output is sum_k w_k expert_{e_k}(x) + shared(x) with e the record and w the router's
     normalised, scaled sigmoid scores of e, written out per token; "expert_idx" reports e."""
     from glm5f.moe import moe
-    from glm5f.ops import swiglu_mlp
+    from glm5f.core.ops import swiglu_mlp
 
     cfg = glm5f.preset("glm5-tiny")
     params = fp64_params(cfg, seed=5)
@@ -140,7 +140,7 @@ def test_bad_routing_fails_in_one_line():
 
 def own_selection(params, cfg, ids):
     """(logits, the record of a forward over ids: its own routing and selections) in the batch keys' format."""
-    from glm5f.replay import record
+    from glm5f.core.replay import record
 
     local, env = glm5f.make_env(cfg, {"input_ids": ids}, torch.float64)
     env = dataclasses.replace(env, record=True)
@@ -153,7 +153,7 @@ def key_sets(recorded_BxSxLxT, cfg, S):
     """The keys each query of each indexer layer attends [B, S, L, S] (bool) under `recorded` (every query has a
     record here), written out: GLM-5 the recorded keys; GLM-5.3 the recorded pools' tokens, and the tail, the
     query's own pool up to itself where the query does not end it."""
-    from glm5f.replay import pool_size
+    from glm5f.core.replay import pool_size
 
     P = pool_size(cfg)
     B, _, L, T = recorded_BxSxLxT.shape
@@ -191,7 +191,7 @@ def random_keys(cfg, own_BxSxLxT, seed):
     """A record of other keys than the indexer's: per query that sees more keys (pools) than it selects, a random
     set of them, some rows with fewer (-1 filled), one row per layer not recorded (all -1: its own choice stays);
     the other queries keep the own record (all they see)."""
-    from glm5f.replay import pool_size
+    from glm5f.core.replay import pool_size
 
     P = pool_size(cfg)
     g = torch.Generator().manual_seed(seed)
@@ -229,7 +229,7 @@ def test_indexer_replay_attends_exactly_the_recorded_keys(preset, monkeypatch):
     for layer in range(cfg.num_hidden_layers):
         if layer in slots:
             current = sets[:, :, slots[layer]]
-        if glm5f.layers.layer_spec(cfg, layer).attention == "mla_dsa":
+        if glm5f.core.layers.layer_spec(cfg, layer).attention == "mla_dsa":
             per_call.append(current)
     monkeypatch.setattr(attention, "mla_core", naive_core(per_call))
     with torch.no_grad():

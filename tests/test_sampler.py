@@ -182,7 +182,7 @@ def test_a_prompts_run_resumes_bitwise(tmp_path):
     assert all(r["sample_time_s"] > 0 for r in straight)
     a = glm5f.checkpoint.load_params(str(tmp_path / "straight" / "checkpoints" / "step_00000004"))[1]
     b = glm5f.checkpoint.load_params(str(tmp_path / "resumed" / "checkpoints" / "step_00000004"))[1]
-    fa, fb = glm5f.params.flatten(a), glm5f.params.flatten(b)
+    fa, fb = glm5f.core.params.flatten(a), glm5f.core.params.flatten(b)
     assert fa.keys() == fb.keys() and all(torch.equal(fa[k], fb[k]) for k in fa)
 
 
@@ -207,7 +207,7 @@ def test_recorded_choices_replayed_by_the_trainer_give_its_log_probabilities(pre
     """The sampler's records (routing and indexer, prompts longer than the indexer's top-k) replayed in a forward
     over prompt + completion give the sampler's log-probabilities (fp64, 1e-10), and the records are the
     forward's own choices: replaying them changes nothing."""
-    from glm5f.replay import replay_shapes
+    from glm5f.core.replay import replay_shapes
 
     cfg = glm5f.preset(preset)
     params = glm5f.init_params(cfg, 0, torch.float64)

@@ -3,8 +3,8 @@ decaying sum h_t = DECAY h_{t-1} + v(x_t) of the values so far; its decode cache
 
 import torch
 
-from glm5f.layers import Kind, LeafKind, linear_leaves
-from glm5f.ops import linear, wide_dtype
+from glm5f.core.layers import Kind, LeafKind, linear_leaves
+from glm5f.core.ops import linear, wide_dtype
 
 DECAY = 0.5
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from glm5f.data.readers import jsonl_records
-from glm5f.replay import REPLAY_KEYS, check_replay
+from glm5f.core.replay import REPLAY_KEYS, check_replay
 from glm5f.tokens import IGNORE_INDEX, Example, check_vocab
 
 

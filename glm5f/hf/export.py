@@ -11,12 +11,12 @@ import shutil
 
 import torch
 
-from glm5f.config import GLM5Config, read_json
+from glm5f.core.config import GLM5Config, read_json
 from glm5f.hf import io
 from glm5f.hf.export_dir import check_export_dir, write_dir, write_marker
 from glm5f.hf.fp8 import fp8_scales, read_dequantized
 from glm5f.hf.keys import checkpoint_key, hf_keys, text_model_keys
-from glm5f.params import flatten
+from glm5f.core.params import flatten
 
 
 def save_hf(path: str | os.PathLike, cfg: GLM5Config, params: dict, *, max_shard_bytes: int = 5 << 30,

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from glm5f.config import read_json
+from glm5f.core.config import read_json
 from glm5f.parallel import full_tensor
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

@@ -13,8 +13,8 @@ from collections import defaultdict
 
 import torch
 
-from glm5f.config import GLM5Config
-from glm5f.params import abstract_params, describe_mismatch, flatten, leaf_kind
+from glm5f.core.config import GLM5Config
+from glm5f.core.params import abstract_params, describe_mismatch, flatten, leaf_kind
 
 LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 HF_LAYER_KEY = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")  # Transformers' names (GLM-5.3's too)

@@ -12,12 +12,12 @@ from collections import defaultdict
 
 import torch
 
-from glm5f.config import GLM5Config
+from glm5f.core.config import GLM5Config
 from glm5f.hf import io
 from glm5f.hf.export_dir import PEFT_FILES, check_export_dir, write_dir, write_marker
 from glm5f.hf.keys import HF_LAYER_KEY, LAYER_KEY, expert_leaf, module_name
 from glm5f.lora import NOT_ADAPTABLE, LoraSpec
-from glm5f.params import abstract_params, flatten
+from glm5f.core.params import abstract_params, flatten
 
 # PEFT keys an adapter by the Transformers module it wraps: `base_model.model.<module>.lora_A.weight` [r, in] and
 # `….lora_B.weight` [out, r]. Transformers holds the routed experts as parameters (`gate_up_proj` [E, 2F, D],

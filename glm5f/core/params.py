@@ -16,9 +16,9 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
-from glm5f.config import GLM5Config
-from glm5f.layers import Leaf, LeafKind, layer_params, leaf_rows, linear_leaves, norm_leaves
-from glm5f.ops import wide_dtype
+from glm5f.core.config import GLM5Config
+from glm5f.core.layers import Leaf, LeafKind, layer_params, leaf_rows, linear_leaves, norm_leaves
+from glm5f.core.ops import wide_dtype
 
 
 # The one table of what each leaf is, by path (re.search on "." + path; the first match wins): each layer kind's
@@ -29,7 +29,7 @@ from glm5f.ops import wide_dtype
 # [E, out, in]), router (one row per expert), q_lora / kv_lora (the latent ranks), latent (kv_lora + rope: a latent
 # row), index_heads / index_dim (the indexer's), lora_rank (a LoRA adapter's rank: the rows below the table).
 def leaf_kinds() -> list:
-    """LEAF_KINDS: the (compiled pattern, LeafKind) rows of the kinds in `glm5f.layers`' tables as they stand."""
+    """LEAF_KINDS: the (compiled pattern, LeafKind) rows of the kinds in `glm5f.core.layers`' tables as they stand."""
     return _compiled(tuple(leaf_rows()))
 
 

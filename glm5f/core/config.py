@@ -400,7 +400,7 @@ def _validate(c: GLM5Config) -> None:
 GLM5_ABSENT = {"layer_types": (), "swiglu_limit": None, "index_kpool": 1}
 
 
-# The attention kind (by its name in `glm5f.layers.ATTENTION`) that each GLM-5.3 layer_types entry selects.
+# The attention kind (by its name in `glm5f.core.layers.ATTENTION`) that each GLM-5.3 layer_types entry selects.
 ATTENTION_KINDS = {"linear_attention": "kda", "indexed_attention": "mla_dsa"}
 
 

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from glm5f.config import ATTENTION_KINDS, GLM5Config
+from glm5f.core.config import ATTENTION_KINDS, GLM5Config
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ class Kind:
     residual(p, x, cfg, layer, env, carry, attention fn, mlp fn) -> (x, carry, aux). params(cfg, spec): its Leaf
     tree (under "self_attn", "mlp", or the layer itself for a residual). rows: its (pattern, LeafKind) rows of
     `params.leaf_kinds()`. macs(cfg, spec, seq): (multiply-adds per token the backward also runs, forward-only ones)
-    for `glm5f.flops`. transient(cfg, spec, B, S, T, act dtype, weight dtype): the (forward, backward) bytes of
+    for `glm5f.core.flops`. transient(cfg, spec, B, S, T, act dtype, weight dtype): the (forward, backward) bytes of
     buffers inside custom ops that the memory plan cannot trace. cache(cfg, spec, B, capacity, dtype, device): its
     decode cache, {name: buffer}, None where it keeps none. recurrent: that cache is a state the layer carries from
     call to call (`Env.state`), not rows per position. cp: whether it runs under context parallelism (the memory

@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from glm5f.config import GLM5Config, yarn_mscale
+from glm5f.core.config import GLM5Config, yarn_mscale
 
 
 def wide_dtype(dtype: torch.dtype) -> torch.dtype:

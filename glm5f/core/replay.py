@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from glm5f.config import GLM5Config
-from glm5f.layers import INDEXERS, layer_spec
+from glm5f.core.config import GLM5Config
+from glm5f.core.layers import INDEXERS, layer_spec
 
 REPLAY_KEYS = ("routing", "indexer")
 
@@ -63,7 +63,7 @@ def check_shapes(batch: dict, cfg: GLM5Config) -> None:
         if tuple(t.shape) != (*lead, *tail):
             what = "(MoE layers, experts per token)" if name == "routing" else "(indexer layers, selections)"
             raise ValueError(f"replay key {name!r} must be {(*lead, *tail)} (input_ids' dims, then {what} of this "
-                             f"model: glm5f.replay.replay_shapes), got {tuple(t.shape)}")
+                             f"model: glm5f.core.replay.replay_shapes), got {tuple(t.shape)}")
 
 
 def check_replay(batch: dict, cfg: GLM5Config) -> None:

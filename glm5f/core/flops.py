@@ -3,8 +3,8 @@ from the config as the model defines it, independent of how a kernel computes it
 
 from __future__ import annotations
 
-from glm5f.config import GLM5Config
-from glm5f.layers import kinds, layer_spec
+from glm5f.core.config import GLM5Config
+from glm5f.core.layers import kinds, layer_spec
 
 
 def flops_per_token(cfg: GLM5Config, seq: int, train: bool = True) -> float:
