@@ -37,7 +37,7 @@ sys.path.insert(0, ROOT)
 
 import glm5f  # noqa: E402
 from bench.common import BENCH_MODEL, matmul_peak_flops  # noqa: E402
-from glm5f import kernels  # noqa: E402
+from glm5f.kernels import dsa as kernels  # noqa: E402
 from glm5f.env import Mask, make_mask  # noqa: E402
 from glm5f.core.flops import flops_per_token  # noqa: E402
 from glm5f.plan import plan, process_rss_bytes, run_shape  # noqa: E402
@@ -168,7 +168,7 @@ KERNEL_NAMES = {"_sparse_mla_fwd_kernel": "sparse_mla_fwd", "_sparse_mla_bwd_dq_
 def measure_kernels(device, shape, dtype) -> dict:
     """Device microseconds of each Triton kernel for one call at shape (summed over its launches, as the report
     counts them): sparse MLA forward and backward over random causal picks, the indexer's scores of all queries."""
-    from glm5f import triton_dsa
+    from glm5f.kernels import triton_dsa
     B, S, T, H, R, P, K, I, J = (shape[k] for k in "B S T H R P K I J".split())
     g = torch.Generator(device).manual_seed(0)
     q = torch.randn(B, S, H, R + P, device=device, dtype=dtype, generator=g)
@@ -239,7 +239,7 @@ def check_kernel_fitness(rows, device):
             row(rows, "kernel time / H100 estimate", setting, us / r["estimate_us"], None)
 
 
-# ---- KDA: fla's chunk_kda (glm5f.kda.kda on CUDA) and glm5f's own op against the fp64 recurrence --------------------
+# ---- KDA: fla's chunk_kda (glm5f.kernels.kda.kda on CUDA) and glm5f's own op against the fp64 recurrence --------------------
 
 def kda_inputs(B, T, H, K, gen):
     """fp64 CPU inputs of the delta rule as GLM-5.3's layer makes them: L2-normalised q and k, g in (-5, 0) (the
@@ -269,7 +269,7 @@ KDA_BOUNDS = {  # max relative error over o, the final state and the six gradien
     # the gradients of v and beta are bf16: one rounding (measured 2.3e-3)
     ("glm5f kda_op", "fp32"): 1e-4, ("glm5f kda_op", "bf16"): BF16,
     # fla's kernels keep their intermediates (w, u, the chunk states) in the inputs' dtype and multiply fp32 in TF32
-    # (2^-11); q and k are rounded to bf16 in the bf16 layer (glm5f.kda.fla_kda): 16 roundings, as the model's bound
+    # (2^-11); q and k are rounded to bf16 in the bf16 layer (glm5f.kernels.kda.fla_kda): 16 roundings, as the model's bound
     ("fla chunk_kda", "fp32"): 16 * 2.0 ** -11, ("fla chunk_kda", "bf16"): 16 * BF16,
 }
 
@@ -282,11 +282,11 @@ def untimed_autotune() -> None:
 
 
 def check_kda(rows, device, shapes, gen, steps):
-    """glm5f.kda.kda (fla-core's chunk_kda on CUDA when installed) and glm5f's op (`kda_op`) in the dtypes GLM-5.3's
+    """glm5f.kernels.kda.kda (fla-core's chunk_kda on CUDA when installed) and glm5f's op (`kda_op`) in the dtypes GLM-5.3's
     KDA layer passes under --train.dtype float32 and bfloat16 (q, k, g in fp32; v and beta in the layer's dtype),
     against kda_recurrent in fp64 on the same rounded inputs: output, final state and every input gradient; and
     each side's forward + backward time."""
-    from glm5f import kda as kda_module
+    from glm5f.kernels import kda as kda_module
     fla = device.startswith("cuda") and kda_module._fla_chunk_kda() is not None
     if not fla:
         print("    KDA: fla's chunk_kda skipped ("

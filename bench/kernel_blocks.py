@@ -1,4 +1,4 @@
-"""The trade-off behind glm5f.triton_dsa's block choices: one kernel at a shape, compiled for sm_90a per candidate
+"""The trade-off behind glm5f.kernels.triton_dsa's block choices: one kernel at a shape, compiled for sm_90a per candidate
 blocks, with its registers, spills, what its tiles issue per query and the spill traffic of its loops.
 
     python bench/kernel_blocks.py sparse_mla_bwd_dq fp32 32,32,16,8 16,16,0,8   # H,K,C,warps (C: fp32 chunk, 0 whole)

@@ -1,4 +1,4 @@
-"""Ahead-of-time fitness of glm5f's Triton kernels (glm5f/triton_dsa.py) without a GPU: each compiled for sm_90a and
+"""Ahead-of-time fitness of glm5f's Triton kernels (glm5f/kernels/triton_dsa.py) without a GPU: each compiled for sm_90a and
 sm_100a, ptxas' registers, spills and shared memory, and its FLOPs and bytes per call against H100's roofline.
 
     python bench/kernels.py                                        # every kernel, arch, dtype and shape
@@ -82,14 +82,14 @@ def _ptr(dtype: torch.dtype) -> str:
 
 
 def _triton_dsa():
-    """glm5f.triton_dsa, imported when first needed: a process that imported it with TRITON_INTERPRET=1 (the
+    """glm5f.kernels.triton_dsa, imported when first needed: a process that imported it with TRITON_INTERPRET=1 (the
     interpreter tests) holds interpreted kernels, which do not compile; run this file as its own process there."""
-    from glm5f import triton_dsa
+    from glm5f.kernels import triton_dsa
     return triton_dsa
 
 
 def mla_launches(dtype: torch.dtype, B, S, T, H, R, P, K, block_h=None, block_k=None, **_) -> list[Launch]:
-    """The sparse MLA forward, its two backward kernels and the segment sum, as glm5f.triton_dsa launches them
+    """The sparse MLA forward, its two backward kernels and the segment sum, as glm5f.kernels.triton_dsa launches them
     (block_h, block_k: as its wrappers' overrides)."""
     triton_dsa = _triton_dsa()
     C, e, n = R + P, dtype.itemsize, B * S
@@ -299,8 +299,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fla", nargs="?", const="all", default=None, choices=["all", "first"],
                     help="then fla-core's KDA kernels (bench/kernels_fla.py): every autotune config, or each first")
     args = ap.parse_args(argv)
-    if os.environ.pop("TRITON_INTERPRET", None) and "glm5f.triton_dsa" in sys.modules:
-        print("error: glm5f.triton_dsa was imported with TRITON_INTERPRET set (interpreted kernels do not compile); "
+    if os.environ.pop("TRITON_INTERPRET", None) and "glm5f.kernels.triton_dsa" in sys.modules:
+        print("error: glm5f.kernels.triton_dsa was imported with TRITON_INTERPRET set (interpreted kernels do not compile); "
               "run bench/kernels.py as its own process", file=sys.stderr)
         return 2
     t0 = time.perf_counter()

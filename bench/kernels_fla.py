@@ -1,11 +1,11 @@
-"""Ahead-of-time fitness of fla-core's KDA kernels (the `chunk_kda` that glm5f.kda.kda calls on CUDA, via `fla_kda`)
+"""Ahead-of-time fitness of fla-core's KDA kernels (the `chunk_kda` that glm5f.kernels.kda.kda calls on CUDA, via `fla_kda`)
 without a GPU: every launch of its forward and backward, each autotune config compiled for sm_90a and sm_100a.
 
     python bench/kernels_fla.py                                    # every arch, shape, dtype and autotune config
     python bench/kernels_fla.py --shapes tiny --archs sm_90a --configs first   # a subset (the CI test's)
 
 The launches are discovered without a GPU: one process per arch answers fla's and Triton's device queries as an H100
-(sm_90a) or a B200 (sm_100a) would (fla picks its config lists from them when imported), runs glm5f.kda.fla_kda
+(sm_90a) or a B200 (sm_100a) would (fla picks its config lists from them when imported), runs glm5f.kernels.kda.fla_kda
 forward and backward on CPU tensors of the dtypes glm5f's KDA layer passes it, and Triton's `jit_cache_hook` records
 each kernel's specialization (argument types, divisibility, constexprs, options) instead of compiling and launching
 it; the autotuner, which would time each config on the device, hands every config (`--configs all`) or its first
@@ -46,7 +46,7 @@ import glm5f  # noqa: E402
 GPUS = {"sm_90a": dict(capability=(9, 0), name="NVIDIA H100 80GB HBM3", sms=132),
         "sm_100a": dict(capability=(10, 0), name="NVIDIA B200", sms=148)}
 SHARED_LIMIT = 227 * 1024  # bytes a block may use on sm_90 and sm_100 (228 KB per SM)
-# the layer's dtype (--train.dtype); glm5f.kda.kda_attention passes q, k and g in fp32 (the short convolution
+# the layer's dtype (--train.dtype); glm5f.kernels.kda.kda_attention passes q, k and g in fp32 (the short convolution
 # L2-normalises q and k in fp32, the forget gate is fp32), v and beta in the layer's dtype
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -154,9 +154,9 @@ def _inputs(B, T, H, K, dtype, initial_state: bool):
 
 
 def discover(shape: dict, dtype: str, configs: str = "all") -> list[dict]:
-    """The distinct kernel specializations glm5f.kda.fla_kda's forward and backward launch at shape and dtype,
+    """The distinct kernel specializations glm5f.kernels.kda.fla_kda's forward and backward launch at shape and dtype,
     each with its autotune config index and count, in launch order."""
-    from glm5f.kda import fla_kda
+    from glm5f.kernels.kda import fla_kda
     with _Recorder(configs) as rec:
         for initial_state, state_grad in ((False, False), (True, True)):
             q, k, v, g, beta, h0 = _inputs(**shape, dtype=DTYPES[dtype], initial_state=initial_state)

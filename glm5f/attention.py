@@ -1,6 +1,6 @@
 """MLA attention with DeepSeek Sparse Attention (DSA), in three parts: `select` picks the keys each query attends
 (a full layer's lightning indexer and its top-k; a shared layer reuses the last full layer's), `mla_core` attends
-over them (dense, or sparse through the glm5f.kernels op), and the indexer's training objective
+over them (dense, or sparse through the glm5f.kernels.dsa op), and the indexer's training objective
 (glm5f.indexer_loss) runs once per group of layers sharing a top-k.
 
 Keys and values are never stored per head: a token's key/value source is its *latent* row, the normalised
@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from glm5f import indexer_loss, kernels, kpool
+from glm5f import indexer_loss, kpool
+from glm5f.kernels import dsa as kernels
 from glm5f.core import replay
 from glm5f.core.config import GLM5Config
 from glm5f.lora import merged
@@ -446,7 +447,7 @@ def _mla_dsa_macs(c: GLM5Config, spec: LayerSpec, seq: int) -> tuple[float, floa
 
 def _mla_dsa_transient(c: GLM5Config, spec: LayerSpec, B: int, S: int, T: int, act: torch.dtype,
                        weight: torch.dtype) -> tuple[int, int]:
-    """(forward, backward) bytes of the buffers inside glm5f.kernels ops, which a trace sees the outputs of only:
+    """(forward, backward) bytes of the buffers inside glm5f.kernels.dsa ops, which a trace sees the outputs of only:
     in the forward the indexer's chunk of scores with its top-k keys, or the sparse core's block of gathered rows;
     in the backward the sparse core's latent and query gradients and its block."""
     a, w, lat = act.itemsize, wide_dtype(act).itemsize, torch.promote_types(act, weight).itemsize

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from glm5f.core.config import GLM5Config
-from glm5f.kernels import block_scores, gather_rows, topk_as_mask
+from glm5f.kernels.dsa import block_scores, gather_rows, topk_as_mask
 from glm5f.core.ops import wide
 
 if TYPE_CHECKING:

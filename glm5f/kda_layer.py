@@ -1,5 +1,5 @@
 """GLM-5.3's KDA attention layer over its checkpoint-named params: projections, short convolutions, the forget gate,
-the delta rule (the `glm5f.kda` op), the gated norm and o_proj; its decode step and its context-parallel form."""
+the delta rule (the `glm5f.kernels.kda` op), the gated norm and o_proj; its decode step and its context-parallel form."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from glm5f.kda import CHUNK, compute_dtype, document_ids, kda, kda_recurrent, workspace_bytes
+from glm5f.kernels.kda import CHUNK, compute_dtype, document_ids, kda, kda_recurrent, workspace_bytes
 from glm5f.core.layers import Kind, LayerSpec, Leaf, LeafKind, linear_leaves, norm_leaves
 from glm5f.core.ops import linear, wide_dtype
 

@@ -222,7 +222,7 @@ def state_bytes(cfg: GLM5Config, run: RunShape, rank: int = 0, groups: Counter |
 # plan with no edit here. Each storage's bytes are bilinear in the rows B and this rank's queries S (per row, per
 # query, per key, or per layer), so four traces give every micro-batch and CP split of a sequence length
 # (`traced_activations`). Two things stay analytic (`layer_transient`, from each kind's `layers.Kind.transient`):
-# the buffers inside the custom ops of glm5f.kernels (a trace sees their outputs only), and how routed rows split
+# the buffers inside the custom ops of glm5f.kernels.dsa (a trace sees their outputs only), and how routed rows split
 # over experts and EP ranks, which depends on the data: the trace gives every expert its rows in one grouped GEMM
 # ([M, in] inputs), as balanced routing does.
 
@@ -335,7 +335,7 @@ def traced_activations(cfg: GLM5Config, run: RunShape, cache: dict | None = None
 
 def layer_transient(cfg: GLM5Config, layer: int, B: int, S: int, T: int, run: RunShape, largest: int) -> int:
     """The largest buffers decoder layer `layer` holds on top of what it saves: in the forward those its kinds
-    make inside glm5f.kernels ops (`layers.Kind.transient`: the indexer's chunk of scores with its top-k keys, the
+    make inside glm5f.kernels.dsa ops (`layers.Kind.transient`: the indexer's chunk of scores with its top-k keys, the
     sparse core's block of gathered rows); in the backward twice the largest saved storage (its gradient and one
     temporary) plus its kinds' backward buffers."""
     act, weight = run.dtypes

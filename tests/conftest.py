@@ -14,7 +14,7 @@ import tyro
 import glm5f
 from configs import Config
 from glm5f import attention as attn
-from glm5f import kernels
+from glm5f.kernels import dsa as kernels
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))

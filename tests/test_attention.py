@@ -13,9 +13,9 @@ from conftest import env_of, forward_by_layers
 from glm5f.attention import (dense_mla, dense_topk_pays, indexer_keys, indexer_queries, indexer_topk, mla_core,
                              mla_project, sparse_mla, topk_dense_mla)
 from glm5f.parallel import cp_position_list
-from glm5f import kernels
+from glm5f.kernels import dsa as kernels
 from glm5f.env import Mask
-from glm5f.kernels import topk_as_mask, topk_first
+from glm5f.kernels.dsa import topk_as_mask, topk_first
 from glm5f.core.ops import linear
 
 SETTINGS = settings(max_examples=20, deadline=None, derandomize=True)
@@ -211,8 +211,8 @@ def test_half_run_scores_the_indexer_in_its_own_precision(monkeypatch):
         seen.append((q.dtype, w.dtype, keys.dtype, torch.equal(picks, wide_picks)))
         return picks
 
-    orig = glm5f.kernels.indexer_topk
-    monkeypatch.setattr(glm5f.kernels, "indexer_topk", spy)
+    orig = glm5f.kernels.dsa.indexer_topk
+    monkeypatch.setattr(glm5f.kernels.dsa, "indexer_topk", spy)
     for dtype in (torch.bfloat16, torch.float32):
         seen.clear()
         glm5f.forward(glm5f.init_params(cfg, dtype=dtype), cfg, ids)

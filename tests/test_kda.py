@@ -1,4 +1,4 @@
-"""glm5f/kda.py: the chunked delta rule against the naive recurrence in fp64 (forward and every gradient), packed
+"""glm5f/kernels/kda.py: the chunked delta rule against the naive recurrence in fp64 (forward and every gradient), packed
 documents against each document alone, opcheck; glm5f/kda_layer.py: the KDA layer against Transformers' Glm5Next
 layer."""
 
@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import glm5f.kda
-from glm5f.kda import kda, kda_op, kda_backward_op, kda_recurrent
+import glm5f.kernels.kda
+from glm5f.kernels.kda import kda, kda_op, kda_backward_op, kda_recurrent
 from glm5f.kda_layer import KDAConfig, kda_attention, kda_attention_cp
 
 SETTINGS = settings(max_examples=15, deadline=None, derandomize=True)
@@ -57,7 +57,7 @@ def test_chunked_equals_recurrent_fp64(T, chunk, per_block, monkeypatch):
     """per_block: chunks per block of chunks (0: the default, one block here; -1: lane groups of one head of one
     row, blocks of d_k tokens)."""
     if per_block:
-        monkeypatch.setattr(glm5f.kda, "BLOCK_ELEMS", chunk if per_block < 0 else 2 * 3 * chunk * per_block)
+        monkeypatch.setattr(glm5f.kernels.kda, "BLOCK_ELEMS", chunk if per_block < 0 else 2 * 3 * chunk * per_block)
     assert_chunked_equals_recurrent(2, T, 3, 16, 8, chunk, seed=T + chunk)
 
 
@@ -85,14 +85,14 @@ def test_chunked_equals_recurrent_packed(case):
     one lane group or in groups of two lanes (a head of two rows, or two heads)."""
     B, T, H, chunk, starts, seed, split = case
     blocks = chunk * 2 if split else B * H * chunk * 2  # blocks of two chunks, or two lanes of one chunk
-    glm5f.kda.BLOCK_ELEMS, default = blocks, glm5f.kda.BLOCK_ELEMS
+    glm5f.kernels.kda.BLOCK_ELEMS, default = blocks, glm5f.kernels.kda.BLOCK_ELEMS
     segment = torch.zeros(B, T, dtype=torch.long)
     for s in starts:
         segment[:, s:] += 1
     try:
         assert_chunked_equals_recurrent(B, T, H, 4, 3, chunk, seed, segment)
     finally:
-        glm5f.kda.BLOCK_ELEMS = default
+        glm5f.kernels.kda.BLOCK_ELEMS = default
 
 
 def test_packed_documents_equal_each_document_alone():
@@ -129,7 +129,7 @@ def test_workspace_bytes_bound_what_the_allocator_holds(B, T, H, d, block_elems,
     its allocations and frees: the most held at once beyond the inputs and outputs, forward and backward, is at most
     the row and at least half of it (one block over the whole sequence needs fewer copies)."""
     from bench.common import allocated_peak_gb
-    monkeypatch.setattr(glm5f.kda, "BLOCK_ELEMS", block_elems)
+    monkeypatch.setattr(glm5f.kernels.kda, "BLOCK_ELEMS", block_elems)
     q, k, v, g, beta, _ = delta_inputs(B, T, H, d, d, 0, dtype=torch.float32)
 
     def held(fn):
@@ -139,11 +139,11 @@ def test_workspace_bytes_bound_what_the_allocator_holds(B, T, H, d, block_elems,
         return peak - sum(x.nbytes for x in out), out
 
     with torch.no_grad():
-        fwd, (o, state, states) = held(lambda: kda_op(q, k, v, g, beta, None, None, d ** -0.5, glm5f.kda.CHUNK))
+        fwd, (o, state, states) = held(lambda: kda_op(q, k, v, g, beta, None, None, d ** -0.5, glm5f.kernels.kda.CHUNK))
         do, dstate = torch.randn_like(o), torch.zeros_like(state)
         bwd, _ = held(lambda: kda_backward_op(do, dstate, q, k, v, g, beta, None, None, states, d ** -0.5,
-                                              glm5f.kda.CHUNK))
-    plan_fwd, plan_bwd = glm5f.kda.workspace_bytes(B, T, H, d, d, torch.float32)
+                                              glm5f.kernels.kda.CHUNK))
+    plan_fwd, plan_bwd = glm5f.kernels.kda.workspace_bytes(B, T, H, d, d, torch.float32)
     for what, got, row in (("forward", fwd, plan_fwd), ("backward", bwd, plan_bwd)):
         assert 0.5 * row <= got <= row, f"{what}: the allocator held {got / 2**20:.2f} MiB beyond the inputs " \
                                          f"and outputs, the plan's row says {row / 2**20:.2f} MiB"

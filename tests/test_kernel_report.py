@@ -2,7 +2,7 @@
 or shared memory past a block's limit, and the FLOPs and bytes it prints agree with a count by hand.
 
 The compiles run in their own processes: tests/test_kernels.py interprets the kernels (TRITON_INTERPRET=1), and
-glm5f.triton_dsa is imported once per process."""
+glm5f.kernels.triton_dsa is imported once per process."""
 
 import importlib.util
 import json

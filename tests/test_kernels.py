@@ -1,5 +1,5 @@
-"""glm5f.kernels' custom ops (opcheck; CPU: blocked against unblocked, the indexer against its formula), and the
-Triton kernels of glm5f.triton_dsa (interpreted, or on a GPU) against an fp64 oracle in fp32 (the interpreter's bf16 is wrong)."""
+"""glm5f.kernels.dsa' custom ops (opcheck; CPU: blocked against unblocked, the indexer against its formula), and the
+Triton kernels of glm5f.kernels.triton_dsa (interpreted, or on a GPU) against an fp64 oracle in fp32 (the interpreter's bf16 is wrong)."""
 
 import os
 import sys
@@ -9,7 +9,7 @@ from unittest import mock
 # The Triton tests run interpreted on the CPU; GLM5F_KERNEL_DEVICE=cuda runs them compiled on a GPU instead.
 DEVICE = os.environ.get("GLM5F_KERNEL_DEVICE", "cpu")
 if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit decorates, so before glm5f.triton_dsa is imported
+    os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit decorates, so before glm5f.kernels.triton_dsa is imported
 
 import pytest
 import torch
@@ -18,12 +18,13 @@ from hypothesis import strategies as st
 from torch.func import grad, vmap
 
 import glm5f
-from glm5f import kernels, sparse_union
+from glm5f.kernels import dsa as kernels
+from glm5f.kernels import sparse_union
 from glm5f.env import Mask, make_mask
-from glm5f.kernels import sparse_attention, sparse_attention_unblocked, topk_first
+from glm5f.kernels.dsa import sparse_attention, sparse_attention_unblocked, topk_first
 
 try:
-    from glm5f import triton_dsa
+    from glm5f.kernels import triton_dsa
 except ImportError as e:
     triton_dsa, NO_TRITON = None, f"triton is not importable ({e}); it installs on Linux x86_64 with the test extra"
 
@@ -159,7 +160,7 @@ def test_errors_say_what_to_fix():
 
 def test_missing_triton_warns_once_and_cuda_runs_the_torch_code(monkeypatch):
     monkeypatch.delattr(glm5f, "triton_dsa", raising=False)
-    monkeypatch.setitem(sys.modules, "glm5f.triton_dsa", None)  # importing it raises ImportError
+    monkeypatch.setitem(sys.modules, "glm5f.kernels.triton_dsa", None)  # importing it raises ImportError
     kernels.triton_kernels.cache_clear()
     try:
         with pytest.warns(UserWarning, match="triton is not importable.*blocked torch code"):
@@ -311,14 +312,14 @@ def assert_close_rel(actual, expected, rel=1e-5):
 
 @pytest.fixture
 def tk():
-    """glm5f.triton_dsa, its kernels interpreted on the CPU or compiled for DEVICE "cuda"."""
+    """glm5f.kernels.triton_dsa, its kernels interpreted on the CPU or compiled for DEVICE "cuda"."""
     if triton_dsa is None:
         pytest.skip(NO_TRITON)
     if DEVICE != "cpu" and not torch.cuda.is_available():
         pytest.skip(f"GLM5F_KERNEL_DEVICE={DEVICE} but torch sees no GPU")
     interpreted = type(triton_dsa._sparse_mla_fwd_kernel).__name__ == "InterpretedFunction"
     if interpreted != (DEVICE == "cpu"):
-        pytest.fail(f"glm5f.triton_dsa's kernels are {'' if interpreted else 'not '}interpreted on {DEVICE}: it was "
+        pytest.fail(f"glm5f.kernels.triton_dsa's kernels are {'' if interpreted else 'not '}interpreted on {DEVICE}: it was "
                     "imported before this module set TRITON_INTERPRET (run this file on its own, with "
                     "TRITON_INTERPRET unset)")
     return triton_dsa

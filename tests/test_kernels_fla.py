@@ -1,4 +1,4 @@
-"""bench/kernels_fla.py: fla-core's KDA kernels, as glm5f.kda.fla_kda launches them, compile ahead of time for sm_90a
+"""bench/kernels_fla.py: fla-core's KDA kernels, as glm5f.kernels.kda.fla_kda launches them, compile ahead of time for sm_90a
 (the first autotune config of each, at the tiny shape), and a config that does not compile fails the report.
 
 In their own processes, as tests/test_kernel_report.py's: Triton reads TRITON_INTERPRET when first imported."""

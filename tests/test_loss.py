@@ -20,7 +20,7 @@ from configs import Config, validate
 from conftest import RUN_64, cli, env_of, forward_by_layers, naive_seq_aux, rel_err, run_step
 from glm5f import checkpoint
 from glm5f.attention import LATENT_NORM_EPS, attention
-from glm5f.kernels import topk_as_mask
+from glm5f.kernels.dsa import topk_as_mask
 from glm5f.loss import Step, cross_entropy_sum, head_loss_sum, mtp_targets, step_grads, with_targets
 from glm5f.model import apply, head_logits
 from glm5f.core.ops import apply_rope, layer_norm, rms_norm

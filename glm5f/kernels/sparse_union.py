@@ -1,4 +1,4 @@
-"""The union path of the CPU's sparse MLA (glm5f/kernels.py): a block of queries that selects few distinct latent
+"""The union path of the CPU's sparse MLA (glm5f/kernels/dsa.py): a block of queries that selects few distinct latent
 rows attends their union in one GEMM per batch row, instead of gathering each query's rows.
 
 Shape suffixes as in kernels.py; s queries of one block of one batch row, U rows in their union.

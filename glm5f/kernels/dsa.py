@@ -1,5 +1,5 @@
 """DSA's two hot paths as torch custom ops: sparse MLA over each query's top-k latent rows (the MLA core, one call a
-kernel replaces), and the indexer's top-k. The CPU runs blocked torch code; CUDA runs glm5f/triton_dsa.py's kernels.
+kernel replaces), and the indexer's top-k. The CPU runs blocked torch code; CUDA runs glm5f/kernels/triton_dsa.py's kernels.
 
 Shape suffixes as in attention.py: B batch, S queries, T keys, H heads, K selected keys, C = R + P latent width,
 I indexer heads, J index_head_dim.
@@ -13,7 +13,7 @@ import warnings
 import torch
 
 from glm5f.core.ops import wide, wide_dtype
-from glm5f.sparse_union import UNION_BLOCK_ROWS, union_plans, union_scores
+from glm5f.kernels.sparse_union import UNION_BLOCK_ROWS, union_plans, union_scores
 
 SPARSE_BLOCK_ELEMS = 1 << 23  # bound on one query block's gathered rows plus scores, [B, s, K, C + 2H] elements
 INDEXER_QUERY_CHUNK_ELEMS = 1 << 24  # bound on the indexer's per-chunk [B, S, I, T] fp32 scores
@@ -24,11 +24,11 @@ TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # fp64 compute k
 
 @functools.cache
 def triton_kernels():
-    """glm5f.triton_dsa, or None (with one warning) where triton is not importable: CUDA then runs the torch code."""
+    """glm5f.kernels.triton_dsa, or None (with one warning) where triton is not importable: CUDA then runs the torch code."""
     try:
-        from glm5f import triton_dsa
+        from glm5f.kernels import triton_dsa
     except ImportError as e:
-        warnings.warn(f"glm5f.kernels: triton is not importable ({e}); sparse MLA and the indexer top-k run the "
+        warnings.warn(f"glm5f.kernels.dsa: triton is not importable ({e}); sparse MLA and the indexer top-k run the "
                       "blocked torch code on CUDA (install triton for the fused kernels)", stacklevel=2)
         return None
     return triton_dsa
@@ -87,7 +87,7 @@ def _query_blocks(B, S, K, C, H, block, union):
 def _sparse_mla_torch(q_BxSxHxC, latent_BxTxC, idx_BxSxK, allowed_BxSxK, bias_BxSxK, scale, value_dim, block):
     """(out [B, S, H, value_dim], lse [B, S, H] fp32) over blocks of `block` queries (0: `sparse_block_size`, or
     the union path's); the forward keeps no gathered rows. A block whose queries select few distinct rows (and
-    the latent in q's dtype) attends their union in one GEMM per batch row (glm5f/sparse_union.py), the others gather
+    the latent in q's dtype) attends their union in one GEMM per batch row (glm5f/kernels/sparse_union.py), the others gather
     each query's rows."""
     B, S, H, C = q_BxSxHxC.shape
     dt = q_BxSxHxC.dtype

@@ -1,6 +1,6 @@
 """Triton kernels of DSA: sparse MLA forward and backward over gathered latent rows, and the indexer's scores.
 
-Read each beside its torch oracle in glm5f/kernels.py; the launch wrappers check shapes and pass contiguous memory.
+Read each beside its torch oracle in glm5f/kernels/dsa.py; the launch wrappers check shapes and pass contiguous memory.
 """
 
 import torch
