@@ -27,7 +27,7 @@ from glm5f import checkpoint, dpo_reference, grpo, lora, preempt, rundir, sample
 from glm5f.chat import RUN_TOKENIZER_DIR, ChatFormat, check_same_tokenizer, resolve_tokenizer
 from glm5f.data import (PresetSource, check_first_batch, make_eval_source, make_source, make_tokenizer,
                         model_tokenizer, print_warning, readers, warnings_as_lines)
-from glm5f.distributed import DistLayout
+from glm5f.parallel.distributed import DistLayout
 from glm5f.hf.export import export_run
 from glm5f.hf.export_dir import note_base
 from glm5f.hf.load import check_loaded_finite
@@ -38,7 +38,7 @@ from glm5f.loss import eval_loss, unused_weights
 from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
 from glm5f.model import check_input_ids
 from glm5f.optim import Optimizer, schedule_change, unused_flags
-from glm5f.parallel import Layout, full_tensor, local_tensor, nonfinite_counts
+from glm5f.parallel.layout import Layout, full_tensor, local_tensor, nonfinite_counts
 from glm5f.plan import rows_per_item
 from glm5f.preflight import check_inputs, check_run
 from glm5f.core.params import flatten, leaf_dtype, map_with_path, region_of

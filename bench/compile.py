@@ -25,7 +25,7 @@ def run_side(args) -> dict:
     import glm5f
     from glm5f.env import Objectives
     from glm5f.loss import Step, step_grads
-    from glm5f.parallel import Layout
+    from glm5f.parallel.layout import Layout
     cfg = model_config(args)
     params = glm5f.init_params(cfg, seed=0, device=args.device)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))

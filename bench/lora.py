@@ -26,7 +26,7 @@ def run_side(args) -> dict:
     from glm5f.data import make_source
     from glm5f.loss import Step, device_step
     from glm5f.optim import adamw_init, adamw_update
-    from glm5f.parallel import Layout
+    from glm5f.parallel.layout import Layout
 
     dtype = getattr(torch, args.dtype)
     master = torch.promote_types(dtype, torch.float32)

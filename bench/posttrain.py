@@ -103,7 +103,7 @@ def dpo_glm5f(args, paths: dict) -> tuple[list[float], float, float, dict]:
     `train_step`."""
     from configs import parse, with_data_type
     from glm5f.chat import resolve_tokenizer
-    from glm5f.parallel import Layout
+    from glm5f.parallel.layout import Layout
     from glm5f.step import Trainer, train_step
     from train import init_params, init_reference, make_data
 
@@ -176,7 +176,7 @@ def grpo_glm5f(args, paths: dict) -> tuple[list[tuple], float, float, dict]:
     (params, the prompt source) and, each step, the source's sampling by the current policy then `train_step`."""
     from configs import parse, with_data_type
     from glm5f.chat import resolve_tokenizer
-    from glm5f.parallel import Layout
+    from glm5f.parallel.layout import Layout
     from glm5f.step import Trainer, train_step
     from glm5f.tokens import IGNORE_INDEX
     from train import decoding_params, init_params, make_data

@@ -31,7 +31,7 @@ from glm5f.env import Env, Mask
 from glm5f.core.layers import (INDEXERS, Indexer, Kind, LayerSpec, Leaf, LeafKind, layer_spec, linear_leaves,
                                norm_leaves)
 from glm5f.core.ops import apply_rope, layer_norm, linear, rms_norm, wide, wide_dtype
-from glm5f.parallel import cp_position_list
+from glm5f.parallel.layout import cp_position_list
 
 LATENT_NORM_EPS = 1e-6  # GLM-5's q_a_layernorm and kv_a_layernorm use 1e-6, not rms_norm_eps (GLM-5.3's do)
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from glm5f.core.config import GLM5Config, read_json
-from glm5f.parallel import nonfinite_counts
+from glm5f.parallel.layout import nonfinite_counts
 from glm5f.core.params import abstract_params, flatten, map_with_path
 
 PREFIX = "step_"

@@ -15,7 +15,7 @@ from glm5f.core.layers import carries_state, layer_cache
 from glm5f.loss import mtp_inputs
 from glm5f.model import apply, check_input_ids, head_logits, mtp_layer
 from glm5f.core.ops import rope_tables
-from glm5f.parallel import Layout
+from glm5f.parallel.layout import Layout
 
 Eos = int | tuple[int, ...] | None | str  # an eos id, several, None (never stop) or "config" (cfg.eos_token_id)
 

@@ -21,7 +21,7 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from glm5f.core.ops import wide_dtype
-from glm5f.parallel import full_tensor
+from glm5f.parallel.layout import full_tensor
 from glm5f.core.params import flatten
 
 # GLM-5's LoRA recipe: the attention projections, MLA's and (GLM-5.3) KDA's q, k, v and o (the DSA indexer's own

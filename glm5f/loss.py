@@ -23,7 +23,7 @@ from glm5f.lora import LoraSpec
 from glm5f.model import head_logits, hidden_states, main_head, mtp_states
 from glm5f.core.ops import rms_norm, wide, wide_dtype
 from glm5f.optim import trained_paths, value_and_grad
-from glm5f.parallel import Layout
+from glm5f.parallel.layout import Layout
 from glm5f.core.params import flatten
 
 

@@ -16,7 +16,7 @@ from glm5f.lora import attach
 from glm5f.loss import LM, Objective, Step, step_grads
 from glm5f.optim import (Optimizer, balance_router_bias, clip_by_global_norm, lr_schedule, make_optimizer, matches,
                          schedule_total)
-from glm5f.parallel import Layout
+from glm5f.parallel.layout import Layout
 from glm5f.core.params import flatten
 
 # The main objectives --train.objective names (`loss.Objective` rows). A new one is a row here; its functions live

@@ -222,7 +222,7 @@ def run_error(capsys, *args) -> str:
 def run_step(params: dict, batch: dict, run, model_cfg: glm5f.GLM5Config):
     """`step_grads` of one process for the run `run` (a configs.Config) describes."""
     from glm5f.loss import Step, step_grads
-    from glm5f.parallel import Layout
+    from glm5f.parallel.layout import Layout
 
     return step_grads(params, batch, model_cfg, Layout(torch.device("cpu")), Step.of(run.train, model_cfg))
 

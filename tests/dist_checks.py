@@ -20,12 +20,12 @@ import glm5f
 from configs import Config
 from conftest import env_of
 from glm5f.attention import attention
-from glm5f.distributed import DistLayout
+from glm5f.parallel.distributed import DistLayout
 from glm5f.launch import init_process
 from glm5f.loss import Step, step_grads
 from glm5f.moe import routed_experts
 from glm5f.optim import global_norm
-from glm5f.parallel import Layout, cp_positions, full_tensor
+from glm5f.parallel.layout import Layout, cp_positions, full_tensor
 
 PROPERTY = settings(max_examples=16, deadline=None, derandomize=True, database=None)
 

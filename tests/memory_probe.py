@@ -36,7 +36,7 @@ def probe(argv: list[str], out: str) -> None:
     cfg = tyro.cli(Config, args=argv, use_underscores=True)
     layout = None
     if cfg.parallel.world > 1:
-        from glm5f.distributed import DistLayout
+        from glm5f.parallel.distributed import DistLayout
         from glm5f.launch import init_process
         device = init_process(torch.device("cpu"))
         layout = DistLayout(cfg.parallel.dp_shard, cfg.parallel.cp, cfg.parallel.ep, device)

@@ -12,7 +12,7 @@ import glm5f
 from conftest import env_of, forward_by_layers
 from glm5f.attention import (dense_mla, dense_topk_pays, indexer_keys, indexer_queries, indexer_topk, mla_core,
                              mla_project, sparse_mla, topk_dense_mla)
-from glm5f.parallel import cp_position_list
+from glm5f.parallel.layout import cp_position_list
 from glm5f.kernels import dsa as kernels
 from glm5f.env import Mask
 from glm5f.kernels.dsa import topk_as_mask, topk_first

@@ -13,7 +13,7 @@ from conftest import ROOT, RUN_64, SCRIPT_ENV
 from glm5f.env import make_env
 from glm5f.loss import Step, step_grads
 from glm5f.model import decoder_layer
-from glm5f.parallel import Layout
+from glm5f.parallel.layout import Layout
 from train import main
 
 # every layer kind: dense + full indexer, MoE + full indexer, MoE + shared indexer, an MTP layer; sparse below 8 keys

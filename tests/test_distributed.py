@@ -1,4 +1,4 @@
-"""glm5f/distributed.py: parallel layouts (FSDP/DP, CP, EP and their mixes) against the single-process run, on local
+"""glm5f/parallel/distributed.py: parallel layouts (FSDP/DP, CP, EP and their mixes) against the single-process run, on local
 gloo processes (DistLayout's collectives; the objectives' sums over ranks included)."""
 
 import json
@@ -13,7 +13,7 @@ import torch.distributed as dist
 import dist_checks
 import glm5f
 from conftest import rel_err
-from glm5f.distributed import DistLayout
+from glm5f.parallel.distributed import DistLayout
 from glm5f.launch import spawn
 from glm5f.metrics import read_metrics
 from scripts.align import COMMON, LAYOUTS

@@ -15,7 +15,7 @@ from glm5f.data.pairs import PairSource, read_pairs
 from glm5f.loss import Step
 from glm5f.dpo import DPO, DPOConfig
 from glm5f.core.params import flatten, map_with_path
-from glm5f.parallel import Layout
+from glm5f.parallel.layout import Layout
 from test_dpo import answer_logp, pair_records, write
 from train import train
 

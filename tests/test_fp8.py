@@ -15,7 +15,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 import glm5f
-from glm5f.distributed import DistLayout
+from glm5f.parallel.distributed import DistLayout
 from glm5f.launch import init_process, spawn
 from glm5f.hf import hf_state_dict
 

@@ -17,7 +17,7 @@ from configs import Config
 from conftest import assert_grads_match, boundary_ties, hf_model, random_batch, with_grad
 from glm5f.loss import Step, step_grads
 from glm5f.optim import adamw_init, adamw_update, balance_router_bias
-from glm5f.parallel import Layout
+from glm5f.parallel.layout import Layout
 
 MIXED = glm5f.preset(
     "glm5-scaled-moe", num_hidden_layers=5, index_topk_pattern=None, index_topk_freq=2, index_skip_topk_offset=1, index_topk=32,

@@ -16,7 +16,7 @@ import glm5f
 from configs import Config
 from glm5f import moe
 from glm5f.loss import TERMS, Step, device_step
-from glm5f.parallel import Layout
+from glm5f.parallel.layout import Layout
 
 CFG = glm5f.preset("glm5-tiny", num_nextn_predict_layers=1, index_topk=8)  # sparse below 8 keys, MoE, MTP
 B, S = 2, 24

@@ -17,7 +17,7 @@ from glm5f.loss import Step, step_grads
 from glm5f.metrics import read_metrics
 from glm5f.moe import expert_linear
 from glm5f.core.ops import linear
-from glm5f.parallel import Layout, placements
+from glm5f.parallel.layout import Layout, placements
 from glm5f.core.params import leaf_kind
 from train import main
 

@@ -25,7 +25,7 @@ from glm5f.loss import Step, cross_entropy_sum, head_loss_sum, mtp_targets, step
 from glm5f.model import apply, head_logits
 from glm5f.core.ops import apply_rope, layer_norm, rms_norm
 from glm5f.optim import value_and_grad
-from glm5f.parallel import Layout
+from glm5f.parallel.layout import Layout
 from train import main
 
 # glm5-tiny with weights wide enough that attention and index scores are far from uniform, top-k 8 of 24 keys

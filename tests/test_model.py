@@ -15,7 +15,7 @@ import glm5f.model as model_mod
 from conftest import env_of, rel_err, stable_topk, with_grad
 from glm5f.env import Objectives
 from glm5f.loss import Step, micro_loss, step_denoms, with_targets
-from glm5f.parallel import Layout
+from glm5f.parallel.layout import Layout
 
 MTP_CFG = glm5f.preset("glm5-tiny", num_nextn_predict_layers=1)  # the MTP layer is MoE with a full indexer
 

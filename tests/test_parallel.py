@@ -1,4 +1,4 @@
-"""glm5f/parallel.py's layout math, in one process: how a batch is shared over ranks (context-parallel positions, the
+"""glm5f/parallel/layout.py's layout math, in one process: how a batch is shared over ranks (context-parallel positions, the
 split of every per-token tensor, a rank's masks); the multi-process layouts against one process: test_distributed.py."""
 
 import torch
@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import glm5f
-from glm5f.parallel import cp_positions
+from glm5f.parallel.layout import cp_positions
 from glm5f.env import split_tokens
 
 
@@ -47,7 +47,7 @@ def test_make_env_masks_a_ranks_queries_over_every_key():
     pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
     batch = {"input_ids": torch.zeros(1, S, dtype=torch.long), "position_ids": pos}
 
-    class Rank1(glm5f.parallel.Layout):
+    class Rank1(glm5f.parallel.layout.Layout):
         def share(self, B, S):
             return slice(None), cp_positions(S, 2, 1)
 

@@ -19,7 +19,7 @@ from torch.distributed.tensor import Replicate
 import glm5f
 from configs import Config
 from conftest import env_of, run_script
-from glm5f.parallel import mesh_shapes, placements
+from glm5f.parallel.layout import mesh_shapes, placements
 from glm5f.loss import head_loss_sum, shift_labels
 from glm5f.model import hidden_states, main_head
 from glm5f.core.params import flatten
@@ -238,7 +238,7 @@ def test_predicted_peak_memory_of_glm53(layout, tmp_path):
         assert abs(pred - meas) / meas <= 0.2, f"{layout}: predicted {pred / 1e6:.0f} MB, measured {meas / 1e6:.0f} MB"
 
 
-class CountingLayout(glm5f.parallel.Layout):
+class CountingLayout(glm5f.parallel.layout.Layout):
     """One process whose gather makes copies, as FSDP's does, and counts the bytes of copies alive at each gather."""
 
     def __init__(self, layers: int):

@@ -340,10 +340,10 @@ def replay_layouts_check() -> None:
     import torch.distributed as dist
 
     from glm5f.attention import attention
-    from glm5f.distributed import DistLayout
+    from glm5f.parallel.distributed import DistLayout
     from glm5f.launch import init_process
     from glm5f.moe import moe_mlp
-    from glm5f.parallel import cp_positions
+    from glm5f.parallel.layout import cp_positions
 
     init_process(torch.device("cpu"))
     rank, world = dist.get_rank(), dist.get_world_size()

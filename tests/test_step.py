@@ -14,7 +14,7 @@ from conftest import cli
 from glm5f import checkpoint, lora
 from glm5f.data import IGNORE_INDEX
 from glm5f.loss import Objective, head_token_losses
-from glm5f.parallel import Layout
+from glm5f.parallel.layout import Layout
 from glm5f.core.params import flatten
 from glm5f.plan import plan, run_shape
 from glm5f.step import OBJECTIVES, Trainer, train_step

@@ -15,7 +15,7 @@ import os
 import torch
 
 from glm5f.core.config import read_json
-from glm5f.parallel import full_tensor
+from glm5f.parallel.layout import full_tensor
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,

@@ -1,5 +1,5 @@
 """Several processes: `DistLayout`, the `parallel.Layout` of a rank of an FSDP/DP x CP x EP run, as DTensors and
-collectives over the meshes and placements `glm5f.parallel` derives (the process group is up: `glm5f.launch`).
+collectives over the meshes and placements `glm5f.parallel.layout` derives (the process group is up: `glm5f.launch`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from glm5f.core.params import Region, leaf_kind, map_with_path
-from glm5f.parallel import Layout, Spec, cp_positions, mesh_shapes, placements
+from glm5f.parallel.layout import Layout, Spec, cp_positions, mesh_shapes, placements
 
 
 class DistLayout(Layout):

@@ -1,5 +1,5 @@
 """How a run is laid out over processes. `Layout` is one process: the whole batch, all parameters, all experts.
-Several processes: `glm5f.distributed.DistLayout`, with the same methods, laid out by the math here.
+Several processes: `glm5f.parallel.distributed.DistLayout`, with the same methods, laid out by the math here.
 
 The model's layers use five verbs, through their `Env`: `gather` (a subtree's weights for compute), `keys` (a
 layer's keys over the whole sequence), `state` (a recurrent layer's state carried between calls), `chunks`
