@@ -20,7 +20,7 @@ import tyro
 import glm5f
 from glm5f import recipe_file
 from glm5f.data import check_path_fits, infer_data_type, load_batches
-from glm5f.lora import DEFAULT_TARGETS, LoraSpec, target_modules
+from glm5f.model.lora import DEFAULT_TARGETS, LoraSpec, target_modules
 from glm5f.optim import OPTIMIZERS, trained_paths
 from glm5f.step import OBJECTIVES
 from glm5f.tokens import make_tokenizer
@@ -293,7 +293,7 @@ class CheckpointConfig:
 
 @dataclass
 class LoraConfig:
-    """LoRA: low-rank adapters trained beside the frozen base (glm5f.lora); --lora.rank 0 trains the base."""
+    """LoRA: low-rank adapters trained beside the frozen base (glm5f.model.lora); --lora.rank 0 trains the base."""
 
     rank: int = 0
     """Adapter rank r; 0: no adapters (every leaf the run trains is a base leaf)."""

@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 import glm5f
 from configs import Config, mesh_errors, parse, validate, with_data_type
-from glm5f import checkpoint, dpo_reference, grpo, lora, preempt, rundir, sampler
+from glm5f import checkpoint, dpo_reference, grpo, preempt, rundir, sampler
+from glm5f.model import lora
 from glm5f.chat import RUN_TOKENIZER_DIR, ChatFormat, check_same_tokenizer, resolve_tokenizer
 from glm5f.data import (PresetSource, check_first_batch, make_eval_source, make_source, make_tokenizer,
                         model_tokenizer, print_warning, readers, warnings_as_lines)
@@ -36,7 +37,7 @@ from glm5f.launch import (TIMEOUT_EXIT, StallWatch, WorkerFailure, check_device,
                           silent_ranks, spawn, under_torchrun)
 from glm5f.loss import eval_loss, unused_weights
 from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
-from glm5f.model import check_input_ids
+from glm5f.model.decoder import check_input_ids
 from glm5f.optim import Optimizer, schedule_change, unused_flags
 from glm5f.parallel.layout import Layout, full_tensor, local_tensor, nonfinite_counts
 from glm5f.plan import rows_per_item

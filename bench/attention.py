@@ -22,7 +22,7 @@ from common import (BENCH_MODEL, add_run_flags, median_seconds, median_times, pe
 
 def run_side(side: str, seq: int, topk: int, steps: int, dtype: torch.dtype, device: str) -> dict:
     import glm5f
-    from glm5f.attention import attention, indexer_keys, indexer_queries, indexer_topk, mla_project
+    from glm5f.model.attention import attention, indexer_keys, indexer_queries, indexer_topk, mla_project
 
     cfg = glm5f.preset("glm5-tiny", **{**BENCH_MODEL, "index_topk": topk, "max_position_embeddings": max(seq, 4096)})
     params = glm5f.init_params(cfg, seed=0, dtype=dtype, device=device)

@@ -23,7 +23,7 @@ SIDES = ("eager", "compiled")
 
 def run_side(args) -> dict:
     import glm5f
-    from glm5f.env import Objectives
+    from glm5f.model.env import Objectives
     from glm5f.loss import Step, step_grads
     from glm5f.parallel.layout import Layout
     cfg = model_config(args)

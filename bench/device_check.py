@@ -38,7 +38,7 @@ sys.path.insert(0, ROOT)
 import glm5f  # noqa: E402
 from bench.common import BENCH_MODEL, matmul_peak_flops  # noqa: E402
 from glm5f.kernels import dsa as kernels  # noqa: E402
-from glm5f.env import Mask, make_mask  # noqa: E402
+from glm5f.model.env import Mask, make_mask  # noqa: E402
 from glm5f.core.flops import flops_per_token  # noqa: E402
 from glm5f.plan import plan, process_rss_bytes, run_shape  # noqa: E402
 
@@ -419,7 +419,7 @@ def check_speed(rows, device, sizes, steps):
 
 
 def check_attention(rows, device, lengths, steps):
-    from glm5f.attention import attention
+    from glm5f.model.attention import attention
     cfg = glm5f.preset("glm5-tiny", **{**BENCH_MODEL, "index_topk": 2048 if device.startswith("cuda") else 32,
                                        "max_position_embeddings": max(lengths)})
     p = glm5f.init_params(cfg, seed=0, dtype=torch.bfloat16, device=device)["model"]["layers"][0]["self_attn"]

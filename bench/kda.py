@@ -64,7 +64,7 @@ def transformers_layer(cfg, p):
 
 
 def run_side(side: str, seq: int, steps: int) -> dict:
-    from glm5f.kda_layer import KDAConfig, kda_attention
+    from glm5f.model.kda_layer import KDAConfig, kda_attention
     cfg = KDAConfig(**LAYER)
     p = kda_params(cfg, seed=0)
     x = torch.randn(1, seq, cfg.hidden_size, generator=torch.Generator().manual_seed(1))

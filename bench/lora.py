@@ -22,7 +22,7 @@ from common import add_run_flags, median_seconds, peak_memory_gb, run_child, ser
 
 def run_side(args) -> dict:
     import glm5f
-    from glm5f import lora
+    from glm5f.model import lora
     from glm5f.data import make_source
     from glm5f.loss import Step, device_step
     from glm5f.optim import adamw_init, adamw_update

@@ -22,7 +22,7 @@ from common import BENCH_MODEL, add_run_flags, median_times, peak_memory_gb, run
 
 def run_side(args) -> dict:
     import glm5f
-    from glm5f.moe import moe
+    from glm5f.model.moe import moe
     dtype = getattr(torch, args.dtype)
     cfg = glm5f.preset("glm5-tiny", **{**BENCH_MODEL, "num_hidden_layers": 2, "n_routed_experts": args.experts,
                                         "num_experts_per_tok": args.top})

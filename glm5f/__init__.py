@@ -1,13 +1,13 @@
 """glm5f: GLM-5 (MLA + DeepSeek sparse attention + sigmoid-routed MoE) as pure PyTorch functions over pytrees."""
 
 from glm5f.core.config import PRESETS, GLM5Config, preset
-from glm5f.decode import generate
+from glm5f.model.decode import generate
 from glm5f.hf import hf_state_dict, load_hf, save_hf
 from glm5f.data import IGNORE_INDEX
-from glm5f.env import make_env
-from glm5f.logprobs import token_logprobs
+from glm5f.model.env import make_env
+from glm5f.model.logprobs import token_logprobs
 from glm5f.loss import causal_lm_loss, cross_entropy_sum, shift_labels
-from glm5f.model import apply, decoder_layer, forward
+from glm5f.model.decoder import apply, decoder_layer, forward
 from glm5f.core.params import abstract_params, check_params, flatten, init_params, param_count, unflatten
 
 __all__ = [

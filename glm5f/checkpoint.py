@@ -389,7 +389,7 @@ def load_params(path: str) -> tuple[GLM5Config, dict]:
                     f"--checkpoint.trust_unverified --train.steps {meta.get('step')} --checkpoint.export_hf OUT")
         raise ValueError(f"checkpoint {path} {_state(problem)}{fix}")
     if "lora_base" in meta:
-        from glm5f.lora import merge
+        from glm5f.model.lora import merge
 
         cfg, base = load_lora_base(path)
         spec, adapters = load_adapters(path)
@@ -478,7 +478,7 @@ def fingerprint(params: dict, total=lambda t: t) -> str:
 def load_adapters(path: str):
     """(LoraSpec, flat adapters {"<module>.lora_A": tensor, ...}) of a LoRA run's checkpoint `path` (or a run
     directory's latest), in this one process whatever layout saved it, in the run's master dtype."""
-    from glm5f.lora import LoraSpec, adapter_shapes
+    from glm5f.model.lora import LoraSpec, adapter_shapes
 
     path = resolve(path)
     meta = read_meta(path)

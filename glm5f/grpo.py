@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from glm5f import dpo
-from glm5f.decode import init_cache
+from glm5f.model.decode import init_cache
 from glm5f.core.ops import wide_dtype
 from glm5f.core.params import param_count
 from glm5f.core.replay import REPLAY_KEYS

@@ -17,10 +17,10 @@ from torch.utils import _pytree as pytree
 
 from glm5f.core.config import GLM5Config
 from glm5f.data import IGNORE_INDEX
-from glm5f.env import INDEXER_LOSSES, Objectives, make_env, packed_segments
+from glm5f.model.env import INDEXER_LOSSES, Objectives, make_env, packed_segments
 from glm5f.core.layers import INDEXERS, layer_spec
-from glm5f.lora import LoraSpec
-from glm5f.model import head_logits, hidden_states, main_head, mtp_states
+from glm5f.model.lora import LoraSpec
+from glm5f.model.decoder import head_logits, hidden_states, main_head, mtp_states
 from glm5f.core.ops import rms_norm, wide, wide_dtype
 from glm5f.optim import trained_paths, value_and_grad
 from glm5f.parallel.layout import Layout

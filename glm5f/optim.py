@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 
 from glm5f.core.config import GLM5Config
 from glm5f.core.layers import LeafKind
-from glm5f.lora import is_adapter
+from glm5f.model.lora import is_adapter
 from glm5f.core.ops import wide_dtype
 from glm5f.parallel.layout import full_tensor, local_tensor
 from glm5f.core.params import flatten, leaf_kind, unflatten

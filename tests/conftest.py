@@ -13,7 +13,7 @@ import tyro
 
 import glm5f
 from configs import Config
-from glm5f import attention as attn
+from glm5f.model import attention as attn
 from glm5f.kernels import dsa as kernels
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -144,8 +144,8 @@ def pytest_collection_modifyitems(config, items):
 
 def env_of(cfg, shape, attention_mask=None, position_ids=None, dtype=torch.float32, **objectives):
     """The Env of a one-process forward over [B, S] tokens (mask and positions as `glm5f.forward` takes them),
-    computing the objectives named (glm5f.env.Objectives' fields)."""
-    from glm5f.env import Objectives
+    computing the objectives named (glm5f.model.env.Objectives' fields)."""
+    from glm5f.model.env import Objectives
 
     B, S = shape
     batch = {"input_ids": torch.zeros(B, S, dtype=torch.long), "position_ids": position_ids}
@@ -232,8 +232,8 @@ def forward_by_layers(params: dict, cfg: glm5f.GLM5Config, input_ids_BxS: torch.
     """Logits [B, S, V] of the model written out layer by layer (pre-norm attention and MLP, each with a residual),
     with `attend` (attention's signature) in place of glm5f's attention when given; each MoE layer's (gate params,
     input) appended to `moe_inputs` when given. A reference for tests that replace or watch one part of a layer."""
-    from glm5f.model import lm_head
-    from glm5f.moe import moe
+    from glm5f.model.decoder import lm_head
+    from glm5f.model.moe import moe
     from glm5f.core.ops import rms_norm, swiglu_mlp
 
     attend = attend or attn.attention

@@ -19,11 +19,11 @@ from hypothesis import strategies as st
 import glm5f
 from configs import Config
 from conftest import env_of
-from glm5f.attention import attention
+from glm5f.model.attention import attention
 from glm5f.parallel.distributed import DistLayout
 from glm5f.launch import init_process
 from glm5f.loss import Step, step_grads
-from glm5f.moe import routed_experts
+from glm5f.model.moe import routed_experts
 from glm5f.optim import global_norm
 from glm5f.parallel.layout import Layout, cp_positions, full_tensor
 
@@ -272,7 +272,7 @@ def load_export_growth(ckpt: str, export_dir: str, out: str, dp_shard: int) -> N
 def lora_fingerprint_check(dp_shard: int, ep: int, out_path: str) -> None:
     """The fingerprint of the rank-local (sharded) glm5-tiny init with its LoRA adapters attached, written by rank
     0 (to compare with the one-process one)."""
-    from glm5f import lora
+    from glm5f.model import lora
     from glm5f.checkpoint import fingerprint
 
     layout = DistLayout(dp_shard, 1, ep, init_process(torch.device("cpu")))

@@ -1,4 +1,4 @@
-"""glm5f/attention.py: the sparse path against a masked-dense oracle, the CPU's dense top-k form against the sparse
+"""glm5f/model/attention.py: the sparse path against a masked-dense oracle, the CPU's dense top-k form against the sparse
 path, DSA over every key as plain MLA (the model written out layer by layer), and a query with fewer visible keys
 than k; equivalences searched by hypothesis."""
 
@@ -10,11 +10,11 @@ from hypothesis import strategies as st
 
 import glm5f
 from conftest import env_of, forward_by_layers
-from glm5f.attention import (dense_mla, dense_topk_pays, indexer_keys, indexer_queries, indexer_topk, mla_core,
-                             mla_project, sparse_mla, topk_dense_mla)
+from glm5f.model.attention import (dense_mla, dense_topk_pays, indexer_keys, indexer_queries, indexer_topk, mla_core,
+                                   mla_project, sparse_mla, topk_dense_mla)
 from glm5f.parallel.layout import cp_position_list
 from glm5f.kernels import dsa as kernels
-from glm5f.env import Mask
+from glm5f.model.env import Mask
 from glm5f.kernels.dsa import topk_as_mask, topk_first
 from glm5f.core.ops import linear
 

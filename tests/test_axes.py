@@ -9,9 +9,9 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import glm5f
-from glm5f.attention import attention
+from glm5f.model.attention import attention
 from glm5f.parallel.layout import placements
-from glm5f.env import make_env
+from glm5f.model.env import make_env
 from glm5f.core.ops import swiglu_mlp
 from glm5f.core.params import Leaf, flatten, leaf_kind, param_layout
 

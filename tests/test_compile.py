@@ -10,9 +10,9 @@ import tyro
 import glm5f
 from configs import Config
 from conftest import ROOT, RUN_64, SCRIPT_ENV
-from glm5f.env import make_env
+from glm5f.model.env import make_env
 from glm5f.loss import Step, step_grads
-from glm5f.model import decoder_layer
+from glm5f.model.decoder import decoder_layer
 from glm5f.parallel.layout import Layout
 from train import main
 
@@ -80,7 +80,7 @@ def test_compiled_step_is_as_accurate_as_eager():
 def test_grouped_mm_op_passes_opcheck_and_has_torchs_gradients():
     """glm5f::grouped_mm (what lets fp32 MoE layers trace) computes torch's grouped GEMM and, bit for bit, the
     gradients autograd takes through it; empty experts included."""
-    from glm5f.moe import grouped_mm
+    from glm5f.model.moe import grouped_mm
     g = torch.Generator().manual_seed(0)
     x_MxIn = torch.randn(37, 16, generator=g, requires_grad=True)
     w_ExOutxIn = torch.randn(4, 8, 16, generator=g, requires_grad=True)
@@ -151,7 +151,7 @@ def test_the_first_compiled_step_and_evaluation_are_announced_before_they_compil
         return call
     monkeypatch.setattr(glm5f.step, "step_grads", spy("step", glm5f.step.step_grads))
     monkeypatch.setattr(train_mod, "eval_loss", spy("eval", train_mod.eval_loss))
-    monkeypatch.setattr(glm5f.model, "compiled_decoder_layer", lambda: glm5f.model.decoder_layer)  # eager: fast
+    monkeypatch.setattr(glm5f.model.decoder, "compiled_decoder_layer", lambda: glm5f.model.decoder.decoder_layer)  # eager: fast
     flags = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", *RUN_64[:4], "--train.log_every", "1",
              "--eval.every", "1", "--eval.batches", "1", "--checkpoint.dir", str(tmp_path / "run")]
     step_line = "compiling the step (the first step takes a while; the next ones reuse it)...\n"

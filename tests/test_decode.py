@@ -1,4 +1,4 @@
-"""glm5f/decode.py: decoding on the cache equals re-running the full forward (its tokens and its logits at every
+"""glm5f/model/decode.py: decoding on the cache equals re-running the full forward (its tokens and its logits at every
 step), left padding, eos, sampling's top-p, and self-speculative decoding with the MTP layers."""
 
 import dataclasses
@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import glm5f
-from glm5f import decode
-from glm5f.decode import extend, generate, init_cache, sample
+from glm5f.model import decode
+from glm5f.model.decode import extend, generate, init_cache, sample
 from glm5f.loss import mtp_inputs
-from glm5f.model import head_logits
+from glm5f.model.decoder import head_logits
 
 MTP_CFG = glm5f.preset("glm5-tiny", num_nextn_predict_layers=1)  # the MTP layer is MoE with a full indexer
 
@@ -224,7 +224,7 @@ def test_shared_mtp_depths_draft_through_one_layer():
     _, env = glm5f.make_env(one, {"input_ids": prompt[:, :N], "position_ids": positions}, hidden.dtype)
     seq, h = prompt, hidden
     for d in (1, 2, 3):
-        h, head, _ = glm5f.model.mtp_layer(params, one, 1, h, mtp_inputs(seq, d)[:, :N], env)
+        h, head, _ = glm5f.model.decoder.mtp_layer(params, one, 1, h, mtp_inputs(seq, d)[:, :N], env)
         seq = torch.cat([seq, head_logits(head, h, one.rms_norm_eps)[:, -1].argmax(-1, keepdim=True)], 1)
     assert torch.equal(drafts, seq[:, -3:])
     stats, n = {}, 14

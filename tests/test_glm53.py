@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import glm5f
-from glm5f.moe import expert_ffn
+from glm5f.model.moe import expert_ffn
 from glm5f.core.ops import swiglu_mlp
 
 TINY_VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64,

@@ -240,7 +240,7 @@ def test_routing_replay_step_one_equals_transformers_with_its_router_picking_the
 
 
 def test_the_plan_counts_the_sampler_s_cache_and_its_rows():
-    from glm5f.decode import init_cache
+    from glm5f.model.decode import init_cache
     from glm5f.plan import plan, run_shape
 
     cfg = glm5f.preset("glm5-tiny")

@@ -14,7 +14,7 @@ from torch.utils import _pytree as pytree
 
 import glm5f
 from configs import Config
-from glm5f import moe
+from glm5f.model import moe
 from glm5f.loss import TERMS, Step, device_step
 from glm5f.parallel.layout import Layout
 

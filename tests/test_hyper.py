@@ -1,4 +1,4 @@
-"""glm5f/hyper.py: the mHC weights and the collapse against Transformers' Glm5NextTextHyperConnection (fp32 and fp64),
+"""glm5f/model/hyper.py: the mHC weights and the collapse against Transformers' Glm5NextTextHyperConnection (fp32 and fp64),
 the expansion against a naive per-stream loop in fp64, and the final head against the streams' mean."""
 
 import contextlib
@@ -6,7 +6,7 @@ import contextlib
 import pytest
 import torch
 
-from glm5f.hyper import hc_collapse, hc_expand, hc_head, hc_streams, hc_weights, sinkhorn
+from glm5f.model.hyper import hc_collapse, hc_expand, hc_head, hc_streams, hc_weights, sinkhorn
 
 
 def reference(n, D, iters, hc_eps, rms_eps, seed=0):

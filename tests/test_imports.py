@@ -10,7 +10,7 @@ import glm5f
 
 # the model's modules (a name and every module under it; "glm5f.kernels.kda" also covers "glm5f.kda_*" and the like) and the
 # modules that start processes, handle signals or write checkpoints, which the model never reaches
-MODEL = ("glm5f.attention", "glm5f.model", "glm5f.kernels.kda", "glm5f.moe", "glm5f.loss")
+MODEL = ("glm5f.model.attention", "glm5f.model.decoder", "glm5f.kernels.kda", "glm5f.model.moe", "glm5f.loss")
 ABOVE_THE_MODEL = ("glm5f.launch", "glm5f.checkpoint", "glm5f.preempt")
 
 
@@ -87,7 +87,7 @@ def test_no_glm5f_module_imports_itself_back():
 
 def test_the_model_reaches_no_process_signal_or_checkpoint_module():
     model = [m for m in GRAPH if under(m, MODEL) or m.startswith("glm5f.kernels.kda")]
-    assert {"glm5f.attention", "glm5f.model", "glm5f.kernels.kda", "glm5f.moe", "glm5f.loss"} <= {
+    assert {"glm5f.model.attention", "glm5f.model.decoder", "glm5f.kernels.kda", "glm5f.model.moe", "glm5f.loss"} <= {
         "glm5f.kernels.kda" if m.startswith("glm5f.kernels.kda") else m for m in model}, "a module of MODEL is not found"
     reached = {m: path_to(GRAPH, m, lambda n: under(n, ABOVE_THE_MODEL)) for m in model}
     assert {m: " -> ".join(chain) for m, chain in reached.items() if chain} == {}
@@ -96,10 +96,10 @@ def test_the_model_reaches_no_process_signal_or_checkpoint_module():
 def test_the_graph_holds_the_imports_of_the_source():
     """The reader sees glm5f's own imports: at module level, inside functions, under TYPE_CHECKING, `from glm5f
     import x`, and chains of them."""
-    assert "glm5f.parallel.layout" in GRAPH["glm5f.attention"]  # from glm5f.parallel.layout import cp_position_list
-    assert "glm5f.lora" in GRAPH["glm5f.checkpoint"]  # only inside functions: from glm5f.lora import merge
+    assert "glm5f.parallel.layout" in GRAPH["glm5f.model.attention"]  # from glm5f.parallel.layout import cp_position_list
+    assert "glm5f.model.lora" in GRAPH["glm5f.checkpoint"]  # only inside functions: from glm5f.model.lora import merge
     assert "glm5f.kernels.triton_dsa" in GRAPH["glm5f.kernels.dsa"]  # inside a function's try: from glm5f import triton_dsa
-    assert "glm5f.env" in GRAPH["glm5f.indexer_loss"]  # under TYPE_CHECKING
+    assert "glm5f.model.env" in GRAPH["glm5f.model.indexer_loss"]  # under TYPE_CHECKING
     assert "glm5f.preempt" in GRAPH["glm5f.launch"]  # from glm5f import preempt
     assert path_to(GRAPH, "glm5f.plan", lambda n: n == "glm5f.core.ops") is not None
 

@@ -1,5 +1,5 @@
 """glm5f/kernels/kda.py: the chunked delta rule against the naive recurrence in fp64 (forward and every gradient), packed
-documents against each document alone, opcheck; glm5f/kda_layer.py: the KDA layer against Transformers' Glm5Next
+documents against each document alone, opcheck; glm5f/model/kda_layer.py: the KDA layer against Transformers' Glm5Next
 layer."""
 
 import pytest
@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import glm5f.kernels.kda
 from glm5f.kernels.kda import kda, kda_op, kda_backward_op, kda_recurrent
-from glm5f.kda_layer import KDAConfig, kda_attention, kda_attention_cp
+from glm5f.model.kda_layer import KDAConfig, kda_attention, kda_attention_cp
 
 SETTINGS = settings(max_examples=15, deadline=None, derandomize=True)
 F64 = torch.float64

@@ -20,7 +20,7 @@ from torch.func import grad, vmap
 import glm5f
 from glm5f.kernels import dsa as kernels
 from glm5f.kernels import sparse_union
-from glm5f.env import Mask, make_mask
+from glm5f.model.env import Mask, make_mask
 from glm5f.kernels.dsa import sparse_attention, sparse_attention_unblocked, topk_first
 
 try:

@@ -1,4 +1,4 @@
-"""glm5f/kpool.py: the pooled indexer's pool keys and selected tokens against Transformers' Glm5NextTextIndexer
+"""glm5f/model/kpool.py: the pooled indexer's pool keys and selected tokens against Transformers' Glm5NextTextIndexer
 (pool sizes 1, 2, 4; with and without the tail; left and right padding), packed documents against each document
 alone, and equal pool scores going to the lower pool."""
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from conftest import stable_topk
-from glm5f.env import make_mask
-from glm5f.kpool import index_key_and_gate, pool_keys, pooled_indexer, pooled_selection, pools
+from glm5f.model.env import make_mask
+from glm5f.model.kpool import index_key_and_gate, pool_keys, pooled_indexer, pooled_selection, pools
 
 
 def hf_indexer(kpool, tail, topk=8, D=32, Q=16, I=8, J=16, seed=0, dtype=torch.float32):
@@ -156,8 +156,8 @@ def test_dsa_layer_matches_transformers_eager(kpool, tail, padded):
     key: Transformers' eager softmax then spreads it over every position (its sdpa path gives NaN); here it
     attends to nothing (zero output), and only the queries with a key are compared."""
     import glm5f
-    from glm5f.attention import attention
-    from glm5f.env import make_env
+    from glm5f.model.attention import attention
+    from glm5f.model.env import make_env
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextAttention
 
     cfg = glm5f.preset("glm53-tiny", index_kpool=kpool, index_kpool_always_select_tail=tail, index_topk=8,

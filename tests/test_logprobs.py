@@ -1,4 +1,4 @@
-"""glm5f/logprobs.py: each token's log-probability through the chunked head equals Transformers' log-softmax of
+"""glm5f/model/logprobs.py: each token's log-probability through the chunked head equals Transformers' log-softmax of
 its logits (fp64), its gradients equal autograd's through the whole logits, and a layout's shares are one
 process's."""
 
@@ -8,8 +8,8 @@ from torch.func import functional_call
 
 import glm5f
 from conftest import hf_model_fp64, stable_topk, transformers_in_fp64, with_grad
-from glm5f.logprobs import head_logprobs, token_logprobs
-from glm5f.model import main_head
+from glm5f.model.logprobs import head_logprobs, token_logprobs
+from glm5f.model.decoder import main_head
 from glm5f.core.params import map_with_path
 
 
@@ -53,7 +53,7 @@ def test_chunked_gradients_equal_autograd_through_the_whole_logits():
     leaves = [x, head["norm"], head["weight"]]
     ours = torch.autograd.grad((head_logprobs(head, x, targets, cfg.rms_norm_eps, chunk_elems=3 * cfg.vocab_size)
                                 * w).sum(), leaves)
-    logits = glm5f.model.head_logits(head, x, cfg.rms_norm_eps)
+    logits = glm5f.model.decoder.head_logits(head, x, cfg.rms_norm_eps)
     ref_lp = torch.log_softmax(logits, -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
     ref = torch.autograd.grad((torch.where(targets == glm5f.IGNORE_INDEX, 0.0, ref_lp) * w).sum(), leaves)
     for a, b in zip(ours, ref):

@@ -1,4 +1,4 @@
-"""LoRA (glm5f/lora.py and where adapters are used): the adapted layers against naive fp64 products and the merged
+"""LoRA (glm5f/model/lora.py and where adapters are used): the adapted layers against naive fp64 products and the merged
 weights, zero change at initialisation, adapter-only training with a bit-identical base, bitwise resume, the
 parallel layouts against one process, checkpoints (base fingerprint) and the merged export."""
 
@@ -11,11 +11,12 @@ import torch.nn.functional as F
 
 import glm5f
 import train as train_module
-from glm5f import checkpoint, lora
+from glm5f import checkpoint
+from glm5f.model import lora
 from glm5f.checkpoint import fingerprint
 from glm5f.loss import Step, step_grads
 from glm5f.metrics import read_metrics
-from glm5f.moe import expert_linear
+from glm5f.model.moe import expert_linear
 from glm5f.core.ops import linear
 from glm5f.parallel.layout import Layout, placements
 from glm5f.core.params import leaf_kind

@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 
 import glm5f
 from conftest import stable_topk
-from glm5f import hf, lora
+from glm5f import hf
+from glm5f.model import lora
 
 pytest.importorskip("peft")
 

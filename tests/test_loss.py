@@ -1,5 +1,5 @@
 """glm5f/loss.py and the objectives it sums beside the LM loss: the lightning indexer's KL distillation loss
-(glm5f/indexer_loss.py), the MoE sequence-wise balance loss in the step, and the MTP targets and loss weight.
+(glm5f/model/indexer_loss.py), the MoE sequence-wise balance loss in the step, and the MTP targets and loss weight.
 
 The indexer loss is checked against a naive fp64 implementation of its formula (per-head MLA scores over the keys
 each query may see, head-summed and L1-normalised probabilities as the target, the log-softmax of the index scores
@@ -19,10 +19,10 @@ import glm5f
 from configs import Config, validate
 from conftest import RUN_64, cli, env_of, forward_by_layers, naive_seq_aux, rel_err, run_step
 from glm5f import checkpoint
-from glm5f.attention import LATENT_NORM_EPS, attention
+from glm5f.model.attention import LATENT_NORM_EPS, attention
 from glm5f.kernels.dsa import topk_as_mask
 from glm5f.loss import Step, cross_entropy_sum, head_loss_sum, mtp_targets, step_grads, with_targets
-from glm5f.model import apply, head_logits
+from glm5f.model.decoder import apply, head_logits
 from glm5f.core.ops import apply_rope, layer_norm, rms_norm
 from glm5f.optim import value_and_grad
 from glm5f.parallel.layout import Layout
@@ -102,7 +102,7 @@ def naive_indexer_kl(p: dict, x: torch.Tensor, cos, sin, keyset_BxSxT, selected_
 @pytest.mark.parametrize("kind", ["causal", "padding", "packed"])
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
 def test_indexer_kl_and_its_gradients_match_the_formula(mode, kind, blocks):
-    block_elems = 4000 if blocks == "many" else glm5f.indexer_loss.INDEXER_LOSS_BLOCK_ELEMS  # many: 1 to 3 queries
+    block_elems = 4000 if blocks == "many" else glm5f.model.indexer_loss.INDEXER_LOSS_BLOCK_ELEMS  # many: 1 to 3 queries
     am, pos, allowed, valid = inputs(kind)
     p = layer0_params()
     x = torch.randn(B, S, CFG.hidden_size, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
@@ -434,7 +434,7 @@ def test_head_loss_in_chunks_gives_only_the_gradients_asked_for():
 def step_with_head(monkeypatch, head_fn, params, batch, run, model_cfg, spec=None, adapters=None):
     """`step_grads` with micro_loss's head loss `head_fn`; LoRA's adapters trained when given."""
     monkeypatch.setattr(glm5f.loss, "head_loss_sum", head_fn)
-    model = glm5f.lora.attach(params, adapters) if adapters else params
+    model = glm5f.model.lora.attach(params, adapters) if adapters else params
     return step_grads(model, batch, model_cfg, Layout(torch.device("cpu")), Step.of(run.train, model_cfg, spec))
 
 
@@ -456,7 +456,7 @@ def test_step_with_head_chunks_equals_the_whole_logits(variant, monkeypatch):
         if spec:
             g = torch.Generator().manual_seed(2)
             adapters = {k: (t + 0.1 * torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.dtype))
-                        for k, t in glm5f.lora.init_adapters(params, spec, 0, getattr(torch, dtype)).items()}
+                        for k, t in glm5f.model.lora.init_adapters(params, spec, 0, getattr(torch, dtype)).items()}
         batch = padded_batch(model_cfg)
         chunked = functools.partial(glm5f.loss.head_loss_sum, chunk_elems=3 * model_cfg.vocab_size)
         for name, fn in (("chunks", chunked), ("whole", whole_logits_loss_sum)):
@@ -597,7 +597,7 @@ def test_pooled_indexer_kl_and_its_gradients_match_the_definition(mode, kind, bl
     """GLM-5.3's DSA layer with --train.indexer_loss: the loss, recall and every indexer leaf's gradient (the pool
     terms included) equal the naive fp64 definition's (docs/objectives.md, "Indexer loss"), over one or many query
     blocks."""
-    block_elems = 4000 if blocks == "many" else glm5f.indexer_loss.INDEXER_LOSS_BLOCK_ELEMS
+    block_elems = 4000 if blocks == "many" else glm5f.model.indexer_loss.INDEXER_LOSS_BLOCK_ELEMS
     am, pos, allowed, valid = inputs(kind)
     seg = torch.zeros(B, S, dtype=torch.long) if pos is None else \
         (torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1).cumsum(-1)

@@ -1,4 +1,4 @@
-"""glm5f/model.py: causality through gradients, padding, the MTP layer against a Transformers reference, and the
+"""glm5f/model/decoder.py: causality through gradients, padding, the MTP layer against a Transformers reference, and the
 forward's input checks."""
 
 import dataclasses
@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from torch.func import grad, jacrev
 
 import glm5f
-import glm5f.model as model_mod
+import glm5f.model.decoder as model_mod
 from conftest import env_of, rel_err, stable_topk, with_grad
-from glm5f.env import Objectives
+from glm5f.model.env import Objectives
 from glm5f.loss import Step, micro_loss, step_denoms, with_targets
 from glm5f.parallel.layout import Layout
 
@@ -119,7 +119,7 @@ def test_mtp_forward_loss_and_gradients_match_the_formula():
         hidden = glm5f.apply(params, cfg, ids, ctx)[1]["hidden"]
     ref_logits = reference_mtp_logits(p, cfg, ids, hidden)
     from glm5f.loss import mtp_inputs
-    from glm5f.model import mtp_apply
+    from glm5f.model.decoder import mtp_apply
     with torch.no_grad():
         our_logits = mtp_apply(params, cfg, hidden, [mtp_inputs(ids, 1)], ctx)[0][0]
     assert rel_err(our_logits[:, :-1], ref_logits[:, :-1].detach()) <= 1e-6

@@ -1,4 +1,4 @@
-"""glm5f/moe.py: the grouped experts against a per-expert oracle, and one MoE layer's sequence-wise auxiliary
+"""glm5f/model/moe.py: the grouped experts against a per-expert oracle, and one MoE layer's sequence-wise auxiliary
 balance loss against a naive fp64 reading of its formula (in the step: test_loss.py; under CP: test_distributed.py)."""
 
 import dataclasses
@@ -10,8 +10,8 @@ from torch.func import vmap
 
 import glm5f
 from conftest import env_of, naive_seq_aux, rel_err
-from glm5f.env import Objectives
-from glm5f.moe import moe, routed_experts
+from glm5f.model.env import Objectives
+from glm5f.model.moe import moe, routed_experts
 from glm5f.core.ops import swiglu_mlp
 
 SETTINGS = settings(max_examples=12, deadline=None, derandomize=True)

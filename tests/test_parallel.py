@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import glm5f
 from glm5f.parallel.layout import cp_positions
-from glm5f.env import split_tokens
+from glm5f.model.env import split_tokens
 
 
 @settings(max_examples=30, deadline=None, derandomize=True)

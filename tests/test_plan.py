@@ -21,7 +21,7 @@ from configs import Config
 from conftest import env_of, run_script
 from glm5f.parallel.layout import mesh_shapes, placements
 from glm5f.loss import head_loss_sum, shift_labels
-from glm5f.model import hidden_states, main_head
+from glm5f.model.decoder import hidden_states, main_head
 from glm5f.core.params import flatten
 from glm5f.core.layers import layer_spec
 from glm5f.optim import make_optimizer
@@ -299,7 +299,7 @@ def test_lora_plan_counts_the_adapters_and_a_frozen_base():
     """A LoRA run (rank 8 on attention, dense, shared and routed experts; the base in bf16): over all ranks of
     dp_shard 2 x ep 2 the params are the bytes of the real base tree (bf16, its fp32 leaves fp32) and the real
     adapters (fp32), and gradients and AdamW count the adapters only."""
-    from glm5f import lora
+    from glm5f.model import lora
 
     cfg = glm5f.preset("glm5-tiny")
     run = RunShape(dp_shard=2, ep=2, seq_len=64, batch_size=2, lora_rank=8, lora_targets=r"self_attn|mlp\.",

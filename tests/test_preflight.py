@@ -15,7 +15,7 @@ import glm5f
 import train
 from conftest import write_records
 from glm5f import checkpoint, preflight
-from glm5f.decode import init_cache
+from glm5f.model.decode import init_cache
 from glm5f.optim import trained_paths
 from glm5f.core.params import flatten
 from glm5f.plan import GB

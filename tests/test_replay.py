@@ -64,7 +64,7 @@ def test_routing_replay_equals_transformers_with_its_router_picking_the_recorded
 def test_routing_replay_uses_the_recorded_experts_with_the_routers_weights():
     """One MoE layer: the output is sum_k w_k expert_{e_k}(x) + shared(x) with e the record and w the router's
     normalised, scaled sigmoid scores of e, written out per token; "expert_idx" reports e."""
-    from glm5f.moe import moe
+    from glm5f.model.moe import moe
     from glm5f.core.ops import swiglu_mlp
 
     cfg = glm5f.preset("glm5-tiny")
@@ -211,7 +211,7 @@ def random_keys(cfg, own_BxSxLxT, seed):
 
 @pytest.mark.parametrize("preset", ["glm5-tiny", "glm53-tiny"])
 def test_indexer_replay_attends_exactly_the_recorded_keys(preset, monkeypatch):
-    import glm5f.attention as attention
+    import glm5f.model.attention as attention
 
     cfg = glm5f.preset(preset)
     params = fp64_params(cfg, seed=12)
@@ -257,7 +257,7 @@ def test_replaying_the_models_own_selections_changes_nothing(preset):
 def test_the_decoders_record_replayed_gives_its_logits(preset):
     """stream(record=True): the prompt's record, then each new position's; replayed in a forward over prompt and
     completion, the logits equal the decoder's (fp64), and the record equals the forward's own choices."""
-    from glm5f.decode import stream
+    from glm5f.model.decode import stream
 
     cfg = glm5f.preset(preset)
     params = fp64_params(cfg, seed=18)
@@ -311,7 +311,7 @@ def test_bad_indexer_records_fail_in_one_line():
 def test_the_indexer_loss_scores_the_indexers_own_selection_under_replay():
     """With the indexer loss on, replayed keys change what the layer attends, not what its indexer's loss scores:
     the first indexed layer's loss (its inputs the same either way) is the one without replay."""
-    from glm5f.env import Objectives
+    from glm5f.model.env import Objectives
 
     for preset in ("glm5-tiny", "glm53-tiny"):
         cfg = glm5f.preset(preset)
@@ -339,10 +339,10 @@ def replay_layouts_check() -> None:
     experts, each rank holding its rows and half the experts, equals one process's (fp64)."""
     import torch.distributed as dist
 
-    from glm5f.attention import attention
+    from glm5f.model.attention import attention
     from glm5f.parallel.distributed import DistLayout
     from glm5f.launch import init_process
-    from glm5f.moe import moe_mlp
+    from glm5f.model.moe import moe_mlp
     from glm5f.parallel.layout import cp_positions
 
     init_process(torch.device("cpu"))

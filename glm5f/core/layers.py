@@ -2,7 +2,7 @@
 tables of kind records (`Kind`, `Indexer`) that say what each kind brings: its function, parameters, rows, cache.
 
 Each kind's module defines its record (attention.py: mla_dsa and the indexer variants; kda_layer.py: kda; moe.py:
-moe; hyper.py: hyper; model.py: dense and plain), and `glm5f.model` enters them in the tables below, once, as the
+moe; hyper.py: hyper; model.py: dense and plain), and `glm5f.model.decoder` enters them in the tables below, once, as the
 package is imported. Whatever depends on a layer's kind asks `layer_spec` and these records.
 """
 
@@ -20,9 +20,9 @@ from glm5f.core.config import ATTENTION_KINDS, GLM5Config
 class LayerSpec:
     """What a decoder layer is, by the names of its kinds in the tables below. attention: "mla_dsa" (MLA with
     DeepSeek sparse attention) or "kda" (GLM-5.3's Kimi delta attention). indexer: "full" (runs its own DSA
-    indexer), "pooled" (its own GLM-5.3 pooled indexer, `glm5f.kpool`), "shared" (reuses the top-k of the last
+    indexer), "pooled" (its own GLM-5.3 pooled indexer, `glm5f.model.kpool`), "shared" (reuses the top-k of the last
     full layer) or "none" (an attention kind without an indexer). mlp: "dense" (SwiGLU) or "moe". residual:
-    "plain" (pre-norm blocks added to one residual stream) or "hyper" (GLM-5.3's mHC streams, `glm5f.hyper`)."""
+    "plain" (pre-norm blocks added to one residual stream) or "hyper" (GLM-5.3's mHC streams, `glm5f.model.hyper`)."""
 
     attention: str = "mla_dsa"
     indexer: str = "full"
@@ -154,7 +154,7 @@ class Indexer:
 
 
 # The tables, by the names LayerSpec holds ("moe" before "dense": its experts' rows are more specific than the dense
-# projections'). `glm5f.model` enters every kind's record.
+# projections'). `glm5f.model.decoder` enters every kind's record.
 ATTENTION: dict[str, Kind] = {}
 INDEXERS: dict[str, Indexer] = {}
 MLP: dict[str, Kind] = {}

@@ -26,7 +26,7 @@ def wide(x: torch.Tensor) -> torch.Tensor:
 
 def linear(p: dict, x: torch.Tensor) -> torch.Tensor:
     """x @ W^T (+ b) for a params dict {"weight": [out, in], optional "bias": [out]}; with a LoRA adapter beside
-    the weight ("lora_A" [r, in], "lora_B" [out, r] and its spec "lora", see glm5f.lora), plus
+    the weight ("lora_A" [r, in], "lora_B" [out, r] and its spec "lora", see glm5f.model.lora), plus
     scale * (dropout(x) @ A^T) @ B^T, the [out, in] delta never formed."""
     w, b = p["weight"], p.get("bias")
     dt = torch.promote_types(x.dtype, w.dtype)

@@ -40,7 +40,7 @@ def _compiled(rows: tuple) -> list:
 
 
 def _adapter_rows(rows: list) -> list:
-    """The LEAF_KINDS rows of LoRA factors (glm5f.lora), one pair per matrix row: `<module>.lora_A` [.., r, in]
+    """The LEAF_KINDS rows of LoRA factors (glm5f.model.lora), one pair per matrix row: `<module>.lora_A` [.., r, in]
     and `<module>.lora_B` [.., out, r] take the axes of their weight's dims, with "lora_rank" (never sharded) for
     r; trained by AdamW whatever their weight's rule."""
     out = []

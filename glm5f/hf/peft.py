@@ -16,7 +16,7 @@ from glm5f.core.config import GLM5Config
 from glm5f.hf import io
 from glm5f.hf.export_dir import PEFT_FILES, check_export_dir, write_dir, write_marker
 from glm5f.hf.keys import HF_LAYER_KEY, LAYER_KEY, expert_leaf, module_name
-from glm5f.lora import NOT_ADAPTABLE, LoraSpec
+from glm5f.model.lora import NOT_ADAPTABLE, LoraSpec
 from glm5f.core.params import abstract_params, flatten
 
 # PEFT keys an adapter by the Transformers module it wraps: `base_model.model.<module>.lora_A.weight` [r, in] and
@@ -77,7 +77,7 @@ def _compact(names: list[str], universe: set[str], shadowed: tuple[str, ...] = (
 
 def peft_adapter(cfg: GLM5Config, adapters: dict, spec: LoraSpec, base_model_name_or_path: str | None = None,
                  ) -> tuple[dict[str, torch.Tensor], dict]:
-    """(tensors keyed as PEFT saves them, adapter_config.json) of glm5f adapters (`glm5f.lora`: {"<module>.lora_A":
+    """(tensors keyed as PEFT saves them, adapter_config.json) of glm5f adapters (`glm5f.model.lora`: {"<module>.lora_A":
     [r, in] or [E, r, in], "<module>.lora_B": [out, r] or [E, out, r]}, scale spec.alpha / spec.rank) for
     Transformers' GlmMoeDsaForCausalLM of `cfg`; tensors keep the adapters' dtypes. Adapters of the MTP layers,
     which Transformers' model does not have, are left out with a warning (the merged export keeps them). A

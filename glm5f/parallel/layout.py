@@ -128,7 +128,7 @@ class Layout:
     def step_done(self, step: int) -> None:
         """The train loop finished step `step` (a multi-process layout passes it to its `on_step` hook)."""
 
-    # ---- the verbs the layers use (see glm5f.env.Env)
+    # ---- the verbs the layers use (see glm5f.model.env.Env)
     def gather(self, tree: dict, prefix: str = "") -> dict:
         """Plain tensors for the forward, gradients flowing back to the stored (possibly sharded) leaves. `tree`
         is the subtree at dotted path `prefix` (a decoder layer: "model.layers.3"), or the whole tree."""

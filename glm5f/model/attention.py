@@ -1,7 +1,7 @@
 """MLA attention with DeepSeek Sparse Attention (DSA), in three parts: `select` picks the keys each query attends
 (a full layer's lightning indexer and its top-k; a shared layer reuses the last full layer's), `mla_core` attends
 over them (dense, or sparse through the glm5f.kernels.dsa op), and the indexer's training objective
-(glm5f.indexer_loss) runs once per group of layers sharing a top-k.
+(glm5f.model.indexer_loss) runs once per group of layers sharing a top-k.
 
 Keys and values are never stored per head: a token's key/value source is its *latent* row, the normalised
 compressed kv (kv_lora_rank) followed by the shared rope key (qk_rope_head_dim). The sparse path gathers each
@@ -22,12 +22,13 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from glm5f import indexer_loss, kpool
+from glm5f.model import indexer_loss
+from glm5f.model import kpool
 from glm5f.kernels import dsa as kernels
 from glm5f.core import replay
 from glm5f.core.config import GLM5Config
-from glm5f.lora import merged
-from glm5f.env import Env, Mask
+from glm5f.model.lora import merged
+from glm5f.model.env import Env, Mask
 from glm5f.core.layers import (INDEXERS, Indexer, Kind, LayerSpec, Leaf, LeafKind, layer_spec, linear_leaves,
                                norm_leaves)
 from glm5f.core.ops import apply_rope, layer_norm, linear, rms_norm, wide, wide_dtype

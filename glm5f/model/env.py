@@ -15,7 +15,7 @@ from torch.utils import _pytree as pytree
 from glm5f.core import replay
 from glm5f.core.config import GLM5Config
 from glm5f.kernels.dsa import allowed_rows
-from glm5f.lora import LoraSpec, bind
+from glm5f.model.lora import LoraSpec, bind
 from glm5f.core.ops import rope_tables
 from glm5f.parallel.layout import Layout
 from glm5f.core.params import leaf_dtype, map_with_path

@@ -20,7 +20,7 @@ import torch
 
 from glm5f.kernels import dsa as kernels
 from glm5f.core import replay
-from glm5f.env import Mask
+from glm5f.model.env import Mask
 from glm5f.core.ops import layer_norm, linear, wide
 
 

@@ -11,15 +11,15 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from glm5f.core import replay
-from glm5f.attention import INDEXER_KINDS, MLA_DSA, Selection
+from glm5f.model.attention import INDEXER_KINDS, MLA_DSA, Selection
 from glm5f.core.config import GLM5Config
-from glm5f.env import Env, make_env
-from glm5f.hyper import HYPER
-from glm5f.kda_layer import KDA
+from glm5f.model.env import Env, make_env
+from glm5f.model.hyper import HYPER
+from glm5f.model.kda_layer import KDA
 from glm5f.core.layers import ATTENTION, INDEXERS, MLP, RESIDUAL, Kind, LeafKind, kinds, layer_spec, norm_leaves, \
     swiglu_leaves
-from glm5f.lora import LoraSpec
-from glm5f.moe import MOE
+from glm5f.model.lora import LoraSpec
+from glm5f.model.moe import MOE
 from glm5f.core.ops import linear, rms_norm, swiglu_mlp
 
 

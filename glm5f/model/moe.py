@@ -18,7 +18,7 @@ from glm5f.core.layers import Kind, LayerSpec, Leaf, LeafKind, swiglu_leaves
 from glm5f.core.ops import adapter_input, linear, swiglu, swiglu_mlp, wide
 
 if TYPE_CHECKING:
-    from glm5f.env import Env
+    from glm5f.model.env import Env
 
 
 def router_scores(p: dict, x_NxD: torch.Tensor) -> torch.Tensor:

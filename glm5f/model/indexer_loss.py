@@ -18,14 +18,14 @@ from glm5f.kernels.dsa import block_scores, gather_rows, topk_as_mask
 from glm5f.core.ops import wide
 
 if TYPE_CHECKING:
-    from glm5f.env import Env, Mask
+    from glm5f.model.env import Env, Mask
 
 INDEXER_LOSS_BLOCK_ELEMS = 1 << 23  # bound on one query block's scores of both attentions, [B, s, keys, ~2H + 3I]
 
 
 @dataclass(frozen=True)
 class Pooling:
-    """GLM-5.3's pooled indexer as its loss sees it (`glm5f.kpool`): the student's keys are pool keys laid out at
+    """GLM-5.3's pooled indexer as its loss sees it (`glm5f.model.kpool`): the student's keys are pool keys laid out at
     each complete pool's last token; `candidates` the mask of the pool ends each query may score; the selection
     (`kl`'s topk [B, S, W]) holds the `pools` chosen pools' `kpool` tokens each in order, then the query's own
     pool's tail; `allowed` [B, S, W] which of its slots count."""
