@@ -23,7 +23,7 @@ from glm5f.data import check_path_fits, infer_data_type, load_batches
 from glm5f.model.lora import DEFAULT_TARGETS, LoraSpec, target_modules
 from glm5f.optim import OPTIMIZERS, trained_paths
 from glm5f.step import OBJECTIVES
-from glm5f.tokens import make_tokenizer
+from glm5f.data.tokens import make_tokenizer
 
 @dataclass
 class ModelConfig:

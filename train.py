@@ -25,7 +25,7 @@ import glm5f
 from configs import Config, mesh_errors, parse, validate, with_data_type
 from glm5f import checkpoint, dpo_reference, grpo, preempt, rundir, sampler
 from glm5f.model import lora
-from glm5f.chat import RUN_TOKENIZER_DIR, ChatFormat, check_same_tokenizer, resolve_tokenizer
+from glm5f.data.chat import RUN_TOKENIZER_DIR, ChatFormat, check_same_tokenizer, resolve_tokenizer
 from glm5f.data import (PresetSource, check_first_batch, make_eval_source, make_source, make_tokenizer,
                         model_tokenizer, print_warning, readers, warnings_as_lines)
 from glm5f.parallel.distributed import DistLayout

@@ -102,7 +102,7 @@ def dpo_glm5f(args, paths: dict) -> tuple[list[float], float, float, dict]:
     op self time per (family, kind): `common.profile_split`): train.py's edges (params, reference, data) and
     `train_step`."""
     from configs import parse, with_data_type
-    from glm5f.chat import resolve_tokenizer
+    from glm5f.data.chat import resolve_tokenizer
     from glm5f.parallel.layout import Layout
     from glm5f.step import Trainer, train_step
     from train import init_params, init_reference, make_data
@@ -175,10 +175,10 @@ def grpo_glm5f(args, paths: dict) -> tuple[list[tuple], float, float, dict]:
     RSS GB after the imports, with --profile one more update's op self time per (family, kind)): train.py's edges
     (params, the prompt source) and, each step, the source's sampling by the current policy then `train_step`."""
     from configs import parse, with_data_type
-    from glm5f.chat import resolve_tokenizer
+    from glm5f.data.chat import resolve_tokenizer
     from glm5f.parallel.layout import Layout
     from glm5f.step import Trainer, train_step
-    from glm5f.tokens import IGNORE_INDEX
+    from glm5f.data.tokens import IGNORE_INDEX
     from train import decoding_params, init_params, make_data
 
     imported = rss_gb()

@@ -13,7 +13,7 @@ import socket
 
 import torch.distributed as dist
 
-from glm5f.chat import RUN_TOKENIZER_DIR
+from glm5f.data.chat import RUN_TOKENIZER_DIR
 from glm5f.checkpoint import remove_partial_saves
 from glm5f.hf.export_dir import EXPORT_MARKER, check_export_dir
 

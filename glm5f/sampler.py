@@ -21,7 +21,7 @@ from glm5f.data.readers import jsonl_records
 from glm5f.data.rollouts import Completion, Group, prompt_ids, rollout_batch
 from glm5f.data.sources import shuffle_draw
 from glm5f.model.decode import stream
-from glm5f.tokens import IGNORE_INDEX, Example, check_vocab
+from glm5f.data.tokens import IGNORE_INDEX, Example, check_vocab
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_ids")
 RESERVED = ("completion", "completion_ids")  # reward keyword arguments a record's own fields may not take

@@ -29,7 +29,7 @@ import glm5f  # noqa: E402
 from glm5f import checkpoint  # noqa: E402
 from glm5f.core.config import GLM5Config  # noqa: E402
 from glm5f.data import make_tokenizer, warnings_as_lines  # noqa: E402
-from glm5f.chat import checkpoint_tokenizer  # noqa: E402
+from glm5f.data.chat import checkpoint_tokenizer  # noqa: E402
 from glm5f.hf.export import export_run  # noqa: E402
 from glm5f.hf.export_dir import check_export_dir  # noqa: E402
 from glm5f.hf.peft import save_peft  # noqa: E402

@@ -13,8 +13,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from glm5f.chat import (ChatByteTokenizer, ChatData, ChatFormat, ChatTemplate, chat_messages, default_template,
-                        resolve_tokenizer)
+from glm5f.data.chat import (ChatByteTokenizer, ChatData, ChatFormat, ChatTemplate, chat_messages, default_template,
+                             resolve_tokenizer)
 from glm5f.data import IGNORE_INDEX, make_source
 
 CHATML = """{% for message in messages %}{{ '<|im_start|>' + message.role + '\\n' }}
@@ -354,7 +354,7 @@ def test_default_template_lays_out_the_glm_format():
 
 
 def test_typed_chat_fields_are_checked_as_content_is():
-    from glm5f.chat import chat_messages
+    from glm5f.data.chat import chat_messages
 
     with pytest.raises(ValueError, match=r"message 1 \(assistant\) needs a string 'reasoning_content', found a list"):
         chat_messages({"messages": [{"role": "user", "content": "q"},

@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
-from glm5f.chat import ChatFormat
+from glm5f.data.chat import ChatFormat
 from glm5f.data.pairs import CHOSEN, REJECTED, PairSource, pair_of, read_pairs
-from glm5f.tokens import IGNORE_INDEX, make_tokenizer
+from glm5f.data.tokens import IGNORE_INDEX, make_tokenizer
 
 
 def write(path, records):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from glm5f.data.rollouts import RolloutSource, read_groups
-from glm5f.tokens import IGNORE_INDEX, make_tokenizer
+from glm5f.data.tokens import IGNORE_INDEX, make_tokenizer
 
 
 def write(path, records):

@@ -13,11 +13,12 @@ import torch
 import glm5f
 from configs import validate
 from conftest import cli
-from glm5f import chat, sampler
+from glm5f import sampler
+from glm5f.data import chat
 from glm5f.model import decode
 from glm5f.data.rollouts import read_groups
 from glm5f.metrics import read_metrics
-from glm5f.tokens import make_tokenizer
+from glm5f.data.tokens import make_tokenizer
 from train import main, train
 
 TOK = make_tokenizer(None)

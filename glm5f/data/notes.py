@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from glm5f.tokens import IGNORE_INDEX, Example, has_target
+from glm5f.data.tokens import IGNORE_INDEX, Example, has_target
 
 
 class RecordNotes:

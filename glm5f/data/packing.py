@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from glm5f.tokens import IGNORE_INDEX, Example
+from glm5f.data.tokens import IGNORE_INDEX, Example
 
 
 class RowPacker:

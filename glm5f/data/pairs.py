@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from glm5f.data.readers import jsonl_records
-from glm5f.tokens import IGNORE_INDEX, Example, check_vocab
+from glm5f.data.tokens import IGNORE_INDEX, Example, check_vocab
 
 CHOSEN, REJECTED = 1, 2  # a batch's "answer" entries: which answer a label belongs to (0: none)
 
@@ -52,7 +52,7 @@ def _answer_messages(value, name: str, where: str) -> list[dict]:
 
 def pair_of(rec, where: str, tok, fmt=None) -> Pair:
     """The Pair of one record (see the module docstring): two Examples sharing the prompt, labels on the answer's
-    tokens only. `tok` tokenizes text records; `fmt` (a glm5f.chat.ChatFormat) renders chat records."""
+    tokens only. `tok` tokenizes text records; `fmt` (a glm5f.data.chat.ChatFormat) renders chat records."""
     if not isinstance(rec, dict):
         raise ValueError(f"{where}: expected a JSON object, found {type(rec).__name__}")
     if {"prompt_ids", "chosen_ids", "rejected_ids"} <= set(rec):

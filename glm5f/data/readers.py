@@ -13,8 +13,8 @@ from importlib import resources
 
 import torch
 
-from glm5f import chat as chat_data
-from glm5f.tokens import IGNORE_INDEX, Example
+from glm5f.data import chat as chat_data
+from glm5f.data.tokens import IGNORE_INDEX, Example
 
 
 def text_example(tok, text: str) -> Example:
@@ -41,7 +41,7 @@ def check_string_fields(rec: dict, fields: tuple[str, ...], where: str) -> None:
 
 def record_example(tok, rec, where: str, chat=None, chat_only: bool = False) -> Example:
     """An Example from one JSON record: {"text"}, {"prompt", "response"}, {"input_ids"[, "labels"]}, or a chat
-    record ({"messages"} or {"conversations"}: `chat()` is the run's glm5f.chat.ChatData); `chat_only`
+    record ({"messages"} or {"conversations"}: `chat()` is the run's glm5f.data.chat.ChatData); `chat_only`
     (--data.type chat): any other record is an error."""
     if not isinstance(rec, dict):
         raise ValueError(f"{where}: expected a JSON object, found {type(rec).__name__}")
@@ -52,7 +52,7 @@ def record_example(tok, rec, where: str, chat=None, chat_only: bool = False) -> 
     if "messages" in rec or "conversations" in rec:
         if chat is None:
             raise ValueError(f"{where}: a chat record ('messages' or 'conversations'), but no chat template was "
-                             f"given to read it; pass chat=glm5f.chat.run_chat_data(...)")
+                             f"given to read it; pass chat=glm5f.data.chat.run_chat_data(...)")
         return chat().example(rec, where)
     if "input_ids" in rec:
         ids = rec["input_ids"]

@@ -20,7 +20,7 @@ import torch
 
 from glm5f.data.readers import jsonl_records
 from glm5f.core.replay import REPLAY_KEYS, check_replay
-from glm5f.tokens import IGNORE_INDEX, Example, check_vocab
+from glm5f.data.tokens import IGNORE_INDEX, Example, check_vocab
 
 
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from glm5f import chat as chat_data
+from glm5f.data import chat as chat_data
 from glm5f.data.notes import RecordNotes, nothing_to_learn, print_warning
 from glm5f.data.packing import PackedSource, RowPacker
 from glm5f.data.readers import (DatasetReader, JsonlReader, check_same_files, embedded_documents, fingerprint,
                                 load_batches, record_example, text_example)
 from glm5f.data.pairs import PairSource, read_pairs
 from glm5f.data.rollouts import RolloutSource, read_groups
-from glm5f.tokens import IGNORE_INDEX, Example, check_vocab, has_target, make_tokenizer
+from glm5f.data.tokens import IGNORE_INDEX, Example, check_vocab, has_target, make_tokenizer
 
 
 def shuffle_draw(seed: int, n: int) -> int:
@@ -229,7 +229,7 @@ def make_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, se
     against `model_cfg` when given). What looks like a mistake in the data
     (an empty response, an unused tokenizer) is passed to `warn`, one line each. json_file and hf_datasets are
     streamed, shuffled by a buffer of `shuffle_buffer` records (see StreamSource); so is chat with a path. Chat
-    records (any of these but preset_pt) are rendered with `chat_template` (see glm5f.chat) and trained on the
+    records (any of these but preset_pt) are rendered with `chat_template` (see glm5f.data.chat) and trained on the
     tokens `train_on` names. `held_out` (--eval.split_fraction): the streamed records are split into a "train"
     and an "eval" `part` (every round(1 / held_out)-th record) and the source reads one."""
     if tokenizer_path and kind in ("synthetic", "preset_pt"):

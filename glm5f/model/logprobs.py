@@ -16,7 +16,7 @@ from glm5f.loss import HeadLosses, head_chunk_rows, shift_labels
 from glm5f.model.lora import LoraSpec
 from glm5f.model.decoder import hidden_states, input_batch, main_head
 from glm5f.parallel.layout import Layout
-from glm5f.tokens import IGNORE_INDEX
+from glm5f.data.tokens import IGNORE_INDEX
 
 
 def head_logprobs(head: dict, x_BxSxD: torch.Tensor, targets_BxS: torch.Tensor, eps: float,

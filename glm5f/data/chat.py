@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from importlib import resources
 
-from glm5f.tokens import (IGNORE_INDEX, ChatByteTokenizer, Example, chat_tokenizer, template_tokens,  # noqa: F401
-                          tokenizer_config, tokenizer_dir)
+from glm5f.data.tokens import (IGNORE_INDEX, ChatByteTokenizer, Example, chat_tokenizer, template_tokens,  # noqa: F401
+                               tokenizer_config, tokenizer_dir)
 
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
