@@ -23,16 +23,17 @@ import torch.distributed as dist
 
 import glm5f
 from configs import Config, mesh_errors, parse, validate, with_data_type
-from glm5f import checkpoint, dpo_reference, grpo, preempt, rundir, sampler
+from glm5f import dpo_reference, grpo, preempt, rundir, sampler
+from glm5f.ckpt import checkpoint
 from glm5f.model import lora
 from glm5f.data.chat import RUN_TOKENIZER_DIR, ChatFormat, check_same_tokenizer, resolve_tokenizer
 from glm5f.data import (PresetSource, check_first_batch, make_eval_source, make_source, make_tokenizer,
                         model_tokenizer, print_warning, readers, warnings_as_lines)
 from glm5f.parallel.distributed import DistLayout
-from glm5f.hf.export import export_run
-from glm5f.hf.export_dir import note_base
-from glm5f.hf.load import check_loaded_finite
-from glm5f.hf.peft import save_peft
+from glm5f.ckpt.hf.export import export_run
+from glm5f.ckpt.hf.export_dir import note_base
+from glm5f.ckpt.hf.load import check_loaded_finite
+from glm5f.ckpt.hf.peft import save_peft
 from glm5f.launch import (TIMEOUT_EXIT, StallWatch, WorkerFailure, check_device, collective_timeout, init_process,
                           silent_ranks, spawn, under_torchrun)
 from glm5f.loss import eval_loss, unused_weights

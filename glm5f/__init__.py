@@ -2,7 +2,7 @@
 
 from glm5f.core.config import PRESETS, GLM5Config, preset
 from glm5f.model.decode import generate
-from glm5f.hf import hf_state_dict, load_hf, save_hf
+from glm5f.ckpt.hf import hf_state_dict, load_hf, save_hf
 from glm5f.data import IGNORE_INDEX
 from glm5f.model.env import make_env
 from glm5f.model.logprobs import token_logprobs

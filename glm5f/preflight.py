@@ -13,7 +13,7 @@ import os
 import torch
 
 from glm5f.data.chat import resolve_tokenizer
-from glm5f.checkpoint import read_meta
+from glm5f.ckpt.checkpoint import read_meta
 from glm5f.core.config import GLM5Config
 from glm5f.data.readers import DatasetReader, JsonlReader, load_batches
 from glm5f.model.decode import init_cache

@@ -14,8 +14,8 @@ import socket
 import torch.distributed as dist
 
 from glm5f.data.chat import RUN_TOKENIZER_DIR
-from glm5f.checkpoint import remove_partial_saves
-from glm5f.hf.export_dir import EXPORT_MARKER, check_export_dir
+from glm5f.ckpt.checkpoint import remove_partial_saves
+from glm5f.ckpt.hf.export_dir import EXPORT_MARKER, check_export_dir
 
 LOCK = ".lock"
 CONFIG_FILE = "config.yaml"  # the resolved config a run writes into its directory

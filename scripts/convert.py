@@ -6,10 +6,10 @@
     python scripts/convert.py runs/lora out/merged --merge-lora       # a LoRA run: base + adapters merged
 
 Reads only the parameters (not the optimizer state) into this one process, then writes config.json and
-safetensors shards one at a time, as the run's --checkpoint.export_hf does (glm5f.hf.export_run: the run's
+safetensors shards one at a time, as the run's --checkpoint.export_hf does (glm5f.ckpt.hf.export_run: the run's
 tokenizer files and chat template; a GLM-5.3 run's vision tower, copied from its --model.init_from). OUT_DIR must
 be new, empty, or a previous export that no other run starts from (else --replace-export). A LoRA run's
-checkpoint holds its adapters, not the base: --peft writes them as a PEFT adapter directory (glm5f.hf.peft.save_peft);
+checkpoint holds its adapters, not the base: --peft writes them as a PEFT adapter directory (glm5f.ckpt.hf.peft.save_peft);
 --merge-lora rebuilds the base from what the run named (its --model.init_from, or its preset and seed), checks
 its fingerprint, and writes W + scale * B @ A (merged in fp32, cast to the base's dtype) as a Transformers
 checkpoint.
@@ -26,13 +26,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import glm5f  # noqa: E402
-from glm5f import checkpoint  # noqa: E402
+from glm5f.ckpt import checkpoint  # noqa: E402
 from glm5f.core.config import GLM5Config  # noqa: E402
 from glm5f.data import make_tokenizer, warnings_as_lines  # noqa: E402
 from glm5f.data.chat import checkpoint_tokenizer  # noqa: E402
-from glm5f.hf.export import export_run  # noqa: E402
-from glm5f.hf.export_dir import check_export_dir  # noqa: E402
-from glm5f.hf.peft import save_peft  # noqa: E402
+from glm5f.ckpt.hf.export import export_run  # noqa: E402
+from glm5f.ckpt.hf.export_dir import check_export_dir  # noqa: E402
+from glm5f.ckpt.hf.peft import save_peft  # noqa: E402
 from glm5f.preflight import check_fits, checkpoint_weights, weight_bytes  # noqa: E402
 
 

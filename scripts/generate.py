@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import glm5f  # noqa: E402
-from glm5f import checkpoint  # noqa: E402
+from glm5f.ckpt import checkpoint  # noqa: E402
 from glm5f.data.chat import (ChatFormat, ChatTemplate, RunTokenizer, chat_messages, checkpoint_tokenizer,  # noqa: E402
                              resolve_tokenizer, tokenizer_of)
 from glm5f.data import make_tokenizer, warnings_as_lines  # noqa: E402

@@ -83,7 +83,7 @@ def rank_local_init_check(dp_shard: int, ep: int, ckpt_dir: str) -> None:
     assert agree(not bad), f"rank {layout.rank}: {bad[:5]}"
     # and export from the shards: every rank gathers one leaf at a time, rank 0 writes what one process writes
     import weakref
-    real, live = glm5f.hf.io.materialize, {"n": 0, "bytes": 0, "peak": 0}
+    real, live = glm5f.ckpt.hf.io.materialize, {"n": 0, "bytes": 0, "peak": 0}
 
     def counted(t):
         out = real(t)
@@ -91,11 +91,11 @@ def rank_local_init_check(dp_shard: int, ep: int, ckpt_dir: str) -> None:
         live["peak"] = max(live["peak"], live["bytes"])
         weakref.finalize(out, lambda n=out.numel() * out.element_size(): live.update(bytes=live["bytes"] - n))
         return out
-    glm5f.hf.io.materialize = counted
+    glm5f.ckpt.hf.io.materialize = counted
     out = os.path.join(ckpt_dir, "export")
     glm5f.save_hf(out, cfg, layout.local_params(lambda region: glm5f.load_hf(ckpt, region=region)[1]),
                   max_shard_bytes=60_000, write=layout.is_main)
-    glm5f.hf.io.materialize = real
+    glm5f.ckpt.hf.io.materialize = real
     dist.barrier()
     largest = max(t.numel() * t.element_size() for t in ref.values())
     _, again = glm5f.load_hf(out)
@@ -273,7 +273,7 @@ def lora_fingerprint_check(dp_shard: int, ep: int, out_path: str) -> None:
     """The fingerprint of the rank-local (sharded) glm5-tiny init with its LoRA adapters attached, written by rank
     0 (to compare with the one-process one)."""
     from glm5f.model import lora
-    from glm5f.checkpoint import fingerprint
+    from glm5f.ckpt.checkpoint import fingerprint
 
     layout = DistLayout(dp_shard, 1, ep, init_process(torch.device("cpu")))
     cfg = glm5f.preset("glm5-tiny")

@@ -23,7 +23,7 @@ import tyro  # noqa: E402
 
 import train  # noqa: E402
 from configs import Config  # noqa: E402
-from glm5f import checkpoint  # noqa: E402
+from glm5f.ckpt import checkpoint  # noqa: E402
 from glm5f.plan import process_rss_bytes  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""glm5f/checkpoint.py: checkpoints under trouble: a save that fails, is interrupted or killed, partial saves left
+"""glm5f/ckpt/checkpoint.py: checkpoints under trouble: a save that fails, is interrupted or killed, partial saves left
 behind, a second run into a used run directory, damaged checkpoints and what `verify` finds, non-finite params
 refused, malformed meta.json."""
 
@@ -16,7 +16,7 @@ import torch
 
 import glm5f
 from conftest import TINY_RUN, cli, run_error
-from glm5f import checkpoint
+from glm5f.ckpt import checkpoint
 from glm5f.metrics import read_metrics
 from glm5f.optim import adamw_init
 from train import main, train
@@ -91,7 +91,7 @@ def test_partial_saves_of_a_killed_run_are_removed_on_the_next_start_saying_so(t
 KILL_SCRIPT = textwrap.dedent("""
     import os, sys, time
     sys.path.insert(0, {root!r})
-    import glm5f.checkpoint as ck
+    import glm5f.ckpt.checkpoint as ck
     real_replace = os.replace
     def slow_replace(src, dst):
         if os.path.basename(dst) == "step_00000010":  # the second save: stop with its files half-way there

@@ -20,7 +20,8 @@ from safetensors.torch import load_file, save_file
 import glm5f
 from configs import Config, validate
 from conftest import bpe_tokenizer, cli, run_script
-from glm5f import checkpoint, preempt
+from glm5f import preempt
+from glm5f.ckpt import checkpoint
 from glm5f.data import ByteTokenizer
 from glm5f.metrics import read_metrics
 from scripts import convert, generate

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import glm5f
 from conftest import RUN_64, bpe_tokenizer, run_error, write_records
-from glm5f import checkpoint
+from glm5f.ckpt import checkpoint
 from glm5f.data import ByteTokenizer, IGNORE_INDEX, embedded_documents, infer_data_type, make_source
 from glm5f.metrics import read_metrics
 from train import main, train

@@ -321,7 +321,7 @@ DPO_METRICS = ("loss", "margin", "accuracy", "chosen", "rejected", "logps_chosen
 
 def _dpo_run(run_dir, preset: str, data: str, *args) -> tuple[list[dict], dict]:
     """A 3-step fp64 DPO run: (its step records, its final trained weights gathered into this process)."""
-    from glm5f.checkpoint import latest, load_params
+    from glm5f.ckpt.checkpoint import latest, load_params
 
     assert main(["--model.preset", preset, "--train.objective", "dpo", "--data.type", "preference", "--data.path",
                  data, "--data.batch_size", "4", "--data.seq_len", "32", "--train.steps", "3", "--train.dtype",
@@ -386,7 +386,7 @@ GRPO_METRICS = ("loss", "reward", "reward_std", "advantage_abs", "completion_len
 def _grpo_run(run_dir, preset: str, data: str, *args) -> tuple[list[dict], dict]:
     """A 4-step fp64 GRPO run over a rollouts file, two updates per batch, with a KL to the start and the recorded
     experts replayed: (its step records, its final trained weights gathered into this process)."""
-    from glm5f.checkpoint import latest, load_params
+    from glm5f.ckpt.checkpoint import latest, load_params
 
     assert main(["--model.preset", preset, "--train.objective", "grpo", "--data.type", "rollouts", "--data.path",
                  data, "--data.batch_size", "2", "--data.seq_len", "16", "--train.steps", "4", "--train.dtype",
@@ -457,7 +457,7 @@ def test_on_policy_grpo_layouts_equal_one_process_fp64(tmp_path):
     """--data.type prompts under dp_shard 2 and ep 2: each rank samples its prompts with the whole weights (each
     prompt's group from its own generator), the ranks exchange the groups; 3 steps' rewards, losses and final weights
     equal one process's in fp64."""
-    from glm5f.checkpoint import latest, load_params
+    from glm5f.ckpt.checkpoint import latest, load_params
     from glm5f.core.params import flatten
 
     path = tmp_path / "prompts.jsonl"

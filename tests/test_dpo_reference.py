@@ -10,7 +10,8 @@ import torch
 import glm5f
 from configs import validate
 from conftest import cli
-from glm5f import checkpoint, dpo_reference
+from glm5f import dpo_reference
+from glm5f.ckpt import checkpoint
 from glm5f.data.pairs import PairSource, read_pairs
 from glm5f.loss import Step
 from glm5f.dpo import DPO, DPOConfig

@@ -11,9 +11,9 @@ import torch
 
 import glm5f
 from conftest import RUN_64
-from glm5f import checkpoint
+from glm5f.ckpt import checkpoint
 from glm5f.data.chat import resolve_tokenizer
-from glm5f.hf import EXPORT_MARKER
+from glm5f.ckpt.hf import EXPORT_MARKER
 from scripts import convert, generate
 from train import main
 

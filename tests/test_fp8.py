@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 import glm5f
 from glm5f.parallel.distributed import DistLayout
 from glm5f.launch import init_process, spawn
-from glm5f.hf import hf_state_dict
+from glm5f.ckpt.hf import hf_state_dict
 
 FP8_MAX = 448.0  # the largest float8_e4m3fn
 NOT_CONVERTED = ["lm_head", "model.embed_tokens", "mlp.gate"]
@@ -117,18 +117,18 @@ def rank_local_load(ckpt: str, plain: str, ep: int, out: str) -> None:
     its shards equal the same shards of the dequantized reference (`plain`, an fp32 checkpoint of the values the
     test computed), the elements it holds, and the FP8 elements it read from the files."""
     layout = DistLayout(2, 1, ep, init_process(torch.device("cpu")))
-    real, read = glm5f.hf.io.read_into, {"fp8": 0, "bytes": 0}
+    real, read = glm5f.ckpt.hf.io.read_into, {"fp8": 0, "bytes": 0}
 
     def counted(f, shape, begin, part, dest):  # every byte load_hf takes from a safetensors file comes through here
         real(f, shape, begin, part, dest)
         read["bytes"] += dest.numel() * dest.element_size()
         read["fp8"] += dest.numel() if dest.dtype == torch.float8_e4m3fn else 0
-    glm5f.hf.io.read_into = counted
+    glm5f.ckpt.hf.io.read_into = counted
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         mine = glm5f.flatten(layout.local_params(lambda region: glm5f.load_hf(ckpt, dtype=torch.float32,
                                                                               region=region)[1]))
-    glm5f.hf.io.read_into = real
+    glm5f.ckpt.hf.io.read_into = real
     ref = glm5f.flatten(layout.shard_params(glm5f.load_hf(plain)[1]))
     differ = [k for k in ref if not (torch.equal(mine[k].to_local(), ref[k].to_local())
                                      and mine[k].placements == ref[k].placements and mine[k].shape == ref[k].shape)]

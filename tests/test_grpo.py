@@ -13,7 +13,7 @@ import torch
 import glm5f
 from configs import validate
 from conftest import cli, hf_model_fp64, stable_topk, transformers_in_fp64
-from glm5f import checkpoint
+from glm5f.ckpt import checkpoint
 from glm5f.grpo import STD_EPS, advantages
 from train import train
 

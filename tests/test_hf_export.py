@@ -1,4 +1,4 @@
-"""glm5f.hf.export: one export path. train.py's --checkpoint.export_hf and scripts/convert.py (with --merge-lora
+"""glm5f.ckpt.hf.export: one export path. train.py's --checkpoint.export_hf and scripts/convert.py (with --merge-lora
 too) write a run's weights through `export_run`, so the same run gives the same directory, byte for byte."""
 
 import json

@@ -1,4 +1,4 @@
-"""glm5f.hf and fp32 parity with Transformers' GlmMoeDsaForCausalLM: logits, loss and every parameter's
+"""glm5f.ckpt.hf and fp32 parity with Transformers' GlmMoeDsaForCausalLM: logits, loss and every parameter's
 gradient; checkpoints both ways (regions, fused experts, shards, the MTP layer) and the errors of a checkpoint that
 does not fit."""
 
@@ -343,7 +343,7 @@ def test_failed_save_leaves_no_directory(tmp_path, tiny, monkeypatch):
     """A save that dies midway (the disk fills on the second shard) leaves neither a half-written directory nor
     its temporary one, and a previous export in its place untouched."""
     cfg, params = tiny
-    real, written, held = glm5f.hf.io.write_safetensors, [], []
+    real, written, held = glm5f.ckpt.hf.io.write_safetensors, [], []
 
     def disk_full_on_second_shard(filename, entries, tensors):
         if written:
@@ -352,16 +352,16 @@ def test_failed_save_leaves_no_directory(tmp_path, tiny, monkeypatch):
         real(filename, entries, tensors)
         written.append(filename)
 
-    monkeypatch.setattr(glm5f.hf.io, "write_safetensors", disk_full_on_second_shard)
+    monkeypatch.setattr(glm5f.ckpt.hf.io, "write_safetensors", disk_full_on_second_shard)
     with pytest.raises(OSError, match="No space left on device"):
         glm5f.save_hf(tmp_path / "out", cfg, params, max_shard_bytes=200_000)
     assert held == ["config.json", os.path.basename(written[0])]
     assert os.listdir(tmp_path) == []
 
-    monkeypatch.setattr(glm5f.hf.io, "write_safetensors", real)
+    monkeypatch.setattr(glm5f.ckpt.hf.io, "write_safetensors", real)
     glm5f.save_hf(tmp_path / "out", cfg, params)
     before = {n: (tmp_path / "out" / n).read_bytes() for n in os.listdir(tmp_path / "out")}
-    monkeypatch.setattr(glm5f.hf.io, "write_safetensors", disk_full_on_second_shard)
+    monkeypatch.setattr(glm5f.ckpt.hf.io, "write_safetensors", disk_full_on_second_shard)
     written.clear()
     held.clear()
     with pytest.raises(OSError, match="No space left on device"):

@@ -11,7 +11,7 @@ import glm5f
 # the model's modules (a name and every module under it; "glm5f.kernels.kda" also covers "glm5f.kda_*" and the like) and the
 # modules that start processes, handle signals or write checkpoints, which the model never reaches
 MODEL = ("glm5f.model.attention", "glm5f.model.decoder", "glm5f.kernels.kda", "glm5f.model.moe", "glm5f.loss")
-ABOVE_THE_MODEL = ("glm5f.launch", "glm5f.checkpoint", "glm5f.preempt")
+ABOVE_THE_MODEL = ("glm5f.launch", "glm5f.ckpt.checkpoint", "glm5f.preempt")
 
 
 def modules(root: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -97,7 +97,7 @@ def test_the_graph_holds_the_imports_of_the_source():
     """The reader sees glm5f's own imports: at module level, inside functions, under TYPE_CHECKING, `from glm5f
     import x`, and chains of them."""
     assert "glm5f.parallel.layout" in GRAPH["glm5f.model.attention"]  # from glm5f.parallel.layout import cp_position_list
-    assert "glm5f.model.lora" in GRAPH["glm5f.checkpoint"]  # only inside functions: from glm5f.model.lora import merge
+    assert "glm5f.model.lora" in GRAPH["glm5f.ckpt.checkpoint"]  # only inside functions: from glm5f.model.lora import merge
     assert "glm5f.kernels.triton_dsa" in GRAPH["glm5f.kernels.dsa"]  # inside a function's try: from glm5f import triton_dsa
     assert "glm5f.model.env" in GRAPH["glm5f.model.indexer_loss"]  # under TYPE_CHECKING
     assert "glm5f.preempt" in GRAPH["glm5f.launch"]  # from glm5f import preempt

@@ -15,7 +15,8 @@ import pytest
 
 import dist_checks
 from conftest import step_hook_script
-from glm5f import checkpoint, rundir
+from glm5f import rundir
+from glm5f.ckpt import checkpoint
 from glm5f.launch import TIMEOUT_EXIT, RankError, free_port, spawn
 from glm5f.metrics import read_metrics
 from scripts.align import COMMON
@@ -32,7 +33,7 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1")
 CTRL_C_IN_SAVE = textwrap.dedent("""
     import os, shutil, signal, sys, time
     sys.path.insert(0, {root!r})
-    import glm5f.checkpoint as checkpoint
+    import glm5f.ckpt.checkpoint as checkpoint
     remove = shutil.rmtree
     def slow_remove(path, *args, **kwargs):
         if ".tmp-step_" in str(path) and os.path.exists(path):

@@ -1,4 +1,4 @@
-"""LoRA export: glm5f.hf.save_peft's adapter directory, loaded by PEFT onto Transformers' GlmMoeDsaForCausalLM,
+"""LoRA export: glm5f.ckpt.hf.save_peft's adapter directory, loaded by PEFT onto Transformers' GlmMoeDsaForCausalLM,
 gives the logits of glm5f's forward of the merged weights (fp32); the merged export (lora.merge + save_hf) gives
 PEFT's logits through Transformers alone. Adapters are random in A and B, so a swapped, transposed, misnamed or
 mis-scaled factor shows."""
@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 import glm5f
 from conftest import stable_topk
-from glm5f import hf
+from glm5f.ckpt import hf
 from glm5f.model import lora
 
 pytest.importorskip("peft")

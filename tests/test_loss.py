@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import glm5f
 from configs import Config, validate
 from conftest import RUN_64, cli, env_of, forward_by_layers, naive_seq_aux, rel_err, run_step
-from glm5f import checkpoint
+from glm5f.ckpt import checkpoint
 from glm5f.model.attention import LATENT_NORM_EPS, attention
 from glm5f.kernels.dsa import topk_as_mask
 from glm5f.loss import Step, cross_entropy_sum, head_loss_sum, mtp_targets, step_grads, with_targets

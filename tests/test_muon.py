@@ -12,7 +12,7 @@ import dist_checks
 import glm5f
 from configs import OptimConfig
 from conftest import cli
-from glm5f import checkpoint
+from glm5f.ckpt import checkpoint
 from glm5f.metrics import read_metrics
 from glm5f.optim import (OPTIMIZERS, Optimizer, adamw, leaf_rule, make_optimizer, muon, muon_blocks,
                          newton_schulz, orthogonalised, trained_paths, unused_flags)

@@ -14,7 +14,8 @@ import torch
 import glm5f
 import train
 from conftest import write_records
-from glm5f import checkpoint, preflight
+from glm5f import preflight
+from glm5f.ckpt import checkpoint
 from glm5f.model.decode import init_cache
 from glm5f.optim import trained_paths
 from glm5f.core.params import flatten

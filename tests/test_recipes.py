@@ -12,7 +12,7 @@ import yaml
 
 from configs import load_config
 from glm5f.rundir import CONFIG_FILE
-from glm5f import checkpoint
+from glm5f.ckpt import checkpoint
 from glm5f.metrics import read_metrics
 from train import main
 

@@ -182,8 +182,8 @@ def test_a_prompts_run_resumes_bitwise(tmp_path):
     keys = ["loss", "reward", "reward_std", "completion_length", "grad_norm"]
     assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in straight]
     assert all(r["sample_time_s"] > 0 for r in straight)
-    a = glm5f.checkpoint.load_params(str(tmp_path / "straight" / "checkpoints" / "step_00000004"))[1]
-    b = glm5f.checkpoint.load_params(str(tmp_path / "resumed" / "checkpoints" / "step_00000004"))[1]
+    a = glm5f.ckpt.checkpoint.load_params(str(tmp_path / "straight" / "checkpoints" / "step_00000004"))[1]
+    b = glm5f.ckpt.checkpoint.load_params(str(tmp_path / "resumed" / "checkpoints" / "step_00000004"))[1]
     fa, fb = glm5f.core.params.flatten(a), glm5f.core.params.flatten(b)
     assert fa.keys() == fb.keys() and all(torch.equal(fa[k], fb[k]) for k in fa)
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import glm5f
 from configs import validate
 from conftest import cli
-from glm5f import checkpoint
+from glm5f.ckpt import checkpoint
 from glm5f.model import lora
 from glm5f.data import IGNORE_INDEX
 from glm5f.loss import Objective, head_token_losses

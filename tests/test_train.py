@@ -14,7 +14,7 @@ import torch
 import glm5f
 from configs import with_data_type
 from conftest import RUN_64, cli, write_records
-from glm5f import checkpoint
+from glm5f.ckpt import checkpoint
 from glm5f.data import make_eval_source, make_source
 from glm5f.metrics import read_metrics
 from glm5f.optim import adamw_init, trained_paths

@@ -8,7 +8,7 @@ import os
 import torch
 
 from glm5f.core.config import read_json
-from glm5f.hf import io
+from glm5f.ckpt.hf import io
 
 SCALE_SUFFIX = "_scale_inv"  # `….weight_scale_inv`: the per-block scales of the FP8 tensor `….weight`
 _FP8 = ("F8_E4M3", "F8_E5M2")

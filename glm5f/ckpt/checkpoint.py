@@ -499,7 +499,7 @@ def load_lora_base(path: str) -> tuple[GLM5Config, dict]:
     """(model config, the frozen base) of a LoRA run's checkpoint `path`, rebuilt from what names it (the run's
     --model.init_from, or its preset initialised with its --train.seed) in the dtype the run stored it in, and
     checked against the fingerprint the checkpoint recorded (a ValueError when it changed)."""
-    from glm5f.hf.load import load_hf
+    from glm5f.ckpt.hf.load import load_hf
     from glm5f.core.params import init_params
 
     path = resolve(path)

@@ -12,9 +12,9 @@ from collections import defaultdict
 import torch
 
 from glm5f.core.config import GLM5Config
-from glm5f.hf import io
-from glm5f.hf.fp8 import fp8_scales, read_dequantized
-from glm5f.hf.keys import load_plan, summarize_keys, text_model_keys
+from glm5f.ckpt.hf import io
+from glm5f.ckpt.hf.fp8 import fp8_scales, read_dequantized
+from glm5f.ckpt.hf.keys import load_plan, summarize_keys, text_model_keys
 from glm5f.parallel.layout import nonfinite_counts
 from glm5f.core.params import MTP_COPIES, Region, abstract_params, flatten, leaf_dtype, region_of, unflatten
 

@@ -12,10 +12,10 @@ import shutil
 import torch
 
 from glm5f.core.config import GLM5Config, read_json
-from glm5f.hf import io
-from glm5f.hf.export_dir import check_export_dir, write_dir, write_marker
-from glm5f.hf.fp8 import fp8_scales, read_dequantized
-from glm5f.hf.keys import checkpoint_key, hf_keys, text_model_keys
+from glm5f.ckpt.hf import io
+from glm5f.ckpt.hf.export_dir import check_export_dir, write_dir, write_marker
+from glm5f.ckpt.hf.fp8 import fp8_scales, read_dequantized
+from glm5f.ckpt.hf.keys import checkpoint_key, hf_keys, text_model_keys
 from glm5f.core.params import flatten
 
 

@@ -13,9 +13,9 @@ from collections import defaultdict
 import torch
 
 from glm5f.core.config import GLM5Config
-from glm5f.hf import io
-from glm5f.hf.export_dir import PEFT_FILES, check_export_dir, write_dir, write_marker
-from glm5f.hf.keys import HF_LAYER_KEY, LAYER_KEY, expert_leaf, module_name
+from glm5f.ckpt.hf import io
+from glm5f.ckpt.hf.export_dir import PEFT_FILES, check_export_dir, write_dir, write_marker
+from glm5f.ckpt.hf.keys import HF_LAYER_KEY, LAYER_KEY, expert_leaf, module_name
 from glm5f.model.lora import NOT_ADAPTABLE, LoraSpec
 from glm5f.core.params import abstract_params, flatten
 
