@@ -36,10 +36,10 @@ from glm5f.ckpt.hf.load import check_loaded_finite
 from glm5f.ckpt.hf.peft import save_peft
 from glm5f.launch import (TIMEOUT_EXIT, StallWatch, WorkerFailure, check_device, collective_timeout, init_process,
                           silent_ranks, spawn, under_torchrun)
-from glm5f.loss import eval_loss, unused_weights
+from glm5f.train.loss import eval_loss, unused_weights
 from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
 from glm5f.model.decoder import check_input_ids
-from glm5f.optim import Optimizer, schedule_change, unused_flags
+from glm5f.train.optim import Optimizer, schedule_change, unused_flags
 from glm5f.parallel.layout import Layout, full_tensor, local_tensor, nonfinite_counts
 from glm5f.plan import rows_per_item
 from glm5f.preflight import check_inputs, check_run
@@ -47,7 +47,7 @@ from glm5f.core.params import flatten, leaf_dtype, map_with_path, region_of
 from glm5f.resume import check_resumable
 from glm5f.recipe_file import write_config
 from glm5f.grpo import old_logprobs
-from glm5f.step import Trainer, TrainState, train_step
+from glm5f.train.step import Trainer, TrainState, train_step
 
 
 class TrainingError(ValueError):

@@ -24,7 +24,7 @@ SIDES = ("eager", "compiled")
 def run_side(args) -> dict:
     import glm5f
     from glm5f.model.env import Objectives
-    from glm5f.loss import Step, step_grads
+    from glm5f.train.loss import Step, step_grads
     from glm5f.parallel.layout import Layout
     cfg = model_config(args)
     params = glm5f.init_params(cfg, seed=0, device=args.device)

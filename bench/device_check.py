@@ -398,7 +398,7 @@ def median_time(fn, device, steps):
 
 
 def check_speed(rows, device, sizes, steps):
-    from glm5f.loss import Step, step_grads
+    from glm5f.train.loss import Step, step_grads
     from glm5f.parallel.layout import Layout
     # a CPU without bf16 vector instructions multiplies bf16 at ~1 GFLOP/s (minutes for the 2048^3 one): its peak
     # from a 512^3 matmul, as large as the CPU rows' own

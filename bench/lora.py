@@ -24,8 +24,8 @@ def run_side(args) -> dict:
     import glm5f
     from glm5f.model import lora
     from glm5f.data import make_source
-    from glm5f.loss import Step, device_step
-    from glm5f.optim import adamw_init, adamw_update
+    from glm5f.train.loss import Step, device_step
+    from glm5f.train.optim import adamw_init, adamw_update
     from glm5f.parallel.layout import Layout
 
     dtype = getattr(torch, args.dtype)

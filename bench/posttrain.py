@@ -104,7 +104,7 @@ def dpo_glm5f(args, paths: dict) -> tuple[list[float], float, float, dict]:
     from configs import parse, with_data_type
     from glm5f.data.chat import resolve_tokenizer
     from glm5f.parallel.layout import Layout
-    from glm5f.step import Trainer, train_step
+    from glm5f.train.step import Trainer, train_step
     from train import init_params, init_reference, make_data
 
     imported = rss_gb()
@@ -177,7 +177,7 @@ def grpo_glm5f(args, paths: dict) -> tuple[list[tuple], float, float, dict]:
     from configs import parse, with_data_type
     from glm5f.data.chat import resolve_tokenizer
     from glm5f.parallel.layout import Layout
-    from glm5f.step import Trainer, train_step
+    from glm5f.train.step import Trainer, train_step
     from glm5f.data.tokens import IGNORE_INDEX
     from train import decoding_params, init_params, make_data
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from glm5f.loss import Context, Objective, head_token_losses, shift_labels
+from glm5f.train.loss import Context, Objective, head_token_losses, shift_labels
 from glm5f.core.ops import wide_dtype
 from glm5f.data.pairs import CHOSEN, REJECTED
 from glm5f.data.tokens import IGNORE_INDEX

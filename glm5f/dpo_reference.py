@@ -18,7 +18,7 @@ from glm5f.data.pairs import PairSource
 from glm5f.dpo import prepare, reference_sums
 from glm5f.model.env import make_env
 from glm5f.ckpt.hf.io import DTYPES, inventory, read_metadata, read_part, write_safetensors
-from glm5f.loss import Context, Step, with_targets
+from glm5f.train.loss import Context, Step, with_targets
 from glm5f.parallel.layout import Layout
 
 FILE = "dpo_reference.safetensors"  # in the run directory

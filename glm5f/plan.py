@@ -28,14 +28,14 @@ from glm5f.core.config import GLM5Config
 from glm5f.data.rollouts import file_group_size
 from glm5f.model.env import make_env
 from glm5f.core.layers import LeafKind, kinds, layer_spec
-from glm5f.loss import head_chunk_rows, head_loss_sum, shift_labels
+from glm5f.train.loss import head_chunk_rows, head_loss_sum, shift_labels
 from glm5f.model.decoder import decoder_layer, main_head
 from glm5f.core.ops import wide_dtype
-from glm5f.optim import ADAMW_UPDATE_COPIES, Held, Optimizer, adamw, leaf_rule, make_optimizer
+from glm5f.train.optim import ADAMW_UPDATE_COPIES, Held, Optimizer, adamw, leaf_rule, make_optimizer
 from glm5f.model.lora import DEFAULT_TARGETS, LoraSpec, adapter_shapes, is_adapter
 from glm5f.parallel.layout import Layout, cp_positions, mesh_shapes, placements
 from glm5f.core.params import Leaf, abstract_params, flatten, leaf_dtype, leaf_kind, map_with_path, param_layout
-from glm5f.step import OBJECTIVES
+from glm5f.train.step import OBJECTIVES
 
 GB = 10**9  # --parallel.device_memory_gb and the table count decimal gigabytes (an H200 has 141 GB)
 

@@ -17,7 +17,7 @@ from glm5f.ckpt.checkpoint import read_meta
 from glm5f.core.config import GLM5Config
 from glm5f.data.readers import DatasetReader, JsonlReader, load_batches
 from glm5f.model.decode import init_cache
-from glm5f.optim import make_optimizer
+from glm5f.train.optim import make_optimizer
 from glm5f.core.params import abstract_params, flatten
 from glm5f.plan import GB, least_total, process_rss_bytes, run_shape
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 
 from glm5f.core.config import GLM5Config
-from glm5f.loss import Step
-from glm5f.optim import Optimizer
+from glm5f.train.loss import Step
+from glm5f.train.optim import Optimizer
 
 
 def check_resumable(cfg, model_cfg: GLM5Config, params: dict, meta: dict, base: dict | None, optimizer: Optimizer,

@@ -221,7 +221,7 @@ def run_error(capsys, *args) -> str:
 
 def run_step(params: dict, batch: dict, run, model_cfg: glm5f.GLM5Config):
     """`step_grads` of one process for the run `run` (a configs.Config) describes."""
-    from glm5f.loss import Step, step_grads
+    from glm5f.train.loss import Step, step_grads
     from glm5f.parallel.layout import Layout
 
     return step_grads(params, batch, model_cfg, Layout(torch.device("cpu")), Step.of(run.train, model_cfg))
@@ -258,14 +258,14 @@ def forward_by_layers(params: dict, cfg: glm5f.GLM5Config, input_ids_BxS: torch.
 STEP_HOOK = textwrap.dedent("""
     import os, signal, sys, time
     sys.path.insert(0, {root!r})
-    import glm5f.step, train
-    real, calls = glm5f.step.step_grads, []
+    import glm5f.train.step, train
+    real, calls = glm5f.train.step.step_grads, []
     def step_grads(*a, **k):
         calls.append(1)
         if os.environ.get("RANK") == "{rank}" and len(calls) == {at}:
             {action}
         return real(*a, **k)
-    glm5f.step.step_grads = step_grads
+    glm5f.train.step.step_grads = step_grads
     if __name__ == "__main__":
         sys.exit(train.main(sys.argv[1:]))
 """)

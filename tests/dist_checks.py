@@ -22,9 +22,9 @@ from conftest import env_of
 from glm5f.model.attention import attention
 from glm5f.parallel.distributed import DistLayout
 from glm5f.launch import init_process
-from glm5f.loss import Step, step_grads
+from glm5f.train.loss import Step, step_grads
 from glm5f.model.moe import routed_experts
-from glm5f.optim import global_norm
+from glm5f.train.optim import global_norm
 from glm5f.parallel.layout import Layout, cp_positions, full_tensor
 
 PROPERTY = settings(max_examples=16, deadline=None, derandomize=True, database=None)
@@ -293,7 +293,7 @@ def muon_once_check(dp_shard: int, ep: int, split: str, out_path: str) -> None:
     import json
 
     from configs import OptimConfig
-    from glm5f import optim
+    from glm5f.train import optim
     from glm5f.core.params import flatten, map_with_path, unflatten
 
     layout = DistLayout(dp_shard, 1, ep, init_process(torch.device("cpu")))

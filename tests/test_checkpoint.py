@@ -18,7 +18,7 @@ import glm5f
 from conftest import TINY_RUN, cli, run_error
 from glm5f.ckpt import checkpoint
 from glm5f.metrics import read_metrics
-from glm5f.optim import adamw_init
+from glm5f.train.optim import adamw_init
 from train import main, train
 
 TINY = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", "--data.batch_size", "2", "--data.seq_len", "32",

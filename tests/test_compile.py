@@ -11,7 +11,7 @@ import glm5f
 from configs import Config
 from conftest import ROOT, RUN_64, SCRIPT_ENV
 from glm5f.model.env import make_env
-from glm5f.loss import Step, step_grads
+from glm5f.train.loss import Step, step_grads
 from glm5f.model.decoder import decoder_layer
 from glm5f.parallel.layout import Layout
 from train import main
@@ -149,7 +149,7 @@ def test_the_first_compiled_step_and_evaluation_are_announced_before_they_compil
             calls.append((name, step.compile, capsys.readouterr().out))
             return real(*args, **kwargs)
         return call
-    monkeypatch.setattr(glm5f.step, "step_grads", spy("step", glm5f.step.step_grads))
+    monkeypatch.setattr(glm5f.train.step, "step_grads", spy("step", glm5f.train.step.step_grads))
     monkeypatch.setattr(train_mod, "eval_loss", spy("eval", train_mod.eval_loss))
     monkeypatch.setattr(glm5f.model.decoder, "compiled_decoder_layer", lambda: glm5f.model.decoder.decoder_layer)  # eager: fast
     flags = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", *RUN_64[:4], "--train.log_every", "1",

@@ -14,7 +14,7 @@ from configs import validate
 from conftest import cli, hf_model_fp64, stable_topk, transformers_in_fp64
 from glm5f.data.pairs import PairSource, read_pairs
 from glm5f.dpo import DPO, DPOConfig
-from glm5f.loss import Step, step_grads
+from glm5f.train.loss import Step, step_grads
 from glm5f.parallel.layout import Layout
 from glm5f.core.params import flatten, map_with_path, unflatten
 from train import train

@@ -13,7 +13,7 @@ from conftest import cli
 from glm5f import dpo_reference
 from glm5f.ckpt import checkpoint
 from glm5f.data.pairs import PairSource, read_pairs
-from glm5f.loss import Step
+from glm5f.train.loss import Step
 from glm5f.dpo import DPO, DPOConfig
 from glm5f.core.params import flatten, map_with_path
 from glm5f.parallel.layout import Layout

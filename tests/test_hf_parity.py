@@ -15,8 +15,8 @@ from torch.func import functional_call
 import glm5f
 from configs import Config
 from conftest import assert_grads_match, boundary_ties, hf_model, random_batch, with_grad
-from glm5f.loss import Step, step_grads
-from glm5f.optim import adamw_init, adamw_update, balance_router_bias
+from glm5f.train.loss import Step, step_grads
+from glm5f.train.optim import adamw_init, adamw_update, balance_router_bias
 from glm5f.parallel.layout import Layout
 
 MIXED = glm5f.preset(

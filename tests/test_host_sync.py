@@ -15,7 +15,7 @@ from torch.utils import _pytree as pytree
 import glm5f
 from configs import Config
 from glm5f.model import moe
-from glm5f.loss import TERMS, Step, device_step
+from glm5f.train.loss import TERMS, Step, device_step
 from glm5f.parallel.layout import Layout
 
 CFG = glm5f.preset("glm5-tiny", num_nextn_predict_layers=1, index_topk=8)  # sparse below 8 keys, MoE, MTP

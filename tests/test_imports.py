@@ -10,7 +10,7 @@ import glm5f
 
 # the model's modules (a name and every module under it; "glm5f.kernels.kda" also covers "glm5f.kda_*" and the like) and the
 # modules that start processes, handle signals or write checkpoints, which the model never reaches
-MODEL = ("glm5f.model.attention", "glm5f.model.decoder", "glm5f.kernels.kda", "glm5f.model.moe", "glm5f.loss")
+MODEL = ("glm5f.model.attention", "glm5f.model.decoder", "glm5f.kernels.kda", "glm5f.model.moe", "glm5f.train.loss")
 ABOVE_THE_MODEL = ("glm5f.launch", "glm5f.ckpt.checkpoint", "glm5f.preempt")
 
 
@@ -87,7 +87,7 @@ def test_no_glm5f_module_imports_itself_back():
 
 def test_the_model_reaches_no_process_signal_or_checkpoint_module():
     model = [m for m in GRAPH if under(m, MODEL) or m.startswith("glm5f.kernels.kda")]
-    assert {"glm5f.model.attention", "glm5f.model.decoder", "glm5f.kernels.kda", "glm5f.model.moe", "glm5f.loss"} <= {
+    assert {"glm5f.model.attention", "glm5f.model.decoder", "glm5f.kernels.kda", "glm5f.model.moe", "glm5f.train.loss"} <= {
         "glm5f.kernels.kda" if m.startswith("glm5f.kernels.kda") else m for m in model}, "a module of MODEL is not found"
     reached = {m: path_to(GRAPH, m, lambda n: under(n, ABOVE_THE_MODEL)) for m in model}
     assert {m: " -> ".join(chain) for m, chain in reached.items() if chain} == {}

@@ -14,7 +14,7 @@ import train as train_module
 from glm5f.ckpt import checkpoint
 from glm5f.model import lora
 from glm5f.ckpt.checkpoint import fingerprint
-from glm5f.loss import Step, step_grads
+from glm5f.train.loss import Step, step_grads
 from glm5f.metrics import read_metrics
 from glm5f.model.moe import expert_linear
 from glm5f.core.ops import linear

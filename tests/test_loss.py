@@ -1,4 +1,4 @@
-"""glm5f/loss.py and the objectives it sums beside the LM loss: the lightning indexer's KL distillation loss
+"""glm5f/train/loss.py and the objectives it sums beside the LM loss: the lightning indexer's KL distillation loss
 (glm5f/model/indexer_loss.py), the MoE sequence-wise balance loss in the step, and the MTP targets and loss weight.
 
 The indexer loss is checked against a naive fp64 implementation of its formula (per-head MLA scores over the keys
@@ -21,10 +21,10 @@ from conftest import RUN_64, cli, env_of, forward_by_layers, naive_seq_aux, rel_
 from glm5f.ckpt import checkpoint
 from glm5f.model.attention import LATENT_NORM_EPS, attention
 from glm5f.kernels.dsa import topk_as_mask
-from glm5f.loss import Step, cross_entropy_sum, head_loss_sum, mtp_targets, step_grads, with_targets
+from glm5f.train.loss import Step, cross_entropy_sum, head_loss_sum, mtp_targets, step_grads, with_targets
 from glm5f.model.decoder import apply, head_logits
 from glm5f.core.ops import apply_rope, layer_norm, rms_norm
-from glm5f.optim import value_and_grad
+from glm5f.train.optim import value_and_grad
 from glm5f.parallel.layout import Layout
 from train import main
 
@@ -433,7 +433,7 @@ def test_head_loss_in_chunks_gives_only_the_gradients_asked_for():
 
 def step_with_head(monkeypatch, head_fn, params, batch, run, model_cfg, spec=None, adapters=None):
     """`step_grads` with micro_loss's head loss `head_fn`; LoRA's adapters trained when given."""
-    monkeypatch.setattr(glm5f.loss, "head_loss_sum", head_fn)
+    monkeypatch.setattr(glm5f.train.loss, "head_loss_sum", head_fn)
     model = glm5f.model.lora.attach(params, adapters) if adapters else params
     return step_grads(model, batch, model_cfg, Layout(torch.device("cpu")), Step.of(run.train, model_cfg, spec))
 
@@ -458,7 +458,7 @@ def test_step_with_head_chunks_equals_the_whole_logits(variant, monkeypatch):
             adapters = {k: (t + 0.1 * torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.dtype))
                         for k, t in glm5f.model.lora.init_adapters(params, spec, 0, getattr(torch, dtype)).items()}
         batch = padded_batch(model_cfg)
-        chunked = functools.partial(glm5f.loss.head_loss_sum, chunk_elems=3 * model_cfg.vocab_size)
+        chunked = functools.partial(glm5f.train.loss.head_loss_sum, chunk_elems=3 * model_cfg.vocab_size)
         for name, fn in (("chunks", chunked), ("whole", whole_logits_loss_sum)):
             steps[dtype, name] = step_with_head(monkeypatch, fn, params, batch, run, model_cfg, spec, adapters)
     (m, g, _), (wm, wg, _) = steps["float64", "chunks"], steps["float64", "whole"]

@@ -14,7 +14,7 @@ import glm5f
 import glm5f.model.decoder as model_mod
 from conftest import env_of, rel_err, stable_topk, with_grad
 from glm5f.model.env import Objectives
-from glm5f.loss import Step, micro_loss, step_denoms, with_targets
+from glm5f.train.loss import Step, micro_loss, step_denoms, with_targets
 from glm5f.parallel.layout import Layout
 
 MTP_CFG = glm5f.preset("glm5-tiny", num_nextn_predict_layers=1)  # the MTP layer is MoE with a full indexer
@@ -118,7 +118,7 @@ def test_mtp_forward_loss_and_gradients_match_the_formula():
         ctx = env_of(cfg, ids.shape, dtype=torch.float64)
         hidden = glm5f.apply(params, cfg, ids, ctx)[1]["hidden"]
     ref_logits = reference_mtp_logits(p, cfg, ids, hidden)
-    from glm5f.loss import mtp_inputs
+    from glm5f.train.loss import mtp_inputs
     from glm5f.model.decoder import mtp_apply
     with torch.no_grad():
         our_logits = mtp_apply(params, cfg, hidden, [mtp_inputs(ids, 1)], ctx)[0][0]

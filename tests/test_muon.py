@@ -1,4 +1,4 @@
-"""glm5f/optim.py's Muon and the optimizer interface: Muon against torch.optim.Muon (its Newton-Schulz run in
+"""glm5f/train/optim.py's Muon and the optimizer interface: Muon against torch.optim.Muon (its Newton-Schulz run in
 fp64), experts orthogonalised in one batch against one at a time, Muon Split against each block apart, and a toy
 optimizer added through the one table."""
 
@@ -14,8 +14,8 @@ from configs import OptimConfig
 from conftest import cli
 from glm5f.ckpt import checkpoint
 from glm5f.metrics import read_metrics
-from glm5f.optim import (OPTIMIZERS, Optimizer, adamw, leaf_rule, make_optimizer, muon, muon_blocks,
-                         newton_schulz, orthogonalised, trained_paths, unused_flags)
+from glm5f.train.optim import (OPTIMIZERS, Optimizer, adamw, leaf_rule, make_optimizer, muon, muon_blocks,
+                               newton_schulz, orthogonalised, trained_paths, unused_flags)
 from glm5f.core.params import flatten
 from train import main, train
 
@@ -171,7 +171,7 @@ def test_newton_schulz_is_the_quintic_on_each_singular_value(shape):
     q the scalar quintic iterated 5 times, wide and tall, each matrix of the batch apart. So its distance to the
     orthogonal factor U V^T is the band q leaves: computed here by iterating q over every value S / |X|_F can take
     for these X (the quintic does not converge to 1; it oscillates inside that band)."""
-    assert tuple(glm5f.optim.NS_COEFFICIENTS) == QUINTIC and glm5f.optim.NS_STEPS == 5
+    assert tuple(glm5f.train.optim.NS_COEFFICIENTS) == QUINTIC and glm5f.train.optim.NS_STEPS == 5
     n, rows, cols = shape
     g = torch.Generator().manual_seed(4)
     k = min(rows, cols)
@@ -364,7 +364,7 @@ def test_each_block_is_orthogonalised_on_one_rank(world, ep, split, exchanged, t
 ])
 def test_muon_cut(world, heads, rows, block, dim, cut):
     """Which Muon leaves each rank orthogonalises itself (None) and how the others are cut, DTensor's pieces."""
-    from glm5f.optim import Cut, muon_cut
+    from glm5f.train.optim import Cut, muon_cut
     assert muon_cut((rows, 32), block, dim, world) == (None if cut is None else Cut(*cut))
     assert muon_cut((8, rows, 32), block, 0, world) is None  # routed experts split along the expert dim (EP)
 

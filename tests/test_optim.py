@@ -1,4 +1,4 @@
-"""glm5f/optim.py: in-place AdamW against the out-of-place form it replaced (the same bits, in the same donated
+"""glm5f/train/optim.py: in-place AdamW against the out-of-place form it replaced (the same bits, in the same donated
 tensors) and against torch.optim.AdamW, the decay rule, the schedule, clipping, the router bias rule and the leaves
 --train.trainable selects."""
 
@@ -10,8 +10,8 @@ import glm5f
 from configs import OptimConfig, TrainConfig, validate
 from conftest import cli
 from glm5f.core.ops import wide_dtype
-from glm5f.optim import (adamw_init, adamw_update, balance_router_bias, clip_by_global_norm, leaf_rule, lr_schedule,
-                         schedule_change, trained_paths, value_and_grad)
+from glm5f.train.optim import (adamw_init, adamw_update, balance_router_bias, clip_by_global_norm, leaf_rule, lr_schedule,
+                               schedule_change, trained_paths, value_and_grad)
 from glm5f.core.params import flatten, unflatten
 
 

@@ -20,11 +20,11 @@ import glm5f
 from configs import Config
 from conftest import env_of, run_script
 from glm5f.parallel.layout import mesh_shapes, placements
-from glm5f.loss import head_loss_sum, shift_labels
+from glm5f.train.loss import head_loss_sum, shift_labels
 from glm5f.model.decoder import hidden_states, main_head
 from glm5f.core.params import flatten
 from glm5f.core.layers import layer_spec
-from glm5f.optim import make_optimizer
+from glm5f.train.optim import make_optimizer
 from glm5f.plan import (GB, RunShape, activation_bytes, kept_activation_bytes, leaf_groups, least_total, local_shape,
                         mesh_coords, plan, search, state_bytes, trace, traced_activations)
 from train import main
@@ -196,7 +196,7 @@ def measure_against_plan(layout: str, tmp_path, base: list[str] = MEASURE) -> li
     is the rank's resident size measured before training."""
     import tyro
     from configs import Config
-    from glm5f.optim import make_optimizer
+    from glm5f.train.optim import make_optimizer
     from glm5f.plan import run_shape
 
     argv = base + LAYOUTS[layout] + ["--checkpoint.dir", str(tmp_path / "run")]
@@ -271,7 +271,7 @@ def test_gathered_weights_alive_at_once_are_what_the_plan_counts(remat):
     without it autograd keeps them all. The largest number of gathered bytes alive at once, over forward and
     backward, is at most the plan's gathered line of a 2-rank FSDP run (whose ranks gather whole leaves too), and
     without checkpointing close to it."""
-    from glm5f.loss import Step, micro_loss, step_denoms, with_targets
+    from glm5f.train.loss import Step, micro_loss, step_denoms, with_targets
 
     cfg = glm5f.preset("glm5-tiny", num_hidden_layers=4, index_topk_pattern="FSFS", num_nextn_predict_layers=1)
     params = glm5f.init_params(cfg, seed=0)

@@ -17,7 +17,7 @@ from conftest import write_records
 from glm5f import preflight
 from glm5f.ckpt import checkpoint
 from glm5f.model.decode import init_cache
-from glm5f.optim import trained_paths
+from glm5f.train.optim import trained_paths
 from glm5f.core.params import flatten
 from glm5f.plan import GB
 from scripts import convert, generate

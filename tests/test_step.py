@@ -1,4 +1,4 @@
-"""glm5f.step: the train step as one function and main objectives as rows. A toy objective added through the table
+"""glm5f.train.step: the train step as one function and main objectives as rows. A toy objective added through the table
 alone is checked against plain torch (value, one AdamW update), trained through train.py, resumed bit for bit and
 planned; a LoRA step trains only the adapters."""
 
@@ -14,11 +14,11 @@ from conftest import cli
 from glm5f.ckpt import checkpoint
 from glm5f.model import lora
 from glm5f.data import IGNORE_INDEX
-from glm5f.loss import Objective, head_token_losses
+from glm5f.train.loss import Objective, head_token_losses
 from glm5f.parallel.layout import Layout
 from glm5f.core.params import flatten
 from glm5f.plan import plan, run_shape
-from glm5f.step import OBJECTIVES, Trainer, train_step
+from glm5f.train.step import OBJECTIVES, Trainer, train_step
 from train import TrainingError, main, train
 
 TINY = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", "--data.batch_size", "2", "--data.seq_len", "32",

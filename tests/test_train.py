@@ -17,7 +17,7 @@ from conftest import RUN_64, cli, write_records
 from glm5f.ckpt import checkpoint
 from glm5f.data import make_eval_source, make_source
 from glm5f.metrics import read_metrics
-from glm5f.optim import adamw_init, trained_paths
+from glm5f.train.optim import adamw_init, trained_paths
 from test_metrics import check_loss_png
 from train import TrainingError, main, train
 
@@ -76,7 +76,7 @@ def test_resume_restores_the_rng_states_of_an_uninterrupted_run(tmp_path, monkey
     """A resumed run's torch and Python RNG states are an uninterrupted run's at the same step: what each step draws
     from them (as dropout would: a spy around step_grads draws from both) and the batches it trains on are the
     same, and so are the RNG states its checkpoints hold, though the resuming process starts from other states."""
-    import glm5f.step as step_mod
+    import glm5f.train.step as step_mod
     real, seen = step_mod.step_grads, []
 
     def drawing_step(params, batch, *args):
@@ -146,7 +146,7 @@ TINY = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", "--data.batch
 
 def nan_grad_norm_at(monkeypatch, bad_step):
     """Make clip_by_global_norm report a NaN norm (with a finite loss) on the bad_step-th call."""
-    import glm5f.step as step_mod
+    import glm5f.train.step as step_mod
     real, calls = step_mod.clip_by_global_norm, []
 
     def clip(grads, max_norm):
@@ -185,7 +185,7 @@ def test_skip_nonfinite_skips_the_update_and_goes_on(tmp_path, capsys, monkeypat
 def test_nonfinite_params_are_never_checkpointed(tmp_path, capsys, monkeypatch):
     import dataclasses
 
-    import glm5f.step as step_mod
+    import glm5f.train.step as step_mod
     make, calls = step_mod.make_optimizer, []
 
     def with_inf_at_step_two(o, model_cfg, lora=False):
@@ -285,7 +285,7 @@ def test_resume_training_another_set_of_leaves_is_refused(tmp_path, capsys):
 
 
 def test_a_run_failing_before_its_first_step_writes_nothing(tmp_path, monkeypatch):
-    import glm5f.step as step_mod
+    import glm5f.train.step as step_mod
     monkeypatch.setattr(step_mod, "step_grads", lambda *a: (_ for _ in ()).throw(TrainingError("boom")))
     with pytest.raises(TrainingError, match="boom"):
         train(cli(*TINY, "--train.steps", "2", "--checkpoint.dir", str(tmp_path / "r")))
@@ -404,7 +404,7 @@ def test_a_full_disk_while_writing_the_run_files_is_an_error_line(tmp_path, caps
 
 
 def test_out_of_memory_names_the_allocation_the_step_and_what_to_change(monkeypatch, tmp_path, capsys):
-    import glm5f.step as step_mod
+    import glm5f.train.step as step_mod
 
     real = step_mod.step_grads
 

@@ -13,9 +13,9 @@ from typing import Callable, NamedTuple
 from glm5f import dpo, grpo
 from glm5f.core.config import GLM5Config
 from glm5f.model.lora import attach
-from glm5f.loss import LM, Objective, Step, step_grads
-from glm5f.optim import (Optimizer, balance_router_bias, clip_by_global_norm, lr_schedule, make_optimizer, matches,
-                         schedule_total)
+from glm5f.train.loss import LM, Objective, Step, step_grads
+from glm5f.train.optim import (Optimizer, balance_router_bias, clip_by_global_norm, lr_schedule, make_optimizer, matches,
+                               schedule_total)
 from glm5f.parallel.layout import Layout
 from glm5f.core.params import flatten
 

@@ -22,7 +22,7 @@ from glm5f.core.layers import INDEXERS, layer_spec
 from glm5f.model.lora import LoraSpec
 from glm5f.model.decoder import head_logits, hidden_states, main_head, mtp_states
 from glm5f.core.ops import rms_norm, wide, wide_dtype
-from glm5f.optim import trained_paths, value_and_grad
+from glm5f.train.optim import trained_paths, value_and_grad
 from glm5f.parallel.layout import Layout
 from glm5f.core.params import flatten
 
