@@ -112,7 +112,7 @@ class DataConfig:
     records with --data.path; preference: a JSONL of preference pairs for --train.objective dpo (glm5f/data/pairs.py;
     --data.batch_size counts pairs); rollouts: a JSONL of prompts with sampled completions and their rewards for
     --train.objective grpo (glm5f/data/rollouts.py; --data.batch_size counts groups); prompts: a JSONL of prompt records
-    that the on-policy sampler completes with the current policy each batch (glm5f/sampler.py; --data.batch_size
+    that the on-policy sampler completes with the current policy each batch (glm5f/posttrain/sampler.py; --data.batch_size
     counts prompts, each sampled --rl.group_size times). None: from --data.path (.jsonl[.gz]: json_file, .pt: preset_pt, a saved dataset:
     hf_datasets); text without a path."""
     path: Optional[str] = None
@@ -370,7 +370,7 @@ class RLConfig:
     """Sampling (--data.type prompts): the reward function, module:function (imported with the working directory
     and PYTHONPATH on the path), called per completion with keyword arguments prompt, completion (text),
     prompt_ids, completion_ids and the prompt record's other fields; returns a finite number.
-    glm5f.rewards:lowercase_share is the toy task's (recipes/grpo-tiny.yaml)."""
+    glm5f.posttrain.rewards:lowercase_share is the toy task's (recipes/grpo-tiny.yaml)."""
 
     @property
     def replayed(self) -> tuple[str, ...]:

@@ -23,7 +23,10 @@ import torch.distributed as dist
 
 import glm5f
 from configs import Config, mesh_errors, parse, validate, with_data_type
-from glm5f import dpo_reference, grpo, preempt, rundir, sampler
+from glm5f import preempt, rundir
+from glm5f.posttrain import reference as dpo_reference
+from glm5f.posttrain import grpo
+from glm5f.posttrain import sampler
 from glm5f.ckpt import checkpoint
 from glm5f.model import lora
 from glm5f.data.chat import RUN_TOKENIZER_DIR, ChatFormat, check_same_tokenizer, resolve_tokenizer
@@ -46,7 +49,7 @@ from glm5f.preflight import check_inputs, check_run
 from glm5f.core.params import flatten, leaf_dtype, map_with_path, region_of
 from glm5f.resume import check_resumable
 from glm5f.recipe_file import write_config
-from glm5f.grpo import old_logprobs
+from glm5f.posttrain.grpo import old_logprobs
 from glm5f.train.step import Trainer, TrainState, train_step
 
 

@@ -2,7 +2,7 @@
 glm5f's decoder: per prompt a group of completions, each with its token ids, its reward and its log-probabilities.
 
     python scripts/rollouts.py runs/sft --prompts prompts.jsonl --reward my_rewards:score --out rollouts.jsonl
-    python scripts/rollouts.py runs/sft-hf --prompts prompts.jsonl --reward glm5f.rewards:lowercase_share \\
+    python scripts/rollouts.py runs/sft-hf --prompts prompts.jsonl --reward glm5f.posttrain.rewards:lowercase_share \\
         --out rollouts.jsonl --group-size 8 --temperature 1.0 --max-new-tokens 64 --seed 0
 
 The model is a train.py run directory (its latest checkpoint), one of its checkpoints, or a Transformers checkpoint
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from glm5f import sampler  # noqa: E402
+from glm5f.posttrain import sampler  # noqa: E402
 from glm5f.data import warnings_as_lines  # noqa: E402
 from scripts.generate import chat_format, load, resolve_device  # noqa: E402
 

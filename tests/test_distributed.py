@@ -465,7 +465,7 @@ def test_on_policy_grpo_layouts_equal_one_process_fp64(tmp_path):
 
     def run(name, *args):
         assert main(["--model.preset", "glm5-tiny", "--train.objective", "grpo", "--data.type", "prompts",
-                     "--data.path", str(path), "--rl.reward", "glm5f.rewards:lowercase_share", "--data.batch_size",
+                     "--data.path", str(path), "--rl.reward", "glm5f.posttrain.rewards:lowercase_share", "--data.batch_size",
                      "2", "--rl.group_size", "3", "--rl.max_new_tokens", "5", "--data.seq_len", "24",
                      "--train.steps", "3", "--train.dtype", "float64", "--optim.lr", "1e-2",
                      "--optim.warmup_steps", "0", "--eval.every", "0", "--checkpoint.every", "3",

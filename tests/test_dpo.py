@@ -1,4 +1,4 @@
-"""glm5f/dpo.py: DPO's step-1 loss equals the formula over Transformers' fp64 log-probabilities with a reference
+"""glm5f/posttrain/dpo.py: DPO's step-1 loss equals the formula over Transformers' fp64 log-probabilities with a reference
 that differs from the policy; its gradients equal torch.func.grad of the formula over glm5f.forward in fp64; a LoRA
 run starts at ln 2 (the base is its reference); the flags that cannot work are refused."""
 
@@ -13,7 +13,7 @@ import glm5f
 from configs import validate
 from conftest import cli, hf_model_fp64, stable_topk, transformers_in_fp64
 from glm5f.data.pairs import PairSource, read_pairs
-from glm5f.dpo import DPO, DPOConfig
+from glm5f.posttrain.dpo import DPO, DPOConfig
 from glm5f.train.loss import Step, step_grads
 from glm5f.parallel.layout import Layout
 from glm5f.core.params import flatten, map_with_path, unflatten

@@ -1,4 +1,4 @@
-"""--dpo.precompute_reference (glm5f/dpo_reference.py): the stored sums equal each answer's log-probabilities
+"""--dpo.precompute_reference (glm5f/posttrain/reference.py): the stored sums equal each answer's log-probabilities
 computed alone with glm5f.forward; a run with them steps as a run with the reference in memory; the file is reused
 on resume and recomputed when the data changes; resume stays bitwise; LoRA refuses the flag."""
 
@@ -10,11 +10,11 @@ import torch
 import glm5f
 from configs import validate
 from conftest import cli
-from glm5f import dpo_reference
+from glm5f.posttrain import reference as dpo_reference
 from glm5f.ckpt import checkpoint
 from glm5f.data.pairs import PairSource, read_pairs
 from glm5f.train.loss import Step
-from glm5f.dpo import DPO, DPOConfig
+from glm5f.posttrain.dpo import DPO, DPOConfig
 from glm5f.core.params import flatten, map_with_path
 from glm5f.parallel.layout import Layout
 from test_dpo import answer_logp, pair_records, write

@@ -1,4 +1,4 @@
-"""glm5f/grpo.py: GRPO's step-1 loss from a rollouts file equals the formula over Transformers' fp64
+"""glm5f/posttrain/grpo.py: GRPO's step-1 loss from a rollouts file equals the formula over Transformers' fp64
 log-probabilities (the engine's log-probabilities weighting each token); with two updates per batch the second pass
 clips as the formula says (resumed between the two); advantages as torch.std gives them; a batch whose groups all
 have equal rewards trains nothing; the flags that cannot work are refused."""
@@ -14,7 +14,7 @@ import glm5f
 from configs import validate
 from conftest import cli, hf_model_fp64, stable_topk, transformers_in_fp64
 from glm5f.ckpt import checkpoint
-from glm5f.grpo import STD_EPS, advantages
+from glm5f.posttrain.grpo import STD_EPS, advantages
 from train import train
 
 EPS_LOW, EPS_HIGH, CAP = 0.2, 0.28, 2.0

@@ -74,7 +74,7 @@ def test_the_grpo_recipe_samples_on_policy_and_its_reward_rises(tmp_path):
     assert [r["step"] for r in records] == list(range(1, 13)) and all(r["sample_time_s"] > 0 for r in records)
     rewards = [r["reward"] for r in records]
     assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4, rewards
-    assert written(run)["rl"]["reward"] == "glm5f.rewards:lowercase_share"
+    assert written(run)["rl"]["reward"] == "glm5f.posttrain.rewards:lowercase_share"
 
 
 def test_indexer_warmup_then_sparse_stage(tmp_path):

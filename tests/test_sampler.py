@@ -1,4 +1,4 @@
-"""glm5f/sampler.py: the on-policy sampler's log-probabilities equal a full forward's in fp64, greedy sampling is
+"""glm5f/posttrain/sampler.py: the on-policy sampler's log-probabilities equal a full forward's in fp64, greedy sampling is
 decode.generate's, stop tokens end (and belong to) a completion, the reward function's arguments and its errors, and
 a --data.type prompts run that resumes bitwise."""
 
@@ -13,7 +13,7 @@ import torch
 import glm5f
 from configs import validate
 from conftest import cli
-from glm5f import sampler
+from glm5f.posttrain import sampler
 from glm5f.data import chat
 from glm5f.model import decode
 from glm5f.data.rollouts import read_groups
@@ -125,7 +125,7 @@ def write_prompts(tmp_path, n=6) -> str:
     return str(path)
 
 
-def run_flags(tmp_path, run, reward="glm5f.rewards:lowercase_share", *extra):
+def run_flags(tmp_path, run, reward="glm5f.posttrain.rewards:lowercase_share", *extra):
     return ["--train.objective", "grpo", "--data.type", "prompts", "--data.path", write_prompts(tmp_path),
             "--rl.reward", reward, "--data.batch_size", "2", "--rl.group_size", "4", "--rl.max_new_tokens", "6",
             "--data.seq_len", "24", "--eval.every", "0", "--optim.lr", "1e-2", "--optim.warmup_steps", "0",
@@ -134,7 +134,7 @@ def run_flags(tmp_path, run, reward="glm5f.rewards:lowercase_share", *extra):
 
 @pytest.mark.parametrize("reward, message", [
     ("no_such_module:f", "--rl.reward no_such_module:f: cannot import it (ModuleNotFoundError"),
-    ("glm5f.rewards:missing", "--rl.reward glm5f.rewards:missing: cannot import it (AttributeError"),
+    ("glm5f.posttrain.rewards:missing", "--rl.reward glm5f.posttrain.rewards:missing: cannot import it (AttributeError"),
     ("test_sampler:raising", "prompts.jsonl:{line}: --rl.reward test_sampler:raising raised KeyError: "
                              "'no answer field'"),
     ("test_sampler:nan_reward", "prompts.jsonl:{line}: --rl.reward test_sampler:nan_reward returned nan; it must "
@@ -152,7 +152,7 @@ def test_bad_reward_functions_stop_the_run_in_one_line(tmp_path, capsys, reward,
 
 
 def test_a_prompt_without_room_for_its_completion_is_refused(tmp_path, capsys):
-    assert main(run_flags(tmp_path, "run", "glm5f.rewards:lowercase_share", "--train.steps", "1",
+    assert main(run_flags(tmp_path, "run", "glm5f.posttrain.rewards:lowercase_share", "--train.steps", "1",
                           "--rl.max_new_tokens", "20")) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"error: {tmp_path / 'prompts.jsonl'}:1: a prompt of 8 tokens leaves no room for --rl.max_new_tokens 20 "
@@ -172,7 +172,7 @@ def test_a_prompts_run_resumes_bitwise(tmp_path):
     """4 steps straight equal 2 steps then a resumed 2 (in another process's RNG state): the same samples,
     rewards, losses and final weights, the sampler's generator restored from the checkpoint."""
     def flags(run, steps):
-        return run_flags(tmp_path, run, "glm5f.rewards:lowercase_share", "--train.steps", str(steps),
+        return run_flags(tmp_path, run, "glm5f.posttrain.rewards:lowercase_share", "--train.steps", str(steps),
                          "--checkpoint.every", "1", "--optim.schedule_steps", "4")
     straight = train(cli(*flags("straight", 4)))
     train(cli(*flags("resumed", 2)))
@@ -234,7 +234,7 @@ def test_recorded_choices_replayed_by_the_trainer_give_its_log_probabilities(pre
 def test_an_on_policy_run_with_replay_has_no_rollout_gap_in_fp64(tmp_path):
     """--data.type prompts with --rl.replay routing,indexer in fp64: the trainer's first-pass log-probabilities
     equal the sampler's (rollout_logprob_gap_max below 1e-9) at every step."""
-    records = train(cli(*run_flags(tmp_path, "run", "glm5f.rewards:lowercase_share", "--model.preset", "glm5-tiny",
+    records = train(cli(*run_flags(tmp_path, "run", "glm5f.posttrain.rewards:lowercase_share", "--model.preset", "glm5-tiny",
                                    "--train.dtype", "float64", "--rl.replay", "routing,indexer", "--train.steps", "3",
                                    "--data.seq_len", "40", "--rl.max_new_tokens", "12")))
     assert len(records) == 3

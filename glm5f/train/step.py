@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
-from glm5f import dpo, grpo
+from glm5f.posttrain import dpo
+from glm5f.posttrain import grpo
 from glm5f.core.config import GLM5Config
 from glm5f.model.lora import attach
 from glm5f.train.loss import LM, Objective, Step, step_grads

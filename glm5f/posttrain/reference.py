@@ -15,7 +15,7 @@ import torch
 
 from glm5f.core.config import GLM5Config
 from glm5f.data.pairs import PairSource
-from glm5f.dpo import prepare, reference_sums
+from glm5f.posttrain.dpo import prepare, reference_sums
 from glm5f.model.env import make_env
 from glm5f.ckpt.hf.io import DTYPES, inventory, read_metadata, read_part, write_safetensors
 from glm5f.train.loss import Context, Step, with_targets

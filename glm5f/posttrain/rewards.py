@@ -1,4 +1,4 @@
-"""Reward functions shipped with glm5f for the on-policy sampler (`--rl.reward glm5f.rewards:NAME`): the toy task of
+"""Reward functions shipped with glm5f for the on-policy sampler (`--rl.reward glm5f.posttrain.rewards:NAME`): the toy task of
 recipes/grpo-tiny.yaml, and the form a reward function takes (keyword arguments, a float back)."""
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from glm5f import dpo
+from glm5f.posttrain import dpo
 from glm5f.model.decode import init_cache
 from glm5f.core.ops import wide_dtype
 from glm5f.core.params import param_count
