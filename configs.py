@@ -1,5 +1,5 @@
 """Run configuration: nested dataclasses parsed by tyro into `--section.field value` flags, over a recipe file's
-values (`--config FILE.yaml`: the same sections and fields, nested; flags override the file; glm5f/recipe_file.py reads it).
+values (`--config FILE.yaml`: the same sections and fields, nested; flags override the file; glm5f/run/recipe_file.py reads it).
 
     python train.py --help
     python train.py --model.preset glm5-scaled-moe --train.steps 20 --checkpoint.dir runs/moe
@@ -18,7 +18,7 @@ from typing import Annotated, Literal, Optional
 import tyro
 
 import glm5f
-from glm5f import recipe_file
+from glm5f.run import recipe_file
 from glm5f.data import check_path_fits, infer_data_type, load_batches
 from glm5f.model.lora import DEFAULT_TARGETS, LoraSpec, target_modules
 from glm5f.train.optim import OPTIMIZERS, trained_paths
@@ -676,5 +676,5 @@ def parse(argv: list[str], description: str | None = None) -> Config:
 
 
 def load_config(path: str) -> Config:
-    """The Config of recipe file `path` (`glm5f.recipe_file.load_config`)."""
+    """The Config of recipe file `path` (`glm5f.run.recipe_file.load_config`)."""
     return recipe_file.load_config(path, Config)

@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 import glm5f
 from configs import Config, mesh_errors, parse, validate, with_data_type
-from glm5f import preempt, rundir
+from glm5f.run import preempt
+from glm5f.run import rundir
 from glm5f.posttrain import reference as dpo_reference
 from glm5f.posttrain import grpo
 from glm5f.posttrain import sampler
@@ -37,18 +38,18 @@ from glm5f.ckpt.hf.export import export_run
 from glm5f.ckpt.hf.export_dir import note_base
 from glm5f.ckpt.hf.load import check_loaded_finite
 from glm5f.ckpt.hf.peft import save_peft
-from glm5f.launch import (TIMEOUT_EXIT, StallWatch, WorkerFailure, check_device, collective_timeout, init_process,
-                          silent_ranks, spawn, under_torchrun)
+from glm5f.run.launch import (TIMEOUT_EXIT, StallWatch, WorkerFailure, check_device, collective_timeout, init_process,
+                              silent_ranks, spawn, under_torchrun)
 from glm5f.train.loss import eval_loss, unused_weights
-from glm5f.metrics import MetricsLog, Progress, plot_losses, read_metrics
+from glm5f.run.metrics import MetricsLog, Progress, plot_losses, read_metrics
 from glm5f.model.decoder import check_input_ids
 from glm5f.train.optim import Optimizer, schedule_change, unused_flags
 from glm5f.parallel.layout import Layout, full_tensor, local_tensor, nonfinite_counts
-from glm5f.plan import rows_per_item
-from glm5f.preflight import check_inputs, check_run
+from glm5f.run.plan import rows_per_item
+from glm5f.run.preflight import check_inputs, check_run
 from glm5f.core.params import flatten, leaf_dtype, map_with_path, region_of
-from glm5f.resume import check_resumable
-from glm5f.recipe_file import write_config
+from glm5f.run.resume import check_resumable
+from glm5f.run.recipe_file import write_config
 from glm5f.posttrain.grpo import old_logprobs
 from glm5f.train.step import Trainer, TrainState, train_step
 
@@ -600,7 +601,7 @@ def report_timeout(cfg: Config, e: Exception) -> None:
 
 def plan_run(cfg: Config) -> None:
     """--plan: print the memory plan of the run the other flags describe (nothing allocated, nothing written)."""
-    from glm5f.plan import print_plan
+    from glm5f.run.plan import print_plan
 
     model_cfg = glm5f.GLM5Config.from_hf(cfg.model.init_from) if cfg.model.init_from else cfg.model.build()
     blocking = mesh_errors(cfg, model_cfg)

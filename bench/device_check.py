@@ -40,7 +40,7 @@ from bench.common import BENCH_MODEL, matmul_peak_flops  # noqa: E402
 from glm5f.kernels import dsa as kernels  # noqa: E402
 from glm5f.model.env import Mask, make_mask  # noqa: E402
 from glm5f.core.flops import flops_per_token  # noqa: E402
-from glm5f.plan import plan, process_rss_bytes, run_shape  # noqa: E402
+from glm5f.run.plan import plan, process_rss_bytes, run_shape  # noqa: E402
 
 BF16 = 2.0 ** -8
 # per device: the kernels' shapes (B, S, T, H, R, P, K; I, J), the model check's, the training run's, the speed
@@ -58,7 +58,7 @@ SIZES = {
 SIZES["cuda"]["kda"] = [(2, 512, 4, 64, 4), (1, 4096, 64, 128, 2)]
 SIZES["cpu"]["kda"] = [(2, 64, 2, 16, 2)]  # glm53-tiny's heads
 # GLM-5's widths, 4 layers, 16 experts: 5.6B parameters; its step at B2 x S4096 in bf16 with fp32 params and
-# gradients plans to 97 GB (glm5f.plan: params, gradients, gathered bf16 weights, activations) of an H200's 141
+# gradients plans to 97 GB (glm5f.run.plan: params, gradients, gathered bf16 weights, activations) of an H200's 141
 LARGE = dict(num_hidden_layers=4, first_k_dense_replace=1, n_routed_experts=16, index_topk_pattern=None,
              max_position_embeddings=8192)
 

@@ -46,7 +46,7 @@ def main() -> None:
 
     import glm5f
     from configs import Config
-    from glm5f.plan import plan, run_shape
+    from glm5f.run.plan import plan, run_shape
 
     model = args.model.split()
     run = args.run.split() + ["--train.steps", str(args.steps), "--eval.every", "0", "--optim.warmup_steps", "0",

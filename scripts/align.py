@@ -41,7 +41,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from glm5f.metrics import plot_losses, read_metrics  # noqa: E402
+from glm5f.run.metrics import plot_losses, read_metrics  # noqa: E402
 from scripts.compare_runs import compare  # noqa: E402
 
 LAYOUTS = {

@@ -14,7 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from glm5f.metrics import plot_losses, read_metrics  # noqa: E402
+from glm5f.run.metrics import plot_losses, read_metrics  # noqa: E402
 
 
 def compare(base: list[dict], other: list[dict], key: str = "loss") -> dict:

@@ -33,7 +33,7 @@ from glm5f.data.chat import checkpoint_tokenizer  # noqa: E402
 from glm5f.ckpt.hf.export import export_run  # noqa: E402
 from glm5f.ckpt.hf.export_dir import check_export_dir  # noqa: E402
 from glm5f.ckpt.hf.peft import save_peft  # noqa: E402
-from glm5f.preflight import check_fits, checkpoint_weights, weight_bytes  # noqa: E402
+from glm5f.run.preflight import check_fits, checkpoint_weights, weight_bytes  # noqa: E402
 
 
 def run_tokenizer(path: str) -> tuple[dict, list[str]]:

@@ -39,8 +39,8 @@ from glm5f.data.chat import (ChatFormat, ChatTemplate, RunTokenizer, chat_messag
                              resolve_tokenizer, tokenizer_of)
 from glm5f.data import make_tokenizer, warnings_as_lines  # noqa: E402
 from glm5f.model.decode import speculative, stream  # noqa: E402
-from glm5f.launch import check_device  # noqa: E402
-from glm5f.preflight import cache_bytes, check_fits, checkpoint_weights, size, weight_bytes  # noqa: E402
+from glm5f.run.launch import check_device  # noqa: E402
+from glm5f.run.preflight import cache_bytes, check_fits, checkpoint_weights, size, weight_bytes  # noqa: E402
 from glm5f.data.tokens import chat_tokenizer, template_tokens  # noqa: E402
 
 

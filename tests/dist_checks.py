@@ -1,4 +1,4 @@
-"""Worker functions for the multi-process tests (run by glm5f.launch.spawn in fresh processes).
+"""Worker functions for the multi-process tests (run by glm5f.run.launch.spawn in fresh processes).
 
 Property checks run hypothesis inside every rank with the same derandomized examples, so the ranks stay in
 lockstep through the collectives; a check's verdict is agreed over all ranks before it is asserted.
@@ -21,7 +21,7 @@ from configs import Config
 from conftest import env_of
 from glm5f.model.attention import attention
 from glm5f.parallel.distributed import DistLayout
-from glm5f.launch import init_process
+from glm5f.run.launch import init_process
 from glm5f.train.loss import Step, step_grads
 from glm5f.model.moe import routed_experts
 from glm5f.train.optim import global_norm
@@ -245,7 +245,7 @@ def load_export_growth(ckpt: str, export_dir: str, out: str, dp_shard: int) -> N
     `ckpt` rank-locally, and then while exporting it back, written to out.<rank> as JSON."""
     import json
 
-    from glm5f.plan import process_rss_bytes
+    from glm5f.run.plan import process_rss_bytes
 
     layout = (DistLayout(dp_shard, 1, 1, init_process(torch.device("cpu"))) if dp_shard > 1
               else Layout(torch.device("cpu")))

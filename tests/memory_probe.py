@@ -24,7 +24,7 @@ import tyro  # noqa: E402
 import train  # noqa: E402
 from configs import Config  # noqa: E402
 from glm5f.ckpt import checkpoint  # noqa: E402
-from glm5f.plan import process_rss_bytes  # noqa: E402
+from glm5f.run.plan import process_rss_bytes  # noqa: E402
 
 
 WARM_UP = ["--model.preset=glm5-tiny", "--model.num_hidden_layers=2", "--model.index_topk_pattern=FS",
@@ -37,7 +37,7 @@ def probe(argv: list[str], out: str) -> None:
     layout = None
     if cfg.parallel.world > 1:
         from glm5f.parallel.distributed import DistLayout
-        from glm5f.launch import init_process
+        from glm5f.run.launch import init_process
         device = init_process(torch.device("cpu"))
         layout = DistLayout(cfg.parallel.dp_shard, cfg.parallel.cp, cfg.parallel.ep, device)
     record = {"rank": layout.rank if layout else 0, "cold_runtime_bytes": process_rss_bytes()}
@@ -77,7 +77,7 @@ def _tensors(tree):
 def main(out: str, argv: list[str]) -> list[dict]:
     cfg = tyro.cli(Config, args=argv, use_underscores=True)
     if cfg.parallel.world > 1:
-        from glm5f.launch import spawn
+        from glm5f.run.launch import spawn
         spawn(probe, cfg.parallel.world, argv, out)
     else:
         probe(argv, out)

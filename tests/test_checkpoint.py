@@ -17,7 +17,7 @@ import torch
 import glm5f
 from conftest import TINY_RUN, cli, run_error
 from glm5f.ckpt import checkpoint
-from glm5f.metrics import read_metrics
+from glm5f.run.metrics import read_metrics
 from glm5f.train.optim import adamw_init
 from train import main, train
 

@@ -20,10 +20,10 @@ from safetensors.torch import load_file, save_file
 import glm5f
 from configs import Config, validate
 from conftest import bpe_tokenizer, cli, run_script
-from glm5f import preempt
+from glm5f.run import preempt
 from glm5f.ckpt import checkpoint
 from glm5f.data import ByteTokenizer
-from glm5f.metrics import read_metrics
+from glm5f.run.metrics import read_metrics
 from scripts import convert, generate
 from train import main, train
 
@@ -37,7 +37,7 @@ RUN_TINY = ["--model.preset", "glm5-tiny", "--data.batch_size", "2", "--data.seq
 SIGTERM_AT = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {root!r})
-    import glm5f.metrics as metrics
+    import glm5f.run.metrics as metrics
     write = metrics.MetricsLog.write
     def write_then_sigterm(self, rec):
         write(self, rec)

@@ -19,7 +19,7 @@ import glm5f
 from conftest import RUN_64, bpe_tokenizer, run_error, write_records
 from glm5f.ckpt import checkpoint
 from glm5f.data import ByteTokenizer, IGNORE_INDEX, embedded_documents, infer_data_type, make_source
-from glm5f.metrics import read_metrics
+from glm5f.run.metrics import read_metrics
 from train import main, train
 
 TINY = ["--model.preset", "glm5-tiny", "--data.batch_size", "2", "--data.seq_len", "32", "--eval.every", "0",

@@ -14,8 +14,8 @@ import dist_checks
 import glm5f
 from conftest import rel_err
 from glm5f.parallel.distributed import DistLayout
-from glm5f.launch import spawn
-from glm5f.metrics import read_metrics
+from glm5f.run.launch import spawn
+from glm5f.run.metrics import read_metrics
 from scripts.align import COMMON, LAYOUTS
 from train import main
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 import glm5f
 from glm5f.parallel.distributed import DistLayout
-from glm5f.launch import init_process, spawn
+from glm5f.run.launch import init_process, spawn
 from glm5f.ckpt.hf import hf_state_dict
 
 FP8_MAX = 448.0  # the largest float8_e4m3fn

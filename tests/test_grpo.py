@@ -183,7 +183,7 @@ def test_a_reward_that_is_not_finite_stops_the_run_in_one_line(setup, tmp_path):
 
 
 def test_the_plan_counts_each_group_s_rows_and_the_kl_reference(tmp_path):
-    from glm5f.plan import plan, run_shape
+    from glm5f.run.plan import plan, run_shape
 
     recs = rollout_records(64, groups=2, size=4)
     path = tmp_path / "r.jsonl"
@@ -241,7 +241,7 @@ def test_routing_replay_step_one_equals_transformers_with_its_router_picking_the
 
 def test_the_plan_counts_the_sampler_s_cache_and_its_rows():
     from glm5f.model.decode import init_cache
-    from glm5f.plan import plan, run_shape
+    from glm5f.run.plan import plan, run_shape
 
     cfg = glm5f.preset("glm5-tiny")
     shape = run_shape(cli("--model.preset", "glm5-tiny", "--train.objective", "grpo", "--data.type", "prompts",

@@ -11,7 +11,7 @@ import glm5f
 # the model's modules (a name and every module under it; "glm5f.kernels.kda" also covers "glm5f.kda_*" and the like) and the
 # modules that start processes, handle signals or write checkpoints, which the model never reaches
 MODEL = ("glm5f.model.attention", "glm5f.model.decoder", "glm5f.kernels.kda", "glm5f.model.moe", "glm5f.train.loss")
-ABOVE_THE_MODEL = ("glm5f.launch", "glm5f.ckpt.checkpoint", "glm5f.preempt")
+ABOVE_THE_MODEL = ("glm5f.run.launch", "glm5f.ckpt.checkpoint", "glm5f.run.preempt")
 
 
 def modules(root: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -100,8 +100,8 @@ def test_the_graph_holds_the_imports_of_the_source():
     assert "glm5f.model.lora" in GRAPH["glm5f.ckpt.checkpoint"]  # only inside functions: from glm5f.model.lora import merge
     assert "glm5f.kernels.triton_dsa" in GRAPH["glm5f.kernels.dsa"]  # inside a function's try: from glm5f import triton_dsa
     assert "glm5f.model.env" in GRAPH["glm5f.model.indexer_loss"]  # under TYPE_CHECKING
-    assert "glm5f.preempt" in GRAPH["glm5f.launch"]  # from glm5f import preempt
-    assert path_to(GRAPH, "glm5f.plan", lambda n: n == "glm5f.core.ops") is not None
+    assert "glm5f.run.preempt" in GRAPH["glm5f.run.launch"]  # from glm5f import preempt
+    assert path_to(GRAPH, "glm5f.run.plan", lambda n: n == "glm5f.core.ops") is not None
 
 
 def test_cycles_and_paths_in_a_package_of_their_own(tmp_path):

@@ -10,7 +10,7 @@ import glm5f
 from conftest import cli
 from glm5f.core import config
 from glm5f.core import layers
-from glm5f.metrics import read_metrics
+from glm5f.run.metrics import read_metrics
 from toy_kind import LAYER_TYPE, LAYER_TYPES, TOY
 from train import main, train
 

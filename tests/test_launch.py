@@ -1,4 +1,4 @@
-"""glm5f/launch.py: the workers of `spawn` stop together when one dies, reports an error or stops answering (named
+"""glm5f/run/launch.py: the workers of `spawn` stop together when one dies, reports an error or stops answering (named
 before the collective timeout by the StallWatch, after it by the launcher), and die with their launcher; runs stopped
 from outside: Ctrl-C to a DP2 run in the middle of a save, and the ranks of a run started by torchrun (or any launcher
 that sets RANK / WORLD_SIZE, one process per node here) when the run directory is locked or a rank hangs."""
@@ -15,10 +15,10 @@ import pytest
 
 import dist_checks
 from conftest import step_hook_script
-from glm5f import rundir
+from glm5f.run import rundir
 from glm5f.ckpt import checkpoint
-from glm5f.launch import TIMEOUT_EXIT, RankError, free_port, spawn
-from glm5f.metrics import read_metrics
+from glm5f.run.launch import TIMEOUT_EXIT, RankError, free_port, spawn
+from glm5f.run.metrics import read_metrics
 from scripts.align import COMMON
 from train import main
 
@@ -262,7 +262,7 @@ def test_ranks_die_with_a_killed_launcher(tmp_path):
         started=lambda: metrics.exists() and metrics.read_text() != "")
 
 
-LAUNCH = ("import sys; sys.path[:0] = [{root!r}, {tests!r}]; import dist_checks; from glm5f.launch import RankError, spawn; "
+LAUNCH = ("import sys; sys.path[:0] = [{root!r}, {tests!r}]; import dist_checks; from glm5f.run.launch import RankError, spawn; "
           "spawn(dist_checks.ignore_sigint_and_wait, 2, {pids!r})")
 
 

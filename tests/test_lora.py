@@ -15,7 +15,7 @@ from glm5f.ckpt import checkpoint
 from glm5f.model import lora
 from glm5f.ckpt.checkpoint import fingerprint
 from glm5f.train.loss import Step, step_grads
-from glm5f.metrics import read_metrics
+from glm5f.run.metrics import read_metrics
 from glm5f.model.moe import expert_linear
 from glm5f.core.ops import linear
 from glm5f.parallel.layout import Layout, placements
@@ -172,7 +172,7 @@ def test_fingerprint_does_not_depend_on_the_layout_but_on_every_value(tmp_path):
     """FSDP x EP shards (lora_rank replicated dims included) hash to the one-process tree's fingerprint; two
     swapped values change it."""
     import dist_checks
-    from glm5f.launch import spawn
+    from glm5f.run.launch import spawn
 
     params = glm5f.init_params(glm5f.preset("glm5-tiny"), 0)
     attached = lora.attach(params, lora.init_adapters(params, lora.LoraSpec(4, targets=r"self_attn|mlp\."), 0))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import run_script
-from glm5f.metrics import MetricsLog, plot_losses, read_metrics
+from glm5f.run.metrics import MetricsLog, plot_losses, read_metrics
 from train import main
 
 TINY = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", "--data.batch_size", "2", "--data.seq_len", "32",

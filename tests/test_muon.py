@@ -13,7 +13,7 @@ import glm5f
 from configs import OptimConfig
 from conftest import cli
 from glm5f.ckpt import checkpoint
-from glm5f.metrics import read_metrics
+from glm5f.run.metrics import read_metrics
 from glm5f.train.optim import (OPTIMIZERS, Optimizer, adamw, leaf_rule, make_optimizer, muon, muon_blocks,
                                newton_schulz, orthogonalised, trained_paths, unused_flags)
 from glm5f.core.params import flatten
@@ -341,7 +341,7 @@ def test_each_block_is_orthogonalised_on_one_rank(world, ep, split, exchanged, t
     (two steps). Whole heads and EP experts are orthogonalised where they lie, with no communication: all-to-all
     moves exactly the leaves written out here, each element once to its owner and once back. And matrices cut
     unevenly, some ranks' pieces empty (2 rows over 3 or 4 ranks), come back as one process computes them."""
-    from glm5f.launch import spawn
+    from glm5f.run.launch import spawn
 
     spawn(dist_checks.muon_once_check, world, world, ep, split, str(tmp_path / "out.json"))
     ranks = json.loads((tmp_path / "out.json").read_text())

@@ -1,4 +1,4 @@
-"""The memory plan (glm5f/plan.py) against what is true: the parameter count, DTensor's chunking, the tensors
+"""The memory plan (glm5f/run/plan.py) against what is true: the parameter count, DTensor's chunking, the tensors
 autograd really saves, and the peak resident memory of real runs in every parallel layout."""
 
 import dataclasses
@@ -25,8 +25,8 @@ from glm5f.model.decoder import hidden_states, main_head
 from glm5f.core.params import flatten
 from glm5f.core.layers import layer_spec
 from glm5f.train.optim import make_optimizer
-from glm5f.plan import (GB, RunShape, activation_bytes, kept_activation_bytes, leaf_groups, least_total, local_shape,
-                        mesh_coords, plan, search, state_bytes, trace, traced_activations)
+from glm5f.run.plan import (GB, RunShape, activation_bytes, kept_activation_bytes, leaf_groups, least_total, local_shape,
+                            mesh_coords, plan, search, state_bytes, trace, traced_activations)
 from train import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -197,7 +197,7 @@ def measure_against_plan(layout: str, tmp_path, base: list[str] = MEASURE) -> li
     import tyro
     from configs import Config
     from glm5f.train.optim import make_optimizer
-    from glm5f.plan import run_shape
+    from glm5f.run.plan import run_shape
 
     argv = base + LAYOUTS[layout] + ["--checkpoint.dir", str(tmp_path / "run")]
     out = tmp_path / "probe.json"

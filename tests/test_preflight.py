@@ -1,4 +1,4 @@
-"""The checks before a run or a script allocates anything (glm5f/preflight.py): train.py refuses, in one line and
+"""The checks before a run or a script allocates anything (glm5f/run/preflight.py): train.py refuses, in one line and
 before any process starts, a run past the memory available or the cores, or one whose files are missing; the
 scripts refuse weights that do not fit; the figures are the bytes the real tensors take."""
 
@@ -14,12 +14,12 @@ import torch
 import glm5f
 import train
 from conftest import write_records
-from glm5f import preflight
+from glm5f.run import preflight
 from glm5f.ckpt import checkpoint
 from glm5f.model.decode import init_cache
 from glm5f.train.optim import trained_paths
 from glm5f.core.params import flatten
-from glm5f.plan import GB
+from glm5f.run.plan import GB
 from scripts import convert, generate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

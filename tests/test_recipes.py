@@ -11,9 +11,9 @@ import torch
 import yaml
 
 from configs import load_config
-from glm5f.rundir import CONFIG_FILE
+from glm5f.run.rundir import CONFIG_FILE
 from glm5f.ckpt import checkpoint
-from glm5f.metrics import read_metrics
+from glm5f.run.metrics import read_metrics
 from train import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

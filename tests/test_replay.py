@@ -341,7 +341,7 @@ def replay_layouts_check() -> None:
 
     from glm5f.model.attention import attention
     from glm5f.parallel.distributed import DistLayout
-    from glm5f.launch import init_process
+    from glm5f.run.launch import init_process
     from glm5f.model.moe import moe_mlp
     from glm5f.parallel.layout import cp_positions
 
@@ -387,7 +387,7 @@ def replay_layouts_check() -> None:
 
 
 def test_replay_under_context_and_expert_parallelism():
-    from glm5f.launch import spawn
+    from glm5f.run.launch import spawn
 
     spawn(replay_layouts_check, 2)
 

@@ -1,4 +1,4 @@
-"""glm5f/rundir.py: the run directory's lock (a second run into a locked directory, a stale lock taken over, what
+"""glm5f/run/rundir.py: the run directory's lock (a second run into a locked directory, a stale lock taken over, what
 the lock leaves behind) and the paths a run cannot write, named before any training."""
 
 import os
@@ -6,8 +6,8 @@ import socket
 
 import pytest
 
-from glm5f import rundir
-from glm5f.metrics import read_metrics
+from glm5f.run import rundir
+from glm5f.run.metrics import read_metrics
 from train import main
 
 TINY = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", "--data.batch_size", "2", "--data.seq_len", "32",

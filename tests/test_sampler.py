@@ -17,7 +17,7 @@ from glm5f.posttrain import sampler
 from glm5f.data import chat
 from glm5f.model import decode
 from glm5f.data.rollouts import read_groups
-from glm5f.metrics import read_metrics
+from glm5f.run.metrics import read_metrics
 from glm5f.data.tokens import make_tokenizer
 from train import main, train
 

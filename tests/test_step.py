@@ -17,7 +17,7 @@ from glm5f.data import IGNORE_INDEX
 from glm5f.train.loss import Objective, head_token_losses
 from glm5f.parallel.layout import Layout
 from glm5f.core.params import flatten
-from glm5f.plan import plan, run_shape
+from glm5f.run.plan import plan, run_shape
 from glm5f.train.step import OBJECTIVES, Trainer, train_step
 from train import TrainingError, main, train
 

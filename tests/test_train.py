@@ -16,7 +16,7 @@ from configs import with_data_type
 from conftest import RUN_64, cli, write_records
 from glm5f.ckpt import checkpoint
 from glm5f.data import make_eval_source, make_source
-from glm5f.metrics import read_metrics
+from glm5f.run.metrics import read_metrics
 from glm5f.train.optim import adamw_init, trained_paths
 from test_metrics import check_loss_png
 from train import TrainingError, main, train
@@ -369,8 +369,8 @@ def test_default_run_evaluates():
 
 
 def test_a_full_disk_while_writing_the_run_files_is_an_error_line(tmp_path, capsys, monkeypatch):
-    from glm5f import recipe_file
-    import glm5f.metrics as metrics
+    from glm5f.run import recipe_file
+    import glm5f.run.metrics as metrics
     import train as train_mod
     run = tmp_path / "run"
     args = TINY + ["--train.steps", "3", "--checkpoint.every", "1", "--checkpoint.dir", str(run)]

@@ -183,7 +183,7 @@ def _prune(root: str, keep: int, newest: str) -> None:
 
 def remove_partial_saves(run_dir: str) -> list[str]:
     """Remove the .tmp-step_* folders a killed save left in RUN/checkpoints (call it holding the run's lock, as
-    glm5f.rundir.RunLock does, so no save is running); returns a line for each one removed."""
+    glm5f.run.rundir.RunLock does, so no save is running); returns a line for each one removed."""
     root = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(root):
         return []

@@ -1,5 +1,5 @@
 """Several processes: `DistLayout`, the `parallel.Layout` of a rank of an FSDP/DP x CP x EP run, as DTensors and
-collectives over the meshes and placements `glm5f.parallel.layout` derives (the process group is up: `glm5f.launch`).
+collectives over the meshes and placements `glm5f.parallel.layout` derives (the process group is up: `glm5f.run.launch`).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import threading
 import torch
 
 SIGNAL_EXIT = {signal.SIGTERM: 143, signal.SIGINT: 130}  # 128 + the signal's number, as a shell reports it
-FORWARDED = signal.SIGUSR2  # a launcher passing on the SIGTERM it got (glm5f.launch.spawn)
+FORWARDED = signal.SIGUSR2  # a launcher passing on the SIGTERM it got (glm5f.run.launch.spawn)
 
 # per source (a SIGTERM sent to this process, one its launcher passed on), how many SIGTERMs came
 _state = {"signum": None, "grace_s": None, "sigint": False, "stop_now": None, signal.SIGTERM: 0, FORWARDED: 0}
@@ -112,7 +112,7 @@ def _on_alarm(signum, frame) -> None:
 def handling(grace_s: float | None = None, launched: bool = False):
     """Within it, SIGTERM sets the stop flag (see `should_stop`) instead of killing the process; a second SIGTERM,
     or `grace_s` seconds after the first, raise StopNow; the first SIGINT raises KeyboardInterrupt and later ones
-    are ignored. `launched`: a worker of glm5f.launch.spawn, whose launcher passes its SIGTERMs on as
+    are ignored. `launched`: a worker of glm5f.run.launch.spawn, whose launcher passes its SIGTERMs on as
     FORWARDED. Restores the previous handlers on leaving. Outside the main thread (no signals there) it does
     nothing."""
     if threading.current_thread() is not threading.main_thread():

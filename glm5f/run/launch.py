@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from glm5f import preempt
+from glm5f.run import preempt
 
 
 def backend_for(device: torch.device) -> str:
@@ -152,7 +152,7 @@ def collective_timeout(e: BaseException) -> str | None:
 
 
 def _wait_stopping(processes) -> int | None:
-    """Wait while the workers run or stop together on a signal (exit codes 130/143, see glm5f.preempt); the
+    """Wait while the workers run or stop together on a signal (exit codes 130/143, see glm5f.run.preempt); the
     stop's exit code once all have stopped so, None as soon as one fails otherwise (or all end with 0), for
     ProcessContext.join to handle (which stops the others at once)."""
     from multiprocessing.connection import wait

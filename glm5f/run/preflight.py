@@ -1,7 +1,7 @@
 """What a run or a script checks before it allocates anything or starts a process: the memory it will hold against
 what the machine has available, its local processes against the cores, and the files its ranks would read.
 
-A check refuses only what cannot fit: the figure it compares is a lower bound of the memory plan's (glm5f.plan:
+A check refuses only what cannot fit: the figure it compares is a lower bound of the memory plan's (glm5f.run.plan:
 `least_total`, the plan's state and update lines exactly and the activations every layer keeps), and it refuses
 only past `MARGIN` times the memory available, so a run the plan says fits is never refused.
 """
@@ -19,7 +19,7 @@ from glm5f.data.readers import DatasetReader, JsonlReader, load_batches
 from glm5f.model.decode import init_cache
 from glm5f.train.optim import make_optimizer
 from glm5f.core.params import abstract_params, flatten
-from glm5f.plan import GB, least_total, process_rss_bytes, run_shape
+from glm5f.run.plan import GB, least_total, process_rss_bytes, run_shape
 
 MARGIN = 1.25  # refuse past 1.25 x what is available: the plan's figures are within 20% of the peaks measured
 PROCESSES_PER_CORE = 8  # more local processes than this many a CPU core only take turns on it

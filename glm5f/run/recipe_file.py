@@ -15,7 +15,7 @@ from typing import Literal
 import tyro
 import yaml
 
-from glm5f.rundir import CONFIG_FILE
+from glm5f.run.rundir import CONFIG_FILE
 
 
 class _Loader(yaml.SafeLoader):
