@@ -22,7 +22,7 @@ from glm5f.run import recipe_file
 from glm5f.data import check_path_fits, infer_data_type, load_batches
 from glm5f.model.lora import DEFAULT_TARGETS, LoraSpec, target_modules
 from glm5f.train.optim import OPTIMIZERS, trained_paths
-from glm5f.train.step import OBJECTIVES
+from glm5f.objectives import OBJECTIVES
 from glm5f.data.tokens import make_tokenizer
 
 @dataclass
@@ -184,7 +184,7 @@ class TrainConfig:
     steps: int = 300
     """Total optimizer steps (a resumed run continues up to this)."""
     objective: str = "lm"
-    """The main objective (glm5f.train.step.OBJECTIVES): lm, the next-token cross-entropy; dpo, DPO over preference
+    """The main objective (glm5f.objectives.OBJECTIVES): lm, the next-token cross-entropy; dpo, DPO over preference
     pairs (--data.type preference, --dpo flags). The terms (MTP, indexer, balance) are added to it."""
     grad_accum: int = 1
     """Micro-batches per step; data.batch_size must divide by grad_accum (and by the data-parallel ranks)."""

@@ -51,6 +51,7 @@ from glm5f.core.params import flatten, leaf_dtype, map_with_path, region_of
 from glm5f.run.resume import check_resumable
 from glm5f.run.recipe_file import write_config
 from glm5f.posttrain.grpo import old_logprobs
+from glm5f.objectives import objective
 from glm5f.train.step import Trainer, TrainState, train_step
 
 
@@ -128,7 +129,7 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
     unused = unused_weights(cfg.train, model_cfg) + unused_flags(cfg.optim, lora=bool(spec))
     for message in unused if layout.is_main else ():
         print_warning(message)
-    trainer = Trainer.of(cfg, model_cfg, layout)
+    trainer = Trainer.of(cfg, model_cfg, layout, objective(cfg.train.objective))
     reference = init_reference(cfg, model_cfg, params, layout) \
         if trainer.step.objective.needs_reference(trainer.step.settings) else None
     data, eval_batches = make_data(cfg, model_cfg, layout, say, tokenizer.path)

@@ -104,6 +104,7 @@ def dpo_glm5f(args, paths: dict) -> tuple[list[float], float, float, dict]:
     from configs import parse, with_data_type
     from glm5f.data.chat import resolve_tokenizer
     from glm5f.parallel.layout import Layout
+    from glm5f.objectives import objective
     from glm5f.train.step import Trainer, train_step
     from train import init_params, init_reference, make_data
 
@@ -118,7 +119,7 @@ def dpo_glm5f(args, paths: dict) -> tuple[list[float], float, float, dict]:
     layout = Layout(args.device)
     tokenizer = resolve_tokenizer(cfg.model.tokenizer_path, cfg.model.init_from, cfg.data.chat_template)
     model_cfg, params = init_params(cfg, layout)
-    trainer = Trainer.of(cfg, model_cfg, layout)
+    trainer = Trainer.of(cfg, model_cfg, layout, objective(cfg.train.objective))
     state = trainer.init(params, None, init_reference(cfg, model_cfg, params, layout))
     data, _ = make_data(cfg, model_cfg, layout, lambda *a, **k: None, tokenizer.path)
     seconds = []
@@ -177,6 +178,7 @@ def grpo_glm5f(args, paths: dict) -> tuple[list[tuple], float, float, dict]:
     from configs import parse, with_data_type
     from glm5f.data.chat import resolve_tokenizer
     from glm5f.parallel.layout import Layout
+    from glm5f.objectives import objective
     from glm5f.train.step import Trainer, train_step
     from glm5f.data.tokens import IGNORE_INDEX
     from train import decoding_params, init_params, make_data
@@ -193,7 +195,7 @@ def grpo_glm5f(args, paths: dict) -> tuple[list[tuple], float, float, dict]:
     layout = Layout(args.device)
     tokenizer = resolve_tokenizer(cfg.model.tokenizer_path, cfg.model.init_from, cfg.data.chat_template)
     model_cfg, params = init_params(cfg, layout)
-    trainer = Trainer.of(cfg, model_cfg, layout)
+    trainer = Trainer.of(cfg, model_cfg, layout, objective(cfg.train.objective))
     state = trainer.init(params, None, None)
     data, _ = make_data(cfg, model_cfg, layout, lambda *a, **k: None, tokenizer.path)
     steps = []

@@ -6,7 +6,7 @@ from glm5f.ckpt.hf import hf_state_dict, load_hf, save_hf
 from glm5f.data import IGNORE_INDEX
 from glm5f.model.env import make_env
 from glm5f.model.logprobs import token_logprobs
-from glm5f.train.loss import causal_lm_loss, cross_entropy_sum, shift_labels
+from glm5f.model.head import causal_lm_loss, cross_entropy_sum, shift_labels
 from glm5f.model.decoder import apply, decoder_layer, forward
 from glm5f.core.params import abstract_params, check_params, flatten, init_params, param_count, unflatten
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import glm5f
 from glm5f.model import decode
 from glm5f.model.decode import extend, generate, init_cache, sample
-from glm5f.train.loss import mtp_inputs
+from glm5f.model.head import mtp_inputs
 from glm5f.model.decoder import head_logits
 
 MTP_CFG = glm5f.preset("glm5-tiny", num_nextn_predict_layers=1)  # the MTP layer is MoE with a full indexer

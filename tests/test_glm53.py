@@ -197,7 +197,7 @@ def test_matches_transformers(seed, hc_mult, kpool, padded, tmp_path):
     from torch.func import functional_call
 
     from conftest import assert_grads_match, random_batch, stable_topk, with_grad
-    from glm5f.train.loss import causal_lm_loss
+    from glm5f.model.head import causal_lm_loss
 
     cfg = random_config(seed, hc_mult, kpool)
     model = hf_glm53(cfg, seed)

@@ -1,6 +1,6 @@
 """glm5f's import graph, read from the source with `ast` (imports inside functions included): no module imports
-itself back through others, and the model (attention, model, KDA, MoE, loss) stands below processes, signals and
-checkpoints."""
+itself back through others; each folder imports only the folders below it (FLOORS); nothing in glm5f imports
+train.py or configs.py; no private name is imported across folders."""
 
 import ast
 import pathlib
@@ -8,10 +8,11 @@ from collections import deque
 
 import glm5f
 
-# the model's modules (a name and every module under it; "glm5f.kernels.kda" also covers "glm5f.kda_*" and the like) and the
-# modules that start processes, handle signals or write checkpoints, which the model never reaches
-MODEL = ("glm5f.model.attention", "glm5f.model.decoder", "glm5f.kernels.kda", "glm5f.model.moe", "glm5f.train.loss")
-ABOVE_THE_MODEL = ("glm5f.run.launch", "glm5f.ckpt.checkpoint", "glm5f.run.preempt")
+# The floors of glm5f, bottom first: a module of a floor imports only modules of its own floor and of floors below.
+# A floor is a folder (glm5f/core/, ...) or a top module (glm5f/objectives.py: the objective table, above train/ and
+# posttrain/, whose rows it names). A new folder is a line here.
+FLOORS = ("core", "kernels", "parallel", "model", "data", "ckpt", "train", "posttrain", "objectives", "run")
+OUTSIDE = ("train", "configs")  # the CLI's modules at the repository's top: glm5f never imports them
 
 
 def modules(root: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -74,33 +75,83 @@ def cycles(graph: dict[str, set[str]]) -> dict[str, list[str]]:
     return {m: chain for m in graph if (chain := path_to(graph, m, lambda n, m=m: n == m)) is not None}
 
 
-def under(name: str, prefixes: tuple[str, ...]) -> bool:
-    return any(name == p or name.startswith(p + ".") for p in prefixes)
+def floor(module: str) -> str:
+    """The floor of a glm5f module: its first name under the package ("glm5f.model.moe" -> "model")."""
+    return module.split(".")[1]
 
 
-GRAPH = import_graph(pathlib.Path(glm5f.__file__).parent)
+def upward(graph: dict[str, set[str]], floors: tuple[str, ...]) -> list[str]:
+    """"a -> b" for every import of a module b on a floor above a's (a floor not in `floors` is above all)."""
+    rank = {f: i for i, f in enumerate(floors)}
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
+                  if rank.get(floor(b), len(floors)) > rank.get(floor(a), len(floors)))
+
+
+def private_imports(root: pathlib.Path) -> list[str]:
+    """"module: name from other" for every `from other import _name` of the package across two floors."""
+    found = []
+    for name, path in modules(root).items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith(root.name + ".")
+                    and floor(node.module) != floor(name)):
+                found += [f"{name}: {a.name} from {node.module}" for a in node.names if a.name.startswith("_")]
+    return found
+
+
+def outside_imports(graph_root: pathlib.Path) -> list[str]:
+    """"module -> name" for every import in the package of a top-level CLI module (OUTSIDE)."""
+    found = []
+    for name, path in modules(graph_root).items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            found += [f"{name} -> {n}" for n in names if n and n.split(".")[0] in OUTSIDE]
+    return found
+
+
+ROOT = pathlib.Path(glm5f.__file__).parent
+GRAPH = import_graph(ROOT)
 
 
 def test_no_glm5f_module_imports_itself_back():
     assert cycles(GRAPH) == {}
 
 
-def test_the_model_reaches_no_process_signal_or_checkpoint_module():
-    model = [m for m in GRAPH if under(m, MODEL) or m.startswith("glm5f.kernels.kda")]
-    assert {"glm5f.model.attention", "glm5f.model.decoder", "glm5f.kernels.kda", "glm5f.model.moe", "glm5f.train.loss"} <= {
-        "glm5f.kernels.kda" if m.startswith("glm5f.kernels.kda") else m for m in model}, "a module of MODEL is not found"
-    reached = {m: path_to(GRAPH, m, lambda n: under(n, ABOVE_THE_MODEL)) for m in model}
-    assert {m: " -> ".join(chain) for m, chain in reached.items() if chain} == {}
+def test_every_module_stands_on_a_floor_of_the_table():
+    assert {floor(m) for m in GRAPH} == set(FLOORS)
+
+
+def test_each_floor_imports_only_the_floors_below_it():
+    assert upward(GRAPH, FLOORS) == []
+
+
+def test_no_private_name_crosses_a_floor_and_nothing_imports_the_cli():
+    assert private_imports(ROOT) == []
+    assert outside_imports(ROOT) == []
+
+
+def test_the_rule_table_catches_an_upward_import(tmp_path):
+    """A copy of glm5f with one upward import added: the table names it (and only it)."""
+    import shutil
+    copy = tmp_path / "glm5f"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns("__pycache__", "assets"))
+    moe = copy / "model" / "moe.py"
+    moe.write_text(moe.read_text() + "\n\ndef _late():\n    from glm5f.run import preempt\n")
+    assert upward(import_graph(copy), FLOORS) == ["glm5f.model.moe -> glm5f.run", "glm5f.model.moe -> glm5f.run.preempt"]
+    ops = copy / "core" / "ops.py"
+    ops.write_text(ops.read_text() + "\nfrom glm5f.model.lora import _private  # noqa\nimport train  # noqa\n")
+    assert private_imports(copy) == ["glm5f.core.ops: _private from glm5f.model.lora"]
+    assert outside_imports(copy) == ["glm5f.core.ops -> train"]
 
 
 def test_the_graph_holds_the_imports_of_the_source():
     """The reader sees glm5f's own imports: at module level, inside functions, under TYPE_CHECKING, `from glm5f
     import x`, and chains of them."""
-    assert "glm5f.parallel.layout" in GRAPH["glm5f.model.attention"]  # from glm5f.parallel.layout import cp_position_list
-    assert "glm5f.model.lora" in GRAPH["glm5f.ckpt.checkpoint"]  # only inside functions: from glm5f.model.lora import merge
-    assert "glm5f.kernels.triton_dsa" in GRAPH["glm5f.kernels.dsa"]  # inside a function's try: from glm5f import triton_dsa
+    assert "glm5f.parallel.layout" in GRAPH["glm5f.model.attention"]  # from glm5f.parallel.layout import ...
+    assert "glm5f.model.lora" in GRAPH["glm5f.ckpt.checkpoint"]  # only inside functions
+    assert "glm5f.kernels.triton_dsa" in GRAPH["glm5f.kernels.dsa"]  # inside a function's try
     assert "glm5f.model.env" in GRAPH["glm5f.model.indexer_loss"]  # under TYPE_CHECKING
-    assert "glm5f.run.preempt" in GRAPH["glm5f.run.launch"]  # from glm5f import preempt
+    assert "glm5f.run.preempt" in GRAPH["glm5f.run.launch"]  # from glm5f.run import preempt
     assert path_to(GRAPH, "glm5f.run.plan", lambda n: n == "glm5f.core.ops") is not None
 
 

@@ -21,7 +21,8 @@ from conftest import RUN_64, cli, env_of, forward_by_layers, naive_seq_aux, rel_
 from glm5f.ckpt import checkpoint
 from glm5f.model.attention import LATENT_NORM_EPS, attention
 from glm5f.kernels.dsa import topk_as_mask
-from glm5f.train.loss import Step, cross_entropy_sum, head_loss_sum, mtp_targets, step_grads, with_targets
+from glm5f.train.loss import Step, step_grads, with_targets
+from glm5f.model.head import cross_entropy_sum, head_loss_sum, mtp_targets
 from glm5f.model.decoder import apply, head_logits
 from glm5f.core.ops import apply_rope, layer_norm, rms_norm
 from glm5f.train.optim import value_and_grad
@@ -458,7 +459,7 @@ def test_step_with_head_chunks_equals_the_whole_logits(variant, monkeypatch):
             adapters = {k: (t + 0.1 * torch.randn(t.shape, generator=g, dtype=torch.float64).to(t.dtype))
                         for k, t in glm5f.model.lora.init_adapters(params, spec, 0, getattr(torch, dtype)).items()}
         batch = padded_batch(model_cfg)
-        chunked = functools.partial(glm5f.train.loss.head_loss_sum, chunk_elems=3 * model_cfg.vocab_size)
+        chunked = functools.partial(glm5f.model.head.head_loss_sum, chunk_elems=3 * model_cfg.vocab_size)
         for name, fn in (("chunks", chunked), ("whole", whole_logits_loss_sum)):
             steps[dtype, name] = step_with_head(monkeypatch, fn, params, batch, run, model_cfg, spec, adapters)
     (m, g, _), (wm, wg, _) = steps["float64", "chunks"], steps["float64", "whole"]

@@ -118,7 +118,7 @@ def test_mtp_forward_loss_and_gradients_match_the_formula():
         ctx = env_of(cfg, ids.shape, dtype=torch.float64)
         hidden = glm5f.apply(params, cfg, ids, ctx)[1]["hidden"]
     ref_logits = reference_mtp_logits(p, cfg, ids, hidden)
-    from glm5f.train.loss import mtp_inputs
+    from glm5f.model.head import mtp_inputs
     from glm5f.model.decoder import mtp_apply
     with torch.no_grad():
         our_logits = mtp_apply(params, cfg, hidden, [mtp_inputs(ids, 1)], ctx)[0][0]

@@ -20,7 +20,7 @@ import glm5f
 from configs import Config
 from conftest import env_of, run_script
 from glm5f.parallel.layout import mesh_shapes, placements
-from glm5f.train.loss import head_loss_sum, shift_labels
+from glm5f.model.head import head_loss_sum, shift_labels
 from glm5f.model.decoder import hidden_states, main_head
 from glm5f.core.params import flatten
 from glm5f.core.layers import layer_spec

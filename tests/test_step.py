@@ -14,11 +14,13 @@ from conftest import cli
 from glm5f.ckpt import checkpoint
 from glm5f.model import lora
 from glm5f.data import IGNORE_INDEX
-from glm5f.train.loss import Objective, head_token_losses
+from glm5f.train.loss import Objective
+from glm5f.model.head import head_token_losses
 from glm5f.parallel.layout import Layout
 from glm5f.core.params import flatten
 from glm5f.run.plan import plan, run_shape
-from glm5f.train.step import OBJECTIVES, Trainer, train_step
+from glm5f.objectives import OBJECTIVES, objective
+from glm5f.train.step import Trainer, train_step
 from train import TrainingError, main, train
 
 TINY = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", "--data.batch_size", "2", "--data.seq_len", "32",
@@ -64,7 +66,7 @@ def test_a_toy_objective_step_is_plain_torch_and_adamw(toy):
     ids = torch.randint(0, model_cfg.vocab_size, (2, 32), generator=g)
     labels = ids.clone()
     labels[0, :5] = IGNORE_INDEX
-    trainer = Trainer.of(cfg, model_cfg, Layout(torch.device("cpu")))
+    trainer = Trainer.of(cfg, model_cfg, Layout(torch.device("cpu")), objective(cfg.train.objective))
     state = trainer.init(params)
     trained = trainer.step.trained(params)
     state, metrics = train_step(state, {"input_ids": ids, "labels": labels}, trainer)
@@ -151,7 +153,7 @@ def test_a_lora_step_trains_only_the_adapters():
     params = glm5f.init_params(model_cfg)
     adapters = lora.init_adapters(params, cfg.lora.spec())
     base = {p: t.clone() for p, t in flatten(params).items()}
-    trainer = Trainer.of(cfg, model_cfg, Layout(torch.device("cpu")))
+    trainer = Trainer.of(cfg, model_cfg, Layout(torch.device("cpu")), objective(cfg.train.objective))
     state = trainer.init(adapters, params)
     assert set(state.opt_state["mu"]) == set(adapters)
     g = torch.Generator().manual_seed(0)
@@ -173,7 +175,7 @@ def test_full_training_balances_the_router_biases_it_trains():
     model_cfg = cfg.model.build()
     params = glm5f.init_params(model_cfg)
     before = {p: t.clone() for p, t in flatten(params).items()}
-    trainer = Trainer.of(cfg, model_cfg, Layout(torch.device("cpu")))
+    trainer = Trainer.of(cfg, model_cfg, Layout(torch.device("cpu")), objective(cfg.train.objective))
     ids = torch.randint(0, model_cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     state, _ = train_step(trainer.init(params), {"input_ids": ids, "labels": ids}, trainer)
     after = flatten(state.trained)

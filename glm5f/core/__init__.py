@@ -2,3 +2,5 @@
 layer-kind tables, the plain ops (norms, rope, dtype rules), FLOP counts, replay records and IGNORE_INDEX.
 
 Imports no other glm5f folder."""
+
+IGNORE_INDEX = -100  # the label of a position that is not trained (as Transformers and torch's cross_entropy)

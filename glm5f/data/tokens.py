@@ -1,5 +1,5 @@
-"""Tokens: the byte and tokenizer.json tokenizers, the Example (ids and labels) a record becomes, IGNORE_INDEX
-and the vocabulary checks; what chat.py and data.py both build on.
+"""Tokens: the byte and tokenizer.json tokenizers, the Example (ids and labels) a record becomes, and the
+vocabulary checks; what chat.py and data.py both build on.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 import re
 from dataclasses import dataclass
 
-IGNORE_INDEX = -100
+from glm5f.core import IGNORE_INDEX
 
 
 # ---- tokenizers ---------------------------------------------------------------------------------------------------

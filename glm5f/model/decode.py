@@ -12,7 +12,7 @@ from glm5f.core import replay
 from glm5f.core.config import GLM5Config
 from glm5f.model.env import Env, Mask, make_env
 from glm5f.core.layers import carries_state, layer_cache
-from glm5f.train.loss import mtp_inputs
+from glm5f.model.head import mtp_inputs
 from glm5f.model.decoder import apply, check_input_ids, head_logits, mtp_layer
 from glm5f.core.ops import rope_tables
 from glm5f.parallel.layout import Layout

@@ -12,11 +12,11 @@ import torch
 
 from glm5f.core.config import GLM5Config
 from glm5f.model.env import make_env
-from glm5f.train.loss import HeadLosses, head_chunk_rows, shift_labels
+from glm5f.model.head import HeadLosses, head_chunk_rows, shift_labels
 from glm5f.model.lora import LoraSpec
 from glm5f.model.decoder import hidden_states, input_batch, main_head
 from glm5f.parallel.layout import Layout
-from glm5f.data.tokens import IGNORE_INDEX
+from glm5f.core import IGNORE_INDEX
 
 
 def head_logprobs(head: dict, x_BxSxD: torch.Tensor, targets_BxS: torch.Tensor, eps: float,

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from glm5f.train.loss import Context, Objective, head_token_losses, shift_labels
+from glm5f.train.loss import Context, Objective
+from glm5f.model.head import head_token_losses, shift_labels
 from glm5f.core.ops import wide_dtype
 from glm5f.data.pairs import CHOSEN, REJECTED
-from glm5f.data.tokens import IGNORE_INDEX
+from glm5f.core import IGNORE_INDEX
 
 
 @dataclass(frozen=True)

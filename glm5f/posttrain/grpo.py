@@ -24,8 +24,9 @@ from glm5f.model.decode import init_cache
 from glm5f.core.ops import wide_dtype
 from glm5f.core.params import param_count
 from glm5f.core.replay import REPLAY_KEYS
-from glm5f.train.loss import Context, Objective, head_token_losses, micro_batches, micro_loss, with_targets
-from glm5f.data.tokens import IGNORE_INDEX
+from glm5f.train.loss import Context, Objective, micro_batches, micro_loss, with_targets
+from glm5f.model.head import head_token_losses
+from glm5f.core import IGNORE_INDEX
 
 LOSSES = ("dapo", "grpo")
 SCALES = ("group", "batch", "none")

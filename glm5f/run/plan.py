@@ -28,14 +28,14 @@ from glm5f.core.config import GLM5Config
 from glm5f.data.rollouts import file_group_size
 from glm5f.model.env import make_env
 from glm5f.core.layers import LeafKind, kinds, layer_spec
-from glm5f.train.loss import head_chunk_rows, head_loss_sum, shift_labels
+from glm5f.model.head import head_chunk_rows, head_loss_sum, shift_labels
 from glm5f.model.decoder import decoder_layer, main_head
 from glm5f.core.ops import wide_dtype
 from glm5f.train.optim import ADAMW_UPDATE_COPIES, Held, Optimizer, adamw, leaf_rule, make_optimizer
 from glm5f.model.lora import DEFAULT_TARGETS, LoraSpec, adapter_shapes, is_adapter
 from glm5f.parallel.layout import Layout, cp_positions, mesh_shapes, placements
 from glm5f.core.params import Leaf, abstract_params, flatten, leaf_dtype, leaf_kind, map_with_path, param_layout
-from glm5f.train.step import OBJECTIVES
+from glm5f.objectives import OBJECTIVES
 
 GB = 10**9  # --parallel.device_memory_gb and the table count decimal gigabytes (an H200 has 141 GB)
 
@@ -432,7 +432,7 @@ def plan(cfg: GLM5Config, run: RunShape, runtime_bytes: int = 0, device_bytes: i
     total = runtime + max(forward/backward, update): forward/backward holds params, optimizer state, the previous
     micro-batches' gradients (grad_accum > 1), the gathered weights and the activations at their peak (the start of
     the backward); the update holds params, optimizer state, gradients and the optimizer's temporaries; both hold
-    what the main objective (`step.OBJECTIVES[run.objective]`) needs beyond the LM step (its `plan_bytes`).
+    what the main objective (`objectives.OBJECTIVES[run.objective]`) needs beyond the LM step (its `plan_bytes`).
     `optimizer`: default AdamW. `groups` (`leaf_groups(cfg)`) and `cache` (a dict of activations and traces by
     micro-batch shape) save work over many plans.
     """

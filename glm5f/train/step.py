@@ -1,5 +1,6 @@
 """The training step as one function, `train_step(state, batch, trainer) -> (state, metrics)`, over a `TrainState`
-(the trained tree, the frozen tree, the optimizer state, the step number); the main objectives, `OBJECTIVES`.
+(the trained tree, the frozen tree, the optimizer state, the step number); the main objective is the Trainer's row
+(glm5f.objectives).
 
 What trains is which tree goes where: full training trains the params (the leaves `Step.trained` names; the others
 ride along unchanged), a LoRA run trains its adapters beside the frozen base (router biases included).
@@ -10,27 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
-from glm5f.posttrain import dpo
-from glm5f.posttrain import grpo
 from glm5f.core.config import GLM5Config
 from glm5f.model.lora import attach
-from glm5f.train.loss import LM, Objective, Step, step_grads
+from glm5f.train.loss import Objective, Step, step_grads
 from glm5f.train.optim import (Optimizer, balance_router_bias, clip_by_global_norm, lr_schedule, make_optimizer, matches,
                                schedule_total)
 from glm5f.parallel.layout import Layout
 from glm5f.core.params import flatten
-
-# The main objectives --train.objective names (`loss.Objective` rows). A new one is a row here; its functions live
-# in a file of their own.
-OBJECTIVES: dict[str, Objective] = {"lm": LM, "dpo": dpo.DPO, "grpo": grpo.GRPO}
-
-
-def objective(name: str) -> Objective:
-    """The main objective --train.objective names."""
-    if name not in OBJECTIVES:
-        raise ValueError(f"--train.objective must be one of {', '.join(OBJECTIVES)}, found {name!r}")
-    return OBJECTIVES[name]
-
 
 class TrainState(NamedTuple):
     """A run between steps: `trained` the tree the optimizer updates (the params, or a LoRA run's adapters: a flat
@@ -76,12 +63,11 @@ class Trainer:
     bias_update_rate: float
 
     @classmethod
-    def of(cls, cfg, model_cfg: GLM5Config, layout: Layout) -> Trainer:
-        """The Trainer of a train.py `Config`: --train.objective's row, --lora's adapters, --optim's optimizer,
-        clip, schedule and bias rate."""
+    def of(cls, cfg, model_cfg: GLM5Config, layout: Layout, row: Objective) -> Trainer:
+        """The Trainer of a train.py `Config` training the main objective `row` (--train.objective's, from
+        glm5f.objectives): --lora's adapters, --optim's optimizer, clip, schedule and bias rate."""
         o = cfg.optim
         total = schedule_total(o, cfg.train)
-        row = objective(cfg.train.objective)
         settings = getattr(cfg, row.settings) if row.settings else None
         return cls(model_cfg, layout, Step.of(cfg.train, model_cfg, cfg.lora.spec(), row, settings),
                    make_optimizer(o, model_cfg, lora=bool(cfg.lora.rank)), o.clip_norm,
