@@ -130,7 +130,7 @@ def run_layers(params: dict, cfg: GLM5Config, x_BxSxD: torch.Tensor, env: Env) -
 
 def main_head(params: dict, cfg: GLM5Config) -> dict:
     """The main model's head: {"norm": the final norm's weight [D], "weight": the LM head's [V, D] (the
-    embedding when tied)}, as `head_logits` and `loss.head_loss_sum` take it."""
+    embedding when tied)}, as `head_logits` and `head.head_loss_sum` take it."""
     head = params["model"]["embed_tokens"] if cfg.tie_word_embeddings else params["lm_head"]
     return {"norm": params["model"]["norm"]["weight"], "weight": head["weight"]}
 

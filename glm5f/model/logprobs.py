@@ -22,7 +22,7 @@ from glm5f.core import IGNORE_INDEX
 def head_logprobs(head: dict, x_BxSxD: torch.Tensor, targets_BxS: torch.Tensor, eps: float,
                   chunk_elems: int | None = None) -> torch.Tensor:
     """log p(targets[b, s]) [B, S] of hidden states x [B, S, D] through `head` (`model.main_head`), chunk by chunk
-    (`loss.HeadLosses`); 0 where the target is IGNORE_INDEX. Differentiable in x and the head's weights; in fp32
+    (`head.HeadLosses`); 0 where the target is IGNORE_INDEX. Differentiable in x and the head's weights; in fp32
     (fp64 for fp64 weights)."""
     B, S = targets_BxS.shape
     rows = head_chunk_rows(head["weight"].shape[0], chunk_elems)
@@ -35,7 +35,7 @@ def token_logprobs(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, targe
                    lora: LoraSpec | None = None, layout: Layout | None = None, dtype: torch.dtype | None = None,
                    routing: torch.Tensor | None = None, indexer: torch.Tensor | None = None) -> torch.Tensor:
     """log p(targets[b, s] | input_ids[b, :s+1]) [B, S]: the model's log-probability of each target token, 0 where
-    a target is IGNORE_INDEX. targets default to the next token (`loss.shift_labels(input_ids)`: the last
+    a target is IGNORE_INDEX. targets default to the next token (`head.shift_labels(input_ids)`: the last
     position has none). attention_mask, position_ids, lora, routing and indexer (replayed experts and keys,
     `glm5f.core.replay`) as `glm5f.forward`'s; dtype: the activations' (the weights' by default). Under a `layout`
     (CP, dp_shard) the result is this rank's share of the rows and positions, as `env.make_env` cuts them; the targets are taken on whole sequences before the cut."""

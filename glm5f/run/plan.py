@@ -350,7 +350,7 @@ def layer_transient(cfg: GLM5Config, layer: int, B: int, S: int, T: int, run: Ru
 def activation_bytes(cfg: GLM5Config, run: RunShape, remat: bool | None = None, cache: dict | None = None) -> dict:
     """Peak activation bytes of one micro-batch on one rank: "layers" (what the decoder layers and MTP depths keep
     for the backward, with the rope tables), "logits" (what the final norm, head and cross-entropy keep: each
-    head's hidden states, its logits made in chunks by `loss.head_loss_sum`), "transient" (the largest
+    head's hidden states, its logits made in chunks by `head.head_loss_sum`), "transient" (the largest
     short-lived buffers on top), "peak" (their sum) and "logits_transient" (the heads' transient: one chunk's).
     With `remat` (default: the run's) a layer keeps only its input and top-k, and one layer at a time is
     recomputed in the backward. `cache`: see `traced_activations`."""
@@ -366,7 +366,7 @@ def activation_bytes(cfg: GLM5Config, run: RunShape, remat: bool | None = None, 
     rope, logits = sum(traced["rope"]), sum(traced["head"]) * (1 + cfg.mtp_depths)
     act, weight = run.dtypes
     a, w, lat = act.itemsize, wide_dtype(act).itemsize, torch.promote_types(act, weight).itemsize
-    # the backward of a chunk (`loss.HeadLosses`): its logits (and their cast to the activations' dtype), the
+    # the backward of a chunk (`head.HeadLosses`): its logits (and their cast to the activations' dtype), the
     # log-probabilities the cross-entropy saved, the gradients of the loss and of the log-softmax, in fp32
     chunk = min(B * S, head_chunk_rows(cfg.vocab_size)) * cfg.vocab_size
     logits_transient = chunk * (lat + (a if a < lat else 0) + 3 * w)
