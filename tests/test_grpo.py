@@ -14,7 +14,7 @@ import glm5f
 from configs import validate
 from conftest import cli, hf_model_fp64, stable_topk, transformers_in_fp64
 from glm5f.ckpt import checkpoint
-from glm5f.posttrain.grpo import STD_EPS, advantages
+from glm5f.posttrain.rl_losses import STD_EPS, advantages
 from train import train
 
 EPS_LOW, EPS_HIGH, CAP = 0.2, 0.28, 2.0
