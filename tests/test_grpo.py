@@ -1,7 +1,8 @@
 """glm5f/posttrain/grpo.py: GRPO's step-1 loss from a rollouts file equals the formula over Transformers' fp64
 log-probabilities (the engine's log-probabilities weighting each token); with two updates per batch the second pass
 clips as the formula says (resumed between the two); advantages as torch.std gives them; a batch whose groups all
-have equal rewards trains nothing; the flags that cannot work are refused."""
+have equal rewards trains nothing; the flags that cannot work are refused; three other rows of the loss tables
+(glm5f/posttrain/rl_losses.py) from train.py equal their formula over the same log-probabilities."""
 
 import json
 import math
@@ -108,8 +109,8 @@ def test_step_one_loss_equals_the_formula_with_transformers_fp64(setup, loss):
     assert abs(r["reward"] - float(rewards.mean())) <= 1e-12 and abs(r["reward_std"] - float(rewards.std())) <= 1e-12
 
 
-@pytest.mark.parametrize("adv,policy,agg", [("rloo", "rollout_is", "token_sum_norm"), ("dr_grpo", "cispo", "sequence_mean"),
-                                            ("grpo", "gspo", "token_mean")])
+@pytest.mark.parametrize("adv,policy,agg", [("rloo", "rollout_is", "token_sum_norm"),
+                                            ("dr_grpo", "cispo", "sequence_mean"), ("grpo", "gspo", "token_mean")])
 def test_step_one_loss_of_other_rows_equals_their_formula_with_transformers_fp64(setup, adv, policy, agg):
     """--rl.advantage / --rl.policy_loss / --rl.aggregation rows (tests/test_rl_losses.py's formula, old = logp at
     step 1): the loss and the row's own metrics from train.py."""
