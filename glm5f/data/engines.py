@@ -211,15 +211,15 @@ def engine_groups(path: str, name: str, group_key: str | None):
             groups[("line", where)] = [(w, *sample_completion(s, row, name, w))
                                        for w, s in ((f"{where}: sample {i}", s) for i, s in enumerate(rec))]
             continue
+        sample = (where, *sample_completion(rec, row, name, where))
         if key is None:
             raise ValueError(f"{where}: a {name} sample per line, but no group key: pass --data.group_key FIELD (the "
                              f"field its group's samples share) or write a group per line (a JSON list of samples)")
-        value = _get(rec, key) if isinstance(rec, dict) else None
+        value = _get(rec, key)
         if value is None:
             raise ValueError(f"{where}: the sample has no group key {key!r} (--data.group_key); pass the field its "
                              f"group's samples share, or write a group per line (a JSON list of samples)")
-        groups.setdefault(("key", json.dumps(value, sort_keys=True)), []).append(
-            (where, *sample_completion(rec, row, name, where)))
+        groups.setdefault(("key", json.dumps(value, sort_keys=True)), []).append(sample)
     for (kind, k), members in groups.items():
         if len(members) < 2:
             what = f"group key {key}={k}" if kind == "key" else "the group"

@@ -317,8 +317,9 @@ def read_groups(path: str, tok, fmt=None, cfg=None, options: ReadOptions = ReadO
         for i, c in enumerate(g.completions):
             lacking = [f for f in options.replay if f not in c.replay]
             if lacking:
-                named = [f"{f!r}" + (f" ({options.format}: {getattr(row, f)!r})" if row else "") for f in lacking]
-                raise ValueError(f"{g.where}: completion {i} has no {' or '.join(named)} record, but --rl.replay "
+                named = [f"{f!r}" + (f" ({options.format}: {getattr(row, f) or 'writes none'})" if row else "")
+                         for f in lacking]
+                raise ValueError(f"{c.where or g.where}: no {' or '.join(named)} record, but --rl.replay "
                                  f"{','.join(lacking)} replays it; record it when sampling, or drop --rl.replay")
     return groups
 
