@@ -117,7 +117,8 @@ WRITERS = {
                                "rewards": [0.0] * (len(s["ids"]) - 1) + [s["reward"]]},
     "prime_rl": lambda gi, j, s: {"example_id": gi, "token_ids": s["prompt"] + s["ids"],
                                   "mask": [False] * len(s["prompt"]) + [bool(m) for m in s["mask"]],
-                                  "logprobs": [0.0] * len(s["prompt"]) + over_response(s), "reward": s["reward"]},
+                                  "logprobs": [0.0] * len(s["prompt"]) + over_response(s), "reward": s["reward"],
+                                  "temperatures": [1.0] * (len(s["prompt"]) + len(s["ids"]))},
     "nemo_rl": lambda gi, j, s: {"idx": gi, "total_reward": s["reward"], "message_log": [
         {"role": "user", "token_ids": s["prompt"]}, *message_spans(s)]},
     "trl": lambda gi, j, s: {"prompt_ids": s["prompt"], "completion_ids": s["ids"], "tool_mask": s["mask"],
@@ -165,7 +166,8 @@ def grpo_flags(tmp, data: str, run: str, *extra: str) -> list[str]:
 def test_step_one_loss_from_each_format_equals_the_formula_over_trained_tokens(setup, name):
     tmp, policy, groups = setup
     data = write_format(tmp / f"{name}.jsonl", name, groups)
-    records = train(cli(*grpo_flags(tmp, data, f"run_{name}", "--data.format", name)))
+    key = ["--data.group_key", "example_id"] if name == "prime_rl" else []  # prime-rl's samples name no group
+    records = train(cli(*grpo_flags(tmp, data, f"run_{name}", "--data.format", name, *key)))
     expected = formula(groups, lambda s: own_logp(policy, s))
     assert abs(records[0]["loss"] - expected) <= 1e-8, (records[0]["loss"], expected)
     assert abs(expected) > 1e-3 and 0 < records[0]["tis_capped_fraction"] < 1
@@ -251,8 +253,13 @@ VERL = {"uid": "a", "prompt_ids": [1, 2], "response_ids": [3, 4], "response_mask
     ([VERL, {**VERL, "response_mask": [1]}], "verl", "FILE:2: 'response_mask' has 1 entries for 2 response tokens"),
     ([VERL, {**VERL, "response_logprobs": [-1.0] * 3}], "verl", "FILE:2: 'response_logprobs' has 3 entries"),
     ([VERL, VERL], "slime", "FILE:1: not a slime sample: it lacks 'tokens', 'response_length'"),
+    ([VERL, VERL], None, "FILE:1: a glm5f record needs 'completions'; this one has the fields of a verl sample"),
     ([VERL, {**VERL, "uid": "b"}, {**VERL, "uid": "b"}], "verl", "FILE:1: group key uid=\"a\" has 1 sample(s)"),
     ([VERL, {**VERL, "advantages": [1.0, 1.0]}], "verl", "FILE:2: 'advantages': glm5f does not train"),
+    ([{"token_ids": [1, 2], "mask": [0, 1], "reward": 1, "temperatures": [0.7, 0.7]}] * 2, "prime_rl",
+     "FILE:1: 'temperatures' holds 0.7: its log-probabilities are at that temperature"),
+    ([{"token_ids": [1, 2], "mask": [0, 1], "reward": 1}] * 2, "prime_rl", "FILE:1: a prime_rl sample per line, but no "
+     "group key: pass --data.group_key"),
     ([{"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "completions": [GOOD, GOOD]}], None,
      "FILE:1: the record gives its prompt twice ('prompt' and 'messages')"),
     ([{"prompt_ids": [1], "completions": [GOOD, {"text": "a", "ids": [3], "reward": 1}]}], None,

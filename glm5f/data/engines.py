@@ -34,6 +34,7 @@ class Engine:
     reward: str = "reward"  # a number; a list (per-token rewards) is summed
     routing: str | None = None  # per position, per MoE layer: its experts
     indexer: str | None = None  # per position, per DSA layer: its selected keys
+    temperatures: str | None = None  # per-token sampling temperatures: the log-probabilities' (1 only)
     group_key: str | None = None  # the default --data.group_key
     cut: tuple[tuple[str, tuple], ...] = ()  # (field, values): the sample was cut by the engine (length)
     refused: tuple[tuple[str, tuple], ...] = ()  # (field, values) a sample glm5f cannot train as written
@@ -53,7 +54,7 @@ ENGINES = {
                     group_key="trajectory_ids.instance_id",
                     cut=(("stop_reasons", ("length",)), ("stop_reason", ("length",)))),
     "prime_rl": Engine(tokens="token_ids", mask=("mask",), logprobs="logprobs", routing="routed_experts",
-                       group_key="example_id"),
+                       temperatures="temperatures"),
     "nemo_rl": Engine(messages="message_log", reward="total_reward", group_key="idx"),
     "trl": Engine(prompt="prompt_ids", response="completion_ids", mask=("env_mask", "tool_mask"), logprobs="logprobs",
                   group_key="prompt"),
@@ -131,14 +132,23 @@ def _message_log(rec: dict, row: Engine, what: str) -> tuple[list[int], list[int
     return ids, mask, lps
 
 
+def required(row: Engine) -> list[str]:
+    """The fields every sample of `row`'s engine has."""
+    return [f for f in (row.prompt, row.response, row.tokens, row.response_length, row.messages, row.reward) if f]
+
+
+def formats_of(rec) -> list[str]:
+    """The engines whose samples have every field `rec` has of theirs (a hint for a record of another format)."""
+    return [name for name, row in ENGINES.items() if isinstance(rec, dict) and all(f in rec for f in required(row))]
+
+
 def sample_completion(rec, row: Engine, name: str, what: str) -> tuple[list[int], dict]:
     """(prompt ids, glm5f token-form completion {"ids", "loss_mask", "reward", "logprobs"?, "truncated",
     "routing"?, "indexer"?}) of one engine sample (see the module docstring); a ValueError naming `what` and the
     fields it lacks when it is no sample of that engine."""
     if not isinstance(rec, dict):
         raise ValueError(f"{what}: expected a JSON object (a {name} sample), found {type(rec).__name__}")
-    need = [f for f in (row.prompt, row.response, row.tokens, row.response_length, row.messages, row.reward) if f]
-    lacking = [f for f in need if f not in rec]
+    lacking = [f for f in required(row) if f not in rec]
     if lacking:
         raise ValueError(f"{what}: not a {name} sample: it lacks {', '.join(map(repr, lacking))} (found keys "
                          f"{sorted(rec)[:8]}); pass the --data.format its engine wrote")
@@ -148,6 +158,11 @@ def sample_completion(rec, row: Engine, name: str, what: str) -> tuple[list[int]
         raise ValueError(f"{what}: {', '.join(map(repr, unread)) or ', '.join(refused)}: glm5f does not train "
                          f"such a sample as written (it would be read as if {'that were' if refused else 'they were'} "
                          f"not there); drop {'it' if refused else 'those fields'} or the sample")
+    temps = rec.get(row.temperatures) if row.temperatures else None
+    if isinstance(temps, list) and any(t != 1 for t in temps):
+        raise ValueError(f"{what}: {row.temperatures!r} holds {next(t for t in temps if t != 1)}: its "
+                         f"log-probabilities are at that temperature and glm5f's ratio is at temperature 1; sample at "
+                         f"temperature 1")
     mask_field = next((f for f in row.mask if rec.get(f) is not None), None)
     if row.messages:
         ids, mask, lps = _message_log(rec, row, what)

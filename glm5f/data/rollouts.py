@@ -286,6 +286,9 @@ def group_of(rec, where: str, tok, fmt=None, cfg=None, options: ReadOptions = Re
         raise ValueError(f"{where}: field(s) {', '.join(map(repr, misplaced))} on the record: a completion's fields "
                          f"go in its object under 'completions', and glm5f reads no other such field; move or remove "
                          f"them")
+    if "completions" not in rec and engines.formats_of(rec):
+        raise ValueError(f"{where}: a glm5f record needs 'completions'; this one has the fields of a "
+                         f"{' or '.join(engines.formats_of(rec))} sample: pass --data.format")
     prompt = prompt_ids(rec, where, tok, fmt)
     completions = rec.get("completions")
     if not isinstance(completions, list) or len(completions) < 2:
