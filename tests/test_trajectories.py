@@ -15,7 +15,7 @@ from conftest import cli, hf_model_fp64, stable_topk, transformers_in_fp64
 from glm5f.data.chat import ChatFormat, chat_messages
 from glm5f.data.rollouts import ReadOptions, RolloutSource, read_groups, rollout_batch
 from glm5f.data.tokens import IGNORE_INDEX
-from glm5f.posttrain.grpo import STD_EPS
+from glm5f.posttrain.rl_losses import STD_EPS
 from train import train
 
 CAP = 2.0
@@ -329,3 +329,20 @@ def test_text_logprobs_without_the_appended_eos_and_cut_completions(tmp_path):
     assert all(t == IGNORE_INDEX for c in masked[1:] for t in c.example.labels)
     assert masked[0].example.labels == done.example.labels
     assert [c.reward for c in masked] == [1.0, 0.0, 2.0]  # the cut ones' rewards still count in the group
+
+
+def test_rollout_is_refuses_a_text_completion_whose_eos_has_no_logprob(tmp_path):
+    """--rl.policy_loss rollout_is reads the engine's log-probability of every trained token: the eos appended to
+    a text completion whose logprobs cover only its text has none, and the file is refused at file:line."""
+    from glm5f.posttrain import rl_losses
+
+    fmt = ChatFormat.load(None)
+    rec = {"prompt": "hi", "completions": [{"text": "ab", "reward": 1, "logprobs": [-0.5, -0.25]},
+                                           {"text": "cd", "reward": 0, "logprobs": [-0.5, -0.25, -0.1]}]}
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps(rec) + "\n")
+    src = RolloutSource(read_groups(str(path), fmt.tok, fmt), 1, 16, 512, 0, 0)
+    flags = ["--train.objective", "grpo", "--data.type", "rollouts", "--data.path", str(path)]
+    rl_losses.check_source(src, cli(*flags).rl)  # the clip loss: weight 1 on that eos
+    with pytest.raises(ValueError, match=rf"^{path}:1: completion 0 has no log-probability for some trained token"):
+        rl_losses.check_source(src, cli(*flags, "--rl.policy_loss", "rollout_is").rl)
