@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import glm5f
-from conftest import cli, hf_model_fp64, stable_topk, transformers_in_fp64
+from conftest import cli, saved_policy, stable_topk, transformers_in_fp64
 from glm5f.data.chat import ChatFormat, chat_messages
 from glm5f.data.rollouts import ReadOptions, RolloutSource, read_groups, rollout_batch
 from glm5f.data.tokens import IGNORE_INDEX
@@ -77,10 +77,7 @@ def setup(tmp_path_factory):
     tokens) are the policy's own, moved by up to +-1 (some importance weights reach the cap)."""
     tmp = tmp_path_factory.mktemp("traj")
     cfg = glm5f.preset("glm5-tiny")
-    with transformers_in_fp64():
-        policy = hf_model_fp64(cfg, seed=0)
-    policy.float().save_pretrained(tmp / "policy")
-    policy.double()
+    policy = saved_policy(tmp / "policy", cfg)
     groups = trajectories(cfg.vocab_size)
     g = torch.Generator().manual_seed(1)
     for samples in groups:

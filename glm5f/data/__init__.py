@@ -8,7 +8,8 @@ document and attention stays inside it. Every source has state_dict() / load_sta
 depends only on the source and its state, never on how it is later split over micro-batches or ranks.
 
 readers.py: the file formats (records, JSONL, saved datasets, preset_pt, the embedded corpus); packing.py: rows of
-seq_len; sources.py: the sources and make_source / make_eval_source; notes.py: warnings about the data.
+seq_len; sources.py: the sources and make_source / make_eval_source; notes.py: warnings about the data;
+rollouts.py: GRPO's groups of completions and trajectories; engines.py: other RL engines' rollout fields.
 """
 
 from glm5f.data.notes import print_warning, warnings_as_lines
