@@ -173,6 +173,41 @@ def test_step_one_loss_from_each_format_equals_the_formula_over_trained_tokens(s
     assert records[0]["completion_length"] * len(groups) * len(groups[0]) == trained < every
 
 
+@pytest.mark.parametrize("name,mask,logprobs", [("slime", "loss_mask", "rollout_log_probs"),
+                                                ("verl", "response_mask", "response_logprobs"),
+                                                ("skyrl", "loss_masks", "rollout_logprobs"),
+                                                ("trl", "tool_mask", "logprobs")])
+def test_whole_sequence_spans_and_routing_rows_read_as_response_ones(tmp_path, name, mask, logprobs):
+    """A mask and log-probabilities given over the whole sequence (prompt entries first), and routing with a row per
+    position (T) instead of T - 1, give the same batch as the response-only spans."""
+    from glm5f.core.replay import replay_shapes
+
+    cfg = glm5f.preset("glm5-tiny")
+    M, K = replay_shapes(cfg)["routing"]
+    groups = trajectories(cfg.vocab_size, size=2)
+    for samples in groups:
+        for s in samples:
+            s["logprobs"] = [-0.1 * (t + 1) for t in range(len(s["ids"]))]
+            s["routing"] = [[[(t + m + k) % cfg.n_routed_experts for k in range(K)] for m in range(M)]
+                            for t in range(len(s["prompt"]) + len(s["ids"]))]
+    field = {"slime": "rollout_routed_experts", "verl": "routed_experts", "skyrl": "rollout_expert_indices"}.get(name)
+    batches = []
+    for whole in (False, True):
+        def extra(gi, j, s):
+            out = {field: s["routing"] if whole else s["routing"][:-1]} if field else {}
+            if whole:
+                out[mask] = [0] * len(s["prompt"]) + s["mask"]
+                out[logprobs] = [0.0] * len(s["prompt"]) + over_response(s)
+            return out
+        path = write_format(tmp_path / f"{name}_{whole}.jsonl", name, groups, extra)
+        batches.append(rollout_batch(read_groups(path, None, None, cfg, ReadOptions(name)), 24, 0))
+    assert batches[0].keys() == batches[1].keys() and ("routing" in batches[0]) == bool(field)
+    for k in batches[0]:
+        assert torch.equal(batches[0][k].nan_to_num(7.0), batches[1][k].nan_to_num(7.0)), k
+    labels = batches[0]["labels"][0].tolist()
+    assert sum(t != IGNORE_INDEX for t in labels) == sum(groups[0][0]["mask"])
+
+
 def test_routing_replay_on_trajectories_equals_transformers_with_the_recorded_experts(setup, hf_router_replay):
     """verl's whole-sequence routing rows (T, the last dropped) and --rl.replay routing: the loss is the formula
     over Transformers' fp64 log-probabilities with its router made to pick the recorded experts."""

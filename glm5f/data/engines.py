@@ -202,7 +202,7 @@ def sample_completion(rec, row: Engine, name: str, what: str) -> tuple[list[int]
     for field, src in (("routing", row.routing), ("indexer", row.indexer)):
         if src and rec.get(src) is not None:
             rows = _rows(rec[src], f"{what}: {src!r}")
-            completion[field] = rows[:len(ids) - 1] if isinstance(rows, list) and len(rows) == len(ids) else rows
+            completion[field] = rows
     return ids[:start], completion
 
 
