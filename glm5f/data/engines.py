@@ -201,8 +201,7 @@ def sample_completion(rec, row: Engine, name: str, what: str) -> tuple[list[int]
         completion["logprobs"] = lps[start:]
     for field, src in (("routing", row.routing), ("indexer", row.indexer)):
         if src and rec.get(src) is not None:
-            rows = _rows(rec[src], f"{what}: {src!r}")
-            completion[field] = rows
+            completion[field] = _rows(rec[src], f"{what}: {src!r}")
     return ids[:start], completion
 
 
