@@ -378,3 +378,15 @@ def test_rollout_is_refuses_a_text_completion_whose_eos_has_no_logprob(tmp_path)
     rl_losses.check_source(src, cli(*flags).rl)  # the clip loss: weight 1 on that eos
     with pytest.raises(ValueError, match=rf"^{path}:1: completion 0 has no log-probability for some trained token"):
         rl_losses.check_source(src, cli(*flags, "--rl.policy_loss", "rollout_is").rl)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--data.type", "json_file", "--data.path", "x.jsonl", "--data.format", "verl"],
+     "--data.format and --data.group_key describe a rollouts file, not --data.type json_file"),
+    (["--train.objective", "grpo", "--data.type", "rollouts", "--data.path", "x.jsonl", "--data.group_key", "uid"],
+     "--data.group_key groups another engine's samples"),
+])
+def test_format_flags_that_cannot_work_are_refused(flags, message):
+    from configs import validate
+
+    assert any(message in e for e in validate(cli(*flags)))
