@@ -138,6 +138,13 @@ class DataConfig:
     allow_changed: bool = False
     """Resume even though the data files differ from those the checkpoint was saved on (size or content), taking
     the saved position as it is; default: such a resume is an error."""
+    format: Literal["glm5f", "slime", "verl", "skyrl", "prime_rl", "nemo_rl", "trl"] = "glm5f"
+    """--data.type rollouts: whose file it is: glm5f's records, or another engine's samples in its own field names
+    (glm5f/data/engines.py; docs/posttraining.md has the table)."""
+    group_key: Optional[str] = None
+    """--data.format other than glm5f, a sample per line: the field its group's samples share (a dotted path reaches
+    into an object); default the engine's (verl: uid, slime: group_index, ...). A line holding a JSON list is a
+    group."""
 
 
 @dataclass
@@ -380,6 +387,11 @@ class RLConfig:
     prompt_ids, completion_ids and the prompt record's other fields; returns a finite number.
     glm5f.posttrain.rewards:lowercase_share is the toy task's (recipes/grpo-tiny.yaml)."""
 
+    mask_truncated: bool = False
+    """GRPO: a completion the engine cut ("finish_reason": "length" or "truncated": true; no eos is appended to it)
+    is left out of the loss (its reward still counts in its group's statistics), as TRL's
+    mask_truncated_completions."""
+
     @property
     def replayed(self) -> tuple[str, ...]:
         """The --rl.replay names, in order."""
@@ -477,6 +489,11 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     if cfg.data.type == "rollouts" and cfg.train.objective != "grpo":
         errs.append(f"--data.type rollouts holds sampled completions for --train.objective grpo, not "
                     f"{cfg.train.objective}")
+    if (cfg.data.format != "glm5f" or cfg.data.group_key) and cfg.data.type != "rollouts":
+        errs.append(f"--data.format and --data.group_key describe a rollouts file, not --data.type {cfg.data.type}")
+    elif cfg.data.group_key and cfg.data.format == "glm5f":
+        errs.append("--data.group_key groups another engine's samples: glm5f's records hold their group; pass "
+                    "--data.format")
     if cfg.data.type == "prompts" and cfg.train.objective != "grpo":
         errs.append(f"--data.type prompts is sampled for --train.objective grpo, not {cfg.train.objective}")
     r = cfg.rl

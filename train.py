@@ -31,8 +31,8 @@ from glm5f.posttrain import sampler
 from glm5f.ckpt import checkpoint
 from glm5f.model import lora
 from glm5f.data.chat import RUN_TOKENIZER_DIR, ChatFormat, check_same_tokenizer, resolve_tokenizer
-from glm5f.data import (PresetSource, check_first_batch, make_eval_source, make_source, make_tokenizer,
-                        model_tokenizer, print_warning, readers, warnings_as_lines)
+from glm5f.data import (PresetSource, ReadOptions, check_first_batch, make_eval_source, make_source,
+                        make_tokenizer, model_tokenizer, print_warning, readers, warnings_as_lines)
 from glm5f.parallel.distributed import DistLayout
 from glm5f.ckpt.hf.export import export_run
 from glm5f.ckpt.hf.export_dir import note_base
@@ -371,8 +371,9 @@ def make_data(cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout, say, tok
         with user_errors():
             return prompt_source(cfg, model_cfg, layout, tokenizer_path), []
     with user_errors():
+        rollouts = ReadOptions(d.format, d.group_key, cfg.rl.replayed, cfg.rl.mask_truncated)
         data = make_source(d.type, path=d.path, split=d.split, warn=warn, allow_changed=d.allow_changed,
-                           model_cfg=model_cfg, **common)
+                           model_cfg=model_cfg, rollouts=rollouts, **common)
         rl_losses.check_source(data, cfg.rl)  # a rollouts file without what --rl.policy_loss reads, at file:line
         held_out = make_eval_source(d.type, path=cfg.eval.path, split=cfg.eval.split, train_path=d.path,
                                     train_split=d.split, **common)

@@ -328,6 +328,15 @@ def hf_model_fp64(cfg: glm5f.GLM5Config, seed: int = 0):
     return model.double()
 
 
+def saved_policy(directory, cfg: glm5f.GLM5Config, seed: int = 0):
+    """`hf_model_fp64(cfg, seed)`, built inside `transformers_in_fp64`, saved to `directory` with save_pretrained
+    (fp32) and returned in fp64: a checkpoint for --model.init_from and its Transformers reference."""
+    with transformers_in_fp64():
+        policy = hf_model_fp64(cfg, seed=seed)
+    policy.float().save_pretrained(directory)
+    return policy.double()
+
+
 @pytest.fixture
 def hf_router_replay(monkeypatch):
     """GlmMoeDsaTopkRouter.forward made to pick `router.replay` [N, K] where set (a row of -1: its own choice),

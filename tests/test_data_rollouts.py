@@ -44,7 +44,7 @@ def test_text_completions_end_in_eos(tmp_path):
     ([{"ids": [3], "reward": "1"}, {"ids": [4], "reward": 0}], "finite number"),
     ([{"ids": [3, 4], "reward": 1, "logprobs": [-1.0]}, {"ids": [4], "reward": 0}], "1 logprobs for 2"),
     ([{"ids": [3], "reward": 1, "logprobs": [0.5]}, {"ids": [4], "reward": 0}], "log-probabilities"),
-    ([{"reward": 1}, {"ids": [4], "reward": 0}], "needs 'text'"),
+    ([{"reward": 1}, {"ids": [4], "reward": 0}], "needs one of 'text'"),
 ])
 def test_bad_groups_are_named_by_file_and_line(tmp_path, completions, message):
     good = {"prompt_ids": [1], "completions": [{"ids": [2], "reward": 0}, {"ids": [3], "reward": 1}]}

@@ -8,15 +8,17 @@ document and attention stays inside it. Every source has state_dict() / load_sta
 depends only on the source and its state, never on how it is later split over micro-batches or ranks.
 
 readers.py: the file formats (records, JSONL, saved datasets, preset_pt, the embedded corpus); packing.py: rows of
-seq_len; sources.py: the sources and make_source / make_eval_source; notes.py: warnings about the data.
+seq_len; sources.py: the sources and make_source / make_eval_source; notes.py: warnings about the data;
+rollouts.py: GRPO's groups of completions and trajectories; engines.py: other RL engines' rollout fields.
 """
 
 from glm5f.data.notes import print_warning, warnings_as_lines
 from glm5f.data.packing import check_first_batch
+from glm5f.data.rollouts import ReadOptions
 from glm5f.data.readers import check_path_fits, embedded_documents, infer_data_type, load_batches
 from glm5f.data.sources import PresetSource, make_eval_source, make_source, model_tokenizer
 from glm5f.data.tokens import IGNORE_INDEX, ByteTokenizer, make_tokenizer
 
-__all__ = ["IGNORE_INDEX", "ByteTokenizer", "PresetSource", "check_first_batch", "check_path_fits",
+__all__ = ["IGNORE_INDEX", "ByteTokenizer", "PresetSource", "ReadOptions", "check_first_batch", "check_path_fits",
            "embedded_documents", "infer_data_type", "load_batches", "make_eval_source", "make_source",
            "make_tokenizer", "model_tokenizer", "print_warning", "warnings_as_lines"]

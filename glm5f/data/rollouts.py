@@ -1,13 +1,22 @@
-"""Rollouts (`--data.type rollouts`): JSONL records of a prompt with a group of its sampled completions, each with its
-reward (and what the engine kept of how it sampled), read into memory and served one completion per row, a batch
-holding whole groups, for the GRPO objective.
+"""Rollouts (`--data.type rollouts`): JSONL records of a prompt with a group of its sampled completions or
+trajectories, each with its reward (and what the engine kept of how it sampled), read into memory and served one
+completion per row, a batch holding whole groups, for the GRPO objective. Other engines' files: glm5f/data/engines.py.
 
-Record: {"prompt": str | "messages": [...] | "prompt_ids": [int], "completions": [{"text": str | "ids": [int],
-"reward": float, "logprobs"?: [float: the engine's log-probability of each completion token], "routing"?: [per
+Record: {"prompt": str | "messages": [...] (with "tools") | "prompt_ids": [int], "completions": [completion, ...],
+...metadata}. A completion is one of
+- {"text": str}: followed by eos (a chat's by the template's stop token, as SFT trains it), unless cut;
+- {"ids": [int], "loss_mask"?: [0|1]}: token ids as given; loss_mask 1 where the policy generated the token (the
+  rest, e.g. tool output, is context and never trained; default all 1);
+- {"messages": [...]}: the turns after the chat prompt (assistant turns with "tool_calls", "tool" or "observation"
+  turns) rendered with the run's chat template, trained on every assistant token and the marker ending its turn;
+with "reward": float; "logprobs"?: the engine's log-probability of each completion token, or of each trained one
+(null: none; for text, the eos glm5f appends may have none: its importance weight is then 1); "finish_reason"?:
+"stop" | "eos" | "tool_calls" | "length", or "truncated"?: bool (cut by the engine: no eos appended, and
+--rl.mask_truncated leaves it out of the loss, its reward still in its group's statistics); "routing"?: [per
 position of prompt + completion but the last: per MoE layer: its top-k expert ids], "indexer"?: [per such position:
-per indexed DSA layer: the key positions (GLM-5.3: pools) it selected, -1 filling unused slots]}, ...]}. A text
-completion is followed by eos (a chat's by the template's stop token, as SFT trains it); token ids are scored as
-given. Every group of a file has the same number of completions, at least 2: a group's advantages compare them.
+per indexed DSA layer: the key positions (GLM-5.3: pools) it selected, -1 filling unused slots]. A completion field
+glm5f does not read is refused, as are fields of a completion written on the record. Every group of a file has the
+same number of completions, at least 2: a group's advantages compare them.
 """
 
 from __future__ import annotations
@@ -18,18 +27,41 @@ from dataclasses import dataclass
 
 import torch
 
-from glm5f.data.readers import jsonl_records
 from glm5f.core.replay import REPLAY_KEYS, check_replay
-from glm5f.data.tokens import IGNORE_INDEX, Example, check_vocab
+from glm5f.data import engines
+from glm5f.data.chat import chat_messages
+from glm5f.data.readers import jsonl_records
+from glm5f.data.tokens import IGNORE_INDEX, Example
 
+COMPLETION_FIELDS = ("text", "ids", "messages", "loss_mask", "reward", "logprobs", "finish_reason", "truncated",
+                     *REPLAY_KEYS)
+PROMPT_FIELDS = ("prompt", "messages", "prompt_ids")
+# Fields on a record that belong to its completions (or that glm5f does not read): refused there, never dropped.
+NOT_ON_RECORD = ("text", "ids", "loss_mask", "reward", "logprobs", "finish_reason", "truncated", "labels",
+                 "input_ids", "attention_mask", "response", "completion", "chosen", "rejected", *REPLAY_KEYS)
+FINISH_REASONS = {"stop": False, "eos": False, "tool_calls": False, "length": True}  # -> cut by the engine
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """How a rollouts file is read: --data.format and --data.group_key, the --rl.replay records each completion must
+    carry, and --rl.mask_truncated."""
+
+    format: str = "glm5f"
+    group_key: str | None = None
+    replay: tuple[str, ...] = ()
+    mask_truncated: bool = False
 
 
 @dataclass(frozen=True)
 class Completion:
-    example: Example  # prompt + completion; labels on the completion's tokens
+    example: Example  # prompt + completion; labels on the trained tokens
     reward: float
-    logprobs: list[float] | None  # the engine's log-probability of each completion token
+    logprobs: list[float] | None  # the engine's log-probability of each of the last len(logprobs) tokens (NaN: none)
     replay: dict  # field ("routing", "indexer") -> LongTensor [len(ids) - 1, slots, k]
+    truncated: bool = False  # cut by the engine
+    prompt_len: int | None = None
+    where: str | None = None  # file:line (and which completion of the record)
 
 
 @dataclass(frozen=True)
@@ -47,16 +79,24 @@ def _ids(value, what: str, where: str) -> list[int]:
 
 def prompt_ids(rec: dict, where: str, tok, fmt=None) -> list[int]:
     """A record's prompt as token ids: "prompt_ids" as given, "prompt" text (bos first) or "messages" rendered with
-    the run's template up to the assistant's turn (its generation prompt)."""
+    the run's template (and the record's "tools") up to the assistant's turn (its generation prompt)."""
+    given = [k for k in PROMPT_FIELDS if k in rec]
+    if len(given) > 1:
+        raise ValueError(f"{where}: the record gives its prompt twice ({' and '.join(map(repr, given))}); keep one")
+    if "tools" in rec and given != ["messages"]:
+        raise ValueError(f"{where}: 'tools' are rendered by the chat template with 'messages', but the prompt is "
+                         f"{given[0] if given else 'missing'!r}; give the prompt as 'messages'")
     if "prompt_ids" in rec:
         return _ids(rec["prompt_ids"], "prompt_ids", where)
     if "messages" in rec:
         if fmt is None:
             raise ValueError(f"{where}: a chat record ('messages'), but no chat template was given to render it")
         if not isinstance(rec["messages"], list):
-            raise ValueError(f"{where}: 'messages' must be a list of messages, found {json.dumps(rec['messages'])[:40]}")
+            raise ValueError(f"{where}: 'messages' must be a list of messages, found "
+                             f"{json.dumps(rec['messages'])[:40]}")
         try:
-            return fmt.ids(rec["messages"], add_generation_prompt=True)
+            messages, tools = chat_messages({"messages": rec["messages"], "tools": rec.get("tools")})
+            return fmt.ids(messages, tools, add_generation_prompt=True)
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{where}: {e}") from None
     if "prompt" in rec:
@@ -66,35 +106,105 @@ def prompt_ids(rec: dict, where: str, tok, fmt=None) -> list[int]:
     raise ValueError(f"{where}: a record needs 'prompt', 'messages' or 'prompt_ids'; found keys {sorted(rec)}")
 
 
-def completion_example(rec: dict, prompt: list[int], completion, what: str, tok, fmt=None) -> Example:
-    """prompt + completion as an Example, labels on the completion: token ids as given; text followed by eos, or
-    in a chat record rendered as the assistant's answer (its stop token scored, as SFT trains it)."""
+def completion_example(rec: dict, prompt: list[int], completion, what: str, tok, fmt=None,
+                       cut: bool = False) -> tuple[Example, int]:
+    """(prompt + completion as an Example with labels on the completion, 1 when an end token was appended): token
+    ids as given; text followed by eos, or in a chat record rendered as the assistant's answer (its stop token
+    scored, as SFT trains it); a `cut` text has nothing appended."""
+    added = 0
     if isinstance(completion, list):
         ids = _ids(completion, "'ids'", what)
     elif "messages" in rec:
-        full = fmt.example(rec["messages"] + [{"role": "assistant", "content": completion}], train_on="last")
+        turns, tools = chat_messages({"messages": rec["messages"] + [{"role": "assistant", "content": completion}],
+                                      "tools": rec.get("tools")})
+        full = fmt.example(turns, tools, train_on="last")
         if full.ids[:len(prompt)] != prompt:
             raise ValueError(f"{what}: the template renders the conversation with the answer differently from its "
                              f"generation prompt; give the completion as 'ids'")
-        ids = full.ids[len(prompt):]
+        rendered = len(fmt.tokenize(turns, tools)[0])
+        added = len(full.ids) - rendered  # the eos appended after an answer the template ends in no stop token
+        ids = full.ids[len(prompt):rendered] if cut else full.ids[len(prompt):]
+        added = 0 if cut else added
     else:
-        ids = tok.encode(completion) + ([tok.eos_id] if tok.eos_id is not None else [])
+        added = int(tok.eos_id is not None and not cut)
+        ids = tok.encode(completion) + ([tok.eos_id] if added else [])
     if not ids:
         raise ValueError(f"{what} has no tokens; remove it or its group")
-    return Example(prompt + ids, [IGNORE_INDEX] * len(prompt) + ids)
+    return Example(prompt + ids, [IGNORE_INDEX] * len(prompt) + ids), added
+
+
+def trajectory_example(rec: dict, prompt: list[int], turns, what: str, fmt) -> Example:
+    """prompt + the turns after it rendered with the chat template: labels on every assistant token and the marker
+    ending its turn (as SFT trains them), never on the prompt, tool, observation or user tokens."""
+    if fmt is None or "messages" not in rec:
+        raise ValueError(f"{what}: a 'messages' trajectory continues a chat prompt: give the record's prompt as "
+                         f"'messages' (and its 'tools')")
+    if not isinstance(turns, list) or not all(isinstance(m, dict) for m in turns):
+        raise ValueError(f"{what}: 'messages' must be a list of message objects, found {json.dumps(turns)[:60]}")
+    if not any(m.get("role") == "assistant" for m in turns):
+        raise ValueError(f"{what}: the trajectory has no assistant turn (nothing the policy generated to train)")
+    turns = [{**m, "role": "tool"} if m.get("role") == "observation" else m for m in turns]
+    try:
+        messages, tools = chat_messages({"messages": rec["messages"] + turns, "tools": rec.get("tools")})
+        ex = fmt.example(messages, tools, "assistant")
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{what}: {e}") from None
+    if ex.ids[:len(prompt)] != prompt:
+        raise ValueError(f"{what}: the conversation with the trajectory renders its prompt differently from the "
+                         f"prompt's generation prompt (does the trajectory begin with an assistant turn?); give it "
+                         f"as 'ids' with a 'loss_mask'")
+    return Example(ex.ids, [IGNORE_INDEX] * len(prompt) + ex.labels[len(prompt):])
+
+
+def _mask(value, n: int, what: str) -> list[int]:
+    if value is None:
+        return [1] * n
+    if not (isinstance(value, list) and all(v in (0, 1) for v in value)):
+        raise ValueError(f"{what}: 'loss_mask' must be a list of 0 and 1, found {json.dumps(value)[:60]}")
+    if len(value) != n:
+        raise ValueError(f"{what}: 'loss_mask' has {len(value)} entries for {n} token ids; give one per id")
+    return [int(v) for v in value]
+
+
+def rollout_logprobs(value, trained: list[int], added: int, what: str) -> list[float]:
+    """The engine's log-probabilities over the n completion tokens (NaN where none): one per token, one per trained
+    token (`trained`: 1 for each), or, with `added` an eos glm5f appended, one per token before it."""
+    ok = lambda x: x is None or (isinstance(x, (int, float)) and not isinstance(x, bool)  # noqa: E731
+                                 and math.isfinite(x) and x <= 0)
+    if not (isinstance(value, list) and all(ok(x) for x in value)):
+        raise ValueError(f"{what}: 'logprobs' must be a list of finite log-probabilities (<= 0, or null), found "
+                         f"{json.dumps(value)[:60]}")
+    n, k = len(trained), sum(trained)
+    nan = float("nan")
+    if len(value) == n:
+        out = value
+    elif len(value) == k:
+        it = iter(value)
+        out = [next(it) if t else None for t in trained]
+    elif added and len(value) == n - added:
+        out = value + [None] * added
+    else:
+        raise ValueError(f"{what}: {len(value)} logprobs for {n} completion tokens ({k} trained): give the engine's "
+                         f"log-probability of each completion token, or of each trained one, in order")
+    return [nan if x is None or not t else float(x) for x, t in zip(out, trained)]
 
 
 def replay_array(value, field: str, ids: list[int], cfg, what: str) -> torch.Tensor:
     """A completion's `field` ("routing" | "indexer") as a LongTensor [len(ids) - 1, slots, k]: one entry per
-    position of prompt + completion but the last, checked against the model of `cfg` (`replay.check_replay`:
-    shapes, expert ids, key positions) when given."""
+    position of prompt + completion but the last (a record of len(ids) rows: its last row dropped), integral
+    numbers as integers, no id repeated within a position and layer, checked against the model of `cfg`
+    (`replay.check_replay`: shapes, expert ids, key positions) when given."""
     try:
-        t = torch.tensor(value, dtype=torch.long)
+        t = torch.tensor(value)
     except (TypeError, ValueError, RuntimeError, OverflowError):
         t = None
-    if t is None or t.ndim != 3:
+    fractional = t is not None and t.is_floating_point() and not bool((t == t.round()).all())
+    if t is None or t.ndim != 3 or t.dtype == torch.bool or fractional:
         raise ValueError(f"{what}: {field!r} must be a list (one per position) of lists (one per layer) of integer "
                          f"lists, found {json.dumps(value)[:60]}")
+    t = t.long()
+    if t.shape[0] == len(ids):
+        t = t[:-1]
     if t.shape[0] != len(ids) - 1:
         raise ValueError(f"{what}: {field!r} has {t.shape[0]} positions, expected {len(ids) - 1} (every position of "
                          f"prompt + completion but the last)")
@@ -104,66 +214,124 @@ def replay_array(value, field: str, ids: list[int], cfg, what: str) -> torch.Ten
             check_replay({"input_ids": torch.tensor(ids), field: whole}, cfg)
         except ValueError as e:
             raise ValueError(f"{what}: {e}") from None
+    ordered = t.sort(-1).values
+    repeated = ((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)).any(-1)
+    if bool(repeated.any()):
+        pos, layer = repeated.nonzero()[0].tolist()
+        raise ValueError(f"{what}: {field!r} repeats {'an expert id' if field == 'routing' else 'a key'} at position "
+                         f"{pos}, layer slot {layer} ({t[pos, layer].tolist()}): a top-k record names each once")
     return t
 
 
-def completion_of(c, i: int, rec: dict, prompt: list[int], where: str, tok, fmt=None, cfg=None) -> Completion:
-    what = f"{where}: completion {i}"
+def _cut(c: dict, what: str) -> bool:
+    """Whether the engine cut the completion ("finish_reason": "length" or "truncated": true)."""
+    reason, flag = c.get("finish_reason"), c.get("truncated", False)
+    if reason is not None and reason not in FINISH_REASONS:
+        raise ValueError(f"{what}: 'finish_reason' {json.dumps(reason)} is none of {', '.join(FINISH_REASONS)} (an "
+                         f"aborted sample is not trained); fix or remove the completion")
+    if not isinstance(flag, bool):
+        raise ValueError(f"{what}: 'truncated' must be true or false, found {json.dumps(flag)}")
+    return flag or bool(FINISH_REASONS.get(reason))
+
+
+def completion_of(c, what: str, rec: dict, prompt: list[int], tok, fmt=None, cfg=None,
+                  options: ReadOptions = ReadOptions()) -> Completion:
+    """The Completion of one completion object `c` of a record (see the module docstring)."""
     if not isinstance(c, dict):
         raise ValueError(f"{what}: expected a JSON object, found {type(c).__name__}")
-    if "ids" in c:
-        ex = completion_example(rec, prompt, c["ids"], what, tok, fmt)
-    elif isinstance(c.get("text"), str):
-        ex = completion_example(rec, prompt, c["text"], what, tok, fmt)
+    unread = [k for k in c if k not in COMPLETION_FIELDS]
+    if unread:
+        raise ValueError(f"{what}: field(s) {', '.join(map(repr, unread))} glm5f does not read (a completion holds "
+                         f"{', '.join(COMPLETION_FIELDS)}); remove them or write what they say in those")
+    forms = [k for k in ("text", "ids", "messages") if k in c]
+    if len(forms) != 1 or (forms == ["text"] and not isinstance(c["text"], str)):
+        found = f"both {forms[0]!r} and {forms[1]!r}" if len(forms) > 1 else f"keys {sorted(c)}"
+        raise ValueError(f"{what} needs one of 'text' (a string), 'ids' (token ids) or 'messages' (turns); found "
+                         f"{found}")
+    if "loss_mask" in c and forms != ["ids"]:
+        raise ValueError(f"{what}: 'loss_mask' marks token ids: give it with 'ids', not with {forms[0]!r}")
+    cut, added = _cut(c, what), 0
+    if "messages" in c:
+        if "logprobs" in c:
+            raise ValueError(f"{what}: 'logprobs' need the tokens they were taken on: give the trajectory as 'ids' "
+                             f"with a 'loss_mask' instead of 'messages'")
+        ex = trajectory_example(rec, prompt, c["messages"], what, fmt)
+    elif "ids" in c:
+        ids = _ids(c["ids"], "'ids'", what)
+        mask = _mask(c.get("loss_mask"), len(ids), what)
+        ex = Example(prompt + ids, [IGNORE_INDEX] * len(prompt) + [t if m else IGNORE_INDEX for t, m in zip(ids, mask)])
     else:
-        raise ValueError(f"{what} needs 'text' (a string) or 'ids' (token ids); found keys {sorted(c)}")
+        ex, added = completion_example(rec, prompt, c["text"], what, tok, fmt, cut)
+    trained = [int(t != IGNORE_INDEX) for t in ex.labels[len(prompt):]]
+    if not ex.ids[len(prompt):]:
+        raise ValueError(f"{what} has no tokens; remove it or its group")
+    if not any(trained):
+        raise ValueError(f"{what}: no token is trained (its 'loss_mask' is all 0); remove it or its group")
     reward = c.get("reward")
     if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
         raise ValueError(f"{what}: 'reward' must be a finite number, found {json.dumps(reward)}")
-    n = len(ex.ids) - len(prompt)
-    logprobs = c.get("logprobs")
-    if logprobs is not None:
-        if not (isinstance(logprobs, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                                                   and math.isfinite(x) and x <= 0 for x in logprobs)):
-            raise ValueError(f"{what}: 'logprobs' must be a list of finite log-probabilities (<= 0), found "
-                             f"{json.dumps(logprobs)[:60]}")
-        if len(logprobs) != n:
-            raise ValueError(f"{what}: {len(logprobs)} logprobs for {n} completion tokens; give the engine's "
-                             f"log-probability of each completion token, in order")
+    logprobs = None if c.get("logprobs") is None else rollout_logprobs(c["logprobs"], trained, added, what)
     replay = {f: replay_array(c[f], f, ex.ids, cfg, what) for f in REPLAY_KEYS if f in c}
-    return Completion(ex, float(reward), None if logprobs is None else [float(x) for x in logprobs], replay)
+    if cut and options.mask_truncated:
+        ex = Example(ex.ids, [IGNORE_INDEX] * len(ex.ids))
+    return Completion(ex, float(reward), logprobs, replay, cut, len(prompt), what)
 
 
-def group_of(rec, where: str, tok, fmt=None, cfg=None) -> Group:
+def group_of(rec, where: str, tok, fmt=None, cfg=None, options: ReadOptions = ReadOptions()) -> Group:
     """The Group of one record (see the module docstring)."""
     if not isinstance(rec, dict):
         raise ValueError(f"{where}: expected a JSON object, found {type(rec).__name__}")
+    misplaced = [k for k in NOT_ON_RECORD if k in rec]
+    if misplaced:
+        raise ValueError(f"{where}: field(s) {', '.join(map(repr, misplaced))} on the record: a completion's fields "
+                         f"go in its object under 'completions', and glm5f reads no other such field; move or remove "
+                         f"them")
+    if "completions" not in rec and engines.formats_of(rec):
+        raise ValueError(f"{where}: a glm5f record needs 'completions'; this one has the fields of a "
+                         f"{' or '.join(engines.formats_of(rec))} sample: pass --data.format")
     prompt = prompt_ids(rec, where, tok, fmt)
     completions = rec.get("completions")
     if not isinstance(completions, list) or len(completions) < 2:
         found = f"{len(completions)}" if isinstance(completions, list) else json.dumps(completions)[:40]
         raise ValueError(f"{where}: 'completions' must list at least 2 completions of the prompt (a group's "
                          f"advantages compare them), found {found}")
-    return Group(tuple(completion_of(c, i, rec, prompt, where, tok, fmt, cfg)
+    return Group(tuple(completion_of(c, f"{where}: completion {i}", rec, prompt, tok, fmt, cfg, options)
                        for i, c in enumerate(completions)), where,
                  {k: v for k, v in rec.items() if k != "completions"})
 
 
-def read_groups(path: str, tok, fmt=None, cfg=None) -> list[Group]:
-    """Every group of a JSONL file (blank lines skipped); a ValueError naming file:line for a bad record. `cfg`:
-    the model's config, which replay records are checked against (`replay.check_replay`)."""
-    groups = []
-    for where, rec in jsonl_records(path, "rollout groups"):
-        groups.append(group_of(rec, where, tok, fmt, cfg))
-        if len(groups[-1].completions) != len(groups[0].completions):
-            raise ValueError(f"{where}: {len(groups[-1].completions)} completions, but {groups[0].where} has "
+def read_groups(path: str, tok, fmt=None, cfg=None, options: ReadOptions = ReadOptions()) -> list[Group]:
+    """Every group of a JSONL file (blank lines skipped) in `options.format` (glm5f's records, or an engine's
+    samples: `engines.ENGINES`); a ValueError naming file:line for a bad record. `cfg`: the model's config, which
+    replay records are checked against (`replay.check_replay`)."""
+    if options.format not in engines.FORMATS:
+        raise ValueError(f"--data.format {options.format!r} is unknown; choose one of {', '.join(engines.FORMATS)}")
+    if options.format == "glm5f":
+        groups = [group_of(rec, where, tok, fmt, cfg, options) for where, rec in jsonl_records(path, "rollout groups")]
+    else:
+        groups = [Group(tuple(completion_of(c, where, {"prompt_ids": p}, p, tok, fmt, cfg, options)
+                              for where, p, c in members), first, {})
+                  for first, members in engines.engine_groups(path, options.format, options.group_key)]
+    row = engines.ENGINES.get(options.format)
+    for g in groups:
+        if len(g.completions) != len(groups[0].completions):
+            raise ValueError(f"{g.where}: {len(g.completions)} completions, but {groups[0].where} has "
                              f"{len(groups[0].completions)}: every group of a file has the same size")
+        for i, c in enumerate(g.completions):
+            lacking = [f for f in options.replay if f not in c.replay]
+            if lacking:
+                named = [f"{f!r}" + (f" ({options.format}: {getattr(row, f) or 'writes none'})" if row else "")
+                         for f in lacking]
+                raise ValueError(f"{c.where or g.where}: no {' or '.join(named)} record, but --rl.replay "
+                                 f"{','.join(lacking)} replays it; record it when sampling, or drop --rl.replay")
     return groups
 
 
-def file_group_size(path: str) -> int | None:
+def file_group_size(path: str, options: ReadOptions = ReadOptions()) -> int | None:
     """The number of completions in the first group of a rollouts file (every group has as many), None when the
     file or its first record cannot be read (the run's reader says why)."""
+    if options.format in engines.ENGINES:
+        return engines.engine_group_size(path, options.format, options.group_key)
     try:
         with open(path, "rb") as f:
             first = next(line for line in f if line.strip())
@@ -204,17 +372,31 @@ def rollout_batch(groups: list[Group], seq_len: int, pad_id: int) -> dict[str, t
     return out
 
 
+def check_completion(c: Completion, what: str, seq_len: int, vocab_size: int) -> None:
+    """A ValueError naming where `c` was read (else `what`) when prompt + completion do not fit --data.seq_len (a
+    prompt that leaves no room called a prompt) or hold a token id outside the vocabulary."""
+    n, p, what = len(c.example.ids), c.prompt_len or 0, c.where or what
+    loc = what.split(": completion ")[0]
+    if p >= seq_len:
+        raise ValueError(f"{loc}: the prompt has {p} tokens, leaving no room for a completion in --data.seq_len "
+                         f"{seq_len}; raise it or shorten the prompt")
+    if n > seq_len:
+        raise ValueError(f"{what}: {n - p} tokens after a prompt of {p} do not fit --data.seq_len {seq_len}; raise it")
+    bad = next((j for j, t in enumerate(c.example.ids) if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        part = "the prompt" if bad < p else (what[len(loc) + 2:] or "the completion")
+        raise ValueError(f"{loc}: {part} has token id {c.example.ids[bad]} (position {bad}) outside [0, "
+                         f"vocab_size={vocab_size}): the tokenizer or the data does not fit the model's vocabulary")
+
+
 class RolloutSource:
     """--data.batch_size groups per batch (`rollout_batch`), in a seeded per-epoch order of the file's groups."""
 
     def __init__(self, groups: list[Group], batch_size: int, seq_len: int, vocab_size: int, seed: int, pad_id: int,
                  name: str = "rollouts"):
         for g in groups:
-            for c in g.completions:
-                if len(c.example.ids) > seq_len:
-                    raise ValueError(f"{g.where}: a completion of {len(c.example.ids)} tokens with its prompt does "
-                                     f"not fit --data.seq_len {seq_len}; raise it")
-        check_vocab([c.example for g in groups for c in g.completions], vocab_size, name)
+            for i, c in enumerate(g.completions):
+                check_completion(c, f"{g.where}: completion {i}", seq_len, vocab_size)
         self.groups, self.B, self.S, self.seed, self.pad_id = groups, batch_size, seq_len, seed, pad_id
         self.epoch, self.index = 0, 0
         self._order = self._permutation(0)

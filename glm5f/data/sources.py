@@ -12,7 +12,7 @@ from glm5f.data.packing import PackedSource, RowPacker
 from glm5f.data.readers import (DatasetReader, JsonlReader, check_same_files, embedded_documents, fingerprint,
                                 load_batches, record_example, text_example)
 from glm5f.data.pairs import PairSource, read_pairs
-from glm5f.data.rollouts import RolloutSource, read_groups
+from glm5f.data.rollouts import ReadOptions, RolloutSource, read_groups
 from glm5f.data.tokens import IGNORE_INDEX, Example, check_vocab, has_target, make_tokenizer
 
 
@@ -224,9 +224,10 @@ def model_tokenizer(tokenizer_path: str | None, vocab_size: int):
 def make_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, seed: int = 0, path: str | None = None,
                 tokenizer_path: str | None = None, pack: bool = True, split: str | None = None, warn=print_warning,
                 shuffle_buffer: int = 10_000, chat_template: str | None = None, train_on: str = "assistant",
-                allow_changed: bool = False, held_out: float = 0.0, part: str = "train", model_cfg=None):
-    """The data source of `--data.type kind` for a model of vocab_size (rollouts: their replay records are checked
-    against `model_cfg` when given). What looks like a mistake in the data
+                allow_changed: bool = False, held_out: float = 0.0, part: str = "train", model_cfg=None,
+                rollouts: ReadOptions | None = None):
+    """The data source of `--data.type kind` for a model of vocab_size (rollouts: read as `rollouts` says, their
+    replay records checked against `model_cfg` when given). What looks like a mistake in the data
     (an empty response, an unused tokenizer) is passed to `warn`, one line each. json_file and hf_datasets are
     streamed, shuffled by a buffer of `shuffle_buffer` records (see StreamSource); so is chat with a path. Chat
     records (any of these but preset_pt) are rendered with `chat_template` (see glm5f.data.chat) and trained on the
@@ -251,7 +252,8 @@ def make_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, se
         if path is None:
             raise ValueError("--data.type rollouts needs --data.path (a JSONL of rollout groups)")
         fmt = chat_data.ChatFormat.load(tokenizer_path, chat_template)
-        return RolloutSource(read_groups(path, tok, fmt, model_cfg), batch_size, seq_len, vocab_size, seed, tok.pad_id, path)
+        return RolloutSource(read_groups(path, tok, fmt, model_cfg, rollouts or ReadOptions()), batch_size, seq_len,
+                             vocab_size, seed, tok.pad_id, path)
     if kind == "chat" and path is None:
         return sample_source("train", vocab_size=vocab_size, batch_size=batch_size, seq_len=seq_len,
                                        seed=seed, tokenizer_path=tokenizer_path, pack=pack, chat=chat(), warn=warn)

@@ -8,6 +8,8 @@ from typing import Callable
 
 import torch
 
+from glm5f.core import IGNORE_INDEX
+
 SCALES = ("group", "batch", "none")
 STD_EPS = 1e-4
 
@@ -225,7 +227,10 @@ def check_source(data, o) -> None:
         return
     for g in getattr(data, "groups", ()):
         for i, c in enumerate(g.completions):
-            if c.logprobs is None:
-                raise ValueError(f"{g.where}: completion {i} has no 'logprobs'; --rl.policy_loss {rows(o)[1]} weighs "
+            trained = c.example.labels[len(c.example.labels) - len(c.logprobs or []):]
+            if c.logprobs is None or any(x != x and t != IGNORE_INDEX for x, t in zip(c.logprobs, trained)):
+                what = "has no 'logprobs'" if c.logprobs is None else \
+                    "has no log-probability for some trained token (e.g. the eos appended to a text completion)"
+                raise ValueError(f"{g.where}: completion {i} {what}; --rl.policy_loss {rows(o)[1]} weighs "
                                  f"each trained token by the rollout engine's log-probability of it; give them, or "
                                  f"choose another --rl.policy_loss")

@@ -25,7 +25,7 @@ from torch.distributed.tensor import Shard
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from glm5f.core.config import GLM5Config
-from glm5f.data.rollouts import file_group_size
+from glm5f.data.rollouts import ReadOptions, file_group_size
 from glm5f.model.env import make_env
 from glm5f.core.layers import LeafKind, kinds, layer_spec
 from glm5f.model.head import head_chunk_rows, head_loss_sum, shift_labels
@@ -100,7 +100,8 @@ def rows_per_item(cfg) -> int:
         return 1
     if cfg.data.type == "prompts":
         return cfg.rl.group_size
-    return (file_group_size(cfg.data.path) if cfg.data.type == "rollouts" and cfg.data.path else None) or 1
+    options = ReadOptions(getattr(cfg.data, "format", "glm5f"), getattr(cfg.data, "group_key", None))
+    return (file_group_size(cfg.data.path, options) if cfg.data.type == "rollouts" and cfg.data.path else None) or 1
 
 
 def objective_settings(cfg) -> object:
