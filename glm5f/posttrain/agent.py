@@ -105,7 +105,7 @@ def doc_parts(doc: str | None) -> tuple[str, dict[str, str]]:
     """(description, {argument: its description}) of a docstring: its text before an "Args:" section, and that
     section's `name: text` or `name (type): text` entries (indented lines continue one)."""
     lines = inspect.cleandoc(doc or "").splitlines()
-    head, args, name, inside = [], {}, None, False
+    head, args, name, inside, indent = [], {}, None, False, 0
     for line in lines:
         if re.fullmatch(r"(Args|Arguments|Parameters):\s*", line.strip()):
             inside = True
