@@ -1,6 +1,5 @@
-"""On-policy agents: episodes of several assistant turns decoded by the policy (the sampler's decoder), each turn's
-tool calls parsed in the chat template's format and run with a time bound, or an environment stepped; observations are
-untrained context.
+"""On-policy agents: multi-turn episodes decoded by the policy, each turn's tool calls (in the chat template's format)
+run with a time bound or an environment stepped, the observations appended as untrained context.
 
 Task record: {"messages": [...] | "prompt": str (one user message), ...any other fields: passed to the reward function
 and, whole, to the environment's factory}. Shape suffixes: B rows (one episode each), V vocabulary.
