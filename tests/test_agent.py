@@ -303,3 +303,37 @@ def test_agent_source_batch_is_the_rollout_batch_with_untrained_observations(tmp
         agent.AgentSource(str(path), 2, 1024, cfg, 0, s, agent.AgentSettings(tools="test_agent:nothing"), FMT,
                           "test_agent:score", 7)
     assert math.isfinite(float(batch["reward"].sum()))
+
+
+class Odd(Endless):
+    """Never done; each step rewards an assistant turn of an odd number of characters."""
+
+    def step(self, messages):
+        obs, done, _ = super().step(messages)
+        return obs, done, float(len(messages[-1]["content"]) % 2)
+
+
+def test_an_agent_run_trains_on_its_episodes_with_no_rollout_gap_in_fp64(tmp_path, monkeypatch):
+    """train.py with --rl.environment (bytes 128-255 end a turn, so episodes of several turns): the trainer's
+    first-pass log-probabilities of the trained tokens, with --rl.replay routing,indexer, equal the sampler's
+    (rollout_logprob_gap_max below 1e-9) at every step, and the episodes' rewards vary."""
+    from conftest import cli
+    from train import train
+
+    load = ChatFormat.load
+
+    def high_bytes_stop(*args, **kwargs):
+        fmt = load(*args, **kwargs)
+        fmt.stop_ids = sorted(set(fmt.stop_ids) | set(range(128, 256)))
+        return fmt
+    monkeypatch.setattr(ChatFormat, "load", staticmethod(high_bytes_stop))
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"go {i}"}) + "\n" for i in range(4)))
+    records = train(cli("--train.objective", "grpo", "--data.type", "prompts", "--data.path", str(path),
+                        "--rl.environment", "test_agent:Odd", "--rl.max_turns", "3", "--data.batch_size", "2",
+                        "--rl.group_size", "4", "--rl.max_new_tokens", "8", "--data.seq_len", "96",
+                        "--eval.every", "0", "--optim.lr", "1e-2", "--optim.warmup_steps", "0",
+                        "--model.preset", "glm5-tiny", "--train.dtype", "float64", "--rl.replay", "routing,indexer",
+                        "--train.steps", "2", "--checkpoint.dir", str(tmp_path / "run")))
+    assert len(records) == 2 and any(r["reward_std"] > 0 for r in records), records
+    assert all(r["rollout_logprob_gap_max"] < 1e-9 for r in records), [r["rollout_logprob_gap_max"] for r in records]
