@@ -335,7 +335,15 @@ class DPOConfig:
 class RLConfig(AgentSettings):
     loss: Literal["dapo", "grpo"] = "dapo"
     """GRPO: how token losses become the step's: dapo, their sum over the global batch's completion tokens; grpo,
-    the mean over completions of each one's token mean."""
+    the mean over completions of each one's token mean. Each is a row of the three tables below."""
+    advantage: Optional[Literal["grpo", "dr_grpo", "rloo"]] = None
+    """GRPO: the advantage row (glm5f.posttrain.rl_losses.ADVANTAGES, docs/posttraining.md). None: grpo."""
+    policy_loss: Optional[Literal["clip", "gspo", "cispo", "rollout_is"]] = None
+    """GRPO: the per-token policy loss row (rl_losses.POLICY_LOSSES; rollout_is needs every completion's logprobs).
+    None: clip."""
+    aggregation: Optional[Literal["token_mean", "sequence_mean", "token_sum_norm"]] = None
+    """GRPO: how token losses become the step's (rl_losses.AGGREGATIONS; token_sum_norm divides by completions x
+    --rl.max_new_tokens). None: --rl.loss dapo's token_mean, grpo's sequence_mean."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """GRPO: advantages are (reward - its group's mean) over the group's reward std (group), the global batch's
     (batch) or 1 (none); std with Bessel's correction, plus 1e-4."""

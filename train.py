@@ -26,7 +26,7 @@ from configs import Config, mesh_errors, parse, validate, with_data_type
 from glm5f.run import preempt
 from glm5f.run import rundir
 from glm5f.posttrain import reference as dpo_reference
-from glm5f.posttrain import grpo
+from glm5f.posttrain import grpo, rl_losses
 from glm5f.posttrain import agent, sampler
 from glm5f.ckpt import checkpoint
 from glm5f.model import lora
@@ -373,6 +373,7 @@ def make_data(cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout, say, tok
     with user_errors():
         data = make_source(d.type, path=d.path, split=d.split, warn=warn, allow_changed=d.allow_changed,
                            model_cfg=model_cfg, **common)
+        rl_losses.check_source(data, cfg.rl)  # a rollouts file without what --rl.policy_loss reads, at file:line
         held_out = make_eval_source(d.type, path=cfg.eval.path, split=cfg.eval.split, train_path=d.path,
                                     train_split=d.split, **common)
         eval_batches = [] if held_out is None or not cfg.eval.every else \

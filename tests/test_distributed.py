@@ -437,6 +437,35 @@ def test_grpo_layouts_equal_one_process_fp64(preset, layouts, lora, tmp_path):
         assert worst <= 1e-9, f"{layout}: final weights differ from one process's by {worst:.2e}"
 
 
+@pytest.mark.parametrize("layout", ["dp2", pytest.param("cp2", marks=pytest.mark.slow)])
+def test_grpo_loss_rows_under_layouts_equal_one_process_fp64(layout, tmp_path):
+    """--rl.advantage rloo, --rl.policy_loss gspo (each completion's sequence ratio; under CP summed over the ranks
+    holding its parts), --rl.aggregation token_sum_norm, two updates per batch so the sequence ratios clip: 4 steps'
+    metrics and the final weights equal one process's within 1e-9."""
+    from glm5f.core.params import flatten
+    from test_grpo import rollout_records
+
+    recs = rollout_records(glm5f.preset("glm5-tiny").vocab_size, groups=4, size=3, seed=3)
+    g = torch.Generator().manual_seed(4)
+    for rec in recs:
+        for c in rec["completions"]:
+            c["logprobs"] = (-torch.rand(len(c["ids"]), generator=g, dtype=torch.float64) * 8).tolist()
+    data = tmp_path / "rollouts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    rows = ["--rl.advantage", "rloo", "--rl.policy_loss", "gspo", "--rl.aggregation", "token_sum_norm",
+            "--rl.max_new_tokens", "6"]
+    ref_records, ref_params = _grpo_run(tmp_path / "one", "glm5-tiny", str(data), *rows)
+    assert len(ref_records) == 4 and max(r["seq_clip_fraction"] for r in ref_records) > 0
+    records, params = _grpo_run(tmp_path / layout, "glm5-tiny", str(data), *rows, *LAYOUTS[layout])
+    keys = ("loss", "reward", "advantage_abs", "completion_length", "seq_clip_fraction", "rollout_logprob_gap",
+            "rollout_logprob_masked_fraction", "kl")
+    for got, want in zip(records, ref_records, strict=True):
+        for k in keys:
+            assert abs(got[k] - want[k]) <= 1e-9, f"{layout} step {want['step']} {k}: {got[k]} vs {want[k]}"
+    worst = max(float((flatten(params)[k] - w).abs().max()) for k, w in flatten(ref_params).items())
+    assert worst <= 1e-9, f"{layout}: final weights differ from one process's by {worst:.2e}"
+
+
 def test_dpo_precomputed_reference_under_layouts_fp64(tmp_path):
     """--dpo.precompute_reference under dp_shard 2 (each rank its rows of the pass) and cp 2 x ep 2 (each answer's
     sums over the CP group, counted once; the table summed over ranks): 3 steps' metrics equal one process's with

@@ -1,7 +1,8 @@
 """glm5f/posttrain/grpo.py: GRPO's step-1 loss from a rollouts file equals the formula over Transformers' fp64
 log-probabilities (the engine's log-probabilities weighting each token); with two updates per batch the second pass
 clips as the formula says (resumed between the two); advantages as torch.std gives them; a batch whose groups all
-have equal rewards trains nothing; the flags that cannot work are refused."""
+have equal rewards trains nothing; the flags that cannot work are refused; three other rows of the loss tables
+(glm5f/posttrain/rl_losses.py) from train.py equal their formula over the same log-probabilities."""
 
 import json
 import math
@@ -14,7 +15,7 @@ import glm5f
 from configs import validate
 from conftest import cli, hf_model_fp64, stable_topk, transformers_in_fp64
 from glm5f.ckpt import checkpoint
-from glm5f.posttrain.grpo import STD_EPS, advantages
+from glm5f.posttrain.rl_losses import STD_EPS, advantages
 from train import train
 
 EPS_LOW, EPS_HIGH, CAP = 0.2, 0.28, 2.0
@@ -106,6 +107,25 @@ def test_step_one_loss_equals_the_formula_with_transformers_fp64(setup, loss):
     assert abs(r["rollout_logprob_gap_max"] - float(gaps.max())) <= 1e-8
     rewards = torch.tensor([c["reward"] for rec in recs for c in rec["completions"]], dtype=torch.float64)
     assert abs(r["reward"] - float(rewards.mean())) <= 1e-12 and abs(r["reward_std"] - float(rewards.std())) <= 1e-12
+
+
+@pytest.mark.parametrize("adv,policy,agg", [("rloo", "rollout_is", "token_sum_norm"),
+                                            ("dr_grpo", "cispo", "sequence_mean"), ("grpo", "gspo", "token_mean")])
+def test_step_one_loss_of_other_rows_equals_their_formula_with_transformers_fp64(setup, adv, policy, agg):
+    """--rl.advantage / --rl.policy_loss / --rl.aggregation rows (tests/test_rl_losses.py's formula, old = logp at
+    step 1): the loss and the row's own metrics from train.py."""
+    from test_rl_losses import MAX_NEW, formula as rows_formula
+
+    tmp, policy_model, recs, data = setup
+    records = train(cli(*grpo_flags(tmp, data, f"run_{policy}", "--train.steps", "1", "--rl.advantage", adv,
+                                    "--rl.policy_loss", policy, "--rl.aggregation", agg,
+                                    "--rl.max_new_tokens", str(MAX_NEW))))
+    groups = [[{"reward": c["reward"], "lp": lp, "old": lp, "rollout": torch.tensor(c["logprobs"], dtype=torch.float64)}
+               for c in rec["completions"] for lp in [completion_logp(policy_model, rec, c)]] for rec in recs]
+    value, metrics = rows_formula(groups, adv, policy, agg)
+    assert abs(records[0]["loss"] - value.item()) <= 1e-8 and abs(value.item()) > 1e-3, (records[0]["loss"], value)
+    for k, v in metrics.items():
+        assert abs(records[0][k] - v) <= 1e-12, (k, records[0][k], v)
 
 
 def test_the_second_update_on_a_batch_clips_as_the_formula_says(setup):

@@ -7,7 +7,8 @@ std over the global batch; none: no division; std with Bessel's correction, as t
 old_t) (old: the policy before this batch's first update), w_t = min(exp(old_t - rollout_t), tis_cap) (detached; 1
 without the engine's log-probabilities, or with tis_cap 0), l_t = -min(rho_t A_i, clip(rho_t, 1 - eps_low, 1 +
 eps_high) A_i) w_t + kl_beta (exp(ref_t - logp_t) - (ref_t - logp_t) - 1). --rl.loss dapo: the sum of l_t over the
-global batch divided by its completion tokens; grpo: the mean over completions of each one's token mean.
+global batch divided by its completion tokens; grpo: the mean over completions of each one's token mean. These are
+two rows of each of rl_losses' tables (--rl.advantage, --rl.policy_loss, --rl.aggregation), which hold the others.
 
 Shape suffixes: R rows (one completion each), S sequence.
 """
@@ -19,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from glm5f.posttrain import dpo
+from glm5f.posttrain import dpo, rl_losses
+from glm5f.posttrain.rl_losses import group_stats
 from glm5f.model.decode import init_cache
 from glm5f.core.ops import wide_dtype
 from glm5f.core.params import param_count
@@ -27,10 +29,6 @@ from glm5f.core.replay import REPLAY_KEYS
 from glm5f.train.loss import Context, Objective, micro_batches, micro_loss, with_targets
 from glm5f.model.head import head_token_losses
 from glm5f.core import IGNORE_INDEX
-
-LOSSES = ("dapo", "grpo")
-SCALES = ("group", "batch", "none")
-STD_EPS = 1e-4
 
 
 @dataclass(frozen=True)
@@ -43,6 +41,10 @@ class GRPOConfig:
     epsilon_high: float = 0.28
     tis_cap: float = 2.0
     kl_beta: float = 0.0
+    advantage: str | None = None  # None: --rl.loss's (rl_losses.LOSS_ROWS)
+    policy_loss: str | None = None
+    aggregation: str | None = None
+    max_new_tokens: int = 64
 
 
 def unreplayed_dropped(batch: dict, settings) -> dict:
@@ -52,81 +54,39 @@ def unreplayed_dropped(batch: dict, settings) -> dict:
     return {k: v for k, v in batch.items() if k not in REPLAY_KEYS or k in replayed}
 
 
-def group_stats(reward_R: torch.Tensor, group_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean, std) [R] of each row's group's rewards (fp64; std with Bessel's correction)."""
-    r = reward_R.to(torch.float64)
-    _, inverse = torch.unique(group_R, return_inverse=True)
-    n = torch.zeros(int(inverse.max()) + 1, dtype=r.dtype, device=r.device).index_add_(0, inverse, torch.ones_like(r))
-    mean = torch.zeros_like(n).index_add_(0, inverse, r) / n
-    var = torch.zeros_like(n).index_add_(0, inverse, (r - mean[inverse]) ** 2) / (n - 1)
-    return mean[inverse], var.sqrt()[inverse]
-
-
-def advantages(reward_R: torch.Tensor, group_R: torch.Tensor, scale: str = "group") -> torch.Tensor:
-    """A [R] (fp64) of each completion: its reward less its group's mean, over its group's std (scale "group"),
-    the batch's ("batch") or 1 ("none"), plus STD_EPS."""
-    if scale not in SCALES:
-        raise ValueError(f"--rl.scale_rewards must be one of {', '.join(SCALES)}, found {scale!r}")
-    mean, std = group_stats(reward_R, group_R)
-    centered = reward_R.to(torch.float64) - mean
-    if scale == "none":
-        return centered
-    return centered / ((reward_R.to(torch.float64).std() if scale == "batch" else std) + STD_EPS)
-
-
 def has_signal(batch: dict) -> bool:
     """Whether some group of the batch has completions with different rewards (else every advantage is 0)."""
     _, std = group_stats(batch["reward"], batch["group"])
     return bool((std > 0).any())
 
 
-def token_terms(logp: torch.Tensor, old: torch.Tensor, rollout: torch.Tensor, ref: torch.Tensor | None,
-                adv_R: torch.Tensor, o) -> dict:
-    """Per token [R, S]: "loss" l_t (the module docstring), "clipped" 1 where the clipped term is the min and
-    differs, "capped" 1 where w_t is tis_cap, "gap" |old_t - rollout_t| (0 where the engine gave none), "kl" the
-    KL term (unweighted)."""
-    A = adv_R[:, None].to(logp.dtype)
-    rho = torch.exp(logp - old)
-    unclipped, clipped = rho * A, rho.clamp(1 - o.epsilon_low, 1 + o.epsilon_high) * A
-    has = ~torch.isnan(rollout)
-    drift = torch.where(has, old - torch.nan_to_num(rollout), 0.0).detach()
-    w = torch.exp(drift).clamp(max=o.tis_cap) if o.tis_cap > 0 else torch.ones_like(drift)
-    loss = -torch.minimum(unclipped, clipped) * w
-    kl = torch.zeros_like(logp)
-    if ref is not None:
-        d = ref - logp
-        kl = torch.exp(d) - d - 1
-        loss = loss + o.kl_beta * kl
-    capped = has & (torch.exp(drift) >= o.tis_cap) if o.tis_cap > 0 else torch.zeros_like(has)
-    return {"loss": loss, "clipped": (clipped < unclipped).to(logp.dtype), "capped": capped.to(logp.dtype),
-            "gap": drift.abs(), "kl": kl.detach()}
-
-
 def prepare(batch: dict, settings) -> dict:
     """The batch with what the loss reads, made on the global batch before any split: "advantage" [R]; the
     engine's and (when given) the old policy's log-probabilities at the targets ("rollout_targets", "old_targets"
     [R, S]); per row its batch's reward std and whether its group's rewards are all equal; "loss_units" the count
-    the loss is averaged over (completion tokens for dapo, completions for grpo)."""
+    the loss is averaged over (its --rl.aggregation's units)."""
     o = settings or GRPOConfig()
     batch = unreplayed_dropped(batch, o)
-    if o.loss not in LOSSES:
-        raise ValueError(f"--rl.loss must be one of {', '.join(LOSSES)}, found {o.loss!r}")
+    advantage, _, aggregation = rl_losses.rows(o)
     scored = batch["targets"] != IGNORE_INDEX
     _, std = group_stats(batch["reward"], batch["group"])
     rollout = batch["rollout_logprobs"].to(torch.float64)
-    out = {**batch, "advantage": advantages(batch["reward"], batch["group"], o.scale_rewards),
+    out = {**batch, "advantage": rl_losses.ADVANTAGES[advantage](batch["reward"], batch["group"], o),
            "rollout_targets": torch.cat([rollout[:, 1:], torch.full_like(rollout[:, :1], float("nan"))], 1),
            "reward_std": batch["reward"].to(torch.float64).std().expand(len(scored)),
            "zero_std": (std == 0).to(torch.float64)}
-    out["loss_units"] = (scored.sum() if o.loss == "dapo" else scored.any(1).sum()).clamp(min=1)
+    rl_losses.check_rollout_logprobs(scored, out["rollout_targets"], o)
+    out["loss_units"] = rl_losses.AGGREGATIONS[aggregation].units(scored, o)
     return out
 
 
 def denoms(batch: dict) -> dict:
-    """{"completion_tokens", "completions", "loss_units"} of the global batch (at least 1 each)."""
+    """{"completion_tokens", "completions", "loss_units", "rollout_tokens" (those with the engine's log-probability)}
+    of the global batch (at least 1 each)."""
     scored = batch["targets"] != IGNORE_INDEX
     return {"completion_tokens": scored.sum().clamp(min=1), "completions": scored.any(1).sum().clamp(min=1),
-            "loss_units": batch["loss_units"]}
+            "loss_units": batch["loss_units"],
+            "rollout_tokens": (~torch.isnan(batch["rollout_targets"])).sum().clamp(min=1)}
 
 
 def loss(params: dict, batch: dict, ctx: Context) -> tuple[torch.Tensor, dict]:
@@ -134,6 +94,7 @@ def loss(params: dict, batch: dict, ctx: Context) -> tuple[torch.Tensor, dict]:
     ctx.step.settings. Under CP each rank holds part of every completion: token sums add over the ranks, each
     completion's token count is its whole sequence's, and the per-completion metrics count on CP rank 0."""
     o = ctx.step.settings or GRPOConfig()
+    _, policy, aggregation = rl_losses.rows(o)
     eps, targets, layout = ctx.cfg.rms_norm_eps, batch["targets"], ctx.layout
     R, S = targets.shape
     hidden_RxSxD, head = ctx.forward(params, batch)
@@ -145,24 +106,30 @@ def loss(params: dict, batch: dict, ctx: Context) -> tuple[torch.Tensor, dict]:
             ref_hidden_RxSxD, ref_head = ctx.reference_forward(batch)
             ref = -head_token_losses(ref_head, ref_hidden_RxSxD, targets, eps).view(R, S)
     scored = (targets != IGNORE_INDEX).to(logp.dtype)
-    terms = token_terms(logp, old, batch["rollout_targets"].to(logp.dtype), ref, batch["advantage"], o)
-    t = {k: v * scored for k, v in terms.items()}
     n_R = layout.seq_sum(scored.sum(1, dtype=torch.float64))  # each completion's tokens, over the CP group
+    tokens = rl_losses.Tokens(logp, old, batch["rollout_targets"].to(logp.dtype), scored, batch["advantage"], n_R,
+                              layout.seq_sum)
+    terms = rl_losses.POLICY_LOSSES[policy](tokens, o)
+    kl = torch.zeros_like(logp)
+    if ref is not None:
+        d = ref - logp
+        kl = torch.exp(d) - d - 1
+        terms["loss"] = terms["loss"] + o.kl_beta * kl
+    drift, has = rl_losses.rollout_drift(tokens)
+    t = {"loss": terms["loss"] * scored, "gap": drift.abs() * scored, "kl": kl.detach() * scored}
     is_completion = (n_R > 0).to(torch.float64) * float(layout.cp_rank == 0)
-    if o.loss == "dapo":
-        total = t["loss"].sum(dtype=torch.float64)
-    else:
-        total = (t["loss"].sum(1, dtype=torch.float64) / n_R.clamp(min=1)).sum()
+    total = rl_losses.AGGREGATIONS[aggregation].total(t["loss"], n_R)
     sums = {"loss": total}
     per_row = lambda v: (v.to(torch.float64) * is_completion).sum()  # noqa: E731
     sums.update(reward=per_row(batch["reward"]), reward_std=per_row(batch["reward_std"]),
                 frac_reward_zero_std=per_row(batch["zero_std"]), advantage_abs=per_row(batch["advantage"].abs()),
-                completion_length=scored.sum(dtype=torch.float64),
-                clip_fraction=t["clipped"].sum(dtype=torch.float64),
-                tis_capped_fraction=t["capped"].sum(dtype=torch.float64),
-                rollout_logprob_gap=t["gap"].sum(dtype=torch.float64),
+                completion_length=scored.sum(dtype=torch.float64))
+    sums.update({k: (v * scored).sum(dtype=torch.float64) if v.ndim == 2 else per_row(v)
+                 for k, v in terms.items() if k != "loss"})  # the policy loss's own
+    sums.update(rollout_logprob_gap=t["gap"].sum(dtype=torch.float64),
                 rollout_logprob_gap_max=t["gap"].max().to(torch.float64) if t["gap"].numel() else
                 torch.zeros((), dtype=torch.float64),
+                rollout_logprob_masked_fraction=(has & (scored == 0)).sum(dtype=torch.float64),
                 kl=t["kl"].sum(dtype=torch.float64))
     return total / ctx.denoms["loss_units"], sums
 
@@ -206,11 +173,13 @@ def old_logprobs(params: dict, batch: dict, cfg, layout, step) -> torch.Tensor:
     return torch.where(b["targets"] != IGNORE_INDEX, out, 0.0)
 
 
-PER_TOKEN = ("completion_length", "clip_fraction", "tis_capped_fraction", "rollout_logprob_gap", "kl")
+PER_TOKEN = ("completion_length", "clip_fraction", "tis_capped_fraction", "rollout_logprob_gap", "kl",
+             "rollout_rs_masked_fraction")
 METRICS = {"loss": "loss_units", **{k: "completions" for k in ("reward", "reward_std", "frac_reward_zero_std",
-                                                                   "advantage_abs", "completion_length")},
+                                                                   "advantage_abs", "completion_length",
+                                                                   "seq_clip_fraction")},
            **{k: "completion_tokens" for k in PER_TOKEN if k != "completion_length"},
-           "rollout_logprob_gap_max": "max"}
+           "rollout_logprob_gap_max": "max", "rollout_logprob_masked_fraction": "rollout_tokens"}
 
 
 def plan_bytes(model_cfg, run, state: dict) -> int:
