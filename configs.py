@@ -23,6 +23,7 @@ from glm5f.data import check_path_fits, infer_data_type, load_batches
 from glm5f.model.lora import DEFAULT_TARGETS, LoraSpec, target_modules
 from glm5f.train.optim import OPTIMIZERS, trained_paths
 from glm5f.objectives import OBJECTIVES
+from glm5f.posttrain.agent import AgentSettings
 from glm5f.data.tokens import make_tokenizer
 
 @dataclass
@@ -338,7 +339,7 @@ class DPOConfig:
 
 
 @dataclass
-class RLConfig:
+class RLConfig(AgentSettings):
     loss: Literal["dapo", "grpo"] = "dapo"
     """GRPO: how token losses become the step's: dapo, their sum over the global batch's completion tokens; grpo,
     the mean over completions of each one's token mean. Each is a row of the three tables below."""
@@ -501,7 +502,7 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     if unknown:
         errs.append(f"--rl.replay takes routing and/or indexer (comma-separated), found {', '.join(unknown)}")
     if cfg.data.type == "prompts":
-        if not r.reward:
+        if not r.reward and r.environment is None:
             errs.append("--data.type prompts needs --rl.reward module:function (the reward of a sampled completion)")
         if r.group_size < 2 or r.max_new_tokens < 1 or r.temperature < 0 or not 0 < r.top_p <= 1:
             errs.append(f"--rl.group_size must be >= 2, --rl.max_new_tokens >= 1, --rl.temperature >= 0 and "

@@ -27,7 +27,7 @@ from glm5f.run import preempt
 from glm5f.run import rundir
 from glm5f.posttrain import reference as dpo_reference
 from glm5f.posttrain import grpo, rl_losses
-from glm5f.posttrain import sampler
+from glm5f.posttrain import agent, sampler
 from glm5f.ckpt import checkpoint
 from glm5f.model import lora
 from glm5f.data.chat import RUN_TOKENIZER_DIR, ChatFormat, check_same_tokenizer, resolve_tokenizer
@@ -398,6 +398,9 @@ def prompt_source(cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout, toke
     tok = model_tokenizer(tokenizer_path, model_cfg.vocab_size)
     fmt = ChatFormat.load(tokenizer_path, d.chat_template)
     settings = sampler.SampleSettings(r.group_size, r.temperature, r.top_p, r.max_new_tokens, r.replayed)
+    if r.enabled:  # --rl.tools or --rl.environment: multi-turn episodes
+        return agent.AgentSource(d.path, d.batch_size, d.seq_len, model_cfg, d.seed, settings, r, fmt, r.reward,
+                                 cfg.train.seed, layout.device)
     reward = sampler.load_reward(r.reward)
     return sampler.PromptSource(sampler.read_prompts(d.path, tok, fmt), d.batch_size, d.seq_len, model_cfg, d.seed,
                                 tok.pad_id, settings, reward, f"--rl.reward {r.reward}", tok, cfg.train.seed,

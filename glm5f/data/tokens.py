@@ -63,8 +63,9 @@ class FileTokenizer:
     def token_id(self, text: str) -> int | None:
         return self._tok.token_to_id(text)
 
-    def decode(self, ids) -> str:
-        return self._tok.decode(list(ids))
+    def decode(self, ids, keep_special: bool = False) -> str:
+        """The text of `ids`; with keep_special, the special tokens written out too (as a chat's tool calls need)."""
+        return self._tok.decode(list(ids), skip_special_tokens=not keep_special)
 
 
 def make_tokenizer(path: str | None):
@@ -108,7 +109,9 @@ class ChatByteTokenizer(ByteTokenizer):
     def encode(self, text: str) -> list[int]:
         return self.encode_offsets(text)[0]
 
-    def decode(self, ids) -> str:
+    def decode(self, ids, keep_special: bool = True) -> str:
+        """The text of `ids`: the chat special tokens written out (always: `keep_special` as FileTokenizer's),
+        bos, eos and pad left out."""
         out, run = [], bytearray()
         for i in ids:
             if i < 256:

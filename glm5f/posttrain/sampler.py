@@ -73,22 +73,22 @@ def read_prompts(path: str, tok, fmt) -> list[Prompt]:
     return [prompt_of(rec, where, tok, fmt) for where, rec in jsonl_records(path, "prompt records")]
 
 
-def load_reward(spec: str):
+def load_reward(spec: str, flag: str = "--rl.reward"):
     """The function `spec` ("module:function") names, imported with the working directory and PYTHONPATH on
-    sys.path; a ValueError saying what is wrong."""
+    sys.path; a ValueError naming `flag` saying what is wrong."""
     module, _, name = spec.partition(":")
     if not module or not name:
-        raise ValueError(f"--rl.reward {spec!r}: expected module:function, e.g. my_rewards:score")
+        raise ValueError(f"{flag} {spec!r}: expected module:function, e.g. my_rewards:score")
     for d in [os.getcwd(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]:
         if d not in sys.path:
             sys.path.append(d)
     try:
         fn = getattr(importlib.import_module(module), name)
     except Exception as e:  # the module is code: importing it can fail any way
-        raise ValueError(f"--rl.reward {spec}: cannot import it ({type(e).__name__}: {e}); check the module is on "
+        raise ValueError(f"{flag} {spec}: cannot import it ({type(e).__name__}: {e}); check the module is on "
                          f"the working directory or PYTHONPATH and defines {name}") from None
     if not callable(fn):
-        raise ValueError(f"--rl.reward {spec}: {name} is a {type(fn).__name__}, not a function")
+        raise ValueError(f"{flag} {spec}: {name} is a {type(fn).__name__}, not a function")
     return fn
 
 
@@ -213,11 +213,15 @@ class PromptSource:
         generators = [torch.Generator(self.device).manual_seed(shuffle_draw(self.sample_seed, self.drawn + j) >> 1)
                       for j in range(lo, hi)]  # non-negative int64 seeds
         self.drawn += len(prompts)
-        groups = sample_groups(params, self.cfg, prompts[lo:hi], self.settings, self.reward, self.tok, self.pad_id,
-                               generators, reward_name=self.reward_name) if hi > lo else []
+        groups = self.sample(params, prompts[lo:hi], generators) if hi > lo else []
         if world > 1:
             groups = [g for part in layout.gather_objects(groups) for g in part]
         return rollout_batch(groups, self.S, self.pad_id)
+
+    def sample(self, params: dict, prompts: list[Prompt], generators: list[torch.Generator]) -> list[Group]:
+        """The groups of `prompts` (this rank's share), one generator each."""
+        return sample_groups(params, self.cfg, prompts, self.settings, self.reward, self.tok, self.pad_id, generators,
+                             reward_name=self.reward_name)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "index": self.index, "drawn": self.drawn}
