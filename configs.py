@@ -105,8 +105,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    type: Optional[Literal["text", "synthetic", "json_file", "preset_pt", "hf_datasets", "chat", "preference",
-                           "rollouts", "prompts"]] = None
+    type: Optional[str] = None
     """text: the embedded corpus; synthetic: seeded bigram sequences; json_file: JSONL; preset_pt: torch.save'd
     batches; hf_datasets: a datasets.save_to_disk directory; chat: the embedded chat sample, or a JSONL of chat
     records with --data.path; preference: a JSONL of preference pairs for --train.objective dpo (glm5f/data/pairs.py;
@@ -316,69 +315,6 @@ class LoraConfig:
 
 
 @dataclass
-class DPOConfig:
-    beta: float = 0.1
-    """DPO: the weight of the implicit reward, in -logsigmoid(beta ((pi_c - ref_c) - (pi_r - ref_r)))."""
-    sft_weight: float = 0.0
-    """DPO: the weight of the chosen answers' LM loss added to the DPO loss (RPO); 0: none."""
-    reference: Optional[str] = None
-    """DPO: the reference model, a Transformers checkpoint directory; default the run's starting weights (a LoRA
-    run: its base with the adapters off, no second copy in memory)."""
-    precompute_reference: bool = False
-    """DPO, full training: compute the reference's log-probabilities of every pair once, in a pass before the first
-    step, store them in the run directory (dpo_reference.safetensors, reused while the data and the reference are
-    the same) and free the reference, instead of keeping a copy of it in memory."""
-
-
-@dataclass
-class RLConfig:
-    loss: Literal["dapo", "grpo"] = "dapo"
-    """GRPO: how token losses become the step's: dapo, their sum over the global batch's completion tokens; grpo,
-    the mean over completions of each one's token mean."""
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    """GRPO: advantages are (reward - its group's mean) over the group's reward std (group), the global batch's
-    (batch) or 1 (none); std with Bessel's correction, plus 1e-4."""
-    epsilon_low: float = 0.2
-    """GRPO: the ratio exp(logp - old) is clipped below at 1 - epsilon_low."""
-    epsilon_high: float = 0.28
-    """GRPO: the ratio is clipped above at 1 + epsilon_high."""
-    tis_cap: float = 2.0
-    """GRPO: cap of the truncated importance weight exp(old - rollout) that corrects for the rollout engine's
-    log-probabilities (a completion's "logprobs"); 0: no weight."""
-    kl_beta: float = 0.0
-    """GRPO: weight of the KL estimate exp(ref - logp) - (ref - logp) - 1 to the reference (the run's starting
-    weights; a LoRA run's base); 0: none, and no reference is kept."""
-    updates_per_batch: int = 1
-    """GRPO: optimizer steps taken on each batch of groups (each a --train.steps step); the ratio's old
-    log-probabilities are the policy's before the batch's first one."""
-    replay: str = ""
-    """GRPO: what the forward takes from the rollouts' records instead of choosing it (comma-separated): routing,
-    each MoE layer's experts; indexer, each DSA layer's selected keys (GLM-5.3: pools). Empty: none."""
-    group_size: int = 8
-    """Sampling (--data.type prompts): completions sampled per prompt (at least 2: a group's advantages compare
-    them)."""
-    temperature: float = 1.0
-    """Sampling (--data.type prompts): the temperature (0: greedy); the recorded log-probabilities are at
-    temperature 1."""
-    top_p: float = 1.0
-    """Sampling (--data.type prompts): nucleus sampling, from the most likely tokens holding this much
-    probability."""
-    max_new_tokens: int = 64
-    """Sampling (--data.type prompts): most tokens sampled per completion (a stop token ends one sooner); a prompt
-    and this many tokens must fit --data.seq_len."""
-    reward: Optional[str] = None
-    """Sampling (--data.type prompts): the reward function, module:function (imported with the working directory
-    and PYTHONPATH on the path), called per completion with keyword arguments prompt, completion (text),
-    prompt_ids, completion_ids and the prompt record's other fields; returns a finite number.
-    glm5f.posttrain.rewards:lowercase_share is the toy task's (recipes/grpo-tiny.yaml)."""
-
-    @property
-    def replayed(self) -> tuple[str, ...]:
-        """The --rl.replay names, in order."""
-        return tuple(n.strip() for n in self.replay.split(",") if n.strip())
-
-
-@dataclass
 class EvalConfig:
     every: int = 100
     """Held-out loss every N steps and at the end (eval_loss, eval_ppl in metrics.jsonl); 0: never."""
@@ -396,7 +332,7 @@ class EvalConfig:
 
 
 @dataclass
-class Config:
+class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -405,11 +341,38 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
-    dpo: DPOConfig = field(default_factory=DPOConfig)
-    rl: RLConfig = field(default_factory=RLConfig)
     plan: Optional[Literal["table", "json", "search"]] = None
     """Print the per-rank memory plan of this run instead of running it (table, json, or search: the smallest
     meshes that fit --parallel.device_memory_gb); allocates nothing, starts no process, writes nothing."""
+
+
+RUN_SECTIONS = tuple(f.name for f in dataclasses.fields(RunConfig))
+
+
+def run_config(table: dict | None = None) -> type:
+    """The run's Config class: RunConfig's sections, then one section per objective of `table` (default
+    glm5f.objectives.OBJECTIVES) that has settings, its `config` dataclass under its `settings` name (--dpo.*,
+    --rl.*), each defined once beside its objective's code."""
+    rows = (OBJECTIVES if table is None else table).values()
+    sections = {r.settings: r.config for r in rows if r.settings and r.config}
+    config = dataclasses.make_dataclass("Config", [(name, cls, field(default_factory=cls))
+                                                   for name, cls in sections.items()], bases=(RunConfig,))
+    config.__module__ = __name__  # where pickle finds it
+    return config
+
+
+Config = run_config()
+
+
+def current_config() -> type:
+    """Config, made again (`run_config`) when the objective table's sections differ from its own: a row added to
+    the table at run time brings its flags."""
+    global Config
+    have = {f.name: f.type for f in dataclasses.fields(Config) if f.name not in RUN_SECTIONS}
+    want = {r.settings: r.config for r in OBJECTIVES.values() if r.settings and r.config}
+    if have != want:
+        Config = run_config()
+    return Config
 
 
 def with_data_type(cfg: Config) -> Config:
@@ -464,42 +427,10 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     elif not row.cp and cfg.parallel.cp > 1:
         errs.append(f"--train.objective {cfg.train.objective} does not run under --parallel.cp yet (an answer's "
                     f"log-probabilities would be summed across ranks); use --parallel.dp_shard or --parallel.ep")
-    if cfg.data.type == "preference" and cfg.train.objective != "dpo":
-        errs.append(f"--data.type preference holds pairs for --train.objective dpo, not {cfg.train.objective}")
-    if cfg.data.type == "rollouts" and cfg.train.objective != "grpo":
-        errs.append(f"--data.type rollouts holds sampled completions for --train.objective grpo, not "
-                    f"{cfg.train.objective}")
-    if cfg.data.type == "prompts" and cfg.train.objective != "grpo":
-        errs.append(f"--data.type prompts is sampled for --train.objective grpo, not {cfg.train.objective}")
-    r = cfg.rl
-    unknown = [n for n in r.replayed if n not in ("routing", "indexer")]
-    if unknown:
-        errs.append(f"--rl.replay takes routing and/or indexer (comma-separated), found {', '.join(unknown)}")
-    if cfg.data.type == "prompts":
-        if not r.reward:
-            errs.append("--data.type prompts needs --rl.reward module:function (the reward of a sampled completion)")
-        if r.group_size < 2 or r.max_new_tokens < 1 or r.temperature < 0 or not 0 < r.top_p <= 1:
-            errs.append(f"--rl.group_size must be >= 2, --rl.max_new_tokens >= 1, --rl.temperature >= 0 and "
-                        f"--rl.top_p in (0, 1]; got {r.group_size}, {r.max_new_tokens}, {r.temperature}, {r.top_p}")
-        if cfg.parallel.cp > 1:
-            errs.append("--data.type prompts does not run under --parallel.cp (the decoder does not); sample with "
-                        "scripts/rollouts.py and train on --data.type rollouts, or drop --parallel.cp")
-    if not (0 <= r.epsilon_low < 1 and r.epsilon_high >= 0 and r.tis_cap >= 0 and r.kl_beta >= 0
-            and r.updates_per_batch >= 1):
-        errs.append(f"--rl.epsilon_low must lie in [0, 1), --rl.epsilon_high, --rl.tis_cap and --rl.kl_beta be >= 0 "
-                    f"and --rl.updates_per_batch >= 1; got {r.epsilon_low}, {r.epsilon_high}, {r.tis_cap}, "
-                    f"{r.kl_beta}, {r.updates_per_batch}")
-    if cfg.dpo.reference and cfg.lora.rank:
-        errs.append("--dpo.reference with --lora.rank: a LoRA run's reference is its base with the adapters off; "
-                    "drop --dpo.reference, or train the full model (without --lora.rank)")
-    if cfg.dpo.precompute_reference and cfg.lora.rank:
-        errs.append("--dpo.precompute_reference with --lora.rank: a LoRA run's reference is its base with the "
-                    "adapters off, already in memory at no cost; drop --dpo.precompute_reference")
-    elif cfg.dpo.precompute_reference and cfg.train.objective != "dpo":
-        errs.append(f"--dpo.precompute_reference is for --train.objective dpo, not {cfg.train.objective}; drop it")
-    if cfg.dpo.beta <= 0 or cfg.dpo.sft_weight < 0:
-        errs.append(f"--dpo.beta must be positive and --dpo.sft_weight >= 0, got {cfg.dpo.beta} and "
-                    f"{cfg.dpo.sft_weight}")
+    if cfg.data.type not in DATA_TYPES + owned_data_types():
+        errs.append(f"--data.type {cfg.data.type!r} is unknown; choose one of "
+                    f"{', '.join(DATA_TYPES + owned_data_types())}")
+    errs += objective_errors(cfg, row)
     if cfg.optim.name not in OPTIMIZERS:
         errs.append(f"--optim.name {cfg.optim.name!r} is unknown; choose one of {', '.join(OPTIMIZERS)}")
     if not 0 <= cfg.optim.muon_momentum < 1 or cfg.optim.ns_steps < 1:
@@ -522,8 +453,7 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     if cfg.train.grad_accum >= 1 and p.dp_shard >= 1 and cfg.data.batch_size % (cfg.train.grad_accum * p.dp_shard):
         errs.append(f"--data.batch_size ({cfg.data.batch_size}) must divide by --train.grad_accum x "
                     f"--parallel.dp_shard ({cfg.train.grad_accum} x {p.dp_shard})")
-    if cfg.data.type in ("json_file", "preset_pt", "hf_datasets", "preference", "rollouts",
-                          "prompts") and not cfg.data.path:
+    if cfg.data.type in PATH_TYPES and not cfg.data.path:
         errs.append(f"--data.type {cfg.data.type} needs --data.path")
     if cfg.data.chat_template is not None and not os.path.isfile(cfg.data.chat_template):
         errs.append(f"--data.chat_template {cfg.data.chat_template}: no such file (expected a jinja chat template)")
@@ -551,6 +481,37 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         return errs + [f"the model config is invalid: {e}"]
     return errs + _layout_errors(cfg, model) + _trainable_errors(cfg, model) + _lora_errors(cfg, model) + \
         _tokenizer_errors(cfg, model)
+
+
+DATA_TYPES = ("text", "synthetic", "json_file", "preset_pt", "hf_datasets", "chat")  # the data floor's (make_source)
+PATH_TYPES = ("json_file", "preset_pt", "hf_datasets")  # of those, the ones that need --data.path
+
+
+def owned_data_types() -> tuple[str, ...]:
+    """The --data.type values an objective of the table trains on and owns (its `source` reads them), in order."""
+    return tuple(t for r in OBJECTIVES.values() if r.source is not None for t in r.data_types or ())
+
+
+def objective_errors(cfg: Config, row) -> list[str]:
+    """What the objective of --train.objective (`row`, None when unknown) refuses: its own checks (`row.check`),
+    data that another objective owns, and a flag of another objective's section (it would be ignored)."""
+    errs, name = [], cfg.train.objective
+    owners = {t: n for n, r in OBJECTIVES.items() if r.source is not None for t in r.data_types or ()}
+    if cfg.data.type in owners and (row is None or cfg.data.type not in (row.data_types or ())):
+        errs.append(f"--data.type {cfg.data.type} holds data for --train.objective {owners[cfg.data.type]}, not "
+                    f"{name}; pass --train.objective {owners[cfg.data.type]}, or data that {name} trains on")
+    for owner, r in OBJECTIVES.items():
+        if not r.settings or owner == name or (row is not None and row.settings == r.settings) \
+                or not hasattr(cfg, r.settings):
+            continue
+        given, default = getattr(cfg, r.settings), r.config()
+        own = getattr(cfg, row.settings) if row is not None and row.settings else None
+        for f in dataclasses.fields(given):
+            if getattr(given, f.name) != getattr(default, f.name):
+                hint = f" ({name}'s own is --{row.settings}.{f.name})" if hasattr(own, f.name) else ""
+                errs.append(f"--{r.settings}.{f.name} is for --train.objective {owner}, not {name} (which would ignore "
+                            f"it); drop it, or pass --train.objective {owner}{hint}")
+    return errs + (row.check(cfg) if row is not None else [])
 
 
 def _tokenizer_errors(cfg: Config, model: glm5f.GLM5Config) -> list[str]:
@@ -672,9 +633,9 @@ def _lora_errors(cfg: Config, model: glm5f.GLM5Config) -> list[str]:
 
 def parse(argv: list[str], description: str | None = None) -> Config:
     """The Config of a command line: `--config FILE` (a recipe, or a run's config.yaml) with the flags over it."""
-    return recipe_file.parse(argv, Config, description)
+    return recipe_file.parse(argv, current_config(), description)
 
 
 def load_config(path: str) -> Config:
     """The Config of recipe file `path` (`glm5f.run.recipe_file.load_config`)."""
-    return recipe_file.load_config(path, Config)
+    return recipe_file.load_config(path, current_config())
