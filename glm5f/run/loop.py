@@ -47,8 +47,8 @@ def batch_sizes(run) -> str:
 
 
 def check_batch(run, batch: dict, i: int, first: bool) -> None:
-    """A batch's token ids fit the model; the run's first batch (of step index i) is checked for something to learn (and a compiled
-    step says it compiles)."""
+    """A batch's token ids fit the model; the run's first batch (of step index i) is checked for something to
+    learn (and a compiled step says it compiles)."""
     check_input_ids(batch["input_ids"], run.model_cfg)
     if first:
         with user_errors():
