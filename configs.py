@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Annotated, Literal, Optional
 
@@ -19,12 +18,12 @@ import tyro
 
 import glm5f
 from glm5f.run import recipe_file
-from glm5f.data import check_path_fits, infer_data_type, load_batches
-from glm5f.model.lora import DEFAULT_TARGETS, LoraSpec, target_modules
-from glm5f.train.optim import OPTIMIZERS, trained_paths
+from glm5f.data import check_path_fits, infer_data_type
+from glm5f.model.lora import DEFAULT_TARGETS, LoraSpec
+from glm5f.train.optim import OPTIMIZERS
 from glm5f.objectives import OBJECTIVES
-from glm5f.posttrain.agent import AgentSettings
-from glm5f.data.tokens import make_tokenizer
+from glm5f.run.checks import (DATA_TYPES, PATH_TYPES, mesh_errors, model_errors, objective_errors,  # noqa: F401
+                              owned_data_types)
 
 @dataclass
 class ModelConfig:
@@ -106,8 +105,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    type: Optional[Literal["text", "synthetic", "json_file", "preset_pt", "hf_datasets", "chat", "preference",
-                           "rollouts", "prompts"]] = None
+    type: Optional[str] = None
     """text: the embedded corpus; synthetic: seeded bigram sequences; json_file: JSONL; preset_pt: torch.save'd
     batches; hf_datasets: a datasets.save_to_disk directory; chat: the embedded chat sample, or a JSONL of chat
     records with --data.path; preference: a JSONL of preference pairs for --train.objective dpo (glm5f/data/pairs.py;
@@ -324,82 +322,6 @@ class LoraConfig:
 
 
 @dataclass
-class DPOConfig:
-    beta: float = 0.1
-    """DPO: the weight of the implicit reward, in -logsigmoid(beta ((pi_c - ref_c) - (pi_r - ref_r)))."""
-    sft_weight: float = 0.0
-    """DPO: the weight of the chosen answers' LM loss added to the DPO loss (RPO); 0: none."""
-    reference: Optional[str] = None
-    """DPO: the reference model, a Transformers checkpoint directory; default the run's starting weights (a LoRA
-    run: its base with the adapters off, no second copy in memory)."""
-    precompute_reference: bool = False
-    """DPO, full training: compute the reference's log-probabilities of every pair once, in a pass before the first
-    step, store them in the run directory (dpo_reference.safetensors, reused while the data and the reference are
-    the same) and free the reference, instead of keeping a copy of it in memory."""
-
-
-@dataclass
-class RLConfig(AgentSettings):
-    loss: Literal["dapo", "grpo"] = "dapo"
-    """GRPO: how token losses become the step's: dapo, their sum over the global batch's completion tokens; grpo,
-    the mean over completions of each one's token mean. Each is a row of the three tables below."""
-    advantage: Optional[Literal["grpo", "dr_grpo", "rloo"]] = None
-    """GRPO: the advantage row (glm5f.posttrain.rl_losses.ADVANTAGES, docs/posttraining.md). None: grpo."""
-    policy_loss: Optional[Literal["clip", "gspo", "cispo", "rollout_is"]] = None
-    """GRPO: the per-token policy loss row (rl_losses.POLICY_LOSSES; rollout_is needs every completion's logprobs).
-    None: clip."""
-    aggregation: Optional[Literal["token_mean", "sequence_mean", "token_sum_norm"]] = None
-    """GRPO: how token losses become the step's (rl_losses.AGGREGATIONS; token_sum_norm divides by completions x
-    --rl.max_new_tokens). None: --rl.loss dapo's token_mean, grpo's sequence_mean."""
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    """GRPO: advantages are (reward - its group's mean) over the group's reward std (group), the global batch's
-    (batch) or 1 (none); std with Bessel's correction, plus 1e-4."""
-    epsilon_low: float = 0.2
-    """GRPO: the ratio exp(logp - old) is clipped below at 1 - epsilon_low."""
-    epsilon_high: float = 0.28
-    """GRPO: the ratio is clipped above at 1 + epsilon_high."""
-    tis_cap: float = 2.0
-    """GRPO: cap of the truncated importance weight exp(old - rollout) that corrects for the rollout engine's
-    log-probabilities (a completion's "logprobs"); 0: no weight."""
-    kl_beta: float = 0.0
-    """GRPO: weight of the KL estimate exp(ref - logp) - (ref - logp) - 1 to the reference (the run's starting
-    weights; a LoRA run's base); 0: none, and no reference is kept."""
-    updates_per_batch: int = 1
-    """GRPO: optimizer steps taken on each batch of groups (each a --train.steps step); the ratio's old
-    log-probabilities are the policy's before the batch's first one."""
-    replay: str = ""
-    """GRPO: what the forward takes from the rollouts' records instead of choosing it (comma-separated): routing,
-    each MoE layer's experts; indexer, each DSA layer's selected keys (GLM-5.3: pools). Empty: none."""
-    group_size: int = 8
-    """Sampling (--data.type prompts): completions sampled per prompt (at least 2: a group's advantages compare
-    them)."""
-    temperature: float = 1.0
-    """Sampling (--data.type prompts): the temperature (0: greedy); the recorded log-probabilities are at
-    temperature 1."""
-    top_p: float = 1.0
-    """Sampling (--data.type prompts): nucleus sampling, from the most likely tokens holding this much
-    probability."""
-    max_new_tokens: int = 64
-    """Sampling (--data.type prompts): most tokens sampled per completion (a stop token ends one sooner); a prompt
-    and this many tokens must fit --data.seq_len."""
-    reward: Optional[str] = None
-    """Sampling (--data.type prompts): the reward function, module:function (imported with the working directory
-    and PYTHONPATH on the path), called per completion with keyword arguments prompt, completion (text),
-    prompt_ids, completion_ids and the prompt record's other fields; returns a finite number.
-    glm5f.posttrain.rewards:lowercase_share is the toy task's (recipes/grpo-tiny.yaml)."""
-
-    mask_truncated: bool = False
-    """GRPO: a completion the engine cut ("finish_reason": "length" or "truncated": true; no eos is appended to it)
-    is left out of the loss (its reward still counts in its group's statistics), as TRL's
-    mask_truncated_completions."""
-
-    @property
-    def replayed(self) -> tuple[str, ...]:
-        """The --rl.replay names, in order."""
-        return tuple(n.strip() for n in self.replay.split(",") if n.strip())
-
-
-@dataclass
 class EvalConfig:
     every: int = 100
     """Held-out loss every N steps and at the end (eval_loss, eval_ppl in metrics.jsonl); 0: never."""
@@ -417,7 +339,7 @@ class EvalConfig:
 
 
 @dataclass
-class Config:
+class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -426,11 +348,38 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
-    dpo: DPOConfig = field(default_factory=DPOConfig)
-    rl: RLConfig = field(default_factory=RLConfig)
     plan: Optional[Literal["table", "json", "search"]] = None
     """Print the per-rank memory plan of this run instead of running it (table, json, or search: the smallest
     meshes that fit --parallel.device_memory_gb); allocates nothing, starts no process, writes nothing."""
+
+
+RUN_SECTIONS = tuple(f.name for f in dataclasses.fields(RunConfig))
+
+
+def run_config(table: dict | None = None) -> type:
+    """The run's Config class: RunConfig's sections, then one section per objective of `table` (default
+    glm5f.objectives.OBJECTIVES) that has settings, its `config` dataclass under its `settings` name (--dpo.*,
+    --rl.*), each defined once beside its objective's code."""
+    rows = (OBJECTIVES if table is None else table).values()
+    sections = {r.settings: r.config for r in rows if r.settings and r.config}
+    config = dataclasses.make_dataclass("Config", [(name, cls, field(default_factory=cls))
+                                                   for name, cls in sections.items()], bases=(RunConfig,))
+    config.__module__ = __name__  # where pickle finds it
+    return config
+
+
+Config = run_config()
+
+
+def current_config() -> type:
+    """Config, made again (`run_config`) when the objective table's sections differ from its own: a row added to
+    the table at run time brings its flags."""
+    global Config
+    have = {f.name: f.type for f in dataclasses.fields(Config) if f.name not in RUN_SECTIONS}
+    want = {r.settings: r.config for r in OBJECTIVES.values() if r.settings and r.config}
+    if have != want:
+        Config = run_config()
+    return Config
 
 
 def with_data_type(cfg: Config) -> Config:
@@ -485,47 +434,15 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     elif not row.cp and cfg.parallel.cp > 1:
         errs.append(f"--train.objective {cfg.train.objective} does not run under --parallel.cp yet (an answer's "
                     f"log-probabilities would be summed across ranks); use --parallel.dp_shard or --parallel.ep")
-    if cfg.data.type == "preference" and cfg.train.objective != "dpo":
-        errs.append(f"--data.type preference holds pairs for --train.objective dpo, not {cfg.train.objective}")
-    if cfg.data.type == "rollouts" and cfg.train.objective != "grpo":
-        errs.append(f"--data.type rollouts holds sampled completions for --train.objective grpo, not "
-                    f"{cfg.train.objective}")
+    if cfg.data.type not in DATA_TYPES + owned_data_types():
+        errs.append(f"--data.type {cfg.data.type!r} is unknown; choose one of "
+                    f"{', '.join(DATA_TYPES + owned_data_types())}")
     if (cfg.data.format != "glm5f" or cfg.data.group_key) and cfg.data.type != "rollouts":
         errs.append(f"--data.format and --data.group_key describe a rollouts file, not --data.type {cfg.data.type}")
     elif cfg.data.group_key and cfg.data.format == "glm5f":
         errs.append("--data.group_key groups another engine's samples: glm5f's records hold their group; pass "
                     "--data.format")
-    if cfg.data.type == "prompts" and cfg.train.objective != "grpo":
-        errs.append(f"--data.type prompts is sampled for --train.objective grpo, not {cfg.train.objective}")
-    r = cfg.rl
-    unknown = [n for n in r.replayed if n not in ("routing", "indexer")]
-    if unknown:
-        errs.append(f"--rl.replay takes routing and/or indexer (comma-separated), found {', '.join(unknown)}")
-    if cfg.data.type == "prompts":
-        if not r.reward and r.environment is None:
-            errs.append("--data.type prompts needs --rl.reward module:function (the reward of a sampled completion)")
-        if r.group_size < 2 or r.max_new_tokens < 1 or r.temperature < 0 or not 0 < r.top_p <= 1:
-            errs.append(f"--rl.group_size must be >= 2, --rl.max_new_tokens >= 1, --rl.temperature >= 0 and "
-                        f"--rl.top_p in (0, 1]; got {r.group_size}, {r.max_new_tokens}, {r.temperature}, {r.top_p}")
-        if cfg.parallel.cp > 1:
-            errs.append("--data.type prompts does not run under --parallel.cp (the decoder does not); sample with "
-                        "scripts/rollouts.py and train on --data.type rollouts, or drop --parallel.cp")
-    if not (0 <= r.epsilon_low < 1 and r.epsilon_high >= 0 and r.tis_cap >= 0 and r.kl_beta >= 0
-            and r.updates_per_batch >= 1):
-        errs.append(f"--rl.epsilon_low must lie in [0, 1), --rl.epsilon_high, --rl.tis_cap and --rl.kl_beta be >= 0 "
-                    f"and --rl.updates_per_batch >= 1; got {r.epsilon_low}, {r.epsilon_high}, {r.tis_cap}, "
-                    f"{r.kl_beta}, {r.updates_per_batch}")
-    if cfg.dpo.reference and cfg.lora.rank:
-        errs.append("--dpo.reference with --lora.rank: a LoRA run's reference is its base with the adapters off; "
-                    "drop --dpo.reference, or train the full model (without --lora.rank)")
-    if cfg.dpo.precompute_reference and cfg.lora.rank:
-        errs.append("--dpo.precompute_reference with --lora.rank: a LoRA run's reference is its base with the "
-                    "adapters off, already in memory at no cost; drop --dpo.precompute_reference")
-    elif cfg.dpo.precompute_reference and cfg.train.objective != "dpo":
-        errs.append(f"--dpo.precompute_reference is for --train.objective dpo, not {cfg.train.objective}; drop it")
-    if cfg.dpo.beta <= 0 or cfg.dpo.sft_weight < 0:
-        errs.append(f"--dpo.beta must be positive and --dpo.sft_weight >= 0, got {cfg.dpo.beta} and "
-                    f"{cfg.dpo.sft_weight}")
+    errs += objective_errors(cfg, row)
     if cfg.optim.name not in OPTIMIZERS:
         errs.append(f"--optim.name {cfg.optim.name!r} is unknown; choose one of {', '.join(OPTIMIZERS)}")
     if not 0 <= cfg.optim.muon_momentum < 1 or cfg.optim.ns_steps < 1:
@@ -548,8 +465,7 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     if cfg.train.grad_accum >= 1 and p.dp_shard >= 1 and cfg.data.batch_size % (cfg.train.grad_accum * p.dp_shard):
         errs.append(f"--data.batch_size ({cfg.data.batch_size}) must divide by --train.grad_accum x "
                     f"--parallel.dp_shard ({cfg.train.grad_accum} x {p.dp_shard})")
-    if cfg.data.type in ("json_file", "preset_pt", "hf_datasets", "preference", "rollouts",
-                          "prompts") and not cfg.data.path:
+    if cfg.data.type in PATH_TYPES and not cfg.data.path:
         errs.append(f"--data.type {cfg.data.type} needs --data.path")
     if cfg.data.chat_template is not None and not os.path.isfile(cfg.data.chat_template):
         errs.append(f"--data.chat_template {cfg.data.chat_template}: no such file (expected a jinja chat template)")
@@ -575,132 +491,14 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
         model = glm5f.GLM5Config.from_hf(cfg.model.init_from) if cfg.model.init_from else cfg.model.build()
     except (ValueError, TypeError, FileNotFoundError) as e:
         return errs + [f"the model config is invalid: {e}"]
-    return errs + _layout_errors(cfg, model) + _trainable_errors(cfg, model) + _lora_errors(cfg, model) + \
-        _tokenizer_errors(cfg, model)
-
-
-def _tokenizer_errors(cfg: Config, model: glm5f.GLM5Config) -> list[str]:
-    """--model.tokenizer_path with --model.init_from: the checkpoint fixes the vocab_size (its config.json), so a
-    tokenizer with more ids cannot be given room (--model.vocab_size is not an override there)."""
-    if not (cfg.model.init_from and cfg.model.tokenizer_path):
-        return []
-    try:
-        tok = make_tokenizer(cfg.model.tokenizer_path)
-    except (ValueError, OSError, ImportError):
-        return []  # the run names what is wrong with the file
-    if tok.vocab_size <= model.vocab_size:
-        return []
-    return [f"--model.tokenizer_path {cfg.model.tokenizer_path} has {tok.vocab_size} ids but --model.init_from "
-            f"{cfg.model.init_from} embeds {model.vocab_size} (its config.json's vocab_size, which a run from it "
-            f"keeps): pass the tokenizer that checkpoint was trained with, or drop --model.tokenizer_path to use the "
-            f"one it carries"]
-
-
-def mesh_errors(cfg: Config, model: glm5f.GLM5Config) -> list[str]:
-    """What leaves no mesh to plan (--plan refuses these, as a run does; it plans past the other errors): a mesh
-    size, batch or grad_accum below 1, an ep that does not divide the ranks or the routed experts."""
-    p = cfg.parallel
-    errs = [f"--{n} must be >= 1, got {v}" for n, v in (
-        ("parallel.dp_shard", p.dp_shard), ("parallel.cp", p.cp), ("parallel.ep", p.ep), ("parallel.tp", p.tp),
-        ("data.batch_size", cfg.data.batch_size), ("train.grad_accum", cfg.train.grad_accum)) if v < 1]
-    if not errs and p.world % p.ep:
-        errs.append(f"--parallel.ep {p.ep} must divide the ranks dp_shard x cp = {p.world}")
-    if not errs and model.n_routed_experts % p.ep:
-        errs.append(f"--parallel.ep {p.ep} must divide n_routed_experts ({model.n_routed_experts})")
-    return errs
-
-
-def _layout_errors(cfg: Config, model: glm5f.GLM5Config) -> list[str]:
-    """What a parallel layout cannot honour for this model and data."""
-    p, errs = cfg.parallel, []
-    if p.ep > 1:
-        if p.world % p.ep:
-            errs.append(f"--parallel.ep {p.ep} must divide the ranks dp_shard x cp = {p.world}")
-        if model.n_routed_experts % p.ep:
-            errs.append(f"--parallel.ep {p.ep} must divide n_routed_experts ({model.n_routed_experts})")
-        if "sparse" not in model.mlp_layer_types:
-            errs.append("--parallel.ep > 1 needs MoE layers, and this model has none")
-    if p.cp > 1:
-        seq = cfg.data.seq_len
-        if cfg.data.type == "preset_pt" and cfg.data.path and os.path.isfile(cfg.data.path):
-            try:
-                seq = load_batches(cfg.data.path)[0]["input_ids"].shape[1]
-            except (ValueError, LookupError, TypeError, AttributeError) as e:
-                return errs + [str(e) if isinstance(e, ValueError) else f"--data.path {cfg.data.path}: expected a "
-                               f"list of dicts with 'input_ids' (torch.save of a list of batches)"]
-        if seq % (2 * p.cp):
-            errs.append(f"context parallelism cuts each sequence into 2 x cp = {2 * p.cp} equal chunks: the sequence "
-                        f"length {seq} must divide by {2 * p.cp} (change --data.seq_len)")
-    parts = cfg.train.query_parts
-    if parts > 1 and (cfg.data.seq_len // p.cp) % (2 * parts):
-        errs.append(f"--train.query_parts {parts} holds the queries as a {parts}-way CP run does, in 2 x {parts} "
-                    f"equal chunks: this rank's {cfg.data.seq_len // p.cp} queries must divide by {2 * parts} "
-                    f"(change --data.seq_len or --train.query_parts)")
-    return errs
-
-
-def _trainable_errors(cfg: Config, model: glm5f.GLM5Config) -> list[str]:
-    """What is wrong with --train.trainable and the indexer loss for this model."""
-    t, errs = cfg.train, []
-    if t.indexer_target not in ("own", "mean"):
-        errs.append(f"--train.indexer_target must be own or mean, got {t.indexer_target!r}")
-    if t.trainable is None:
-        return errs
-    try:
-        re.compile(t.trainable)
-    except re.error as e:
-        return errs + [f"--train.trainable {t.trainable!r} is not a regular expression ({e})"]
-    abstract = glm5f.abstract_params(model)
-    if not trained_paths(abstract, t.trainable, indexer=t.indexer_loss != "off"):
-        hint = ""
-        if t.indexer_loss == "off" and trained_paths(abstract, t.trainable, indexer=True):
-            hint = " (the indexer's parameters are trained only with --train.indexer_loss dense or sparse)"
-        errs.append(f"--train.trainable {t.trainable!r} matches none of the trained parameters{hint}; parameter "
-                    f"paths look like model.layers.0.self_attn.indexer.wk.weight")
-    return errs
-
-
-def _lora_errors(cfg: Config, model: glm5f.GLM5Config) -> list[str]:
-    """What is wrong with the --lora flags for this model. LoRA trains the adapters only, so it excludes the flags
-    that choose other trained leaves (--train.trainable, --train.indexer_loss)."""
-    lo, errs = cfg.lora, []
-    if lo.rank < 0:
-        return [f"--lora.rank must be >= 0 (0: no adapters), got {lo.rank}"]
-    if not lo.rank:
-        if cfg.checkpoint.export_peft:
-            errs.append("--checkpoint.export_peft writes LoRA adapters: it needs --lora.rank >= 1")
-        if lo.base_dtype is not None:
-            errs.append(f"--lora.base_dtype {lo.base_dtype} needs --lora.rank >= 1 (without adapters the base is "
-                        f"what trains, in fp32 masters)")
-        return errs
-    if lo.alpha <= 0:
-        errs.append(f"--lora.alpha must be positive, got {lo.alpha}")
-    if not 0 <= lo.dropout < 1:
-        errs.append(f"--lora.dropout must lie in [0, 1), got {lo.dropout}")
-    if cfg.train.trainable is not None:
-        errs.append(f"--train.trainable {cfg.train.trainable!r} with --lora.rank {lo.rank}: a LoRA run trains the "
-                    f"adapters only (choose the adapted weights with --lora.targets); drop one of them")
-    if cfg.train.indexer_loss != "off":
-        errs.append(f"--train.indexer_loss {cfg.train.indexer_loss} with --lora.rank {lo.rank}: the indexer loss "
-                    f"trains the base's indexer, which LoRA keeps frozen; drop one of them")
-    if lo.base_dtype == "float64" and cfg.train.dtype != "float64":
-        errs.append(f"--lora.base_dtype float64 needs --train.dtype float64")
-    try:
-        re.compile(lo.targets)
-    except re.error as e:
-        return errs + [f"--lora.targets {lo.targets!r} is not a regular expression ({e})"]
-    try:
-        target_modules(glm5f.abstract_params(model), lo.targets)
-    except ValueError as e:
-        errs.append(str(e))
-    return errs
+    return errs + model_errors(cfg, model)
 
 
 def parse(argv: list[str], description: str | None = None) -> Config:
     """The Config of a command line: `--config FILE` (a recipe, or a run's config.yaml) with the flags over it."""
-    return recipe_file.parse(argv, Config, description)
+    return recipe_file.parse(argv, current_config(), description)
 
 
 def load_config(path: str) -> Config:
     """The Config of recipe file `path` (`glm5f.run.recipe_file.load_config`)."""
-    return recipe_file.load_config(path, Config)
+    return recipe_file.load_config(path, current_config())

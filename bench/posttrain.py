@@ -106,7 +106,7 @@ def dpo_glm5f(args, paths: dict) -> tuple[list[float], float, float, dict]:
     from glm5f.parallel.layout import Layout
     from glm5f.objectives import objective
     from glm5f.train.step import Trainer, train_step
-    from train import init_params, init_reference, make_data
+    from glm5f.run.setup import init_params, init_reference, make_data
 
     imported = rss_gb()
     cfg = with_data_type(parse([
@@ -181,7 +181,8 @@ def grpo_glm5f(args, paths: dict) -> tuple[list[tuple], float, float, dict]:
     from glm5f.objectives import objective
     from glm5f.train.step import Trainer, train_step
     from glm5f.data.tokens import IGNORE_INDEX
-    from train import decoding_params, init_params, make_data
+    from glm5f.posttrain.grpo import decoding_params
+    from glm5f.run.setup import init_params, make_data
 
     imported = rss_gb()
     cfg = with_data_type(parse([
@@ -201,7 +202,7 @@ def grpo_glm5f(args, paths: dict) -> tuple[list[tuple], float, float, dict]:
     steps = []
     for _ in range(args.warmup + args.steps):
         t, c = time.perf_counter(), time.process_time()
-        batch = {k: v.to(layout.device) for k, v in data.next_batch(decoding_params(state, cfg, None)).items()}
+        batch = {k: v.to(layout.device) for k, v in data.next_batch(decoding_params(state, trainer.step)).items()}
         sampled = time.perf_counter() - t
         state, metrics = train_step(state, batch, trainer)
         completion = (batch["labels"] != IGNORE_INDEX).sum().item() / batch["labels"].shape[0]
@@ -209,7 +210,7 @@ def grpo_glm5f(args, paths: dict) -> tuple[list[tuple], float, float, dict]:
     profile = {}
     if args.profile:
         from common import profile_split
-        batch = {k: v.to(layout.device) for k, v in data.next_batch(decoding_params(state, cfg, None)).items()}
+        batch = {k: v.to(layout.device) for k, v in data.next_batch(decoding_params(state, trainer.step)).items()}
         profile = profile_split(lambda: train_step(state, batch, trainer), reps=1)
     return steps, rss_gb(), imported, profile
 

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from glm5f.posttrain import sampler  # noqa: E402
+from glm5f.posttrain.grpo import RLConfig  # noqa: E402
 from glm5f.data import warnings_as_lines  # noqa: E402
 from scripts.generate import chat_format, load, resolve_device  # noqa: E402
 
@@ -83,7 +84,8 @@ def main(argv=None) -> int:
         record = tuple(f.strip() for f in args.record.split(",") if f.strip())
         if any(f not in ("routing", "indexer") for f in record):
             raise ValueError(f"--record takes routing and/or indexer (comma-separated), got {args.record!r}")
-        settings = sampler.SampleSettings(args.group_size, args.temperature, args.top_p, args.max_new_tokens, record)
+        settings = RLConfig(group_size=args.group_size, temperature=args.temperature, top_p=args.top_p,
+                            max_new_tokens=args.max_new_tokens, replay=",".join(record))
         generator = torch.Generator(device).manual_seed(args.seed)
         name = f"--reward {args.reward}" if args.reward else "the reward"
         lines = []

@@ -15,6 +15,7 @@ from glm5f.data.chat import ChatFormat
 from glm5f.data.tokens import IGNORE_INDEX
 from glm5f.model import decode
 from glm5f.posttrain import agent, sampler
+from glm5f.posttrain.grpo import RLConfig
 
 FMT = ChatFormat.load(None)
 RELEASE = threading.Event()  # set at the end of a test so an abandoned `hang` thread finishes
@@ -169,7 +170,7 @@ def test_tool_failures_become_observations_and_logprobs_equal_a_full_forward(mon
                            turn(call("add", a=1) + "<tool_call>listy")]}
     forced = {i: sum(len(t) for t in plans[id(gens[i])]) for i in (0, 1)}
     force(monkeypatch, plans)
-    s = sampler.SampleSettings(group_size=1, temperature=0.8, top_p=0.95, max_new_tokens=110)
+    s = RLConfig(group_size=1, temperature=0.8, top_p=0.95, max_new_tokens=110)
     a = agent.AgentSettings(tools="x", tool_timeout_s=0.3, max_turns=3)
     try:
         eps = agent.run_episodes(params, cfg, tasks(3), s, a, FMT, TOOLS, None, lambda **kw: float(len(kw["ids"])),
@@ -221,7 +222,7 @@ def test_an_environment_that_never_ends_stops_at_max_turns():
     summed; a step that raises ends its episode there. Log-probabilities as a full forward's (fp64, 1e-10)."""
     cfg = glm5f.preset("glm5-tiny")
     params = glm5f.init_params(cfg, 0, torch.float64)
-    s = sampler.SampleSettings(group_size=1, temperature=1.0, max_new_tokens=4)
+    s = RLConfig(group_size=1, temperature=1.0, max_new_tokens=4)
     stops = tuple(range(cfg.vocab_size))
     a = agent.AgentSettings(environment="x", max_turns=4)
     eps = agent.run_episodes(params, cfg, tasks(3, {}, stops), s, a, FMT, {}, Endless, None, 512,
@@ -244,7 +245,7 @@ def test_episode_ends_when_the_context_is_full(monkeypatch):
     t = tasks(1)
     first = turn(call("listy", n=30))
     force(monkeypatch, {id(g): [first, first]})
-    s = sampler.SampleSettings(group_size=1, temperature=1.0, max_new_tokens=64)
+    s = RLConfig(group_size=1, temperature=1.0, max_new_tokens=64)
     ep, = agent.run_episodes(params, cfg, t, s, agent.AgentSettings(tools="x"), FMT, TOOLS, None,
                              lambda **kw: 1.0, len(t[0].ids) + len(first) + 40, [g])
     assert (ep.turns, ep.ended, ep.ids) == (1, "context", t[0].ids + first)
@@ -257,7 +258,7 @@ def test_replayed_records_give_the_episodes_logprobs():
 
     cfg = glm5f.preset("glm5-tiny")
     params = glm5f.init_params(cfg, 0, torch.float64)
-    s = sampler.SampleSettings(group_size=1, temperature=1.0, max_new_tokens=3, record=("routing", "indexer"))
+    s = RLConfig(group_size=1, temperature=1.0, max_new_tokens=3, replay="routing,indexer")
     stops = tuple(range(cfg.vocab_size))
     eps = agent.run_episodes(params, cfg, tasks(2, {}, stops), s, agent.AgentSettings(environment="x", max_turns=3),
                              FMT, {}, Endless, None, 512, [torch.Generator().manual_seed(i) for i in range(2)])
@@ -284,7 +285,7 @@ def test_agent_source_batch_is_the_rollout_batch_with_untrained_observations(tmp
     params = glm5f.init_params(cfg, 0, torch.float64)
     path = tmp_path / "tasks.jsonl"
     path.write_text("\n".join(json.dumps({"prompt": f"add {i}", "answer": i}) for i in range(3)) + "\n")
-    s = sampler.SampleSettings(group_size=2, temperature=1.0, max_new_tokens=8)
+    s = RLConfig(group_size=2, temperature=1.0, max_new_tokens=8)
     a = agent.AgentSettings(tools="test_agent:add,test_agent:listy", max_turns=2)
 
     def source():

@@ -139,7 +139,7 @@ def test_the_first_compiled_step_and_evaluation_are_announced_before_they_compil
     """--train.compile: a line says the step is compiling before the first step runs (in a resumed run too: a new
     process compiles again) and another before the first evaluation (no gradients: other graphs), each once;
     without --train.compile neither. What was printed is read when the step and the evaluation are called."""
-    import train as train_mod
+    from glm5f.run import loop
 
     calls = []
 
@@ -150,7 +150,7 @@ def test_the_first_compiled_step_and_evaluation_are_announced_before_they_compil
             return real(*args, **kwargs)
         return call
     monkeypatch.setattr(glm5f.train.step, "step_grads", spy("step", glm5f.train.step.step_grads))
-    monkeypatch.setattr(train_mod, "eval_loss", spy("eval", train_mod.eval_loss))
+    monkeypatch.setattr(loop, "eval_loss", spy("eval", loop.eval_loss))
     monkeypatch.setattr(glm5f.model.decoder, "compiled_decoder_layer", lambda: glm5f.model.decoder.decoder_layer)  # eager: fast
     flags = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", *RUN_64[:4], "--train.log_every", "1",
              "--eval.every", "1", "--eval.batches", "1", "--checkpoint.dir", str(tmp_path / "run")]

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import glm5f
-import train as train_module
+from glm5f.run import finish
 from glm5f.ckpt import checkpoint
 from glm5f.model import lora
 from glm5f.ckpt.checkpoint import fingerprint
@@ -115,14 +115,14 @@ def test_adapter_leaves_shard_as_their_weights():
 # ---- training ----------------------------------------------------------------------------------------------------
 
 def _final_state(monkeypatch, argv):
-    """(metrics records, final params, final adapters) of a run, as train.export receives them."""
+    """(metrics records, final params, final adapters) of a run, as run.finish.export receives them."""
     seen = {}
-    real = train_module.export
+    real = finish.export
 
-    def spy(cfg, model_cfg, state, *rest):  # a LoRA run's state: the adapters trained beside the frozen base
+    def spy(run, state):  # a LoRA run's state: the adapters trained beside the frozen base
         seen.update(params=state.frozen, adapters=state.trained)
-        return real(cfg, model_cfg, state, *rest)
-    monkeypatch.setattr(train_module, "export", spy)
+        return real(run, state)
+    monkeypatch.setattr(finish, "export", spy)
     assert main(argv) == 0
     return seen["params"], seen["adapters"]
 

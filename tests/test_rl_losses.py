@@ -83,8 +83,8 @@ def formula(groups: list[list[dict]], adv: str, policy: str, agg: str) -> tuple[
 
 # ---- a batch of two groups (4 and 3 completions, unequal lengths, masked tokens) --------------------------------
 
-def settings(adv: str = "grpo", policy: str = "clip", agg: str = "token_mean", **kw) -> grpo.GRPOConfig:
-    return grpo.GRPOConfig(advantage=adv, policy_loss=policy, aggregation=agg, max_new_tokens=MAX_NEW,
+def settings(adv: str = "grpo", policy: str = "clip", agg: str = "token_mean", **kw) -> grpo.RLConfig:
+    return grpo.RLConfig(advantage=adv, policy_loss=policy, aggregation=agg, max_new_tokens=MAX_NEW,
                            epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH, tis_cap=CAP, **kw)
 
 
@@ -191,14 +191,14 @@ def test_the_case_clips_caps_and_drops(reference, policy):
 @pytest.mark.parametrize("loss,rows", [("dapo", ("grpo", "clip", "token_mean")),
                                        ("grpo", ("grpo", "clip", "sequence_mean"))])
 def test_rl_loss_is_its_two_rows_and_the_flags_override_them(loss, rows):
-    assert rl_losses.rows(grpo.GRPOConfig(loss=loss)) == rows
-    assert rl_losses.rows(grpo.GRPOConfig(loss=loss, advantage="rloo", aggregation="token_sum_norm")) == \
+    assert rl_losses.rows(grpo.RLConfig(loss=loss)) == rows
+    assert rl_losses.rows(grpo.RLConfig(loss=loss, advantage="rloo", aggregation="token_sum_norm")) == \
         ("rloo", "clip", "token_sum_norm")
 
 
 @pytest.mark.parametrize("o,message", [
-    (grpo.GRPOConfig(policy_loss="ppo"), "--rl.policy_loss must be one of clip, gspo, cispo, rollout_is"),
-    (grpo.GRPOConfig(aggregation="token_sum_norm", max_new_tokens=0), "must be >= 1; got 0"),
+    (grpo.RLConfig(policy_loss="ppo"), "--rl.policy_loss must be one of clip, gspo, cispo, rollout_is"),
+    (grpo.RLConfig(aggregation="token_sum_norm", max_new_tokens=0), "must be >= 1; got 0"),
 ])
 def test_rows_no_table_has_are_refused(o, message):
     with pytest.raises(ValueError, match=message):

@@ -14,6 +14,7 @@ import glm5f
 from configs import validate
 from conftest import cli
 from glm5f.posttrain import sampler
+from glm5f.posttrain.grpo import RLConfig
 from glm5f.data import chat
 from glm5f.model import decode
 from glm5f.data.rollouts import read_groups
@@ -54,7 +55,7 @@ def test_logprobs_equal_a_full_forward_in_fp64(preset):
     top_p 0.9) is token_logprobs' of the unpadded prompt + completion: the raw log_softmax at temperature 1."""
     cfg = glm5f.preset(preset)
     params = glm5f.init_params(cfg, 0, torch.float64)
-    s = sampler.SampleSettings(group_size=2, temperature=0.7, top_p=0.9, max_new_tokens=6)
+    s = RLConfig(group_size=2, temperature=0.7, top_p=0.9, max_new_tokens=6)
     groups = sampler.sample_groups(params, cfg, prompts(), s, recording, TOK, TOK.pad_id,
                                    torch.Generator().manual_seed(0))
     checked = 0
@@ -74,7 +75,7 @@ def test_greedy_sampling_is_generate_and_stop_tokens_end_a_completion():
     ps = prompts()
     want = [decode.generate(params, cfg, torch.tensor([p.ids]), 8, eos_token_id=None)[0, len(p.ids):].tolist()
             for p in ps]
-    s = sampler.SampleSettings(group_size=2, temperature=0.0, max_new_tokens=8)
+    s = RLConfig(group_size=2, temperature=0.0, max_new_tokens=8)
     groups = sampler.sample_groups(params, cfg, ps, s, recording, TOK, TOK.pad_id)
     for g, w in zip(groups, want):  # up to and with the first eos
         w = w[:w.index(TOK.eos_id) + 1] if TOK.eos_id in w else w
@@ -104,7 +105,7 @@ def test_the_reward_function_gets_the_record_and_the_completion(tmp_path):
     cfg = glm5f.preset("glm5-tiny")
     params = glm5f.init_params(cfg, 0, torch.float32)
     SEEN.clear()
-    groups = sampler.sample_groups(params, cfg, ps, sampler.SampleSettings(2, 1.0, 1.0, 4), recording, TOK,
+    groups = sampler.sample_groups(params, cfg, ps, RLConfig(group_size=2, max_new_tokens=4), recording, TOK,
                                    TOK.pad_id, torch.Generator().manual_seed(0))
     assert len(SEEN) == 6
     texts = ["hi", TOK.decode([256, 104, 105]), fmt.render(recs[2]["messages"], add_generation_prompt=True)[0]]
@@ -213,7 +214,7 @@ def test_recorded_choices_replayed_by_the_trainer_give_its_log_probabilities(pre
 
     cfg = glm5f.preset(preset)
     params = glm5f.init_params(cfg, 0, torch.float64)
-    s = sampler.SampleSettings(group_size=2, temperature=1.0, max_new_tokens=6, record=("routing", "indexer"))
+    s = RLConfig(group_size=2, temperature=1.0, max_new_tokens=6, replay="routing,indexer")
     long = [sampler.Prompt([TOK.bos_id] + TOK.encode("the quick brown fox jumps over"[:n]), "", (TOK.eos_id,), {},
                            f"p:{n}") for n in (20, 26)]
     groups = sampler.sample_groups(params, cfg, long, s, recording, TOK, TOK.pad_id, torch.Generator().manual_seed(1))

@@ -371,7 +371,7 @@ def test_default_run_evaluates():
 def test_a_full_disk_while_writing_the_run_files_is_an_error_line(tmp_path, capsys, monkeypatch):
     from glm5f.run import recipe_file
     import glm5f.run.metrics as metrics
-    import train as train_mod
+    from glm5f.run import finish
     run = tmp_path / "run"
     args = TINY + ["--train.steps", "3", "--checkpoint.every", "1", "--checkpoint.dir", str(run)]
     write = metrics.MetricsLog.write
@@ -397,7 +397,7 @@ def test_a_full_disk_while_writing_the_run_files_is_an_error_line(tmp_path, caps
     assert sorted(os.listdir(tmp_path / "r2")) == ["metrics.jsonl"]  # no config.yaml.tmp left
     monkeypatch.undo()
 
-    monkeypatch.setattr(train_mod, "plot_losses", lambda runs, png: full(None))  # the loss curve is not worth an error
+    monkeypatch.setattr(finish, "plot_losses", lambda runs, png: full(None))  # the loss curve is not worth an error
     assert main(TINY + ["--train.steps", "1", "--checkpoint.dir", str(tmp_path / "r3")]) == 0
     assert (f"warning: no loss curve: could not write {tmp_path / 'r3' / 'loss.png'}: No space left on device "
             f"(ENOSPC)") in capsys.readouterr().err

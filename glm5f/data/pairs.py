@@ -180,3 +180,9 @@ class PairSource:
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.index = state["epoch"], state["index"]
         self._order = self._permutation(self.epoch)
+
+
+def answer_sums(logp_BxS: torch.Tensor, answer_BxS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) [B]: each row's summed log-probabilities of its chosen and rejected answer's targets
+    (fp64 sums), `answer_BxS` each target's answer (CHOSEN, REJECTED, else 0)."""
+    return tuple((logp_BxS * (answer_BxS == which)).sum(1, dtype=torch.float64) for which in (CHOSEN, REJECTED))

@@ -11,8 +11,6 @@ from glm5f.data.notes import RecordNotes, nothing_to_learn, print_warning
 from glm5f.data.packing import PackedSource, RowPacker
 from glm5f.data.readers import (DatasetReader, JsonlReader, check_same_files, embedded_documents, fingerprint,
                                 load_batches, record_example, text_example)
-from glm5f.data.pairs import PairSource, read_pairs
-from glm5f.data.rollouts import ReadOptions, RolloutSource, read_groups
 from glm5f.data.tokens import IGNORE_INDEX, Example, check_vocab, has_target, make_tokenizer
 
 
@@ -224,10 +222,9 @@ def model_tokenizer(tokenizer_path: str | None, vocab_size: int):
 def make_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, seed: int = 0, path: str | None = None,
                 tokenizer_path: str | None = None, pack: bool = True, split: str | None = None, warn=print_warning,
                 shuffle_buffer: int = 10_000, chat_template: str | None = None, train_on: str = "assistant",
-                allow_changed: bool = False, held_out: float = 0.0, part: str = "train", model_cfg=None,
-                rollouts: ReadOptions | None = None):
-    """The data source of `--data.type kind` for a model of vocab_size (rollouts: read as `rollouts` says, their
-    replay records checked against `model_cfg` when given). What looks like a mistake in the data
+                allow_changed: bool = False, held_out: float = 0.0, part: str = "train"):
+    """The data source of `--data.type kind` for a model of vocab_size (an objective's own data types, e.g. DPO's
+    preference pairs, are read by its row's `source`). What looks like a mistake in the data
     (an empty response, an unused tokenizer) is passed to `warn`, one line each. json_file and hf_datasets are
     streamed, shuffled by a buffer of `shuffle_buffer` records (see StreamSource); so is chat with a path. Chat
     records (any of these but preset_pt) are rendered with `chat_template` (see glm5f.data.chat) and trained on the
@@ -243,17 +240,6 @@ def make_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, se
         return PresetSource(path, vocab_size, allow_changed, warn)
     tok = model_tokenizer(tokenizer_path, vocab_size)
     chat = chat_data.run_chat_data(tokenizer_path, chat_template, train_on, seq_len, vocab_size, warn)
-    if kind == "preference":  # pairs for DPO, in memory (glm5f.data.pairs)
-        if path is None:
-            raise ValueError("--data.type preference needs --data.path (a JSONL of preference records)")
-        fmt = chat_data.ChatFormat.load(tokenizer_path, chat_template)
-        return PairSource(read_pairs(path, tok, fmt), batch_size, seq_len, vocab_size, seed, tok.pad_id, warn, path)
-    if kind == "rollouts":  # groups of sampled completions for GRPO, in memory (glm5f.data.rollouts)
-        if path is None:
-            raise ValueError("--data.type rollouts needs --data.path (a JSONL of rollout groups)")
-        fmt = chat_data.ChatFormat.load(tokenizer_path, chat_template)
-        return RolloutSource(read_groups(path, tok, fmt, model_cfg, rollouts or ReadOptions()), batch_size, seq_len,
-                             vocab_size, seed, tok.pad_id, path)
     if kind == "chat" and path is None:
         return sample_source("train", vocab_size=vocab_size, batch_size=batch_size, seq_len=seq_len,
                                        seed=seed, tokenizer_path=tokenizer_path, pack=pack, chat=chat(), warn=warn)
@@ -286,8 +272,6 @@ def make_eval_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: in
     common = dict(vocab_size=vocab_size, batch_size=batch_size, seq_len=seq_len, seed=seed,
                   tokenizer_path=tokenizer_path, pack=pack, shuffle_buffer=shuffle_buffer,
                   chat_template=chat_template, train_on=train_on)
-    if kind in ("preference", "rollouts"):  # DPO's pairs and GRPO's groups have no LM loss to hold out
-        return None
     if path is not None or split is not None:
         eval_kind = "json_file" if kind in ("text", "synthetic") else kind
         try:

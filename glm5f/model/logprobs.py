@@ -12,7 +12,7 @@ import torch
 
 from glm5f.core.config import GLM5Config
 from glm5f.model.env import make_env
-from glm5f.model.head import HeadLosses, head_chunk_rows, shift_labels
+from glm5f.model.head import head_token_losses, shift_labels
 from glm5f.model.lora import LoraSpec
 from glm5f.model.decoder import hidden_states, input_batch, main_head
 from glm5f.parallel.layout import Layout
@@ -25,9 +25,7 @@ def head_logprobs(head: dict, x_BxSxD: torch.Tensor, targets_BxS: torch.Tensor, 
     (`head.HeadLosses`); 0 where the target is IGNORE_INDEX. Differentiable in x and the head's weights; in fp32
     (fp64 for fp64 weights)."""
     B, S = targets_BxS.shape
-    rows = head_chunk_rows(head["weight"].shape[0], chunk_elems)
-    loss_N = HeadLosses.apply(x_BxSxD.flatten(0, 1), head["norm"], head["weight"], targets_BxS.flatten(), eps, rows)
-    return -loss_N.view(B, S)
+    return -head_token_losses(head, x_BxSxD, targets_BxS, eps, chunk_elems).view(B, S)
 
 
 def token_logprobs(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, targets: torch.Tensor | None = None, *,

@@ -27,7 +27,7 @@ from glm5f.data.readers import jsonl_records
 from glm5f.data.rollouts import Completion, Group
 from glm5f.data.sources import shuffle_draw
 from glm5f.data.tokens import IGNORE_INDEX, Example
-from glm5f.posttrain.sampler import Prompt, PromptSource, SampleSettings, decode_rows, load_reward
+from glm5f.posttrain.sampler import Prompt, PromptSource, decode_rows, load_reward
 
 RESERVED = ("ids", "loss_mask")  # reward keyword arguments a record's own fields may not take
 MARKUP = ("</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")  # only inside a call
@@ -397,7 +397,7 @@ def respond(ep: Episode, calls: list, turn: list[int], stopped: bool, env, tools
 
 
 @torch.no_grad()
-def run_episodes(params: dict, cfg: GLM5Config, tasks: list[Task], s: SampleSettings, a: AgentSettings,
+def run_episodes(params: dict, cfg: GLM5Config, tasks: list[Task], s, a: AgentSettings,
                  fmt: ChatFormat, tools: dict, factory, reward, seq_len: int,
                  generators: list[torch.Generator] | None = None, reward_name: str = "--rl.reward") -> list[Episode]:
     """One episode per task, all decoded together turn by turn (`sampler.decode_rows` on the episodes still going,
@@ -498,7 +498,7 @@ def read_tasks(path: str, fmt: ChatFormat, tools: dict) -> list[Task]:
     return [task_of(rec, where, fmt, listed) for where, rec in jsonl_records(path, "agent tasks")]
 
 
-def agent_groups(params: dict, cfg: GLM5Config, tasks: list[Task], s: SampleSettings, a: AgentSettings,
+def agent_groups(params: dict, cfg: GLM5Config, tasks: list[Task], s, a: AgentSettings,
                  fmt: ChatFormat, tools: dict, factory, reward, seq_len: int,
                  generators: list[torch.Generator] | None = None, reward_name: str = "--rl.reward") -> list[Group]:
     """One Group per task of s.group_size episodes (`run_episodes`, all of the call's together), member j of a
@@ -518,7 +518,7 @@ class AgentSource(PromptSource):
     """The on-policy sampler's PromptSource (order, seeds, layouts, resume) whose groups are agent episodes: its
     batch is GRPO's rollout batch, "labels" IGNORE_INDEX on the untrained tokens (observations, prompts)."""
 
-    def __init__(self, path: str, batch_size: int, seq_len: int, cfg: GLM5Config, seed: int, settings: SampleSettings,
+    def __init__(self, path: str, batch_size: int, seq_len: int, cfg: GLM5Config, seed: int, settings,
                  agent: AgentSettings, fmt: ChatFormat, reward_spec: str | None, sample_seed: int,
                  device: torch.device | str = "cpu"):
         reward = None if reward_spec is None else load_reward(reward_spec)

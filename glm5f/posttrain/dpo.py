@@ -8,30 +8,37 @@ Shape suffixes: B rows (one pair each), S sequence.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from glm5f.train.loss import Context, Objective
-from glm5f.model.head import head_token_losses, shift_labels
+from glm5f.model.head import shift_labels
+from glm5f.model.logprobs import head_logprobs
 from glm5f.core.ops import wide_dtype
-from glm5f.data.pairs import CHOSEN, REJECTED
+from glm5f.data.chat import ChatFormat
+from glm5f.data.pairs import CHOSEN, PairSource, answer_sums, read_pairs
+from glm5f.data.sources import model_tokenizer
+from glm5f.posttrain import reference as stored
 from glm5f.core import IGNORE_INDEX
 
 
-@dataclass(frozen=True)
+@dataclass
 class DPOConfig:
-    """The --dpo flags the loss reads (configs.DPOConfig has them all): beta, the weight of the implicit reward;
-    sft_weight, the weight of the chosen answers' LM loss (0: none)."""
+    """The --dpo flags (mounted as Config.dpo by the objective table)."""
 
     beta: float = 0.1
+    """DPO: the weight of the implicit reward, in -logsigmoid(beta ((pi_c - ref_c) - (pi_r - ref_r)))."""
     sft_weight: float = 0.0
-
-
-def answer_sums(logp_BxS: torch.Tensor, answer_BxS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen, rejected) [B]: each row's summed log-probabilities of its chosen and rejected answer's targets
-    (fp64 sums)."""
-    return tuple((logp_BxS * (answer_BxS == which)).sum(1, dtype=torch.float64) for which in (CHOSEN, REJECTED))
+    """DPO: the weight of the chosen answers' LM loss added to the DPO loss (RPO); 0: none."""
+    reference: Optional[str] = None
+    """DPO: the reference model, a Transformers checkpoint directory; default the run's starting weights (a LoRA
+    run: its base with the adapters off, no second copy in memory)."""
+    precompute_reference: bool = False
+    """DPO, full training: compute the reference's log-probabilities of every pair once, in a pass before the first
+    step, store them in the run directory (dpo_reference.safetensors, reused while the data and the reference are
+    the same) and free the reference, instead of keeping a copy of it in memory."""
 
 
 def dpo_terms(pi_c: torch.Tensor, pi_r: torch.Tensor, ref_c: torch.Tensor, ref_r: torch.Tensor, beta: float) -> dict:
@@ -64,7 +71,7 @@ def reference_sums(batch: dict, ctx: Context) -> tuple[torch.Tensor, torch.Tenso
     B, S = targets.shape
     with torch.no_grad():
         ref_hidden_BxSxD, ref_head = ctx.reference_forward(batch)
-        ref_BxS = -head_token_losses(ref_head, ref_hidden_BxSxD, targets, ctx.cfg.rms_norm_eps).view(B, S)
+        ref_BxS = head_logprobs(ref_head, ref_hidden_BxSxD, targets, ctx.cfg.rms_norm_eps)
         return tuple(ctx.layout.seq_sum(s) for s in answer_sums(ref_BxS, batch["answer_targets"]))
 
 
@@ -77,7 +84,7 @@ def loss(params: dict, batch: dict, ctx: Context) -> tuple[torch.Tensor, dict]:
     eps, targets, answer = ctx.cfg.rms_norm_eps, batch["targets"], batch["answer_targets"]
     B, S = targets.shape
     hidden_BxSxD, head = ctx.forward(params, batch)
-    logp_BxS = -head_token_losses(head, hidden_BxSxD, targets, eps).view(B, S)
+    logp_BxS = head_logprobs(head, hidden_BxSxD, targets, eps)
     ref_c, ref_r = (batch["ref_chosen"], batch["ref_rejected"]) if "ref_chosen" in batch else \
         reference_sums(batch, ctx)
     # Under CP each rank holds part of every answer: the sums are taken over the CP group (with gradients) before
@@ -106,7 +113,47 @@ def plan_bytes(model_cfg, run, state: dict) -> int:
     return state["params"] * act.itemsize // wide_dtype(act).itemsize
 
 
+def reference_errors(section: str, reference: str | None, cfg) -> list[str]:
+    """What is wrong with an objective's reference checkpoint flag (--<section>.reference) in run `cfg`."""
+    if reference and cfg.lora.rank:
+        return [f"--{section}.reference with --lora.rank: a LoRA run's reference is its base with the adapters off; "
+                f"drop --{section}.reference, or train the full model (without --lora.rank)"]
+    return []
+
+
+def check(cfg) -> list[str]:
+    """What is wrong with the --dpo flags of a DPO run."""
+    o, errs = cfg.dpo, reference_errors("dpo", cfg.dpo.reference, cfg)
+    if cfg.data.type == "preference" and not cfg.data.path:
+        errs.append("--data.type preference needs --data.path")
+    if o.precompute_reference and cfg.lora.rank:
+        errs.append("--dpo.precompute_reference with --lora.rank: a LoRA run's reference is its base with the "
+                    "adapters off, already in memory at no cost; drop --dpo.precompute_reference")
+    if o.beta <= 0 or o.sft_weight < 0:
+        errs.append(f"--dpo.beta must be positive and --dpo.sft_weight >= 0, got {o.beta} and {o.sft_weight}")
+    return errs
+
+
+def source(cfg, model_cfg, layout, tokenizer_path: str | None, warn) -> PairSource:
+    """The run's preference pairs (--data.type preference: `pairs.PairSource` of --data.path), in memory."""
+    d = cfg.data
+    tok = model_tokenizer(tokenizer_path, model_cfg.vocab_size)
+    fmt = ChatFormat.load(tokenizer_path, d.chat_template)
+    return PairSource(read_pairs(d.path, tok, fmt), d.batch_size, d.seq_len, model_cfg.vocab_size, d.seed, tok.pad_id,
+                      warn, d.path)
+
+
+def setup(run, data: PairSource, reference: dict | None) -> dict | None:
+    """--dpo.precompute_reference: the reference's sums of every pair go with the data (`reference.precompute`)
+    and its weights are freed (None); else the reference is kept."""
+    if not run.cfg.dpo.precompute_reference:
+        return reference
+    stored.precompute(run, data, reference)
+    return None
+
+
 METRICS = {name: "pairs" for name in ("loss", "margin", "accuracy", "chosen", "rejected", "logps_chosen",
                                       "logps_rejected")}
 DPO = Objective(loss, denoms, {**METRICS, "sft_loss": "chosen_targets"}, prepare=prepare, plan_bytes=plan_bytes,
-                data_types=("preference",), settings="dpo", reference=True)
+                data_types=("preference",), settings="dpo", reference=True, config=DPOConfig, check=check,
+                source=source, setup=setup)

@@ -15,36 +15,96 @@ Shape suffixes: R rows (one completion each), S sequence.
 
 from __future__ import annotations
 
-import dataclasses
+import time
 from dataclasses import dataclass
+from typing import Literal, Optional
 
 import torch
 
-from glm5f.posttrain import dpo, rl_losses
+from glm5f.data.chat import ChatFormat
+from glm5f.data.rollouts import ReadOptions, RolloutSource, file_group_size, read_groups
+from glm5f.data.sources import model_tokenizer
+from glm5f.model import lora
+from glm5f.parallel.layout import full_tensor
+from glm5f.posttrain import dpo, rl_losses, sampler
+from glm5f.posttrain.agent import AgentSettings, AgentSource
 from glm5f.posttrain.rl_losses import group_stats
 from glm5f.model.decode import init_cache
 from glm5f.core.ops import wide_dtype
-from glm5f.core.params import param_count
+from glm5f.core.params import leaf_dtype, map_with_path, param_count
 from glm5f.core.replay import REPLAY_KEYS
-from glm5f.train.loss import Context, Objective, micro_batches, micro_loss, with_targets
-from glm5f.model.head import head_token_losses
+from glm5f.train.feed import Feed, on_device
+from glm5f.train.loss import Context, Objective, logprob_table, with_targets
+from glm5f.model.logprobs import head_logprobs
 from glm5f.core import IGNORE_INDEX
 
 
-@dataclass(frozen=True)
-class GRPOConfig:
-    """The --rl flags the loss reads (configs.RLConfig has them all)."""
+@dataclass
+class RLConfig(AgentSettings):
+    """The --rl flags (mounted as Config.rl by the objective table): GRPO's loss, its batch schedule, and the
+    on-policy sampler's settings (`sampler.decode_rows` reads group_size, temperature, top_p, max_new_tokens and
+    `replayed`)."""
 
-    loss: str = "dapo"
-    scale_rewards: str = "group"
+    loss: Literal["dapo", "grpo"] = "dapo"
+    """GRPO: how token losses become the step's: dapo, their sum over the global batch's completion tokens; grpo,
+    the mean over completions of each one's token mean."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """GRPO: advantages are (reward - its group's mean) over the group's reward std (group), the global batch's
+    (batch) or 1 (none); std with Bessel's correction, plus 1e-4."""
     epsilon_low: float = 0.2
+    """GRPO: the ratio exp(logp - old) is clipped below at 1 - epsilon_low."""
     epsilon_high: float = 0.28
+    """GRPO: the ratio is clipped above at 1 + epsilon_high."""
     tis_cap: float = 2.0
+    """GRPO: cap of the truncated importance weight exp(old - rollout) that corrects for the rollout engine's
+    log-probabilities (a completion's "logprobs"); 0: no weight."""
     kl_beta: float = 0.0
-    advantage: str | None = None  # None: --rl.loss's (rl_losses.LOSS_ROWS)
-    policy_loss: str | None = None
-    aggregation: str | None = None
+    """GRPO: weight of the KL estimate exp(ref - logp) - (ref - logp) - 1 to the reference (--rl.reference, default
+    the run's starting weights; a LoRA run's base); 0: none, and no reference is kept."""
+    reference: Optional[str] = None
+    """GRPO with --rl.kl_beta: the KL's reference model, a Transformers checkpoint directory of the trained
+    architecture; default the run's starting weights (a LoRA run: its base with the adapters off)."""
+    updates_per_batch: int = 1
+    """GRPO: optimizer steps taken on each batch of groups (each a --train.steps step); the ratio's old
+    log-probabilities are the policy's before the batch's first one."""
+    replay: str = ""
+    """GRPO: what the forward takes from the rollouts' records instead of choosing it (comma-separated): routing,
+    each MoE layer's experts; indexer, each DSA layer's selected keys (GLM-5.3: pools). Empty: none."""
+    group_size: int = 8
+    """Sampling (--data.type prompts): completions sampled per prompt (at least 2: a group's advantages compare
+    them)."""
+    temperature: float = 1.0
+    """Sampling (--data.type prompts): the temperature (0: greedy); the recorded log-probabilities are at
+    temperature 1."""
+    top_p: float = 1.0
+    """Sampling (--data.type prompts): nucleus sampling, from the most likely tokens holding this much
+    probability."""
     max_new_tokens: int = 64
+    """Sampling (--data.type prompts): most tokens sampled per completion (a stop token ends one sooner); a prompt
+    and this many tokens must fit --data.seq_len."""
+    reward: Optional[str] = None
+    """Sampling (--data.type prompts): the reward function, module:function (imported with the working directory
+    and PYTHONPATH on the path), called per completion with keyword arguments prompt, completion (text),
+    prompt_ids, completion_ids and the prompt record's other fields; returns a finite number.
+    glm5f.posttrain.rewards:lowercase_share is the toy task's (recipes/grpo-tiny.yaml)."""
+
+    advantage: Optional[Literal["grpo", "dr_grpo", "rloo"]] = None
+    """GRPO: the advantage row (glm5f.posttrain.rl_losses.ADVANTAGES, docs/posttraining.md). None: grpo."""
+    policy_loss: Optional[Literal["clip", "gspo", "cispo", "rollout_is"]] = None
+    """GRPO: the per-token policy loss row (rl_losses.POLICY_LOSSES; rollout_is needs every completion's logprobs).
+    None: clip."""
+    aggregation: Optional[Literal["token_mean", "sequence_mean", "token_sum_norm"]] = None
+    """GRPO: how token losses become the step's (rl_losses.AGGREGATIONS; token_sum_norm divides by completions x
+    --rl.max_new_tokens). None: --rl.loss dapo's token_mean, grpo's sequence_mean."""
+    mask_truncated: bool = False
+    """GRPO: a completion the engine cut ("finish_reason": "length" or "truncated": true; no eos is appended to it)
+    is left out of the loss (its reward still counts in its group's statistics), as TRL's
+    mask_truncated_completions."""
+
+    @property
+    def replayed(self) -> tuple[str, ...]:
+        """The --rl.replay names, in order."""
+        return tuple(n.strip() for n in self.replay.split(",") if n.strip())
 
 
 def unreplayed_dropped(batch: dict, settings) -> dict:
@@ -65,7 +125,7 @@ def prepare(batch: dict, settings) -> dict:
     engine's and (when given) the old policy's log-probabilities at the targets ("rollout_targets", "old_targets"
     [R, S]); per row its batch's reward std and whether its group's rewards are all equal; "loss_units" the count
     the loss is averaged over (its --rl.aggregation's units)."""
-    o = settings or GRPOConfig()
+    o = settings or RLConfig()
     batch = unreplayed_dropped(batch, o)
     advantage, _, aggregation = rl_losses.rows(o)
     scored = batch["targets"] != IGNORE_INDEX
@@ -93,18 +153,18 @@ def loss(params: dict, batch: dict, ctx: Context) -> tuple[torch.Tensor, dict]:
     """This rank's share of the GRPO loss over its rows (`loss.Objective.loss`); --rl flags come as
     ctx.step.settings. Under CP each rank holds part of every completion: token sums add over the ranks, each
     completion's token count is its whole sequence's, and the per-completion metrics count on CP rank 0."""
-    o = ctx.step.settings or GRPOConfig()
+    o = ctx.step.settings or RLConfig()
     _, policy, aggregation = rl_losses.rows(o)
     eps, targets, layout = ctx.cfg.rms_norm_eps, batch["targets"], ctx.layout
     R, S = targets.shape
     hidden_RxSxD, head = ctx.forward(params, batch)
-    logp = -head_token_losses(head, hidden_RxSxD, targets, eps).view(R, S)
+    logp = head_logprobs(head, hidden_RxSxD, targets, eps)
     old = batch["old_targets"].to(logp.dtype) if "old_targets" in batch else logp.detach()
     ref = None
     if o.kl_beta:
         with torch.no_grad():
             ref_hidden_RxSxD, ref_head = ctx.reference_forward(batch)
-            ref = -head_token_losses(ref_head, ref_hidden_RxSxD, targets, eps).view(R, S)
+            ref = head_logprobs(ref_head, ref_hidden_RxSxD, targets, eps)
     scored = (targets != IGNORE_INDEX).to(logp.dtype)
     n_R = layout.seq_sum(scored.sum(1, dtype=torch.float64))  # each completion's tokens, over the CP group
     tokens = rl_losses.Tokens(logp, old, batch["rollout_targets"].to(logp.dtype), scored, batch["advantage"], n_R,
@@ -132,45 +192,6 @@ def loss(params: dict, batch: dict, ctx: Context) -> tuple[torch.Tensor, dict]:
                 rollout_logprob_masked_fraction=(has & (scored == 0)).sum(dtype=torch.float64),
                 kl=t["kl"].sum(dtype=torch.float64))
     return total / ctx.denoms["loss_units"], sums
-
-
-# ---- the old policy's log-probabilities (--rl.updates_per_batch > 1) ----------------------------------------------
-
-def _logp_loss(params: dict, batch: dict, ctx: Context) -> tuple[torch.Tensor, dict]:
-    """The log-probability of each target of this rank's share, written at its global (row, position) into a
-    [rows, positions] table of the micro-batch (zeros elsewhere) as the sum "logp"."""
-    targets = batch["targets"]
-    R, S = targets.shape
-    hidden_RxSxD, head = ctx.forward(params, batch)
-    logp = -head_token_losses(head, hidden_RxSxD, targets, ctx.cfg.rms_norm_eps).view(R, S)
-    table = torch.zeros(batch["table_shape"], dtype=torch.float64, device=logp.device)
-    table[batch["table_row"], batch["table_pos"]] = logp.to(torch.float64)
-    return logp.sum() * 0, {"logp": table}
-
-
-LOGP = Objective(_logp_loss, lambda batch: {}, {})
-
-
-@torch.no_grad()
-def old_logprobs(params: dict, batch: dict, cfg, layout, step) -> torch.Tensor:
-    """The policy's log-probability of each target of the global batch [R, S] (fp64; 0 where no target), computed
-    as the step computes them (the same micro-batches, rank shares, dtypes and layers), every rank ending with the
-    whole table: GRPO's old_t, taken before a batch's first update."""
-    b = with_targets(unreplayed_dropped(batch, step.settings))
-    R, S = b["targets"].shape
-    b["table_row"] = torch.arange(R, device=b["targets"].device)[:, None].expand(R, S)
-    b["table_pos"] = torch.arange(S, device=b["targets"].device).expand(R, S)
-    s = dataclasses.replace(step, objective=LOGP, objectives=dataclasses.replace(step.objectives, seq_aux=False,
-                                                                                   indexer_loss="off", mtp_depths=0),
-                            coeffs={})
-    out, row = torch.zeros(R, S, dtype=torch.float64, device=b["targets"].device), 0
-    for mb in micro_batches(b, step.grad_accum):
-        n = len(mb["targets"])
-        mb = {**mb, "table_row": mb["table_row"] - row, "table_shape": (n, S)}
-        _, (sums, _) = micro_loss(params, mb, {}, cfg, layout, s)
-        out[row:row + n] = layout.sum(sums["logp"])
-        row += n
-    return torch.where(b["targets"] != IGNORE_INDEX, out, 0.0)
 
 
 PER_TOKEN = ("completion_length", "clip_fraction", "tis_capped_fraction", "rollout_logprob_gap", "kl",
@@ -204,5 +225,130 @@ def needs_reference(settings) -> bool:
     return bool(settings is not None and settings.kl_beta)
 
 
+# ---- the run's hooks (`loss.Objective`) ---------------------------------------------------------------------------
+
+def check(cfg) -> list[str]:
+    """What is wrong with the --rl flags of a GRPO run."""
+    r, errs = cfg.rl, []
+    if cfg.data.type in ("rollouts", "prompts") and not cfg.data.path:
+        errs.append(f"--data.type {cfg.data.type} needs --data.path")
+    unknown = [n for n in r.replayed if n not in ("routing", "indexer")]
+    if unknown:
+        errs.append(f"--rl.replay takes routing and/or indexer (comma-separated), found {', '.join(unknown)}")
+    if cfg.data.type == "prompts":
+        if not r.reward and r.environment is None:
+            errs.append("--data.type prompts needs --rl.reward module:function (the reward of a sampled completion)")
+        if r.group_size < 2 or r.max_new_tokens < 1 or r.temperature < 0 or not 0 < r.top_p <= 1:
+            errs.append(f"--rl.group_size must be >= 2, --rl.max_new_tokens >= 1, --rl.temperature >= 0 and "
+                        f"--rl.top_p in (0, 1]; got {r.group_size}, {r.max_new_tokens}, {r.temperature}, {r.top_p}")
+        if cfg.parallel.cp > 1:
+            errs.append("--data.type prompts does not run under --parallel.cp (the decoder does not); sample with "
+                        "scripts/rollouts.py and train on --data.type rollouts, or drop --parallel.cp")
+    if not (0 <= r.epsilon_low < 1 and r.epsilon_high >= 0 and r.tis_cap >= 0 and r.kl_beta >= 0
+            and r.updates_per_batch >= 1):
+        errs.append(f"--rl.epsilon_low must lie in [0, 1), --rl.epsilon_high, --rl.tis_cap and --rl.kl_beta be >= 0 "
+                    f"and --rl.updates_per_batch >= 1; got {r.epsilon_low}, {r.epsilon_high}, {r.tis_cap}, "
+                    f"{r.kl_beta}, {r.updates_per_batch}")
+    if r.reference and not r.kl_beta:
+        errs.append(f"--rl.reference {r.reference} is the KL term's reference, and --rl.kl_beta is 0 (no KL term): "
+                    f"pass --rl.kl_beta > 0, or drop --rl.reference")
+    return errs + dpo.reference_errors("rl", r.reference, cfg)
+
+
+def source(cfg, model_cfg, layout, tokenizer_path: str | None, warn):
+    """The run's data source: --data.type rollouts, the groups of --data.path (`rollouts.RolloutSource`, their
+    replay records checked against the model); prompts, its prompt records, sampled each batch with the --rl flags
+    and scored by --rl.reward (`sampler.PromptSource`, its sampling generator seeded by --train.seed)."""
+    d, r = cfg.data, cfg.rl
+    tok = model_tokenizer(tokenizer_path, model_cfg.vocab_size)
+    fmt = ChatFormat.load(tokenizer_path, d.chat_template)
+    if d.type != "prompts":
+        options = ReadOptions(d.format, d.group_key, r.replayed, r.mask_truncated)
+        data = RolloutSource(read_groups(d.path, tok, fmt, model_cfg, options), d.batch_size, d.seq_len,
+                             model_cfg.vocab_size, d.seed, tok.pad_id, d.path)
+        rl_losses.check_source(data, r)  # a rollouts file without what --rl.policy_loss reads, at file:line
+        return data
+    if r.enabled:  # --rl.tools or --rl.environment: multi-turn episodes
+        return AgentSource(d.path, d.batch_size, d.seq_len, model_cfg, d.seed, r, r, fmt, r.reward, cfg.train.seed,
+                           layout.device)
+    reward = sampler.load_reward(r.reward)
+    return sampler.PromptSource(sampler.read_prompts(d.path, tok, fmt), d.batch_size, d.seq_len, model_cfg, d.seed,
+                                tok.pad_id, r, reward, f"--rl.reward {r.reward}", tok, cfg.train.seed, layout.device)
+
+
+class GRPOFeed(Feed):
+    """GRPO's batch schedule: each batch of groups gets --rl.updates_per_batch updates, the ratio's old
+    log-probabilities (`old_logprobs`) taken before its first; sampled prompts are sampled when a batch starts, by
+    the policy the step trains (`decoding_params`), the sampling time logged as sample_time_s."""
+
+    per_batch_flag = "--rl.updates_per_batch"
+
+    def __init__(self, data, trainer):
+        super().__init__(data, trainer)
+        self.per_batch = trainer.step.settings.updates_per_batch
+        self.sampled = isinstance(data, sampler.PromptSource)
+
+    def next(self, state, step: int) -> dict:
+        self.metrics = {"sample_time_s": 0.0} if self.sampled else {}
+        return super().next(state, step)
+
+    def fetch(self, state) -> dict:
+        t, layout = self.trainer, self.trainer.layout
+        if self.sampled:  # sampled now, by the policy this step trains
+            t0 = time.perf_counter()
+            batch = on_device(self.data.next_batch(decoding_params(state, t.step), layout), layout.device)
+            self.metrics = {"sample_time_s": time.perf_counter() - t0}
+        else:
+            batch = super().fetch(state)
+        if self.per_batch > 1:  # the ratio's old log-probabilities: the policy's before the batch's first update
+            batch["old_targets"] = old_logprobs(state.params, batch, t.model_cfg, layout, t.step)
+        return batch
+
+
+@torch.no_grad()
+def old_logprobs(params: dict, batch: dict, cfg, layout, step) -> torch.Tensor:
+    """The policy's log-probability of each target of the global batch [R, S] (fp64; 0 where no target), computed
+    as the step computes them (`loss.logprob_table`), every rank ending with the whole table: GRPO's old_t, taken
+    before a batch's first update."""
+    return logprob_table(params, with_targets(unreplayed_dropped(batch, step.settings)), cfg, layout, step)
+
+
+def decoding_params(state, step) -> dict:
+    """The policy's weights as the on-policy sampler decodes with them: whole on every rank (gathered one leaf at
+    a time under a multi-process layout: collective), each leaf in the step's compute dtype (the fp32 leaves of
+    `params.leaf_kinds()` stay fp32), a LoRA run's adapters merged into a copy of its base."""
+    whole = lambda tree: map_with_path(  # noqa: E731
+        lambda path, t: full_tensor(t.detach()).to(leaf_dtype(path, step.dtype)), tree)
+    return lora.merge(whole(state.frozen), whole(state.trained), step.lora) if step.lora else whole(state.trained)
+
+
+def skip(batch: dict, settings) -> str | None:
+    """A batch whose every group's completions have the same reward has every advantage 0: without the KL term
+    there is nothing to learn, so the step's update is skipped."""
+    if "reward" in batch and not settings.kl_beta and not has_signal(batch):
+        return ("every group's completions have the same reward, so every advantage is 0 and there is nothing to "
+                "learn")
+    return None
+
+
+def rows_per_item(cfg) -> int:
+    """Rows of a batch per --data.batch_size group: its completions (--rl.group_size for sampled prompts, else the
+    rollouts file's group size; 1 when it cannot be read)."""
+    if cfg.data.type == "prompts":
+        return cfg.rl.group_size
+    options = ReadOptions(getattr(cfg.data, "format", "glm5f"), getattr(cfg.data, "group_key", None))
+    return (file_group_size(cfg.data.path, options) if cfg.data.type == "rollouts" and cfg.data.path else None) or 1
+
+
+def batch_line(cfg) -> str:
+    return f"{cfg.data.batch_size} groups of {rows_per_item(cfg)} completions x {cfg.data.seq_len} tokens/step"
+
+
+def summary(first: dict, last: dict) -> list[str]:
+    return [f"reward: {first['reward']:.4f} (step {first['step']}) -> {last['reward']:.4f} (step {last['step']})"]
+
+
 GRPO = Objective(loss, denoms, METRICS, prepare=prepare, plan_bytes=plan_bytes,
-                 data_types=("rollouts", "prompts"), settings="rl", reference=needs_reference)
+                 data_types=("rollouts", "prompts"), settings="rl", reference=needs_reference, config=RLConfig,
+                 check=check, source=source, feed=GRPOFeed, skip=skip, rows_per_item=rows_per_item,
+                 batch_line=batch_line, summary=summary)

@@ -13,12 +13,13 @@ import os
 
 import torch
 
+from glm5f.ckpt import checkpoint
 from glm5f.core.config import GLM5Config
-from glm5f.data.pairs import PairSource
-from glm5f.posttrain.dpo import prepare, reference_sums
-from glm5f.model.env import make_env
+from glm5f.data import readers
+from glm5f.data.pairs import PairSource, answer_sums
 from glm5f.ckpt.hf.io import DTYPES, inventory, read_metadata, read_part, write_safetensors
-from glm5f.train.loss import Context, Step, with_targets
+from glm5f.train.feed import on_device
+from glm5f.train.loss import Step, logprob_table, with_targets
 from glm5f.parallel.layout import Layout
 
 FILE = "dpo_reference.safetensors"  # in the run directory
@@ -29,11 +30,11 @@ KEYS = ("ref_chosen", "ref_rejected")
 def compute(reference: dict, data: PairSource, cfg: GLM5Config, layout: Layout, step: Step, rows: int,
             say=lambda line: None) -> torch.Tensor:
     """[P, 2] fp64: each pair of `data` (data.pairs, in their order) with its (chosen, rejected) summed answer
-    log-probabilities under `reference` (as the layout stores it), computed as DPO's step computes them
-    (`dpo.reference_sums`, the step's dtypes and compiled layers) over `rows` pairs at a time (the step's global
-    micro-batch; the last one padded with its last pair so every rank runs the same forwards), each rank its
-    share of the rows; every rank ends with the whole table (a sum over ranks of tables zero but for each rank's
-    own pairs). Collective. Says "reference log-probabilities: k/P pairs" as it goes."""
+    log-probabilities under `reference` (as the layout stores it): the step's objective's `prepare`d batches of
+    `rows` pairs at a time (the step's global micro-batch; the last one padded with its last pair so every rank
+    runs the same forwards) through `loss.logprob_table` (the step's dtypes and compiled layers), each answer's
+    targets summed (`pairs.answer_sums`). Every rank ends with the whole table. Collective. Says
+    "reference log-probabilities: k/P pairs" as it goes."""
     P = len(data.pairs)
     table_Px2 = torch.zeros(P, 2, dtype=torch.float64, device=layout.device)
     chunks = math.ceil(P / rows)
@@ -41,18 +42,40 @@ def compute(reference: dict, data: PairSource, cfg: GLM5Config, layout: Layout, 
     for c in range(chunks):
         real = list(range(c * rows, min(P, (c + 1) * rows)))
         picked = real + [real[-1]] * (rows - len(real))
-        batch = prepare(with_targets({k: v.to(layout.device) for k, v in data.batch_of(picked).items()}))
-        local, env = make_env(cfg, batch, step.dtype, layout, objectives=step.objectives,
-                              weight_dtype=step.weight_dtype, compile=step.compile, query_parts=step.query_parts)
-        chosen_B, rejected_B = reference_sums(local, Context(cfg, layout, step, env, {}, reference=reference))
-        mine = layout.share(rows, batch["input_ids"].shape[1])[0]
-        index_B = torch.tensor(picked, device=layout.device)[mine]
-        keep_B = (torch.arange(rows, device=layout.device) < len(real))[mine]
-        if layout.cp_rank == 0:  # the other ranks of a CP group hold the same rows' sums
-            table_Px2[index_B[keep_B]] = torch.stack([chosen_B, rejected_B], 1)[keep_B]
+        batch = step.objective.prepare(with_targets(on_device(data.batch_of(picked), layout.device)), step.settings)
+        logp_BxS = logprob_table(reference, batch, cfg, layout, step, micro=1)
+        table_Px2[real] = torch.stack(answer_sums(logp_BxS, batch["answer_targets"]), 1)[:len(real)]
         if (c + 1) % every == 0 or c + 1 == chunks:
             say(f"reference log-probabilities: {real[-1] + 1}/{P} pairs")
-    return layout.sum(table_Px2)
+    return table_Px2
+
+
+def precompute(run, data: PairSource, reference: dict) -> None:
+    """--dpo.precompute_reference: the reference's summed answer log-probabilities of every pair, handed to the
+    data (`PairSource.use_reference`): read from the run directory's FILE when it was made from this data (the
+    file's fingerprint, --data.seq_len, the tokenizer and template) and this reference (its weights' fingerprint,
+    the model config, --train.dtype and reduce_dtype), else computed in one pass (`compute`) and written there by
+    rank 0. Every rank reuses the file, or none does. Collective. `run`: the run's edges (cfg, model_cfg, trainer,
+    say, tokenizer, writing)."""
+    cfg, layout, say = run.cfg, run.trainer.layout, run.say
+    fingerprint = {"data": readers.fingerprint(cfg.data.path), "seq_len": cfg.data.seq_len,
+                   "tokenizer": run.tokenizer.fingerprint(), "reference": checkpoint.fingerprint(reference, layout.sum),
+                   "model": run.model_cfg.to_hf(), "dtype": [cfg.train.dtype, cfg.train.reduce_dtype]}
+    path = os.path.join(cfg.checkpoint.dir, FILE)
+    table, why = load(path, fingerprint, len(data.pairs))
+    if int(layout.sum(torch.tensor(float(table is not None), device=layout.device))) == layout.world:
+        say(f"reference log-probabilities: reusing {path} (the same data and reference)")
+    else:
+        why = why or f"another rank could not read {path}"
+        say(f"reference log-probabilities: {why}; computing them ({len(data.pairs)} pairs)", flush=True)
+        step = run.trainer.step
+        table = compute(reference, data, run.model_cfg, layout, step, cfg.data.batch_size // step.grad_accum,
+                        lambda line: say(line, flush=True))
+        if layout.is_main:
+            with run.writing(path):
+                os.makedirs(cfg.checkpoint.dir, exist_ok=True)
+                save(path, table, fingerprint)
+    data.use_reference(table)
 
 
 def load(path: str, fingerprint: dict, pairs: int) -> tuple[torch.Tensor | None, str]:

@@ -36,17 +36,6 @@ class Prompt:
     where: str  # file:line
 
 
-@dataclass(frozen=True)
-class SampleSettings:
-    """The --rl flags the sampler reads (configs.RLConfig has them all)."""
-
-    group_size: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 64
-    record: tuple[str, ...] = ()  # the replay records (`replay.REPLAY_KEYS`) the decoder keeps: --rl.replay's
-
-
 def prompt_of(rec, where: str, tok, fmt) -> Prompt:
     """The Prompt of one record (see the module docstring); a ValueError naming `where` for a bad one."""
     if not isinstance(rec, dict):
@@ -106,14 +95,15 @@ def call_reward(fn, p: Prompt, completion: str, completion_ids: list[int], name:
 
 
 @torch.no_grad()
-def decode_rows(params: dict, cfg: GLM5Config, rows: list[Prompt], s: SampleSettings, pad_id: int,
+def decode_rows(params: dict, cfg: GLM5Config, rows: list[Prompt], s, pad_id: int,
                 generator: torch.Generator | list[torch.Generator] | None,
                 device) -> tuple[list[list[int]], list[list[float]], dict]:
     """(each row's completion ids, their log-probabilities, the replay records): all rows decoded together on one
-    cache (`decode.stream`, `generator` as `decode.sample` takes it), the prompts left-padded, each row up to
+    cache (`decode.stream`, `generator` as `decode.sample` takes it; `s` the --rl settings, `grpo.RLConfig`, of
+    which it reads group_size, temperature, top_p, max_new_tokens and replayed), the prompts left-padded, each row up to
     s.max_new_tokens and ending at the first of its stop ids (kept: it is part of the completion). A log-probability is the raw log_softmax of the model's logits at temperature 1,
     whatever the sampling temperature and top_p: the policy's log-probability the GRPO objective compares with.
-    Records: for each field of s.record, per row a LongTensor [positions, slots, k] of what the decoder chose at
+    Records: for each field of s.replayed, per row a LongTensor [positions, slots, k] of what the decoder chose at
     each position of prompt + completion but the last (`decode.stream(..., record=True)`)."""
     B, S, M = len(rows), max(len(p.ids) for p in rows), s.max_new_tokens
     ids_BxS = torch.full((B, S), pad_id, dtype=torch.long, device=device)
@@ -127,7 +117,7 @@ def decode_rows(params: dict, cfg: GLM5Config, rows: list[Prompt], s: SampleSett
     tokens, logps, alive, recs = [], [], [], []
     for new_B, logits_BxV, *seen in stream(params, cfg, ids_BxS, M, attention_mask=mask_BxS, eos_token_id=None,
                                            temperature=s.temperature, top_p=s.top_p, generator=generator,
-                                           with_logits=True, record=bool(s.record)):
+                                           with_logits=True, record=bool(s.replayed)):
         recs += seen
         logps.append(torch.log_softmax(logits_BxV, dim=-1).gather(1, new_B[:, None])[:, 0])
         tokens.append(new_B)
@@ -139,19 +129,19 @@ def decode_rows(params: dict, cfg: GLM5Config, rows: list[Prompt], s: SampleSett
     tokens_BxN, logps_BxN = torch.stack(tokens, 1).cpu(), torch.stack(logps, 1).cpu()
     n_B = keep_BxN.sum(1).tolist()
     records = {}
-    for f in s.record:  # positions S - len(prompt) .. S - 1 of the prompt, then the completion's but its last
+    for f in s.replayed:  # positions S - len(prompt) .. S - 1 of the prompt, then the completion's but its last
         whole = torch.cat([r[f] for r in recs], 1).cpu()
         records[f] = [whole[b, S - len(p.ids):S + n_B[b] - 1] for b, p in enumerate(rows)]
     return ([tokens_BxN[b][keep_BxN[b]].tolist() for b in range(B)],
             [logps_BxN[b][keep_BxN[b]].tolist() for b in range(B)], records)
 
 
-def sample_groups(params: dict, cfg: GLM5Config, prompts: list[Prompt], s: SampleSettings, reward, tok, pad_id: int,
+def sample_groups(params: dict, cfg: GLM5Config, prompts: list[Prompt], s, reward, tok, pad_id: int,
                   generator: torch.Generator | None = None, reward_name: str = "the reward function") -> list[Group]:
     """One Group per prompt: s.group_size completions sampled from `params` (see `decode_rows`: all of the call's
     completions decoded together; `generator` one for all, or a list of one per prompt) at s.temperature /
     s.top_p, each with its log-probabilities and the reward `reward` gives it (`call_reward`; completion: the text of its ids less a final stop id), and the decoder's
-    choices of experts and keys s.record asks for (its `replay`)."""
+    choices of experts and keys s.replayed asks for (its `replay`)."""
     rows = [p for p in prompts for _ in range(s.group_size)]
     device = params["model"]["embed_tokens"]["weight"].device
     completions, logprobs, replay = decode_rows(params, cfg, rows, s, pad_id, generator, device)
@@ -177,7 +167,7 @@ class PromptSource:
     resumed run samples what the uninterrupted run would, and every layout draws the same numbers."""
 
     def __init__(self, prompts: list[Prompt], batch_size: int, seq_len: int, cfg: GLM5Config, seed: int, pad_id: int,
-                 settings: SampleSettings, reward, reward_name: str, tok, sample_seed: int,
+                 settings, reward, reward_name: str, tok, sample_seed: int,
                  device: torch.device | str = "cpu"):
         for p in prompts:
             if len(p.ids) + settings.max_new_tokens > seq_len:

@@ -25,7 +25,6 @@ from torch.distributed.tensor import Shard
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from glm5f.core.config import GLM5Config
-from glm5f.data.rollouts import ReadOptions, file_group_size
 from glm5f.model.env import make_env
 from glm5f.core.layers import LeafKind, kinds, layer_spec
 from glm5f.model.head import head_chunk_rows, head_loss_sum, shift_labels
@@ -90,18 +89,14 @@ def run_shape(cfg) -> RunShape:
                  t.dtype, t.reduce_dtype, t.activation_checkpointing,
                  *((lo.rank, lo.targets, lo.base_dtype) if lo else ())),
         objective=getattr(t, "objective", "lm"), settings=objective_settings(cfg), data_type=cfg.data.type,
-        precompute_reference=bool(getattr(getattr(cfg, "dpo", None), "precompute_reference", False)))
+        precompute_reference=bool(getattr(objective_settings(cfg), "precompute_reference", False)))
 
 
 def rows_per_item(cfg) -> int:
-    """Rows of a batch per --data.batch_size item: a GRPO group's completions (a rollouts file's group size;
-    --rl.group_size for sampled prompts), else 1."""
-    if getattr(cfg.train, "objective", "lm") != "grpo":
-        return 1
-    if cfg.data.type == "prompts":
-        return cfg.rl.group_size
-    options = ReadOptions(getattr(cfg.data, "format", "glm5f"), getattr(cfg.data, "group_key", None))
-    return (file_group_size(cfg.data.path, options) if cfg.data.type == "rollouts" and cfg.data.path else None) or 1
+    """Rows of a batch per --data.batch_size item: the main objective's (`Objective.rows_per_item`: a GRPO
+    group's completions), else 1."""
+    row = OBJECTIVES.get(getattr(cfg.train, "objective", "lm"))
+    return row.rows_per_item(cfg) if row is not None else 1
 
 
 def objective_settings(cfg) -> object:

@@ -1,14 +1,18 @@
-"""Whether a checkpoint can be resumed by this run: its meta.json read against the run's Config (model, data type,
-trained leaves, objective, optimizer, LoRA flags and base); each mismatch is a ValueError saying what to pass.
-"""
+"""Resuming a run: whether a checkpoint can be resumed by it (its meta.json read against the run's Config: model, data
+type, trained leaves, objective, optimizer, LoRA flags and base; each mismatch a ValueError saying what to pass), and
+`resume`, which loads the newest one into the run's state."""
 
 from __future__ import annotations
 
 import dataclasses
 
+from glm5f.ckpt import checkpoint
 from glm5f.core.config import GLM5Config
+from glm5f.data import print_warning
+from glm5f.data.chat import check_same_tokenizer
+from glm5f.run.errors import TrainingError, user_errors
 from glm5f.train.loss import Step
-from glm5f.train.optim import Optimizer
+from glm5f.train.optim import Optimizer, schedule_change
 
 
 def check_resumable(cfg, model_cfg: GLM5Config, params: dict, meta: dict, base: dict | None, optimizer: Optimizer,
@@ -89,3 +93,42 @@ def check_same_lora(cfg, saved: dict, saved_base: dict | None, base: dict | None
                          f"{saved_base['fingerprint']}), but this run's base, {base['source']}, has fingerprint "
                          f"{base['fingerprint']}: its weights (or --lora.base_dtype) changed. Resume on the base "
                          f"it was trained on, or start a new run")
+
+
+def resume(run, state) -> tuple[object, str | None]:
+    """(the state to start from, the checkpoint it comes from or None): with --checkpoint.resume, the newest
+    complete checkpoint's trained tree, optimizer state and step (checked against this run's model, data type,
+    trained leaves, objective, optimizer, a LoRA run's base and the tokenizer and template `tokenizer`), with the
+    data position (and a batch between its updates: `Feed.load_state_dict`) and RNG states restored; else
+    `state`. `run`: the run's edges (`setup.Run`)."""
+    cfg, model_cfg, say, tokenizer = run.cfg, run.model_cfg, run.say, run.tokenizer
+    if not cfg.checkpoint.resume:
+        return state, None
+    with user_errors():
+        ckpt, note = checkpoint.choose(cfg.checkpoint.dir, cfg.checkpoint.resume, cfg.checkpoint.trust_unverified)
+    if note:
+        say(note)
+    if ckpt is None:
+        say(f"no checkpoint in {cfg.checkpoint.dir}/checkpoints: starting from step 0")
+        return state, None
+    with user_errors():
+        meta = checkpoint.read_meta(ckpt)
+        check_resumable(cfg, model_cfg, state.params, meta, run.base, run.trainer.optimizer, ckpt)
+    saved = meta.get("run") or {}
+    with user_errors():
+        check_same_tokenizer(meta.get("tokenizer"), tokenizer, ckpt, cfg.data.allow_changed, print_warning)
+    trees = state.saved()
+    with user_errors():
+        extra = checkpoint.load(ckpt, trees)
+    try:
+        with user_errors():
+            run.feed.load_state_dict(extra, extra["step"], ckpt)
+    except (KeyError, TypeError) as e:
+        raise TrainingError(f"{ckpt}: its data position does not fit --data.type {cfg.data.type} (no {e}); resume "
+                            f"with the --data flags it was saved with") from None
+    checkpoint.set_rng_state(extra["rng"])
+    say(f"resumed from {ckpt} at step {extra['step']}")
+    note = schedule_change(saved, cfg.optim, cfg.train, extra["step"])
+    if note and extra["step"] < cfg.train.steps:  # a run with no step left has no learning rate to change
+        say(note)
+    return state.restored(trees, extra["step"]), ckpt

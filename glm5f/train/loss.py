@@ -21,9 +21,11 @@ from glm5f.core.layers import INDEXERS, layer_spec
 from glm5f.model.lora import LoraSpec
 from glm5f.model.decoder import hidden_states, main_head, mtp_states
 from glm5f.model.head import head_loss_sum, mtp_inputs, mtp_targets, shift_labels
+from glm5f.model.logprobs import head_logprobs
 from glm5f.train.optim import trained_paths, value_and_grad
 from glm5f.parallel.layout import Layout
 from glm5f.core.params import flatten
+from glm5f.train.feed import Feed
 
 
 # ---- the main objective -------------------------------------------------------------------------------------------
@@ -70,7 +72,7 @@ class Context:
 @dataclass(frozen=True)
 class Objective:
     """A main objective of the training step, a row of `objectives.OBJECTIVES` (--train.objective), as optimizers are
-    rows of `optim.OPTIMIZERS`.
+    rows of `optim.OPTIMIZERS`. The row owns its lifecycle: train.py, configs.py and the plan ask it, never its name.
 
     loss(params, batch, ctx) -> (value, sums): this rank's share of the objective's value over one micro-batch
     (`batch` this rank's share of it; ctx a `Context`, whose `forward` runs the model), and {metric: this rank's
@@ -82,10 +84,22 @@ class Objective:
     objective's flags (Step.settings). A metric whose denominator is "max" is logged as its largest value over
     micro-batches and ranks instead. plan_bytes(model_cfg, run, state) -> bytes per rank
     the memory plan adds beyond the LM step (e.g. a reference copy of the params; `state`: `plan.state_bytes`).
-    data_types: the --data.type values it trains on (None: any). settings: the Config section of its flags (e.g.
-    "dpo"), which the step hands its loss as ctx.step.settings. reference: whether its loss reads a reference model
-    (`Context.reference_forward`; the run keeps one, `TrainState.reference`): a bool or a function of its
-    settings (`needs_reference`). cp: whether it runs under CP."""
+    data_types: the --data.type values it trains on (None: any). settings: the name of its Config section (e.g.
+    "dpo": its --dpo flags), which the step hands its loss as ctx.step.settings; config: that section's dataclass,
+    defined once beside the objective's code and mounted in the run config under `settings`. reference: whether its
+    loss reads a reference model (`Context.reference_forward`; the run keeps one, `TrainState.reference`): a bool
+    or a function of its settings (`needs_reference`). cp: whether it runs under CP.
+
+    The run's hooks (each optional; `cfg` the run's Config): check(cfg) -> [error]: what is wrong with its flags
+    (configs.validate adds them). source(cfg, model_cfg, layout, tokenizer_path, warn) -> the data source of its own
+    data types (None: the data floor's `make_source`; such data has no held-out part). feed: the class of the
+    run's batch schedule (`feed.Feed`: where each step's batch comes from, how many updates each batch gets, what
+    of it a checkpoint keeps), made as feed(data, trainer). skip(batch, settings) -> why the step's update is
+    skipped (None: it is not). rows_per_item(cfg): rows of a batch per --data.batch_size item (the plan's and the
+    start line's). batch_line(cfg): the start line's batch sizes (None: B x S tokens/step). setup(run, data,
+    reference) -> the reference to keep (None: free it), once before the first step (`run` the run's edges:
+    cfg, model_cfg, trainer, say, tokenizer, writing). summary(first, last) -> lines the run's end adds, of its
+    first and last metrics records."""
 
     loss: Callable[[dict, dict, Context], tuple[torch.Tensor, dict]]
     denoms: Callable[[dict], dict]
@@ -96,6 +110,15 @@ class Objective:
     settings: str | None = None
     reference: bool | Callable[[object], bool] = False
     cp: bool = True
+    config: type | None = None
+    check: Callable[[object], list] = lambda cfg: []
+    source: Callable[..., object] | None = None
+    feed: Callable[..., object] = Feed
+    skip: Callable[[dict, object], str | None] = lambda batch, settings: None
+    rows_per_item: Callable[[object], int] = lambda cfg: 1
+    batch_line: Callable[[object], str | None] = lambda cfg: None
+    setup: Callable[..., dict | None] = lambda run, data, reference: reference
+    summary: Callable[[dict, dict], list] = lambda first, last: []
 
     def needs_reference(self, settings: object = None) -> bool:
         """Whether a run with these settings (its --<settings> section) keeps a reference model."""
@@ -343,3 +366,42 @@ def eval_loss(params: dict, batches: list[dict], cfg: GLM5Config, layout: Layout
         for mb in micro_batches(batch, step.grad_accum):
             loss_sum = loss_sum + micro_loss(params, mb, one, cfg, layout, lm)[1][0]["loss"]
     return float(layout.sum(loss_sum) / max(n_targets, 1))
+
+
+# ---- log-probabilities of a batch into a global table -------------------------------------------------------------
+
+def _table_loss(params: dict, batch: dict, ctx: Context) -> tuple[torch.Tensor, dict]:
+    """The log-probability of each target of this rank's share, written at its (row, position) of the micro-batch
+    into a table of its shape (zeros elsewhere), as the sum "logp"; no value to differentiate."""
+    hidden_BxSxD, head = ctx.forward(params, batch)
+    logp_BxS = head_logprobs(head, hidden_BxSxD, batch["targets"], ctx.cfg.rms_norm_eps)
+    table = torch.zeros(batch["table_shape"], dtype=torch.float64, device=logp_BxS.device)
+    table[batch["table_row"], batch["table_pos"]] = logp_BxS.to(torch.float64)
+    return logp_BxS.sum() * 0, {"logp": table}
+
+
+TABLE = Objective(_table_loss, lambda batch: {}, {})
+
+
+@torch.no_grad()
+def logprob_table(params: dict, batch: dict, cfg: GLM5Config, layout: Layout, step: Step,
+                  micro: int | None = None) -> torch.Tensor:
+    """The log-probability under `params` of each target of the global batch `batch` (`with_targets`'s, after the
+    objective's `prepare`) [R, S] (fp64; 0 where no target), computed as the step computes them (its rank shares,
+    dtypes, LoRA and compiled layers; `micro` micro-batches, default the step's; no terms), every rank ending with
+    the whole table (each entry is one rank's, the others add zeros to it). Collective. GRPO's old policy and
+    DPO's stored reference are this pass."""
+    R, S = batch["targets"].shape
+    device = batch["targets"].device
+    b = {**batch, "table_row": torch.arange(R, device=device)[:, None].expand(R, S),
+         "table_pos": torch.arange(S, device=device).expand(R, S)}
+    s = dataclasses.replace(step, objective=TABLE, coeffs={}, objectives=dataclasses.replace(
+        step.objectives, seq_aux=False, indexer_loss="off", mtp_depths=0))
+    out_RxS, row = torch.zeros(R, S, dtype=torch.float64, device=device), 0
+    for mb in micro_batches(b, micro or step.grad_accum):
+        n = len(mb["targets"])
+        mb = {**mb, "table_row": mb["table_row"] - row, "table_shape": (n, S)}
+        _, (sums, _) = micro_loss(params, mb, {}, cfg, layout, s)
+        out_RxS[row:row + n] = layout.sum(sums["logp"])
+        row += n
+    return torch.where(batch["targets"] != IGNORE_INDEX, out_RxS, 0.0)
