@@ -22,6 +22,7 @@ from train import main
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_ten_step_alignment_within_the_noise_floor(tmp_path):
     """The CI version of scripts/align.py's fp32 rule, GLM-5's objectives on (indexer sparse KL, MTP, balance
     loss): each layout within 2x the noise floor (`align.floor`): the furthest one process drifts from itself with
@@ -30,7 +31,8 @@ def test_ten_step_alignment_within_the_noise_floor(tmp_path):
     the fp64-sums test below holds every layout to the one-process numbers."""
     from scripts.align import main as align
 
-    assert align(["--steps", "10", "--objectives", "--layouts", "ep2", "cp2-ep2", "--out", str(tmp_path)]) == 0
+    assert align(["--in-process", "--steps", "10", "--objectives", "--layouts", "ep2", "cp2-ep2", "--out",
+                  str(tmp_path)]) == 0
     results = json.loads((tmp_path / "align.json").read_text())
     floors = [results[f"1proc-{split}{n}"]["max"] for split in ("accum", "qparts") for n in (2, 4)]
     assert results["ep2"]["bound"] == results["cp2-ep2"]["bound"] == 2 * max(floors)
@@ -43,17 +45,18 @@ def test_five_step_alignment_with_fp64_sums(tmp_path):
     `python scripts/align.py --steps 100 --extra --train.reduce_dtype float64` is the long version."""
     from scripts.align import main as align
 
-    assert align(["--steps", "5", "--objectives", "--out", str(tmp_path), "--tolerance", "1e-6",
+    assert align(["--in-process", "--steps", "5", "--objectives", "--out", str(tmp_path), "--tolerance", "1e-6",
                   "--extra", "--train.reduce_dtype", "float64"]) == 0
 
 
+@pytest.mark.slow
 def test_layouts_are_exact_in_float64(tmp_path):
     """In fp64 the layouts agree to rounding (1e-10 here) step after step: what separates them in fp32 over long
     runs is the order of floating-point sums, amplified by top-k choices, not a difference in the mathematics."""
     from scripts.align import main as align
 
-    assert align(["--steps", "6", "--layouts", "cp2-ep2", "dp2-cp2", "--out", str(tmp_path), "--tolerance", "1e-10",
-                  "--extra", "--train.dtype", "float64"]) == 0
+    assert align(["--in-process", "--steps", "6", "--layouts", "cp2-ep2", "dp2-cp2", "--out", str(tmp_path),
+                  "--tolerance", "1e-10", "--extra", "--train.dtype", "float64"]) == 0
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -300,9 +303,9 @@ def test_glm53_layouts_are_exact_in_float64(tmp_path):
     """scripts/align.py on glm53-tiny (the embedded text): every layout's losses are one process's within 1e-9."""
     from scripts.align import main as align
 
-    assert align(["--steps", "10", "--layouts", "dp2", "ep2", "cp2", "cp2-ep2", "--out", str(tmp_path), "--tolerance",
-                  "1e-9", "--extra", "--model.preset", "glm53-tiny", "--train.dtype", "float64",
-                  "--data.type", "text"]) == 0
+    assert align(["--in-process", "--steps", "10", "--layouts", "dp2", "ep2", "cp2", "cp2-ep2", "--out",
+                  str(tmp_path), "--tolerance", "1e-9", "--extra", "--model.preset", "glm53-tiny", "--train.dtype",
+                  "float64", "--data.type", "text"]) == 0
 
 
 @pytest.mark.slow
@@ -310,7 +313,7 @@ def test_glm53_layouts_within_the_noise_floor(tmp_path):
     """scripts/align.py's fp32 rule on glm53-tiny (the embedded text): each layout within 2x its noise floor."""
     from scripts.align import main as align
 
-    assert align(["--steps", "10", "--layouts", "dp2", "ep2", "cp2", "cp2-ep2", "--out", str(tmp_path),
+    assert align(["--in-process", "--steps", "10", "--layouts", "dp2", "ep2", "cp2", "cp2-ep2", "--out", str(tmp_path),
                   "--extra", "--model.preset", "glm53-tiny", "--data.type", "text"]) == 0
 
 
