@@ -59,16 +59,59 @@ def test_layouts_are_exact_in_float64(tmp_path):
                   "--tolerance", "1e-10", "--extra", "--train.dtype", "float64"]) == 0
 
 
+# The first-step checks: each run's one-process reference is computed once, and a layout's runs of every check
+# below that uses it in one spawned group of ranks (TOGETHER), the group's stderr kept for the checks that read it.
+TOGETHER = {"cp2": ["fp32", "seq_aux", "glm53"], "cp2-ep2": ["fp32", "fp64_sums", "mtp"],
+            "dp2-cp2": ["fp32", "fp64_sums"]}
+
+
+def first_step_runs(tmp) -> dict[str, list[str]]:
+    """The runs of the first-step checks, by name (their flags but the layout's)."""
+    return {
+        "fp32": COMMON + ["--train.steps", "1"],
+        "fp64_sums": COMMON + ["--train.steps", "1", "--train.reduce_dtype", "float64"],
+        "seq_aux": ["--model.preset", "glm5-tiny", "--data.type", "synthetic", "--data.batch_size", "2",
+                    "--data.seq_len", "32", "--train.dtype", "float64", "--train.steps", "1",
+                    "--train.seq_aux_loss_coeff", "0.3"],
+        "mtp": ["--model.preset", "glm5-tiny", "--model.num_nextn_predict_layers", "1", "--data.type", "text",
+                "--data.batch_size", "2", "--data.seq_len", "64", "--train.steps", "1"],
+        "glm53": GLM53 + ["--data.type", "preset_pt", "--data.path", packed_batches(tmp / "batches.pt")],
+    }
+
+
+@pytest.fixture(scope="module")
+def first_step(tmp_path_factory):
+    """first_step(run, layout=None, capfd=None) -> `dist_checks.first_step_grads` of the run named (one process
+    when layout is None, kept for the module; a layout's result is handed out once), the layout's stderr under
+    "stderr" (read through capfd by whichever check spawned its group)."""
+    tmp = tmp_path_factory.mktemp("first_step")
+    runs, done = first_step_runs(tmp), {}
+
+    def get(run: str, layout: str | None = None, capfd=None) -> dict:
+        if layout is None:
+            if run not in done:
+                done[run] = dist_checks.first_step_grads(runs[run], None)
+            return done[run]
+        if (run, layout) not in done:
+            names = [run] + [r for r in TOGETHER.get(layout, []) if r != run and (r, layout) not in done]
+            path = tmp / f"{layout}.pt"
+            if capfd is not None:
+                capfd.readouterr()
+            spawn(dist_checks.first_step_grads_of, 4 if layout == "dp2-cp2" else 2,
+                  [runs[r] + LAYOUTS[layout] for r in names], str(path))
+            err = capfd.readouterr().err if capfd is not None else ""
+            for r, result in zip(names, torch.load(path, weights_only=True)):
+                done[(r, layout)] = {**result, "stderr": err}
+        return done.pop((run, layout))
+    return get
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_first_step_gradients_equal_single_process(layout, tmp_path, capfd):
-    argv = COMMON + ["--train.steps", "1"]
-    ref = dist_checks.first_step_grads(argv, None)
-    world = 4 if layout == "dp2-cp2" else 2
-    spawn(dist_checks.first_step_grads, world, argv + LAYOUTS[layout], str(tmp_path / "g.pt"))
-    got = torch.load(tmp_path / "g.pt", weights_only=True)
+def test_first_step_gradients_equal_single_process(layout, first_step, capfd):
+    ref, got = first_step("fp32"), first_step("fp32", layout, capfd)
     assert abs(got["loss"] - ref["loss"]) <= 1e-6
     assert abs(got["grad_norm"] - ref["grad_norm"]) <= 1e-6 * ref["grad_norm"]
-    assert "suboptimal" not in capfd.readouterr().err  # DTensor's warning about two all_reduces in a row
+    assert "suboptimal" not in got["stderr"]  # DTensor's warning about two all_reduces in a row
     assert got["grads"].keys() == ref["grads"].keys()
     for k, g in ref["grads"].items():
         err = float((got["grads"][k] - g).norm() / g.norm().clamp(min=1e-30))
@@ -84,19 +127,17 @@ def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("layout", ["accum2", "cp2-ep2", "dp2-cp2"])
-def test_reduce_float64_gradients_equal_single_process_to_the_last_bit(layout, tmp_path):
+def test_reduce_float64_gradients_equal_single_process_to_the_last_bit(layout, first_step, capfd):
     """With --train.reduce_dtype float64 every sum that makes a gradient (over tokens, queries, micro-batches and
     ranks) is taken in fp64 and rounded to fp32 once, so each layout's fp32 gradients are the one-process ones
     bit for bit, but for a sum that falls within fp64 rounding of an fp32 rounding boundary (allowed here: one
     element in 1e6, one ulp). Plain fp32 sums in another order and differs in most elements (70% here)."""
-    argv = COMMON + ["--train.steps", "1", "--train.reduce_dtype", "float64"]
-    ref = dist_checks.first_step_grads(argv, None)
+    ref = first_step("fp64_sums")
     if layout == "accum2":
-        got = dist_checks.first_step_grads(argv + ["--train.grad_accum", "2"], None)
+        got = dist_checks.first_step_grads(COMMON + ["--train.steps", "1", "--train.reduce_dtype", "float64",
+                                                     "--train.grad_accum", "2"], None)
     else:
-        spawn(dist_checks.first_step_grads, 4 if layout == "dp2-cp2" else 2, argv + LAYOUTS[layout],
-              str(tmp_path / "g.pt"))
-        got = torch.load(tmp_path / "g.pt", weights_only=True)
+        got = first_step("fp64_sums", layout, capfd)
     assert got["loss"] == ref["loss"]
     differing = total = 0
     for k, g in ref["grads"].items():
@@ -230,14 +271,10 @@ def test_loading_and_export_hold_only_a_ranks_share(tmp_path):
         assert (tmp_path / name / "model.safetensors").read_bytes() == original, name
 
 
-def test_seq_aux_loss_under_context_parallel_equals_one_process(tmp_path):
+def test_seq_aux_loss_under_context_parallel_equals_one_process(first_step, capfd):
     """--parallel.cp 2: each sequence's tokens are split over two ranks, whose expert loads and token counts are
     summed before f is formed; the metric and every gradient equal the one-process run's (rel 1e-6)."""
-    argv = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", "--data.batch_size", "2", "--data.seq_len",
-            "32", "--train.dtype", "float64", "--train.steps", "1", "--train.seq_aux_loss_coeff", "0.3"]
-    ref = dist_checks.first_step_grads(argv, None)
-    spawn(dist_checks.first_step_grads, 2, argv + ["--parallel.cp", "2"], str(tmp_path / "g.pt"))
-    got = torch.load(tmp_path / "g.pt", weights_only=True)
+    ref, got = first_step("seq_aux"), first_step("seq_aux", "cp2", capfd)
     assert abs(got["metrics"]["seq_aux_loss"] - ref["metrics"]["seq_aux_loss"]) <= 1e-6 * ref["metrics"][
         "seq_aux_loss"]
     assert got["grads"].keys() == ref["grads"].keys()
@@ -245,14 +282,10 @@ def test_seq_aux_loss_under_context_parallel_equals_one_process(tmp_path):
         assert rel_err(got["grads"][k], g) <= 1e-6, f"{k}: relative gradient error {rel_err(got['grads'][k], g):.2e}"
 
 
-def test_context_and_expert_parallel_mtp_equals_one_process(tmp_path):
+def test_context_and_expert_parallel_mtp_equals_one_process(first_step, capfd):
     """cp2 x ep2 on packed text: the MTP inputs and targets are shifted on whole sequences before the CP split,
     so the MTP loss, every gradient and the MTP layer's expert counts are the one-process ones."""
-    argv = ["--model.preset", "glm5-tiny", "--model.num_nextn_predict_layers", "1", "--data.type", "text",
-            "--data.batch_size", "2", "--data.seq_len", "64", "--train.steps", "1"]
-    ref = dist_checks.first_step_grads(argv, None)
-    spawn(dist_checks.first_step_grads, 2, argv + ["--parallel.cp", "2", "--parallel.ep", "2"], str(tmp_path / "g.pt"))
-    got = torch.load(tmp_path / "g.pt", weights_only=True)
+    ref, got = first_step("mtp"), first_step("mtp", "cp2-ep2", capfd)
     assert abs(got["metrics"]["mtp_loss"] - ref["metrics"]["mtp_loss"]) <= 1e-6
     assert abs(got["loss"] - ref["loss"]) <= 1e-6
     assert "model.layers.3.mlp.gate.e_score_correction_bias" in ref["counts"]
@@ -283,14 +316,11 @@ def packed_batches(path):
 
 @pytest.mark.parametrize("layout", [pytest.param(name, marks=[] if name == "cp2" else [pytest.mark.slow])
                                     for name in ("cp2", "cp2-ep2", "dp2", "ep2")])
-def test_glm53_first_step_gradients_equal_single_process_fp64(layout, tmp_path):
+def test_glm53_first_step_gradients_equal_single_process_fp64(layout, first_step, capfd):
     """GLM-5.3 (KDA layers whose state crosses CP ranks as affine maps, their short convolutions' halo, the pooled
     indexer over the gathered keys, mHC streams, MoE) on packed documents: the one-process loss and every gradient,
     to fp64 rounding."""
-    argv = GLM53 + ["--data.type", "preset_pt", "--data.path", packed_batches(tmp_path / "batches.pt")]
-    ref = dist_checks.first_step_grads(argv, None)
-    spawn(dist_checks.first_step_grads, 2, argv + LAYOUTS[layout], str(tmp_path / "g.pt"))
-    got = torch.load(tmp_path / "g.pt", weights_only=True)
+    ref, got = first_step("glm53"), first_step("glm53", layout, capfd)
     assert abs(got["loss"] - ref["loss"]) <= 1e-12
     assert got["grads"].keys() == ref["grads"].keys()
     for k, g in ref["grads"].items():
