@@ -177,8 +177,21 @@ def test_ep_dispatch_equals_local_experts():
 
 
 def _train(*args):
-    rc = main(COMMON + ["--checkpoint.every", "3", "--train.steps", "6", *args])
+    rc = main(RESUME_RUN + ["--checkpoint.every", "3", "--train.steps", "6", *args])
     assert rc == 0
+
+
+# the resume checks' run: the smallest MoE + MLA + DSA preset (every kind of leaf sharded, experts over EP), fp32
+RESUME_RUN = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", "--data.batch_size", "4", "--data.seq_len",
+              "64", "--train.dtype", "float32"]
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """The directory of the 6-step one-process run the resume checks compare with (run once for the module)."""
+    path = tmp_path_factory.mktemp("straight")
+    _train("--checkpoint.dir", str(path))
+    return path
 
 
 @pytest.mark.parametrize("first,then", [
@@ -186,9 +199,8 @@ def _train(*args):
     (LAYOUTS["ep2"], ["--parallel.dp_shard", "2"]),               # EP2 -> EP1
     (LAYOUTS["cp2"], LAYOUTS["dp2"]),                             # CP2 -> DP2
 ], ids=["dp2-to-1", "ep2-to-ep1", "cp2-to-dp2"])
-def test_resume_across_layouts(first, then, tmp_path):
-    _train("--checkpoint.dir", str(tmp_path / "straight"))
-    straight = [r["loss"] for r in read_metrics(tmp_path / "straight")]
+def test_resume_across_layouts(first, then, tmp_path, straight_run):
+    straight = [r["loss"] for r in read_metrics(straight_run)]
     run = str(tmp_path / "switched")
     _train("--checkpoint.dir", run, "--train.steps", "3", *first)
     _train("--checkpoint.dir", run, "--checkpoint.resume", "latest", *then)
@@ -200,7 +212,7 @@ def test_resume_across_layouts(first, then, tmp_path):
     first_run = read_metrics(tmp_path / "first")
     drift = max(abs(r["loss"] - b) for r, b in zip((r for r in first_run if "loss" in r), straight))
     evals = [{r["step"]: r["eval_loss"] for r in metrics if "eval_loss" in r}
-             for metrics in (read_metrics(tmp_path / "straight"), read_metrics(run), first_run)]
+             for metrics in (read_metrics(straight_run), read_metrics(run), first_run)]
     drift = max(drift, abs(evals[2][6] - evals[0][6]))
     assert max(abs(a - b) for a, b in zip(switched, straight)) <= max(1e-4, 2 * drift)
     assert evals[0].keys() == {6} and evals[1].keys() == {3, 6}  # held-out loss at each run's end, in its layout
