@@ -69,11 +69,17 @@ OBJECTIVES = ["--train.indexer_loss", "sparse", "--model.num_nextn_predict_layer
 METRICS = ("loss", "indexer_loss", "mtp_loss", "seq_aux_loss")
 
 
-def run(name: str, args: list[str], out: str, steps: int, extra: list[str]) -> float:
+def run(name: str, args: list[str], out: str, steps: int, extra: list[str], in_process: bool = False) -> float:
     run_dir = os.path.join(out, name)
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), *COMMON, "--train.steps", str(steps),
            "--checkpoint.dir", run_dir, "--checkpoint.overwrite", *extra, *args]
     t = time.perf_counter()
+    if in_process:
+        from train import main as train
+
+        if train(cmd[2:]) != 0:
+            raise SystemExit(f"{name} failed (its error is above)")
+        return time.perf_counter() - t
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
@@ -91,19 +97,21 @@ def main(argv=None) -> int:
                     help="also run the noise floors (NOISE_FLOORS), as reference rows")
     ap.add_argument("--objectives", action="store_true",
                     help="turn on the indexer (sparse), MTP and sequence-wise balance losses (OBJECTIVES)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="run each train.py in this process, not a fresh one (the tests: one interpreter to start)")
     ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
                     help="train.py flags for every run, e.g. --extra --optim.lr 1e-3 (must come last)")
     args = ap.parse_args(argv)
     if args.objectives:
         args.extra = OBJECTIVES + args.extra
     os.makedirs(args.out, exist_ok=True)
-    seconds = {"baseline": run("baseline", [], args.out, args.steps, args.extra)}
+    seconds = {"baseline": run("baseline", [], args.out, args.steps, args.extra, args.in_process)}
     for name in args.layouts:
-        seconds[name] = run(name, LAYOUTS[name], args.out, args.steps, args.extra)
+        seconds[name] = run(name, LAYOUTS[name], args.out, args.steps, args.extra, args.in_process)
     factor = args.tolerance[1] if isinstance(args.tolerance, tuple) else None
     if args.noise_floor or factor is not None:
         for name, flags in NOISE_FLOORS.items():
-            seconds[name] = run(name, flags, args.out, args.steps, args.extra)
+            seconds[name] = run(name, flags, args.out, args.steps, args.extra, args.in_process)
     runs = {name: read_metrics(os.path.join(args.out, name)) for name in seconds}
     results = {name: largest_difference(runs["baseline"], runs[name]) for name in seconds if name != "baseline"}
     bounds = {name: args.tolerance if factor is None else factor * results[floor(results)]["max"]

@@ -15,9 +15,19 @@ import glm5f
 from configs import Config
 from glm5f.model import attention as attn
 from glm5f.kernels import dsa as kernels
+from glm5f.run import launch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+
+
+def pytest_configure(config):
+    """The workers of the suite's in-process spawns are forked from one server that imported torch, glm5f, train.py
+    and dist_checks once. A process that only imports this file (a launcher script of test_launch, train.py run as
+    a script) keeps the default: a fresh interpreter per worker."""
+    launch.START_METHOD = "forkserver"
+    launch.FORKSERVER_PRELOAD = [*launch.FORKSERVER_PRELOAD, "configs", "train", "dist_checks"]
+
 
 TINY_RUN = ["--model.preset", "glm5-tiny", "--data.batch_size", "2", "--data.seq_len", "32", "--train.steps", "2"]
 RUN_64 = ["--data.batch_size", "2", "--data.seq_len", "64", "--train.steps", "1"]  # one step of 2 x 64 tokens

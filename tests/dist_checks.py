@@ -41,7 +41,8 @@ def first_step_grads(argv: list[str], out_path: str | None) -> dict:
     cfg = tyro.cli(Config, args=argv, use_underscores=True)
     p = cfg.parallel
     if p.world > 1:
-        layout = DistLayout(p.dp_shard, p.cp, p.ep, init_process(torch.device("cpu")))
+        device = torch.device("cpu") if dist.is_initialized() else init_process(torch.device("cpu"))
+        layout = DistLayout(p.dp_shard, p.cp, p.ep, device)
     else:
         layout = Layout(torch.device("cpu"))
     model_cfg = cfg.model.build()
@@ -55,6 +56,14 @@ def first_step_grads(argv: list[str], out_path: str | None) -> dict:
     if out_path and layout.is_main:
         torch.save(result, out_path)
     return result
+
+
+def first_step_grads_of(argvs: list[list[str]], out_path: str) -> None:
+    """`first_step_grads` of each run in `argvs` (one layout, several runs) in this one group of ranks; rank 0 saves
+    the list of results."""
+    results = [first_step_grads(argv, None) for argv in argvs]
+    if dist.get_rank() == 0:
+        torch.save(results, out_path)
 
 
 def rank_local_init_check(dp_shard: int, ep: int, ckpt_dir: str) -> None:

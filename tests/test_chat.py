@@ -274,13 +274,15 @@ def test_mixed_chat_and_text_records(tmp_path):
     assert "plain text" in text and "<|assistant|><think></think>hello" in text and "<|user|>hi" in text
 
 
-def test_train_cli_errors_are_lines(tmp_path):
+def test_train_cli_errors_are_lines(tmp_path, capsys):
+    from train import main
+
     bad = write_jsonl(tmp_path / "bad.jsonl", [GOOD, {"messages": [{"role": "robot", "content": "x"}]}])
-    out = subprocess.run([sys.executable, "train.py", "--data.type", "chat", "--data.path", bad, "--train.steps",
-                          "2", "--checkpoint.dir", str(tmp_path / "run")], capture_output=True, text=True, cwd=ROOT,
-                         env=ENV)
-    assert out.returncode == 1 and "Traceback" not in out.stderr
-    assert out.stderr.strip().splitlines()[-1].startswith(f"error: {bad}:2: message 0 has role 'robot'")
+    assert main(["--data.type", "chat", "--data.path", bad, "--train.steps", "2", "--checkpoint.dir",
+                 str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"error: {bad}:2: message 0 has role 'robot'")
 
 
 def test_chat_run_learns_assistant_tokens(tmp_path):

@@ -22,6 +22,7 @@ from train import main
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_ten_step_alignment_within_the_noise_floor(tmp_path):
     """The CI version of scripts/align.py's fp32 rule, GLM-5's objectives on (indexer sparse KL, MTP, balance
     loss): each layout within 2x the noise floor (`align.floor`): the furthest one process drifts from itself with
@@ -30,7 +31,8 @@ def test_ten_step_alignment_within_the_noise_floor(tmp_path):
     the fp64-sums test below holds every layout to the one-process numbers."""
     from scripts.align import main as align
 
-    assert align(["--steps", "10", "--objectives", "--layouts", "ep2", "cp2-ep2", "--out", str(tmp_path)]) == 0
+    assert align(["--in-process", "--steps", "10", "--objectives", "--layouts", "ep2", "cp2-ep2", "--out",
+                  str(tmp_path)]) == 0
     results = json.loads((tmp_path / "align.json").read_text())
     floors = [results[f"1proc-{split}{n}"]["max"] for split in ("accum", "qparts") for n in (2, 4)]
     assert results["ep2"]["bound"] == results["cp2-ep2"]["bound"] == 2 * max(floors)
@@ -43,29 +45,73 @@ def test_five_step_alignment_with_fp64_sums(tmp_path):
     `python scripts/align.py --steps 100 --extra --train.reduce_dtype float64` is the long version."""
     from scripts.align import main as align
 
-    assert align(["--steps", "5", "--objectives", "--out", str(tmp_path), "--tolerance", "1e-6",
+    assert align(["--in-process", "--steps", "5", "--objectives", "--out", str(tmp_path), "--tolerance", "1e-6",
                   "--extra", "--train.reduce_dtype", "float64"]) == 0
 
 
+@pytest.mark.slow
 def test_layouts_are_exact_in_float64(tmp_path):
     """In fp64 the layouts agree to rounding (1e-10 here) step after step: what separates them in fp32 over long
     runs is the order of floating-point sums, amplified by top-k choices, not a difference in the mathematics."""
     from scripts.align import main as align
 
-    assert align(["--steps", "6", "--layouts", "cp2-ep2", "dp2-cp2", "--out", str(tmp_path), "--tolerance", "1e-10",
-                  "--extra", "--train.dtype", "float64"]) == 0
+    assert align(["--in-process", "--steps", "6", "--layouts", "cp2-ep2", "dp2-cp2", "--out", str(tmp_path),
+                  "--tolerance", "1e-10", "--extra", "--train.dtype", "float64"]) == 0
+
+
+# The first-step checks: each run's one-process reference is computed once, and a layout's runs of every check
+# below that uses it in one spawned group of ranks (TOGETHER), the group's stderr kept for the checks that read it.
+TOGETHER = {"cp2": ["fp32", "seq_aux", "glm53"], "cp2-ep2": ["fp32", "fp64_sums", "mtp"],
+            "dp2-cp2": ["fp32", "fp64_sums"]}
+
+
+def first_step_runs(tmp) -> dict[str, list[str]]:
+    """The runs of the first-step checks, by name (their flags but the layout's)."""
+    return {
+        "fp32": COMMON + ["--train.steps", "1"],
+        "fp64_sums": COMMON + ["--train.steps", "1", "--train.reduce_dtype", "float64"],
+        "seq_aux": ["--model.preset", "glm5-tiny", "--data.type", "synthetic", "--data.batch_size", "2",
+                    "--data.seq_len", "32", "--train.dtype", "float64", "--train.steps", "1",
+                    "--train.seq_aux_loss_coeff", "0.3"],
+        "mtp": ["--model.preset", "glm5-tiny", "--model.num_nextn_predict_layers", "1", "--data.type", "text",
+                "--data.batch_size", "2", "--data.seq_len", "64", "--train.steps", "1"],
+        "glm53": GLM53 + ["--data.type", "preset_pt", "--data.path", packed_batches(tmp / "batches.pt")],
+    }
+
+
+@pytest.fixture(scope="module")
+def first_step(tmp_path_factory):
+    """first_step(run, layout=None, capfd=None) -> `dist_checks.first_step_grads` of the run named (one process
+    when layout is None, kept for the module; a layout's result is handed out once), the layout's stderr under
+    "stderr" (read through capfd by whichever check spawned its group)."""
+    tmp = tmp_path_factory.mktemp("first_step")
+    runs, done = first_step_runs(tmp), {}
+
+    def get(run: str, layout: str | None = None, capfd=None) -> dict:
+        if layout is None:
+            if run not in done:
+                done[run] = dist_checks.first_step_grads(runs[run], None)
+            return done[run]
+        if (run, layout) not in done:
+            names = [run] + [r for r in TOGETHER.get(layout, []) if r != run and (r, layout) not in done]
+            path = tmp / f"{layout}.pt"
+            if capfd is not None:
+                capfd.readouterr()
+            spawn(dist_checks.first_step_grads_of, 4 if layout == "dp2-cp2" else 2,
+                  [runs[r] + LAYOUTS[layout] for r in names], str(path))
+            err = capfd.readouterr().err if capfd is not None else ""
+            for r, result in zip(names, torch.load(path, weights_only=True)):
+                done[(r, layout)] = {**result, "stderr": err}
+        return done.pop((run, layout))
+    return get
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_first_step_gradients_equal_single_process(layout, tmp_path, capfd):
-    argv = COMMON + ["--train.steps", "1"]
-    ref = dist_checks.first_step_grads(argv, None)
-    world = 4 if layout == "dp2-cp2" else 2
-    spawn(dist_checks.first_step_grads, world, argv + LAYOUTS[layout], str(tmp_path / "g.pt"))
-    got = torch.load(tmp_path / "g.pt", weights_only=True)
+def test_first_step_gradients_equal_single_process(layout, first_step, capfd):
+    ref, got = first_step("fp32"), first_step("fp32", layout, capfd)
     assert abs(got["loss"] - ref["loss"]) <= 1e-6
     assert abs(got["grad_norm"] - ref["grad_norm"]) <= 1e-6 * ref["grad_norm"]
-    assert "suboptimal" not in capfd.readouterr().err  # DTensor's warning about two all_reduces in a row
+    assert "suboptimal" not in got["stderr"]  # DTensor's warning about two all_reduces in a row
     assert got["grads"].keys() == ref["grads"].keys()
     for k, g in ref["grads"].items():
         err = float((got["grads"][k] - g).norm() / g.norm().clamp(min=1e-30))
@@ -81,19 +127,17 @@ def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("layout", ["accum2", "cp2-ep2", "dp2-cp2"])
-def test_reduce_float64_gradients_equal_single_process_to_the_last_bit(layout, tmp_path):
+def test_reduce_float64_gradients_equal_single_process_to_the_last_bit(layout, first_step, capfd):
     """With --train.reduce_dtype float64 every sum that makes a gradient (over tokens, queries, micro-batches and
     ranks) is taken in fp64 and rounded to fp32 once, so each layout's fp32 gradients are the one-process ones
     bit for bit, but for a sum that falls within fp64 rounding of an fp32 rounding boundary (allowed here: one
     element in 1e6, one ulp). Plain fp32 sums in another order and differs in most elements (70% here)."""
-    argv = COMMON + ["--train.steps", "1", "--train.reduce_dtype", "float64"]
-    ref = dist_checks.first_step_grads(argv, None)
+    ref = first_step("fp64_sums")
     if layout == "accum2":
-        got = dist_checks.first_step_grads(argv + ["--train.grad_accum", "2"], None)
+        got = dist_checks.first_step_grads(COMMON + ["--train.steps", "1", "--train.reduce_dtype", "float64",
+                                                     "--train.grad_accum", "2"], None)
     else:
-        spawn(dist_checks.first_step_grads, 4 if layout == "dp2-cp2" else 2, argv + LAYOUTS[layout],
-              str(tmp_path / "g.pt"))
-        got = torch.load(tmp_path / "g.pt", weights_only=True)
+        got = first_step("fp64_sums", layout, capfd)
     assert got["loss"] == ref["loss"]
     differing = total = 0
     for k, g in ref["grads"].items():
@@ -133,8 +177,21 @@ def test_ep_dispatch_equals_local_experts():
 
 
 def _train(*args):
-    rc = main(COMMON + ["--checkpoint.every", "3", "--train.steps", "6", *args])
+    rc = main(RESUME_RUN + ["--checkpoint.every", "3", "--train.steps", "6", *args])
     assert rc == 0
+
+
+# the resume checks' run: the smallest MoE + MLA + DSA preset (every kind of leaf sharded, experts over EP), fp32
+RESUME_RUN = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", "--data.batch_size", "4", "--data.seq_len",
+              "64", "--train.dtype", "float32"]
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """The directory of the 6-step one-process run the resume checks compare with (run once for the module)."""
+    path = tmp_path_factory.mktemp("straight")
+    _train("--checkpoint.dir", str(path))
+    return path
 
 
 @pytest.mark.parametrize("first,then", [
@@ -142,9 +199,8 @@ def _train(*args):
     (LAYOUTS["ep2"], ["--parallel.dp_shard", "2"]),               # EP2 -> EP1
     (LAYOUTS["cp2"], LAYOUTS["dp2"]),                             # CP2 -> DP2
 ], ids=["dp2-to-1", "ep2-to-ep1", "cp2-to-dp2"])
-def test_resume_across_layouts(first, then, tmp_path):
-    _train("--checkpoint.dir", str(tmp_path / "straight"))
-    straight = [r["loss"] for r in read_metrics(tmp_path / "straight")]
+def test_resume_across_layouts(first, then, tmp_path, straight_run):
+    straight = [r["loss"] for r in read_metrics(straight_run)]
     run = str(tmp_path / "switched")
     _train("--checkpoint.dir", run, "--train.steps", "3", *first)
     _train("--checkpoint.dir", run, "--checkpoint.resume", "latest", *then)
@@ -156,7 +212,7 @@ def test_resume_across_layouts(first, then, tmp_path):
     first_run = read_metrics(tmp_path / "first")
     drift = max(abs(r["loss"] - b) for r, b in zip((r for r in first_run if "loss" in r), straight))
     evals = [{r["step"]: r["eval_loss"] for r in metrics if "eval_loss" in r}
-             for metrics in (read_metrics(tmp_path / "straight"), read_metrics(run), first_run)]
+             for metrics in (read_metrics(straight_run), read_metrics(run), first_run)]
     drift = max(drift, abs(evals[2][6] - evals[0][6]))
     assert max(abs(a - b) for a, b in zip(switched, straight)) <= max(1e-4, 2 * drift)
     assert evals[0].keys() == {6} and evals[1].keys() == {3, 6}  # held-out loss at each run's end, in its layout
@@ -227,14 +283,10 @@ def test_loading_and_export_hold_only_a_ranks_share(tmp_path):
         assert (tmp_path / name / "model.safetensors").read_bytes() == original, name
 
 
-def test_seq_aux_loss_under_context_parallel_equals_one_process(tmp_path):
+def test_seq_aux_loss_under_context_parallel_equals_one_process(first_step, capfd):
     """--parallel.cp 2: each sequence's tokens are split over two ranks, whose expert loads and token counts are
     summed before f is formed; the metric and every gradient equal the one-process run's (rel 1e-6)."""
-    argv = ["--model.preset", "glm5-tiny", "--data.type", "synthetic", "--data.batch_size", "2", "--data.seq_len",
-            "32", "--train.dtype", "float64", "--train.steps", "1", "--train.seq_aux_loss_coeff", "0.3"]
-    ref = dist_checks.first_step_grads(argv, None)
-    spawn(dist_checks.first_step_grads, 2, argv + ["--parallel.cp", "2"], str(tmp_path / "g.pt"))
-    got = torch.load(tmp_path / "g.pt", weights_only=True)
+    ref, got = first_step("seq_aux"), first_step("seq_aux", "cp2", capfd)
     assert abs(got["metrics"]["seq_aux_loss"] - ref["metrics"]["seq_aux_loss"]) <= 1e-6 * ref["metrics"][
         "seq_aux_loss"]
     assert got["grads"].keys() == ref["grads"].keys()
@@ -242,14 +294,10 @@ def test_seq_aux_loss_under_context_parallel_equals_one_process(tmp_path):
         assert rel_err(got["grads"][k], g) <= 1e-6, f"{k}: relative gradient error {rel_err(got['grads'][k], g):.2e}"
 
 
-def test_context_and_expert_parallel_mtp_equals_one_process(tmp_path):
+def test_context_and_expert_parallel_mtp_equals_one_process(first_step, capfd):
     """cp2 x ep2 on packed text: the MTP inputs and targets are shifted on whole sequences before the CP split,
     so the MTP loss, every gradient and the MTP layer's expert counts are the one-process ones."""
-    argv = ["--model.preset", "glm5-tiny", "--model.num_nextn_predict_layers", "1", "--data.type", "text",
-            "--data.batch_size", "2", "--data.seq_len", "64", "--train.steps", "1"]
-    ref = dist_checks.first_step_grads(argv, None)
-    spawn(dist_checks.first_step_grads, 2, argv + ["--parallel.cp", "2", "--parallel.ep", "2"], str(tmp_path / "g.pt"))
-    got = torch.load(tmp_path / "g.pt", weights_only=True)
+    ref, got = first_step("mtp"), first_step("mtp", "cp2-ep2", capfd)
     assert abs(got["metrics"]["mtp_loss"] - ref["metrics"]["mtp_loss"]) <= 1e-6
     assert abs(got["loss"] - ref["loss"]) <= 1e-6
     assert "model.layers.3.mlp.gate.e_score_correction_bias" in ref["counts"]
@@ -280,14 +328,11 @@ def packed_batches(path):
 
 @pytest.mark.parametrize("layout", [pytest.param(name, marks=[] if name == "cp2" else [pytest.mark.slow])
                                     for name in ("cp2", "cp2-ep2", "dp2", "ep2")])
-def test_glm53_first_step_gradients_equal_single_process_fp64(layout, tmp_path):
+def test_glm53_first_step_gradients_equal_single_process_fp64(layout, first_step, capfd):
     """GLM-5.3 (KDA layers whose state crosses CP ranks as affine maps, their short convolutions' halo, the pooled
     indexer over the gathered keys, mHC streams, MoE) on packed documents: the one-process loss and every gradient,
     to fp64 rounding."""
-    argv = GLM53 + ["--data.type", "preset_pt", "--data.path", packed_batches(tmp_path / "batches.pt")]
-    ref = dist_checks.first_step_grads(argv, None)
-    spawn(dist_checks.first_step_grads, 2, argv + LAYOUTS[layout], str(tmp_path / "g.pt"))
-    got = torch.load(tmp_path / "g.pt", weights_only=True)
+    ref, got = first_step("glm53"), first_step("glm53", layout, capfd)
     assert abs(got["loss"] - ref["loss"]) <= 1e-12
     assert got["grads"].keys() == ref["grads"].keys()
     for k, g in ref["grads"].items():
@@ -300,9 +345,9 @@ def test_glm53_layouts_are_exact_in_float64(tmp_path):
     """scripts/align.py on glm53-tiny (the embedded text): every layout's losses are one process's within 1e-9."""
     from scripts.align import main as align
 
-    assert align(["--steps", "10", "--layouts", "dp2", "ep2", "cp2", "cp2-ep2", "--out", str(tmp_path), "--tolerance",
-                  "1e-9", "--extra", "--model.preset", "glm53-tiny", "--train.dtype", "float64",
-                  "--data.type", "text"]) == 0
+    assert align(["--in-process", "--steps", "10", "--layouts", "dp2", "ep2", "cp2", "cp2-ep2", "--out",
+                  str(tmp_path), "--tolerance", "1e-9", "--extra", "--model.preset", "glm53-tiny", "--train.dtype",
+                  "float64", "--data.type", "text"]) == 0
 
 
 @pytest.mark.slow
@@ -310,7 +355,7 @@ def test_glm53_layouts_within_the_noise_floor(tmp_path):
     """scripts/align.py's fp32 rule on glm53-tiny (the embedded text): each layout within 2x its noise floor."""
     from scripts.align import main as align
 
-    assert align(["--steps", "10", "--layouts", "dp2", "ep2", "cp2", "cp2-ep2", "--out", str(tmp_path),
+    assert align(["--in-process", "--steps", "10", "--layouts", "dp2", "ep2", "cp2", "cp2-ep2", "--out", str(tmp_path),
                   "--extra", "--model.preset", "glm53-tiny", "--data.type", "text"]) == 0
 
 

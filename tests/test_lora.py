@@ -195,8 +195,9 @@ def test_layouts_equal_one_process_with_fp64_sums(tmp_path):
     --train.reduce_dtype float64, on glm5-scaled-moe with attention, shared and routed-expert adapters."""
     from scripts.align import main as align
 
-    assert align(["--steps", "3", "--layouts", "dp2", "ep2", "cp2", "--out", str(tmp_path), "--tolerance", "0",
-                  "--extra", *LORA_LAYOUT_RUN, "--data.seq_len", "128", "--train.reduce_dtype", "float64"]) == 0
+    assert align(["--in-process", "--steps", "3", "--layouts", "dp2", "ep2", "cp2", "--out", str(tmp_path),
+                  "--tolerance", "0", "--extra", *LORA_LAYOUT_RUN, "--data.seq_len", "128", "--train.reduce_dtype",
+                  "float64"]) == 0
 
 
 def test_layouts_meet_the_fp32_noise_floor(tmp_path):
@@ -204,8 +205,8 @@ def test_layouts_meet_the_fp32_noise_floor(tmp_path):
     suite's 256 tokens (DSA sparse on every CP rank)."""
     from scripts.align import main as align
 
-    assert align(["--steps", "3", "--layouts", "dp2", "ep2", "cp2", "--out", str(tmp_path), "--tolerance", "2x",
-                  "--extra", *LORA_LAYOUT_RUN]) == 0
+    assert align(["--in-process", "--steps", "3", "--layouts", "dp2", "ep2", "cp2", "--out", str(tmp_path),
+                  "--tolerance", "2x", "--extra", *LORA_LAYOUT_RUN]) == 0
 
 
 # ---- export ------------------------------------------------------------------------------------------------------

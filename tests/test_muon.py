@@ -316,7 +316,7 @@ def test_layouts_with_muon_equal_one_process_in_float64(tmp_path):
     losses within 1e-9 step after step."""
     from scripts.align import main as align
 
-    assert align(["--steps", "4", "--layouts", "dp2", "ep2", "cp2", "cp2-ep2", "--out", str(tmp_path),
+    assert align(["--in-process", "--steps", "4", "--layouts", "dp2", "ep2", "cp2", "cp2-ep2", "--out", str(tmp_path),
                   "--tolerance", "1e-9", "--extra", "--model.preset", "glm5-tiny", "--data.seq_len", "64",
                   "--train.dtype", "float64", "--optim.name", "muon", "--optim.warmup_steps", "1"]) == 0
 

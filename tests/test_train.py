@@ -56,9 +56,9 @@ def test_without_matplotlib_one_line_says_why_there_is_no_plot(tmp_path, capsys,
     assert not (tmp_path / "loss.png").exists()
 
 
-@pytest.mark.parametrize("data", ["synthetic", "json_file"])
+@pytest.mark.parametrize("data", ["synthetic", pytest.param("json_file", marks=pytest.mark.slow)])
 def test_bitwise_resume(tmp_path, data):
-    args = MOE + ["--data.type", data]
+    args = MOE + ["--model.preset", "glm5-tiny", "--data.type", data]  # the smallest preset with experts
     if data == "json_file":
         write_jsonl(tmp_path / "d.jsonl")
         args += ["--data.path", str(tmp_path / "d.jsonl")]

@@ -86,10 +86,42 @@ def _die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, daemon=True, name="die-with-parent").start()
 
 
-def _worker(local_rank: int, world: int, port: int, fn, args, parent_pid: int | None = None,
+# How `spawn` starts its workers: "spawn", a fresh interpreter each; or "forkserver", each forked from one server
+# process that imported FORKSERVER_PRELOAD once (started at the first call, it lives as long as this process), which
+# is cheaper when one process spawns many times (the test suite does). A forked worker is given this process's
+# environment and stdout/stderr of the moment, as a spawned one has them (multiprocessing passes sys.path and the
+# working directory to both).
+START_METHOD = "spawn"
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "glm5f"]
+
+
+class _Surroundings:
+    """The launcher's environment and file descriptors 1 and 2, set up again in a worker forked from the fork
+    server (which holds those of the moment it started); picklable only while a worker is being started (the
+    descriptors travel as `DupFd`s)."""
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return _enter_surroundings, (dict(os.environ), reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _enter_surroundings(environ: dict, stdout, stderr) -> None:
+    """Runs in the worker as its arguments are unpickled, before the function it runs is unpickled."""
+    os.environ.clear()
+    os.environ.update(environ)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for fd, passed in ((1, stdout), (2, stderr)):
+        new = passed.detach()
+        os.dup2(new, fd)
+        os.close(new)
+
+
+def _worker(local_rank: int, surroundings: None, world: int, port: int, fn, args, parent_pid: int | None = None,
             report_dir: str | None = None):
-    if parent_pid is not None:
-        _die_with_parent(parent_pid)
+    if parent_pid is not None:  # 0: forked by the fork server, which ends with the launcher
+        _die_with_parent(parent_pid or os.getppid())
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
                       LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     try:
@@ -305,8 +337,12 @@ def spawn(fn, world: int, *args) -> None:
     import torch.multiprocessing as mp
 
     report_dir = tempfile.mkdtemp(prefix="glm5f-errors-")
-    ctx = mp.start_processes(_worker, args=(world, free_port(), fn, args, os.getpid(), report_dir), nprocs=world,
-                             join=False, start_method="spawn")
+    forked = START_METHOD == "forkserver"
+    if forked:
+        mp.set_forkserver_preload(FORKSERVER_PRELOAD)
+    ctx = mp.start_processes(_worker, args=(_Surroundings() if forked else None, world, free_port(), fn, args,
+                                            0 if forked else os.getpid(), report_dir),
+                             nprocs=world, join=False, start_method=START_METHOD)
 
     def forward(signum, frame):  # SIGTERM to the launcher: every worker finishes its step and saves
         for p in ctx.processes:
