@@ -26,7 +26,6 @@ from configs import Config, mesh_errors, parse, validate, with_data_type
 from glm5f.run import preempt
 from glm5f.run import rundir
 from glm5f.posttrain import reference as dpo_reference
-from glm5f.posttrain import grpo
 from glm5f.posttrain import sampler
 from glm5f.ckpt import checkpoint
 from glm5f.model import lora
@@ -179,15 +178,15 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
                 check_first_batch(batch, i, cfg.data.path or cfg.data.type)
         if i == start and cfg.train.compile:
             say("compiling the step (the first step takes a while; the next ones reuse it)...", flush=True)
-        no_signal = "reward" in batch and not trainer.step.settings.kl_beta and not grpo.has_signal(batch)
+        no_signal = trainer.step.objective.no_signal(batch, trainer.step.settings)
         if no_signal:
-            say(f"step {i + 1}: every group's completions have the same reward, so every advantage is 0 and there "
-                f"is nothing to learn; skipping this step's update")
+            say(f"step {i + 1}: {no_signal}; skipping this step's update")
         with out_of_memory(i + 1, layout, cfg):
             state, metrics = train_step(
                 state, batch, trainer,
-                skip=lambda m: check_step(cfg, i + 1, m["loss"], m["grad_norm"], last_ckpt, say) or no_signal,
-                inspect=(lambda grads: check_gradients(grads, layout, warn)) if i == start else None)
+                skip=lambda m: check_step(cfg, i + 1, m["loss"], m["grad_norm"], last_ckpt, say) or bool(no_signal),
+                inspect=(lambda grads: check_gradients(grads, layout, warn))  # on the run's first update
+                if all(r.get("skipped") for r in records) else None)
         skipped = metrics.pop("skipped", False)
         dt = time.perf_counter() - t0
         tokens = batch["input_ids"].numel()

@@ -52,26 +52,55 @@ def unreplayed_dropped(batch: dict, settings) -> dict:
     return {k: v for k, v in batch.items() if k not in REPLAY_KEYS or k in replayed}
 
 
-def group_stats(reward_R: torch.Tensor, group_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean, std) [R] of each row's group's rewards (fp64; std with Bessel's correction)."""
+def _scaled_stats(reward_R: torch.Tensor, group_R: torch.Tensor, scale: str) -> tuple[torch.Tensor, ...]:
+    """(x = r / c, each row's group's mean of x, the std of x over its group (scale "group") or the batch, c) [R]
+    (fp64; std with Bessel's correction), c a power of two near each row's group's largest |reward| (scale "group")
+    or the batch's (1 for all zeros): exact scaling, so every statistic is the unscaled one over c and stays finite
+    however large the finite rewards."""
     r = reward_R.to(torch.float64)
     _, inverse = torch.unique(group_R, return_inverse=True)
-    n = torch.zeros(int(inverse.max()) + 1, dtype=r.dtype, device=r.device).index_add_(0, inverse, torch.ones_like(r))
-    mean = torch.zeros_like(n).index_add_(0, inverse, r) / n
-    var = torch.zeros_like(n).index_add_(0, inverse, (r - mean[inverse]) ** 2) / (n - 1)
-    return mean[inverse], var.sqrt()[inverse]
+    zeros = torch.zeros(int(inverse.max()) + 1, dtype=r.dtype, device=r.device)
+    top = zeros.scatter_reduce(0, inverse, r.abs(), "amax", include_self=False)[inverse] if scale == "group" else \
+        r.abs().max().expand(len(r))
+    c = torch.where(top > 0, torch.ldexp(torch.ones_like(top), torch.frexp(top).exponent - 1), 1.0)
+    x = r / c
+    n = zeros.index_add(0, inverse, torch.ones_like(r))
+    mean = (zeros.index_add(0, inverse, x) / n)[inverse]
+    std = (zeros.index_add(0, inverse, (x - mean) ** 2) / (n - 1)).sqrt()[inverse] if scale == "group" else \
+        x.std().expand(len(r))
+    return x, mean, std, c
+
+
+def group_stats(reward_R: torch.Tensor, group_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, std) [R] of each row's group's rewards (fp64; std with Bessel's correction; inf only where the
+    std itself passes fp64's largest number)."""
+    _, mean, std, c = _scaled_stats(reward_R, group_R, "group")
+    return mean * c, std * c
 
 
 def advantages(reward_R: torch.Tensor, group_R: torch.Tensor, scale: str = "group") -> torch.Tensor:
     """A [R] (fp64) of each completion: its reward less its group's mean, over its group's std (scale "group"),
-    the batch's ("batch") or 1 ("none"), plus STD_EPS."""
+    the batch's ("batch") or 1 ("none"), plus STD_EPS; computed on the rewards scaled as `_scaled_stats` does, so
+    finite rewards too large for fp64 sums still give their advantages. A ValueError where an advantage itself is
+    past fp64 (scale "none": a reward and its group's mean more than 1.8e308 apart)."""
     if scale not in SCALES:
         raise ValueError(f"--rl.scale_rewards must be one of {', '.join(SCALES)}, found {scale!r}")
-    mean, std = group_stats(reward_R, group_R)
-    centered = reward_R.to(torch.float64) - mean
-    if scale == "none":
-        return centered
-    return centered / ((reward_R.to(torch.float64).std() if scale == "batch" else std) + STD_EPS)
+    x, mean, std, c = _scaled_stats(reward_R, group_R, "batch" if scale == "batch" else "group")
+    adv = (x - mean) * c if scale == "none" else (x - mean) / (std + STD_EPS / c)
+    if not torch.isfinite(adv).all():
+        worst = int(torch.argmax((~torch.isfinite(adv)).to(torch.int8)))
+        raise ValueError(f"a reward of {float(reward_R[worst]):.4g} (group {int(group_R[worst])}) is so far from its "
+                         f"group's mean that its advantage passes fp64's largest number (--rl.scale_rewards {scale}); "
+                         f"scale the rewards down, or pass --rl.scale_rewards group")
+    return adv
+
+
+def no_signal(batch: dict, settings=None) -> str | None:
+    """Why a step on `batch` has nothing to learn (None when it has): every group's completions have the same
+    reward, so every advantage is 0, and no KL term (--rl.kl_beta) trains."""
+    if getattr(settings, "kl_beta", 0) or has_signal(batch):
+        return None
+    return "every group's completions have the same reward, so every advantage is 0 and there is nothing to learn"
 
 
 def has_signal(batch: dict) -> bool:
@@ -114,10 +143,10 @@ def prepare(batch: dict, settings) -> dict:
     scored = batch["targets"] != IGNORE_INDEX
     _, std = group_stats(batch["reward"], batch["group"])
     rollout = batch["rollout_logprobs"].to(torch.float64)
+    _, _, batch_std, c = _scaled_stats(batch["reward"], batch["group"], "batch")
     out = {**batch, "advantage": advantages(batch["reward"], batch["group"], o.scale_rewards),
            "rollout_targets": torch.cat([rollout[:, 1:], torch.full_like(rollout[:, :1], float("nan"))], 1),
-           "reward_std": batch["reward"].to(torch.float64).std().expand(len(scored)),
-           "zero_std": (std == 0).to(torch.float64)}
+           "reward_std": batch_std * c, "zero_std": (std == 0).to(torch.float64)}
     out["loss_units"] = (scored.sum() if o.loss == "dapo" else scored.any(1).sum()).clamp(min=1)
     return out
 
@@ -236,4 +265,4 @@ def needs_reference(settings) -> bool:
 
 
 GRPO = Objective(loss, denoms, METRICS, prepare=prepare, plan_bytes=plan_bytes,
-                 data_types=("rollouts", "prompts"), settings="rl", reference=needs_reference)
+                 data_types=("rollouts", "prompts"), settings="rl", reference=needs_reference, no_signal=no_signal)

@@ -85,7 +85,8 @@ class Objective:
     data_types: the --data.type values it trains on (None: any). settings: the Config section of its flags (e.g.
     "dpo"), which the step hands its loss as ctx.step.settings. reference: whether its loss reads a reference model
     (`Context.reference_forward`; the run keeps one, `TrainState.reference`): a bool or a function of its
-    settings (`needs_reference`). cp: whether it runs under CP."""
+    settings (`needs_reference`). cp: whether it runs under CP. no_signal(batch, settings) -> why a step on the
+    global batch `batch` has nothing to learn (the loop then skips its update and says why), or None."""
 
     loss: Callable[[dict, dict, Context], tuple[torch.Tensor, dict]]
     denoms: Callable[[dict], dict]
@@ -96,6 +97,7 @@ class Objective:
     settings: str | None = None
     reference: bool | Callable[[object], bool] = False
     cp: bool = True
+    no_signal: Callable[[dict, object], str | None] = lambda batch, settings: None
 
     def needs_reference(self, settings: object = None) -> bool:
         """Whether a run with these settings (its --<settings> section) keeps a reference model."""
