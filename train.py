@@ -292,18 +292,10 @@ def init_reference(cfg: Config, model_cfg: glm5f.GLM5Config, params: dict, layou
         return params
     act = getattr(torch, cfg.train.dtype)
     if cfg.dpo.reference:
-        loaded = {}
-
-        def load(region):
-            loaded["cfg"], p = glm5f.load_hf(cfg.dpo.reference, device=layout.device, region=region)
-            return p
-        with user_errors():
-            ref = layout.local_params(load)
-        ref_cfg = loaded["cfg"]
-        if ref_cfg.to_hf() != model_cfg.to_hf():
-            raise TrainingError(f"--dpo.reference {cfg.dpo.reference} is another model than the one trained (its "
-                                f"config.json differs); pass a checkpoint of the same architecture")
-        params = ref
+        with user_errors():  # its config first: a checkpoint of another architecture is refused before any read
+            dpo_reference.check_architecture(glm5f.GLM5Config.from_hf(cfg.dpo.reference), model_cfg, cfg.dpo.reference)
+            params = layout.local_params(
+                lambda region: glm5f.load_hf(cfg.dpo.reference, device=layout.device, region=region)[1])
     return map_with_path(lambda path, t: t.detach().to(leaf_dtype(path, act), copy=True), params)
 
 

@@ -1,6 +1,7 @@
 """DPO's reference log-probabilities computed once (--dpo.precompute_reference): each pair's summed answer
 log-probabilities under the reference, in one pass before training, stored in the run directory with what they
-were computed from, so full training keeps no copy of the reference.
+were computed from, so full training keeps no copy of the reference; and the check that a --dpo.reference
+checkpoint computes as the trained model does.
 
 Shape suffixes: P pairs, B rows.
 """
@@ -13,7 +14,7 @@ import os
 
 import torch
 
-from glm5f.core.config import GLM5Config
+from glm5f.core.config import NOT_MATH, GLM5Config, math_differences
 from glm5f.data.pairs import PairSource
 from glm5f.posttrain.dpo import prepare, reference_sums
 from glm5f.model.env import make_env
@@ -23,6 +24,17 @@ from glm5f.parallel.layout import Layout
 
 FILE = "dpo_reference.safetensors"  # in the run directory
 KEYS = ("ref_chosen", "ref_rejected")
+
+
+def check_architecture(ref_cfg: GLM5Config, model_cfg: GLM5Config, path: str) -> None:
+    """A ValueError naming each config field where --dpo.reference `path` computes otherwise than the trained model
+    (`config.math_differences`: token ids and the init scale may differ)."""
+    diff = math_differences(ref_cfg, model_cfg)
+    if diff:
+        short = lambda v: repr(v) if len(repr(v)) <= 40 else repr(v)[:37] + "..."  # noqa: E731
+        named = "; ".join(f"{k} {short(r)} (the trained model's {short(m)})" for k, (r, m) in diff.items())
+        raise ValueError(f"--dpo.reference {path} is another architecture than the trained model: {named}; pass a "
+                         f"checkpoint of the same architecture (only {', '.join(NOT_MATH)} may differ)")
 
 
 @torch.no_grad()
