@@ -40,7 +40,7 @@ from glm5f.ckpt.hf.peft import save_peft
 from glm5f.run.launch import (TIMEOUT_EXIT, StallWatch, WorkerFailure, check_device, collective_timeout, init_process,
                               silent_ranks, spawn, under_torchrun)
 from glm5f.train.loss import eval_loss, unused_weights
-from glm5f.run.metrics import MetricsLog, Progress, plot_losses, read_metrics
+from glm5f.run.metrics import MetricsLog, Progress, number, plot_losses, read_metrics
 from glm5f.model.decoder import check_input_ids
 from glm5f.train.optim import Optimizer, schedule_change, unused_flags
 from glm5f.parallel.layout import Layout, full_tensor, local_tensor, nonfinite_counts
@@ -373,7 +373,7 @@ def make_data(cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout, say, tok
     if held_out is None and cfg.eval.every and d.type in ("preference", "rollouts"):
         say(f"no evaluation: the held-out loss is the LM loss of held-out text, and --train.objective "
             f"{cfg.train.objective} trains on {'preference pairs' if d.type == 'preference' else 'rollouts'} "
-            f"(--eval.every 0 says so)")
+            f"(pass --eval.every 0 to turn evaluation off without this line)")
     elif held_out is None and cfg.eval.every:
         say(f"no evaluation: {d.type} data has no held-out part; pass --eval.path (or --eval.split), or hold out a "
             f"part of --data.path with --eval.split_fraction")
@@ -486,9 +486,10 @@ def report(cfg: Config, layout: Layout, say) -> None:
         print_warning(f"no loss curve: could not write {png}: {e.strerror or e} "
                       f"({errno.errorcode.get(e.errno, e.errno)})")
     first, last = history[0], history[-1]
-    say(f"done: loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} (step {last['step']})")
+    say(f"done: loss {number(first['loss'])} (step {first['step']}) -> {number(last['loss'])} (step {last['step']})")
     if "reward" in first:
-        say(f"reward: {first['reward']:.4f} (step {first['step']}) -> {last['reward']:.4f} (step {last['step']})")
+        say(f"reward: {number(first['reward'])} (step {first['step']}) -> {number(last['reward'])} (step "
+            f"{last['step']})")
     if "indexer_loss" in first:
         say(f"indexer: indexer_loss {first['indexer_loss']:.4f} -> {last['indexer_loss']:.4f}, "
             f"indexer_recall {first['indexer_recall']:.4f} -> {last['indexer_recall']:.4f}")

@@ -161,9 +161,11 @@ def test_a_step_whose_pairs_all_have_the_same_answers_skips_its_update_and_says_
     recs = [{**r, "rejected_ids": list(r["chosen_ids"])} for r in pair_records(cfg.vocab_size, n=4, seed=7)]
     records = train(cli("--train.objective", "dpo", "--data.type", "preference",
                         "--data.path", write(tmp_path / "same.jsonl", recs), "--data.batch_size", "4",
-                        "--data.seq_len", "40", "--train.steps", "2", "--optim.warmup_steps", "0", "--eval.every",
-                        "0", "--checkpoint.dir", str(tmp_path / "run")))
+                        "--data.seq_len", "40", "--train.steps", "2", "--optim.warmup_steps", "0",
+                        "--checkpoint.dir", str(tmp_path / "run")))
     out, err = capsys.readouterr()
+    assert ("no evaluation: the held-out loss is the LM loss of held-out text, and --train.objective dpo trains on "
+            "preference pairs (pass --eval.every 0 to turn evaluation off without this line)") in out
     assert all(r.get("skipped") for r in records) and records[0]["frac_identical_pairs"] == 1
     assert "step 1: every pair's chosen answer equals its rejected one" in out and "skipping" in out
     assert "got no gradient" not in err  # a skipped step's zero gradients are no advice about --lora.targets

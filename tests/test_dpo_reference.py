@@ -100,7 +100,7 @@ def test_reused_on_resume_bitwise_and_recomputed_when_the_data_changes(tmp_path,
     changed = run(tmp_path / "cut", data, reference_dir, "--train.steps", "1", "--dpo.precompute_reference",
                   "--checkpoint.overwrite")
     out = capsys.readouterr().out
-    assert len(passes) == 3 and "was computed from another data; computing them" in out, out
+    assert len(passes) == 3 and "was computed from other inputs (the data file changed); computing them" in out, out
     kept = run(tmp_path / "kept", data, reference_dir, "--train.steps", "1")
     assert abs(changed[0]["loss"] - kept[0]["loss"]) <= 1e-12
 

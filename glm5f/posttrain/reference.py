@@ -24,6 +24,9 @@ from glm5f.parallel.layout import Layout
 
 FILE = "dpo_reference.safetensors"  # in the run directory
 KEYS = ("ref_chosen", "ref_rejected")
+# what each entry of the file's fingerprint stands for, in the line saying why it is not reused
+INPUTS = {"data": "the data file", "seq_len": "--data.seq_len", "tokenizer": "the tokenizer or chat template",
+          "reference": "the reference's weights", "model": "the model config", "dtype": "--train.dtype or reduce_dtype"}
 
 
 def check_architecture(ref_cfg: GLM5Config, model_cfg: GLM5Config, path: str) -> None:
@@ -82,7 +85,8 @@ def load(path: str, fingerprint: dict, pairs: int) -> tuple[torch.Tensor | None,
         return None, f"{path} has no fingerprint"
     changed = sorted(k for k in want.keys() | stored.keys() if want.get(k) != stored.get(k))
     if changed:
-        return None, f"{path} was computed from another {', '.join(changed)}"
+        named = [INPUTS.get(k, k) for k in changed]
+        return None, f"{path} was computed from other inputs ({', '.join(named)} changed)"
     if any(k not in inv or inv[k][1] != (pairs,) or inv[k][2] != "F64" for k in KEYS):
         return None, f"{path} does not hold {pairs} pairs' fp64 {' and '.join(KEYS)}"
     table_Px2 = torch.empty(pairs, 2, dtype=torch.float64)
