@@ -412,22 +412,28 @@ class RunTokenizer:
         return {"tokenizer": tok, "chat_template": None if self.template is None else _sha256(self.template.encode()),
                 "how": self.how}
 
+    def generated(self) -> dict[str, str]:
+        """{name: text} of the files written for the byte tokenizer (`ChatByteTokenizer.hf_files`: what Transformers'
+        AutoTokenizer loads as it); {} for a tokenizer.json's run (its files are copied) or without `tokenizers`."""
+        return (ChatByteTokenizer().hf_files() or {}) if self.path is None else {}
+
     def names(self) -> list[str]:
         """The names of the files `write` writes."""
-        return sorted(self.files()) + ([TEMPLATE_FILE] if self.template is not None else [])
+        return sorted([*self.files(), *self.generated()]) + ([TEMPLATE_FILE] if self.template is not None else [])
 
     def write(self, directory: str) -> list[str]:
-        """Copy the tokenizer files into `directory` (created) and write the template as chat_template.jinja there;
-        the names written."""
+        """Copy the tokenizer files into `directory` (created), write the byte tokenizer's (`generated`) and the
+        template as chat_template.jinja there; the names written."""
         import shutil
 
         os.makedirs(directory, exist_ok=True)
         for name, file in self.files().items():
             if os.path.abspath(file) != os.path.abspath(os.path.join(directory, name)):
                 shutil.copyfile(file, os.path.join(directory, name))
-        if self.template is not None:
-            with open(os.path.join(directory, TEMPLATE_FILE), "w", encoding="utf-8") as f:
-                f.write(self.template)
+        texts = {**self.generated(), **({TEMPLATE_FILE: self.template} if self.template is not None else {})}
+        for name, text in texts.items():
+            with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
+                f.write(text)
         return self.names()
 
 
