@@ -24,6 +24,8 @@ from glm5f.model.lora import DEFAULT_TARGETS, LoraSpec, target_modules
 from glm5f.train.optim import OPTIMIZERS, trained_paths
 from glm5f.objectives import OBJECTIVES
 from glm5f.data.tokens import make_tokenizer
+from glm5f.run import trackers
+from glm5f.run.trackers import MetricsConfig
 
 @dataclass
 class ModelConfig:
@@ -407,6 +409,7 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     plan: Optional[Literal["table", "json", "search"]] = None
     """Print the per-rank memory plan of this run instead of running it (table, json, or search: the smallest
     meshes that fit --parallel.device_memory_gb); allocates nothing, starts no process, writes nothing."""
@@ -455,6 +458,7 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
                     "pass one of them")
     if cfg.optim.lr <= 0:
         errs.append(f"--optim.lr must be positive, got {cfg.optim.lr}")
+    errs += trackers.errors(cfg.metrics)
     row = OBJECTIVES.get(cfg.train.objective)
     if row is None:
         errs.append(f"--train.objective {cfg.train.objective!r} is unknown; choose one of {', '.join(OBJECTIVES)}")

@@ -40,7 +40,8 @@ from glm5f.ckpt.hf.peft import save_peft
 from glm5f.run.launch import (TIMEOUT_EXIT, StallWatch, WorkerFailure, check_device, collective_timeout, init_process,
                               silent_ranks, spawn, under_torchrun)
 from glm5f.train.loss import eval_loss, unused_weights
-from glm5f.run.metrics import MetricsLog, Progress, number, plot_losses, read_metrics
+from glm5f.run.metrics import Progress, number, plot_losses, read_metrics
+from glm5f.run.trackers import Reporter
 from glm5f.model.decoder import check_input_ids
 from glm5f.train.optim import Optimizer, schedule_change, unused_flags
 from glm5f.parallel.layout import Layout, full_tensor, local_tensor, nonfinite_counts
@@ -142,7 +143,8 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         say(f"nothing to do: step {start} >= --train.steps {cfg.train.steps}")
         export(cfg, model_cfg, state, layout, say, tokenizer)
         return read_metrics(cfg.checkpoint.dir)
-    log = MetricsLog(cfg.checkpoint.dir, start, print_warning) if layout.is_main else None
+    log = Reporter(cfg.metrics, cfg.checkpoint.dir, dataclasses.asdict(cfg), start, print_warning, tokenizer.path,
+                   say) if layout.is_main else None
     progress = Progress(cfg.train.steps, start, cfg.train.log_every) if layout.is_main else None
     say(f"glm5f: {cfg.model.init_from or cfg.model.preset} ({glm5f.param_count(model_cfg):,} parameters), "
         f"{cfg.data.type} data, {batch_sizes(cfg, data)}, {cfg.train.dtype} on "
@@ -201,7 +203,7 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         records.append(rec)
         if layout.is_main:
             with writing(log.path, cfg.checkpoint.dir):
-                log.write(rec)
+                log.write(rec, batch)
             if i == start:  # beside the first metrics record, so a run that fails before it leaves nothing
                 with writing(os.path.join(cfg.checkpoint.dir, rundir.CONFIG_FILE), cfg.checkpoint.dir):
                     write_config(cfg)
@@ -220,6 +222,8 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
                 meta=meta, keep=cfg.checkpoint.keep)
         if stop:
             raise preempt.Preempted(i + 1, last_ckpt)
+    if log:
+        log.close()
     report(cfg, layout, say)
     export(cfg, model_cfg, state, layout, say, tokenizer)
     return records

@@ -46,12 +46,13 @@ class Progress:
 
 
 class MetricsLog:
-    """metrics.jsonl, one JSON object per step, appended across resumes: records after the resumed step (written
-    by a run that died before its next checkpoint) are dropped first, so each step appears once."""
+    """metrics.jsonl (or another `name`), one JSON object per line with its "step", appended across resumes:
+    records after the resumed step (written by a run that died before its next checkpoint) are dropped first, so
+    each step appears once."""
 
-    def __init__(self, run_dir: str, resume_step: int = 0, warn=lambda message: None):
+    def __init__(self, run_dir: str, resume_step: int = 0, warn=lambda message: None, name: str = "metrics.jsonl"):
         self.run_dir, self.resume_step, self.started, self.warn = run_dir, resume_step, False, warn
-        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.path = os.path.join(run_dir, name)
 
     def _start(self) -> None:
         """On the first record (so a run that fails before it leaves the directory as it was)."""
