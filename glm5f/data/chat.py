@@ -12,7 +12,7 @@ from datetime import datetime
 from importlib import resources
 
 from glm5f.data.tokens import (IGNORE_INDEX, ChatByteTokenizer, Example, chat_tokenizer, template_tokens,  # noqa: F401
-                               tokenizer_config, tokenizer_dir)
+                               is_byte_tokenizer, tokenizer_config, tokenizer_dir)
 
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -438,17 +438,20 @@ class RunTokenizer:
 
 
 def resolve_tokenizer(tokenizer_path: str | None, init_from: str | None, chat_template: str | None) -> RunTokenizer:
-    """The run's tokenizer: --model.tokenizer_path, else the --model.init_from directory's tokenizer.json, else the
-    byte tokenizer; its template: --data.chat_template, else the tokenizer directory's chat_template.jinja or
+    """The run's tokenizer: --model.tokenizer_path, else the --model.init_from directory's tokenizer.json (unless it
+    is the byte tokenizer's, `is_byte_tokenizer`), else the byte tokenizer; its template: --data.chat_template, else the tokenizer directory's chat_template.jinja or
     tokenizer_config.json's chat_template, else (byte tokenizer) glm5f's GLM-5-style one; a tokenizer without a
     template has none (chat data then says so)."""
     if tokenizer_path is not None:
         path, how = tokenizer_path, f"tokenizer {tokenizer_path} (--model.tokenizer_path)"
-    elif init_from is not None and os.path.isfile(os.path.join(init_from, "tokenizer.json")):
+    elif init_from is not None and os.path.isfile(os.path.join(init_from, "tokenizer.json")) and \
+            not is_byte_tokenizer(init_from):
         path, how = init_from, f"tokenizer {os.path.join(init_from, 'tokenizer.json')} (from --model.init_from)"
     else:
         path = None
-        how = "the byte tokenizer" + (f" (--model.init_from {init_from} holds no tokenizer.json)" if init_from else "")
+        held = "the byte tokenizer's tokenizer.json" if init_from and is_byte_tokenizer(init_from) else \
+            "no tokenizer.json"
+        how = "the byte tokenizer" + (f" (--model.init_from {init_from} holds {held})" if init_from else "")
     if path is not None:
         chat_tokenizer(path)  # a missing or unreadable tokenizer.json: its error, before any training
     try:
@@ -460,10 +463,11 @@ def resolve_tokenizer(tokenizer_path: str | None, init_from: str | None, chat_te
 
 
 def tokenizer_of(directory: str) -> RunTokenizer:
-    """The tokenizer and template a run directory's tokenizer/ copy or an export holds: its tokenizer.json (else the
-    byte tokenizer) and its chat_template.jinja or tokenizer_config.json's template (else, for the byte tokenizer,
+    """The tokenizer and template a run directory's tokenizer/ copy or an export holds: its tokenizer.json (else, or
+    when it is the byte tokenizer's, the byte tokenizer) and its chat_template.jinja or tokenizer_config.json's template (else, for the byte tokenizer,
     glm5f's)."""
-    path = directory if os.path.isfile(os.path.join(directory, "tokenizer.json")) else None
+    path = directory if os.path.isfile(os.path.join(directory, "tokenizer.json")) and \
+        not is_byte_tokenizer(directory) else None
     template, name = None, None
     if os.path.isfile(os.path.join(directory, TEMPLATE_FILE)):
         name = os.path.join(directory, TEMPLATE_FILE)

@@ -140,8 +140,21 @@ class ChatByteTokenizer(ByteTokenizer):
         tok.add_special_tokens([AddedToken(s, special=True, normalized=False)
                                 for s in sorted(self.special, key=self.special.get)])
         config = {"tokenizer_class": "PreTrainedTokenizerFast", **self.template_tokens(),
-                  "clean_up_tokenization_spaces": False}
+                  "clean_up_tokenization_spaces": False, BYTE_MARK: True}
         return {"tokenizer.json": tok.to_str(), "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
+
+
+BYTE_MARK = "glm5f_byte_tokenizer"  # in the tokenizer_config.json of `ChatByteTokenizer.hf_files`
+
+
+def is_byte_tokenizer(directory: str) -> bool:
+    """Whether `directory`'s tokenizer.json is the byte tokenizer's (`ChatByteTokenizer.hf_files`, as its
+    tokenizer_config.json says): glm5f reads it as the byte tokenizer itself."""
+    try:
+        with open(os.path.join(directory, "tokenizer_config.json"), encoding="utf-8") as f:
+            return json.load(f).get(BYTE_MARK) is True
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _byte_chars() -> list[str]:
