@@ -17,7 +17,8 @@ from typing import Annotated, Literal, Optional
 import tyro
 
 import glm5f
-from glm5f.run import recipe_file
+from glm5f.run import recipe_file, trackers
+from glm5f.run.trackers import MetricsConfig
 from glm5f.data import check_path_fits, infer_data_type
 from glm5f.model.lora import DEFAULT_TARGETS, LoraSpec
 from glm5f.train.optim import OPTIMIZERS
@@ -348,6 +349,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     plan: Optional[Literal["table", "json", "search"]] = None
     """Print the per-rank memory plan of this run instead of running it (table, json, or search: the smallest
     meshes that fit --parallel.device_memory_gb); allocates nothing, starts no process, writes nothing."""
@@ -425,6 +427,7 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
                     "pass one of them")
     if cfg.optim.lr <= 0:
         errs.append(f"--optim.lr must be positive, got {cfg.optim.lr}")
+    errs += trackers.errors(cfg.metrics)
     row = OBJECTIVES.get(cfg.train.objective)
     if row is None:
         errs.append(f"--train.objective {cfg.train.objective!r} is unknown; choose one of {', '.join(OBJECTIVES)}")

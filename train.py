@@ -57,15 +57,17 @@ def train(cfg: Config, layout: Layout | None = None) -> list[dict]:
         with user_errors():  # a streamed record is read, and checked, when a batch needs it
             batch = run.feed.next(state, i)  # the objective's schedule: a new batch, or the one it updates again
         check_batch(run, batch, i, first=i == first)
+        check = first_step_check(run) if all(r.get("skipped") for r in records) else None  # the first update
         with out_of_memory(i + 1, layout, cfg):
             state, metrics = train_step(state, batch, run.trainer, skip=skip_rule(run, batch, i + 1, checkpoints.last),
-                                        inspect=first_step_check(run) if i == first else None)
+                                        inspect=check)
         rec = step_record(i + 1, metrics, batch, time.perf_counter() - t0, run.feed.metrics)
         rec.update(evaluate(i + 1, state))
         records.append(rec)
-        files.write(rec)
+        files.write(rec, batch)
         layout.step_done(i + 1)
         checkpoints.after(i + 1, state)  # saves when due (or on SIGTERM, then stops)
+    files.close()
     finish.report(run)
     finish.export(run, state)
     return records

@@ -14,7 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from glm5f.run.metrics import plot_losses, read_metrics  # noqa: E402
+from glm5f.run.metrics import number, plot_losses, read_metrics  # noqa: E402
 
 
 def compare(base: list[dict], other: list[dict], key: str = "loss") -> dict:
@@ -38,13 +38,21 @@ def main(argv=None) -> int:
         print(f"error: no metrics.jsonl records with {args.metric!r} in {empty}", file=sys.stderr)
         return 1
     names = list(runs)
-    print(f"{'run':<24}{'curve':<6}{'steps':>7}{'avg |diff|':>14}{'max |diff|':>14}   (against {names[0]})")
+    if len(names) == 1:  # nothing to compare with: the run's own curve
+        recs = [r for r in runs[names[0]] if args.metric in r]
+        values = [r[args.metric] for r in recs]
+        print(f"{names[0]}: {args.metric} {number(values[0])} (step {recs[0]['step']}) -> {number(values[-1])} (step "
+              f"{recs[-1]['step']}), min {number(min(values))}, max {number(max(values))} over {len(recs)} steps; "
+              f"pass more runs to compare them with it")
+    else:
+        width = max(6, len(args.metric) + 2)
+        print(f"{'run':<24}{'curve':<{width}}{'steps':>7}{'avg |diff|':>14}{'max |diff|':>14}   (against {names[0]})")
     for name in names[1:]:
         for key, label in ((args.metric, "train"), ("eval_loss", "eval")) if args.metric == "loss" else \
-                ((args.metric, args.metric[:5]),):
+                ((args.metric, args.metric),):
             c = compare(runs[names[0]], runs[name], key)
             if c["steps"] or key == args.metric:
-                print(f"{name:<24}{label:<6}{c['steps']:>7}{c['avg']:>14.3e}{c['max']:>14.3e}")
+                print(f"{name:<24}{label:<{width}}{c['steps']:>7}{c['avg']:>14.3e}{c['max']:>14.3e}")
     if args.png:
         png = os.path.join(args.png, "compare.png") if os.path.isdir(args.png) or args.png.endswith(os.sep) else \
             args.png  # a directory: the picture goes into it

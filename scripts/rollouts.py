@@ -55,6 +55,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="auto", help="auto (cuda when there is one, else cpu), cpu, cuda, ...")
     args = ap.parse_args(argv)
     warnings_as_lines()
+    lines, tmp, writing = [], f"{args.out}.tmp", False
     try:
         if args.group_size < 2 or args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1 \
                 or args.batch_prompts < 1:
@@ -99,13 +100,19 @@ def main(argv=None) -> int:
                      **{f: v.tolist() for f, v in c.replay.items()}} for c in g.completions]}
                 lines.append(json.dumps(rec) + "\n")
             print(f"{start + len(part)}/{len(prompts)} prompts", file=sys.stderr)
+        writing = True
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(lines)
+        os.replace(tmp, args.out)
     except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    tmp = f"{args.out}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(lines)
-    os.replace(tmp, args.out)
+    except KeyboardInterrupt:  # one line, and no half-written file
+        if writing and os.path.exists(tmp):
+            os.remove(tmp)
+        print(f"stopped on Ctrl-C (SIGINT) after {len(lines)} prompts' groups: {args.out} was not written (it is "
+              f"written whole or not at all); run the command again", file=sys.stderr)
+        return 130
     print(f"wrote {len(lines)} groups of {args.group_size} to {args.out}", file=sys.stderr)
     return 0
 

@@ -57,7 +57,21 @@ def test_bad_records_are_named_by_file_and_line(tmp_path, rec, message):
     path = write(tmp_path / "p.jsonl", [{"prompt": "x", "chosen": "y", "rejected": "z"}, rec])
     with pytest.raises(ValueError, match=message) as e:
         read_pairs(path, make_tokenizer(None))
-    assert f"{path}:2" in str(e.value)
+    assert str(e.value).startswith(f"{path}:2: ") and str(e.value).count(f"{path}:2") == 1
+
+
+@pytest.mark.parametrize("rec,message", [
+    ({"messages": [{"role": "user", "content": "a"}], "chosen": 5, "rejected": "c"},
+     "'chosen' must be a string or a list of assistant messages, found 5"),
+    ({"messages": [{"role": "user", "content": "a"}], "chosen": "b", "rejected": [{"role": "user", "content": "c"}]},
+     "'rejected' must be a string or a list of assistant messages"),
+])
+def test_a_bad_chat_pair_names_its_file_and_line_once(tmp_path, rec, message):
+    fmt = ChatFormat.load(None)
+    path = write(tmp_path / "p.jsonl", [rec])
+    with pytest.raises(ValueError, match=message) as e:
+        read_pairs(path, fmt.tok, fmt)
+    assert str(e.value).startswith(f"{path}:1: ") and str(e.value).count(f"{path}:1") == 1, str(e.value)
 
 
 def test_rows_pack_both_answers_with_restarting_positions(tmp_path):

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import glm5f
 from configs import validate
 from conftest import cli, hf_model_fp64, stable_topk, transformers_in_fp64
+from glm5f.ckpt import checkpoint
 from glm5f.data.pairs import PairSource, read_pairs
 from glm5f.posttrain.dpo import DPO, DPOConfig
 from glm5f.train.loss import Step, step_grads
@@ -132,3 +133,42 @@ def test_a_lora_run_starts_at_ln_2(tmp_path):
 ])
 def test_flags_that_cannot_work_are_refused(flags, message):
     assert any(message in e for e in validate(cli(*flags)))
+
+
+def test_a_pair_whose_answers_are_the_same_is_left_out_of_the_loss_fp64(tmp_path):
+    cfg = glm5f.preset("glm5-tiny")
+    wide = lambda p: map_with_path(lambda path, t: t.double(), p)  # noqa: E731
+    params, reference = wide(glm5f.init_params(cfg, seed=2)), wide(glm5f.init_params(cfg, seed=3))
+    differ = pair_records(cfg.vocab_size, n=2, seed=6)
+    same = {**differ[0], "rejected_ids": list(differ[0]["chosen_ids"])}
+    step = Step(objective=DPO, dtype=torch.float64, settings=DPOConfig(beta=BETA))
+
+    def run(recs):
+        src = PairSource(read_pairs(write(tmp_path / "p.jsonl", recs), None), batch_size=len(recs), seq_len=40,
+                         vocab_size=cfg.vocab_size, seed=0, pad_id=0)
+        return step_grads(params, src.batch_of(list(range(len(recs)))), cfg, Layout(torch.device("cpu")), step,
+                          reference)[:2]
+    mixed, mixed_grads = run([same, *differ])
+    alone, alone_grads = run(differ)  # the same pairs without the one that carries no signal
+    assert abs(mixed["loss"] - alone["loss"]) <= 1e-12 and abs(alone["loss"] - math.log(2)) > 1e-3
+    assert mixed["frac_identical_pairs"] == 1 / 3 and alone["frac_identical_pairs"] == 0
+    assert abs(mixed["margin"] - alone["margin"]) <= 1e-12
+    assert max(float((mixed_grads[k] - alone_grads[k]).abs().max()) for k in alone_grads) <= 1e-12
+
+
+def test_a_step_whose_pairs_all_have_the_same_answers_skips_its_update_and_says_so(tmp_path, capsys):
+    cfg = glm5f.preset("glm5-tiny")
+    recs = [{**r, "rejected_ids": list(r["chosen_ids"])} for r in pair_records(cfg.vocab_size, n=4, seed=7)]
+    records = train(cli("--train.objective", "dpo", "--data.type", "preference",
+                        "--data.path", write(tmp_path / "same.jsonl", recs), "--data.batch_size", "4",
+                        "--data.seq_len", "40", "--train.steps", "2", "--optim.warmup_steps", "0",
+                        "--checkpoint.dir", str(tmp_path / "run")))
+    out, err = capsys.readouterr()
+    assert ("no evaluation: the held-out loss is the LM loss of held-out text, and --train.objective dpo trains on "
+            "preference pairs (pass --eval.every 0 to turn evaluation off without this line)") in out
+    assert all(r.get("skipped") for r in records) and records[0]["frac_identical_pairs"] == 1
+    assert "step 1: every pair's chosen answer equals its rejected one" in out and "skipping" in out
+    assert "got no gradient" not in err  # a skipped step's zero gradients are no advice about --lora.targets
+    _, after = checkpoint.load_params(str(tmp_path / "run" / "checkpoints" / "step_00000002"))
+    before = glm5f.init_params(cfg, seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(flatten(after).values(), flatten(before).values()))

@@ -2,6 +2,7 @@
 computed alone with glm5f.forward; a run with them steps as a run with the reference in memory; the file is reused
 on resume and recomputed when the data changes; resume stays bitwise; LoRA refuses the flag."""
 
+import dataclasses
 import math
 
 import pytest
@@ -99,7 +100,7 @@ def test_reused_on_resume_bitwise_and_recomputed_when_the_data_changes(tmp_path,
     changed = run(tmp_path / "cut", data, reference_dir, "--train.steps", "1", "--dpo.precompute_reference",
                   "--checkpoint.overwrite")
     out = capsys.readouterr().out
-    assert len(passes) == 3 and "was computed from another data; computing them" in out, out
+    assert len(passes) == 3 and "was computed from other inputs (the data file changed); computing them" in out, out
     kept = run(tmp_path / "kept", data, reference_dir, "--train.steps", "1")
     assert abs(changed[0]["loss"] - kept[0]["loss"]) <= 1e-12
 
@@ -133,3 +134,24 @@ def test_the_plan_counts_no_reference_copy(capsys):
     assert planned[0] - planned[1] == kept["objective_bytes"]
     assert main(["--plan", "table", *flags, "--dpo.precompute_reference"]) == 0
     assert "objective dpo (reference precomputed)            0.000 GB" in capsys.readouterr().out
+
+
+def test_a_reference_differing_only_in_token_ids_is_accepted_another_architecture_refused_by_key(tmp_path,
+                                                                                                 reference_dir):
+    """--dpo.reference compares what computes: a checkpoint of the same weights with other bos/eos/pad ids and
+    init scale steps exactly as the original; one with another rms_norm_eps is refused naming that key."""
+    cfg = glm5f.preset("glm5-tiny")
+    params = glm5f.init_params(cfg, seed=1)
+    relabelled = tmp_path / "relabelled"
+    glm5f.save_hf(relabelled, dataclasses.replace(cfg, bos_token_id=5, eos_token_id=(7, 8), pad_token_id=3,
+                                                  initializer_range=0.5), params)
+    data = write(tmp_path / "p.jsonl", pair_records(cfg.vocab_size, n=2, seed=12))
+    expected = run(tmp_path / "a", data, reference_dir, "--train.steps", "1")
+    got = run(tmp_path / "b", data, str(relabelled), "--train.steps", "1")
+    assert got[0]["loss"] == expected[0]["loss"] and abs(got[0]["loss"] - math.log(2)) > 1e-3
+    other = tmp_path / "other"
+    glm5f.save_hf(other, dataclasses.replace(cfg, rms_norm_eps=1e-3, bos_token_id=5), params)
+    with pytest.raises(ValueError, match=rf"--dpo.reference {other} is another architecture than the trained model: "
+                                         rf"rms_norm_eps 0.001 \(the trained model's 1e-05\); pass"):
+        run(tmp_path / "c", data, str(other), "--train.steps", "1")
+    assert not (tmp_path / "c" / "checkpoints").exists()

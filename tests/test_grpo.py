@@ -7,6 +7,8 @@ have equal rewards trains nothing; the flags that cannot work are refused; three
 import json
 import math
 import os
+import statistics
+from fractions import Fraction
 
 import pytest
 import torch
@@ -172,11 +174,41 @@ def test_groups_with_equal_rewards_train_nothing_and_say_so(setup, capsys):
     path.write_text("".join(json.dumps(r) + "\n" for r in flat))
     records = train(cli(*grpo_flags(tmp, str(path), "run_flat", "--train.steps", "1")))
     assert records[0]["skipped"] and records[0]["loss"] == 0 and records[0]["frac_reward_zero_std"] == 1
-    assert "nothing to learn" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "nothing to learn" in out and "no evaluation" not in out  # --eval.every 0: off, without a line
+    assert "got no gradient" not in err  # a skipped step's zero gradients are no advice about --lora.targets
     _, after = checkpoint.load_params(os.path.join(tmp, "run_flat", "checkpoints", "step_00000001"))
     _, before = glm5f.load_hf(str(tmp / "policy"), dtype=torch.float64)
     assert all(torch.equal(a, b) for a, b in zip(glm5f.core.params.flatten(after).values(),
                                                  glm5f.core.params.flatten(before).values()))
+
+
+def exact_advantages(rewards: list[float], scale: str, batch: list[float]) -> list[float]:
+    """(r - mean) / (std + STD_EPS) of each reward of one group, in exact rational arithmetic (statistics' exact
+    sums; the std correctly rounded), std the group's, the batch's or none."""
+    mean = sum(map(Fraction, rewards)) / len(rewards)
+    if scale == "none":
+        return [float(Fraction(r) - mean) for r in rewards]
+    std = Fraction(statistics.stdev(batch if scale == "batch" else rewards)) + Fraction(STD_EPS)
+    return [float((Fraction(r) - mean) / std) for r in rewards]
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_of_rewards_too_large_for_fp64_sums_are_exact_not_zero(scale):
+    groups = [[1e308, 0.0, -5e307], [1.0, 2.0, 4.0], [1.7e308, 1.7e308, 1.6e308]]
+    reward = torch.tensor([r for g in groups for r in g], dtype=torch.float64)
+    group = torch.tensor([i for i, g in enumerate(groups) for _ in g])
+    got = advantages(reward, group, scale)
+    expected = [a for g in groups for a in exact_advantages(g, scale, reward.tolist())]
+    assert torch.isfinite(got).all()
+    for a, e in zip(got.tolist(), expected):
+        assert abs(a - e) <= 1e-14 * max(abs(e), 1) and (a == 0) == (e == 0), (got, expected)
+
+
+def test_an_advantage_past_fp64_is_refused():
+    reward = torch.tensor([1.7e308, -1.7e308, -1.7e308], dtype=torch.float64)
+    with pytest.raises(ValueError, match="passes fp64's largest number"):
+        advantages(reward, torch.tensor([0, 0, 0]), "none")
 
 
 @pytest.mark.parametrize("flags,message", [

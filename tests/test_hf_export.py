@@ -77,3 +77,35 @@ def test_convert_of_a_glm53_run_whose_base_is_gone_is_an_error(glm53_base, tmp_p
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and str(base) in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_preset_run_s_export_loads_in_transformers_tokenizer_included(tmp_path):
+    """A byte-tokenizer (preset) GLM-5.3 run's export: AutoTokenizer loads its tokenizer as the run's (the same
+    ids for text, special tokens and the chat template; config.json's bos/eos/pad), AutoModelForImageTextToText its
+    weights (AutoModelForCausalLM does not take glm5_next, as the README says), and its logits are glm5f's."""
+    import transformers
+
+    import glm5f
+    from glm5f.data.chat import ChatFormat
+
+    run, exported = tmp_path / "run", tmp_path / "hf"
+    assert main(["--model.preset", "glm53-tiny", "--data.batch_size", "2", "--data.seq_len", "32", "--train.steps",
+                 "1", "--eval.every", "0", "--checkpoint.dir", str(run), "--checkpoint.export_hf", str(exported)]) == 0
+    tok, fmt = transformers.AutoTokenizer.from_pretrained(exported), ChatFormat.load(None)
+    text = "héllo wörld 🙂 <|user|> x\n\t"
+    assert tok(text).input_ids == fmt.tok.encode(text) and tok.decode(tok(text).input_ids) == text
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "yo"}]
+    rendered = tok.apply_chat_template(messages, tokenize=True)
+    assert list(getattr(rendered, "input_ids", rendered)) == fmt.ids(messages)
+    config = json.loads((exported / "config.json").read_text())["text_config"]
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (config["bos_token_id"], config["eos_token_id"],
+                                                                      config["pad_token_id"]) == (256, 257, 258)
+    model = transformers.AutoModelForImageTextToText.from_pretrained(exported)
+    assert type(model).__name__ == "Glm5NextForConditionalGeneration"
+    with pytest.raises(ValueError, match="Unrecognized configuration class"):
+        transformers.AutoModelForCausalLM.from_pretrained(exported)
+    cfg, params = glm5f.load_hf(exported)
+    ids = torch.tensor([tok(text).input_ids])
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, glm5f.forward(params, cfg, ids), rtol=0, atol=1e-4)

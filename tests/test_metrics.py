@@ -1,6 +1,8 @@
 """metrics.jsonl across resumes: a last line cut off by a killed run is dropped with a warning, not a traceback; the
 loss curve PNG, read back pixel by pixel."""
 
+import dataclasses
+import io
 import json
 import os
 
@@ -97,5 +99,38 @@ def test_compare_runs_plots_another_metric(tmp_path):
                      "--png", str(png))
     assert out.returncode == 0, out.stderr
     row = next(line for line in out.stdout.splitlines() if line.startswith("b "))
-    assert row.split()[1:] == ["rewar", "40", f"{0.2 * 20.5:.3e}", f"{0.2 * 40:.3e}"], row
+    assert row.split()[1:] == ["reward", "40", f"{0.2 * 20.5:.3e}", f"{0.2 * 40:.3e}"], row
     check_loss_png(png, ["#1f77b4", "#ff7f0e"], rising=True)
+
+
+def test_compare_runs_of_one_run_says_its_curve(tmp_path):
+    """One run: no empty table of differences, but the run's own curve in one line."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": i, "loss": 1.0, "reward": 0.5 * i}) + "\n" for i in range(1, 5)))
+    out = run_script("scripts/compare_runs.py", str(tmp_path / "a"), "--metric", "reward")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["a: reward 0.5000 (step 1) -> 2.0000 (step 4), min 0.5000, max 2.0000 over 4 "
+                                       "steps; pass more runs to compare them with it"]
+
+
+def test_a_huge_reward_or_loss_is_one_short_word_on_the_console(tmp_path, capsys):
+    """The progress line (which shows GRPO's reward) and the run's last lines print 1e300 as 1.0000e+300, not as its
+    301 digits."""
+    from configs import Config
+    from glm5f.parallel.layout import Layout
+    from glm5f.run.metrics import Progress
+    from train import report
+
+    rec = {"step": 1, "loss": 3e300, "lr": 1e-3, "grad_norm": 2e300, "tokens_per_s": 10.0, "reward": -1e300}
+    stream = io.StringIO()
+    Progress(1, stream=stream).update(1, rec)
+    line = stream.getvalue()
+    assert "loss 3.0000e+300 " in line and "gnorm 2.000e+300 " in line and "reward -1.0000e+300" in line
+    assert len(line) < 120, line
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(rec) + "\n" + json.dumps({**rec, "step": 2, "loss": 0.5,
+                                                                                  "reward": 0.25}) + "\n")
+    said = []
+    report(Config(checkpoint=dataclasses.replace(Config().checkpoint, dir=str(tmp_path))), Layout("cpu"), said.append)
+    assert "done: loss 3.0000e+300 (step 1) -> 0.5000 (step 2)" in said
+    assert "reward: -1.0000e+300 (step 1) -> 0.2500 (step 2)" in said

@@ -182,7 +182,7 @@ def test_a_runs_config_yaml_repeats_it_bit_for_bit(tmp_path):
     ("train: {steps: 2, stpes: 3}\n", "unknown key 'train.stpes'; did you mean 'train.steps'? the valid keys of "
                                       "train are steps, objective, grad_accum, query_parts, dtype,"),
     ("steps: 2\n", "unknown key 'steps'; did you mean 'train.steps'? the valid keys of the file are model, data, "
-                   "optim, train, parallel, checkpoint, eval, lora, dpo, rl, plan"),
+                   "optim, train, parallel, checkpoint, eval, lora, dpo, rl, metrics, plan"),
     ("train: {steps: many}\n", "train.steps must be an integer, found 'many' (str)"),
     ("train: {steps: 2.5}\n", "train.steps must be an integer, found 2.5 (float)"),
     ("optim: {lr: fast}\n", "optim.lr must be a number, found 'fast' (str)"),
@@ -192,7 +192,7 @@ def test_a_runs_config_yaml_repeats_it_bit_for_bit(tmp_path):
     ("model: {preset: null}\n", "model.preset must be a string, found null"),
     ("data: 3\n", "data must be a mapping of type, path, split,"),
     ("- train\n", "the file must be a mapping of model, data, optim, train, parallel, checkpoint, eval, lora, dpo, "
-                  "rl, plan, found ['train'] (list)"),
+                  "rl, metrics, plan, found ['train'] (list)"),
     ("train: {steps: [\n", "not valid YAML (while parsing a flow"),
 ])
 def test_a_recipe_that_does_not_fit_the_config_is_an_error_line(tmp_path, capsys, text, message):

@@ -240,3 +240,31 @@ def test_an_on_policy_run_with_replay_has_no_rollout_gap_in_fp64(tmp_path):
                                    "--data.seq_len", "40", "--rl.max_new_tokens", "12")))
     assert len(records) == 3
     assert all(r["rollout_logprob_gap_max"] < 1e-9 for r in records), [r["rollout_logprob_gap_max"] for r in records]
+
+
+def test_scripts_rollouts_stopped_by_ctrl_c_says_one_line_and_writes_nothing(tmp_path):
+    """SIGINT (at its default in the child, as in a terminal) while it samples: exit 130, one line after the
+    progress lines, no traceback, no --out file nor its .tmp."""
+    import signal
+    import subprocess
+    import sys
+
+    cfg = glm5f.preset("glm5-tiny")
+    glm5f.save_hf(tmp_path / "hf", cfg, glm5f.init_params(cfg, 0, torch.float32))
+    out = tmp_path / "r.jsonl"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, os.path.join(root, "scripts", "rollouts.py"), str(tmp_path / "hf"),
+                             "--prompts", write_prompts(tmp_path, n=400), "--out", str(out), "--group-size", "2",
+                             "--max-new-tokens", "8", "--batch-prompts", "1", "--device", "cpu"],
+                            stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGINT,
+                                                                                               signal.SIG_DFL))
+    lines = [proc.stderr.readline()]
+    while lines[-1] and not lines[-1].startswith("1/400 prompts"):
+        lines.append(proc.stderr.readline())
+    proc.send_signal(signal.SIGINT)
+    rest = proc.stderr.read().splitlines()
+    assert proc.wait(timeout=60) == 130, lines + rest
+    rest = [line for line in rest if not re.fullmatch(r"\d+/400 prompts", line)]
+    assert len(rest) == 1 and rest[0].startswith("stopped on Ctrl-C (SIGINT) after ") and \
+        rest[0].endswith(f"{out} was not written (it is written whole or not at all); run the command again"), rest
+    assert sorted(os.listdir(tmp_path)) == ["hf", "prompts.jsonl"]

@@ -252,6 +252,16 @@ _GLM53_MULTIMODAL = {"vision_config", "image_token_id", "video_token_id", "image
                      "image_end_token_id", "video_start_token_id", "video_end_token_id"}
 
 
+# Fields that do not change what the model computes from token ids: the special token ids and the init scale.
+NOT_MATH = ("pad_token_id", "bos_token_id", "eos_token_id", "initializer_range")
+
+
+def math_differences(a: GLM5Config, b: GLM5Config) -> dict[str, tuple[Any, Any]]:
+    """{field: (a's value, b's)} of the fields where configs `a` and `b` compute differently (`NOT_MATH` aside)."""
+    return {f.name: (getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(GLM5Config)
+            if f.name not in NOT_MATH and getattr(a, f.name) != getattr(b, f.name)}
+
+
 def glm53_layer_types(num_hidden_layers: int) -> tuple[str, ...]:
     """Transformers' default GLM-5.3 schedule: every fourth layer (3, 7, ...) DSA, the others KDA."""
     return tuple("indexed_attention" if i % 4 == 3 else "linear_attention" for i in range(num_hidden_layers))

@@ -12,7 +12,7 @@ from datetime import datetime
 from importlib import resources
 
 from glm5f.data.tokens import (IGNORE_INDEX, ChatByteTokenizer, Example, chat_tokenizer, template_tokens,  # noqa: F401
-                               tokenizer_config, tokenizer_dir)
+                               is_byte_tokenizer, tokenizer_config, tokenizer_dir)
 
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -412,37 +412,46 @@ class RunTokenizer:
         return {"tokenizer": tok, "chat_template": None if self.template is None else _sha256(self.template.encode()),
                 "how": self.how}
 
+    def generated(self) -> dict[str, str]:
+        """{name: text} of the files written for the byte tokenizer (`ChatByteTokenizer.hf_files`: what Transformers'
+        AutoTokenizer loads as it); {} for a tokenizer.json's run (its files are copied) or without `tokenizers`."""
+        return (ChatByteTokenizer().hf_files() or {}) if self.path is None else {}
+
     def names(self) -> list[str]:
         """The names of the files `write` writes."""
-        return sorted(self.files()) + ([TEMPLATE_FILE] if self.template is not None else [])
+        return sorted([*self.files(), *self.generated()]) + ([TEMPLATE_FILE] if self.template is not None else [])
 
     def write(self, directory: str) -> list[str]:
-        """Copy the tokenizer files into `directory` (created) and write the template as chat_template.jinja there;
-        the names written."""
+        """Copy the tokenizer files into `directory` (created), write the byte tokenizer's (`generated`) and the
+        template as chat_template.jinja there; the names written."""
         import shutil
 
         os.makedirs(directory, exist_ok=True)
         for name, file in self.files().items():
             if os.path.abspath(file) != os.path.abspath(os.path.join(directory, name)):
                 shutil.copyfile(file, os.path.join(directory, name))
-        if self.template is not None:
-            with open(os.path.join(directory, TEMPLATE_FILE), "w", encoding="utf-8") as f:
-                f.write(self.template)
+        texts = {**self.generated(), **({TEMPLATE_FILE: self.template} if self.template is not None else {})}
+        for name, text in texts.items():
+            with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
+                f.write(text)
         return self.names()
 
 
 def resolve_tokenizer(tokenizer_path: str | None, init_from: str | None, chat_template: str | None) -> RunTokenizer:
-    """The run's tokenizer: --model.tokenizer_path, else the --model.init_from directory's tokenizer.json, else the
-    byte tokenizer; its template: --data.chat_template, else the tokenizer directory's chat_template.jinja or
+    """The run's tokenizer: --model.tokenizer_path, else the --model.init_from directory's tokenizer.json (unless it
+    is the byte tokenizer's, `is_byte_tokenizer`), else the byte tokenizer; its template: --data.chat_template, else the tokenizer directory's chat_template.jinja or
     tokenizer_config.json's chat_template, else (byte tokenizer) glm5f's GLM-5-style one; a tokenizer without a
     template has none (chat data then says so)."""
     if tokenizer_path is not None:
         path, how = tokenizer_path, f"tokenizer {tokenizer_path} (--model.tokenizer_path)"
-    elif init_from is not None and os.path.isfile(os.path.join(init_from, "tokenizer.json")):
+    elif init_from is not None and os.path.isfile(os.path.join(init_from, "tokenizer.json")) and \
+            not is_byte_tokenizer(init_from):
         path, how = init_from, f"tokenizer {os.path.join(init_from, 'tokenizer.json')} (from --model.init_from)"
     else:
         path = None
-        how = "the byte tokenizer" + (f" (--model.init_from {init_from} holds no tokenizer.json)" if init_from else "")
+        held = "the byte tokenizer's tokenizer.json" if init_from and is_byte_tokenizer(init_from) else \
+            "no tokenizer.json"
+        how = "the byte tokenizer" + (f" (--model.init_from {init_from} holds {held})" if init_from else "")
     if path is not None:
         chat_tokenizer(path)  # a missing or unreadable tokenizer.json: its error, before any training
     try:
@@ -454,10 +463,11 @@ def resolve_tokenizer(tokenizer_path: str | None, init_from: str | None, chat_te
 
 
 def tokenizer_of(directory: str) -> RunTokenizer:
-    """The tokenizer and template a run directory's tokenizer/ copy or an export holds: its tokenizer.json (else the
-    byte tokenizer) and its chat_template.jinja or tokenizer_config.json's template (else, for the byte tokenizer,
+    """The tokenizer and template a run directory's tokenizer/ copy or an export holds: its tokenizer.json (else, or
+    when it is the byte tokenizer's, the byte tokenizer) and its chat_template.jinja or tokenizer_config.json's template (else, for the byte tokenizer,
     glm5f's)."""
-    path = directory if os.path.isfile(os.path.join(directory, "tokenizer.json")) else None
+    path = directory if os.path.isfile(os.path.join(directory, "tokenizer.json")) and \
+        not is_byte_tokenizer(directory) else None
     template, name = None, None
     if os.path.isfile(os.path.join(directory, TEMPLATE_FILE)):
         name = os.path.join(directory, TEMPLATE_FILE)

@@ -69,9 +69,9 @@ def pair_of(rec, where: str, tok, fmt=None) -> Pair:
         messages = rec["messages"]
         if not isinstance(messages, list):
             raise ValueError(f"{where}: 'messages' must be a list of messages, found {json.dumps(messages)[:40]}")
+        answers = [_answer_messages(rec[k], k, where) for k in ("chosen", "rejected")]  # they name `where`
         try:
-            return Pair(*(fmt.example(messages + _answer_messages(rec[k], k, where), train_on="last")
-                          for k in ("chosen", "rejected")), where)
+            return Pair(*(fmt.example(messages + a, train_on="last") for a in answers), where)
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{where}: {e}") from None
     head = ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(_text(rec, "prompt", where))

@@ -129,6 +129,44 @@ class ChatByteTokenizer(ByteTokenizer):
     def template_tokens(self) -> dict[str, str]:
         return {"bos_token": self.BOS, "eos_token": self.EOS, "pad_token": self.PAD}
 
+    def hf_files(self) -> dict[str, str] | None:
+        """{name: text} of a tokenizer.json and tokenizer_config.json that Transformers' AutoTokenizer loads as this
+        tokenizer (a byte-level BPE without merges: byte b is id b; each special token its one id), what an export
+        of a byte-tokenizer run carries; None without the `tokenizers` package."""
+        try:
+            from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+        except ImportError:
+            return None
+        tok = Tokenizer(models.BPE(vocab={c: b for b, c in enumerate(_byte_chars())}, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([AddedToken(s, special=True, normalized=False)
+                                for s in sorted(self.special, key=self.special.get)])
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", **self.template_tokens(),
+                  "clean_up_tokenization_spaces": False, BYTE_MARK: True}
+        return {"tokenizer.json": tok.to_str(), "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
+
+
+BYTE_MARK = "glm5f_byte_tokenizer"  # in the tokenizer_config.json of `ChatByteTokenizer.hf_files`
+
+
+def is_byte_tokenizer(directory: str) -> bool:
+    """Whether `directory`'s tokenizer.json is the byte tokenizer's (`ChatByteTokenizer.hf_files`, as its
+    tokenizer_config.json says): glm5f reads it as the byte tokenizer itself."""
+    try:
+        with open(os.path.join(directory, "tokenizer_config.json"), encoding="utf-8") as f:
+            return json.load(f).get(BYTE_MARK) is True
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _byte_chars() -> list[str]:
+    """The character a byte-level tokenizer.json writes for each byte 0..255: itself where printable, else the
+    next character from 256 on, in byte order (the table `tokenizers`' ByteLevel uses)."""
+    kept = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)}
+    moved = iter(range(256, 512))
+    return [chr(b) if b in kept else chr(next(moved)) for b in range(256)]
+
 
 def chat_tokenizer(path: str | None):
     """The tokenizer of chat data: the byte tokenizer with its chat special tokens, or a tokenizer.json's."""

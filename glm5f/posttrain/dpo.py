@@ -51,17 +51,46 @@ def dpo_terms(pi_c: torch.Tensor, pi_r: torch.Tensor, ref_c: torch.Tensor, ref_r
             "accuracy": (margin > 0).to(margin.dtype)}
 
 
+def identical(batch: dict) -> torch.Tensor:
+    """[B] bool: the rows whose chosen sequence is its rejected one (the same tokens and labels), read from a
+    `PairSource` row: the chosen sequence, then the rejected one, each starting at position 0. Such a pair carries no
+    signal: its DPO term's gradient is 0 up to rounding, so the loss leaves it out."""
+    ids_BxS, labels_BxS, pos_BxS = batch["input_ids"], batch["labels"], batch["position_ids"]
+    same = torch.zeros(len(ids_BxS), dtype=torch.bool, device=ids_BxS.device)
+    for b, starts in enumerate((pos_BxS == 0).tolist()):
+        cut = [i for i, s in enumerate(starts) if s] + [len(starts)]
+        if len(cut) < 3 or cut[1] - cut[0] != cut[2] - cut[1]:
+            continue
+        c, r = slice(cut[0], cut[1]), slice(cut[1], cut[2])
+        same[b] = bool(torch.equal(ids_BxS[b, c], ids_BxS[b, r]) and torch.equal(labels_BxS[b, c], labels_BxS[b, r]))
+    return same
+
+
 def prepare(batch: dict, settings=None) -> dict:
     """The batch with "answer_targets": which answer each next-token target belongs to (the "answer" entries
-    shifted as the labels are), made on whole sequences."""
+    shifted as the labels are), made on whole sequences; "identical" [B]: the rows `identical` finds."""
     return {**batch, "answer_targets": shift_labels(batch["answer"].masked_fill(batch["answer"] == 0, IGNORE_INDEX))
-            .clamp(min=0)}
+            .clamp(min=0), "identical": identical(batch)}
 
 
 def denoms(batch: dict) -> dict:
-    """{"pairs": the rows holding a pair, "chosen_targets": the chosen answers' targets} of the global batch."""
+    """{"pairs": the rows holding a pair whose answers differ, "rows": the rows holding a pair, "chosen_targets":
+    the chosen answers' targets} of the global batch (at least 1 each)."""
     ans = batch["answer_targets"]
-    return {"pairs": (ans == CHOSEN).any(1).sum().clamp(min=1), "chosen_targets": (ans == CHOSEN).sum().clamp(min=1)}
+    rows = (ans == CHOSEN).any(1)
+    return {"pairs": (rows & ~batch["identical"]).sum().clamp(min=1), "rows": rows.sum().clamp(min=1),
+            "chosen_targets": (ans == CHOSEN).sum().clamp(min=1)}
+
+
+def skip(batch: dict, settings=None) -> str | None:
+    """Why a step on `batch` has nothing to learn (None when it has): every pair's chosen sequence is its rejected
+    one and no SFT term (--dpo.sft_weight) trains the chosen answers."""
+    o = settings or DPOConfig()
+    has_pair = (batch["answer"] == CHOSEN).any(1)
+    if o.sft_weight or not has_pair.any() or (has_pair & ~identical(batch)).any():
+        return None
+    return ("every pair's chosen answer equals its rejected one, so every DPO term's gradient is 0 and there is "
+            "nothing to learn")
 
 
 def reference_sums(batch: dict, ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,11 +120,14 @@ def loss(params: dict, batch: dict, ctx: Context) -> tuple[torch.Tensor, dict]:
     # the sigmoid, every rank of the group then holds the same pairs' terms, and the first one counts them.
     layout = ctx.layout
     pi_c, pi_r = (layout.seq_total(s) for s in answer_sums(logp_BxS, answer))
-    is_pair = layout.seq_sum((answer == CHOSEN).sum(1)) > 0
+    has_pair = layout.seq_sum((answer == CHOSEN).sum(1)) > 0
+    is_pair = has_pair & ~batch["identical"]  # a pair whose answers are the same is left out
     counted = float(layout.cp_rank == 0)
     t = {k: torch.where(is_pair, v, 0.0) for k, v in dpo_terms(pi_c, pi_r, ref_c, ref_r, o.beta).items()}
     sums = {name: t[name].sum() * counted for name in ("loss", "margin", "accuracy", "chosen", "rejected")}
-    sums["logps_chosen"], sums["logps_rejected"] = pi_c.detach().sum() * counted, pi_r.detach().sum() * counted
+    sums["frac_identical_pairs"] = (has_pair & batch["identical"]).sum(dtype=torch.float64) * counted
+    sums["logps_chosen"], sums["logps_rejected"] = (torch.where(is_pair, s.detach(), 0.0).sum() * counted
+                                                    for s in (pi_c, pi_r))
     value = sums["loss"] / ctx.denoms["pairs"]
     if o.sft_weight:
         sums["sft_loss"] = -pi_c.sum() * counted
@@ -154,6 +186,6 @@ def setup(run, data: PairSource, reference: dict | None) -> dict | None:
 
 METRICS = {name: "pairs" for name in ("loss", "margin", "accuracy", "chosen", "rejected", "logps_chosen",
                                       "logps_rejected")}
-DPO = Objective(loss, denoms, {**METRICS, "sft_loss": "chosen_targets"}, prepare=prepare, plan_bytes=plan_bytes,
-                data_types=("preference",), settings="dpo", reference=True, config=DPOConfig, check=check,
-                source=source, setup=setup)
+DPO = Objective(loss, denoms, {**METRICS, "sft_loss": "chosen_targets", "frac_identical_pairs": "rows"},
+                prepare=prepare, plan_bytes=plan_bytes, data_types=("preference",), settings="dpo", reference=True,
+                config=DPOConfig, check=check, source=source, setup=setup, skip=skip)

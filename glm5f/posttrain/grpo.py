@@ -131,10 +131,10 @@ def prepare(batch: dict, settings) -> dict:
     scored = batch["targets"] != IGNORE_INDEX
     _, std = group_stats(batch["reward"], batch["group"])
     rollout = batch["rollout_logprobs"].to(torch.float64)
+    _, _, batch_std, c = rl_losses.scaled_stats(batch["reward"], batch["group"], "batch")
     out = {**batch, "advantage": rl_losses.ADVANTAGES[advantage](batch["reward"], batch["group"], o),
            "rollout_targets": torch.cat([rollout[:, 1:], torch.full_like(rollout[:, :1], float("nan"))], 1),
-           "reward_std": batch["reward"].to(torch.float64).std().expand(len(scored)),
-           "zero_std": (std == 0).to(torch.float64)}
+           "reward_std": batch_std * c, "zero_std": (std == 0).to(torch.float64)}
     rl_losses.check_rollout_logprobs(scored, out["rollout_targets"], o)
     out["loss_units"] = rl_losses.AGGREGATIONS[aggregation].units(scored, o)
     return out
@@ -345,7 +345,8 @@ def batch_line(cfg) -> str:
 
 
 def summary(first: dict, last: dict) -> list[str]:
-    return [f"reward: {first['reward']:.4f} (step {first['step']}) -> {last['reward']:.4f} (step {last['step']})"]
+    r0, r1 = (f"{r:.4f}" if abs(r) < 1e6 else f"{r:.4e}" for r in (first["reward"], last["reward"]))
+    return [f"reward: {r0} (step {first['step']}) -> {r1} (step {last['step']})"]
 
 
 GRPO = Objective(loss, denoms, METRICS, prepare=prepare, plan_bytes=plan_bytes,

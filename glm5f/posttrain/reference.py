@@ -1,6 +1,7 @@
 """DPO's reference log-probabilities computed once (--dpo.precompute_reference): each pair's summed answer
 log-probabilities under the reference, in one pass before training, stored in the run directory with what they
-were computed from, so full training keeps no copy of the reference.
+were computed from, so full training keeps no copy of the reference; and the check that a --dpo.reference
+checkpoint computes as the trained model does.
 
 Shape suffixes: P pairs, B rows.
 """
@@ -14,7 +15,7 @@ import os
 import torch
 
 from glm5f.ckpt import checkpoint
-from glm5f.core.config import GLM5Config
+from glm5f.core.config import NOT_MATH, GLM5Config, math_differences
 from glm5f.data import readers
 from glm5f.data.pairs import PairSource, answer_sums
 from glm5f.ckpt.hf.io import DTYPES, inventory, read_metadata, read_part, write_safetensors
@@ -24,6 +25,20 @@ from glm5f.parallel.layout import Layout
 
 FILE = "dpo_reference.safetensors"  # in the run directory
 KEYS = ("ref_chosen", "ref_rejected")
+# what each entry of the file's fingerprint stands for, in the line saying why it is not reused
+INPUTS = {"data": "the data file", "seq_len": "--data.seq_len", "tokenizer": "the tokenizer or chat template",
+          "reference": "the reference's weights", "model": "the model config", "dtype": "--train.dtype or reduce_dtype"}
+
+
+def check_architecture(ref_cfg: GLM5Config, model_cfg: GLM5Config, path: str, flag: str = "--dpo.reference") -> None:
+    """A ValueError naming each config field where the reference `path` (given as `flag`) computes otherwise than
+    the trained model (`config.math_differences`: token ids and the init scale may differ)."""
+    diff = math_differences(ref_cfg, model_cfg)
+    if diff:
+        short = lambda v: repr(v) if len(repr(v)) <= 40 else repr(v)[:37] + "..."  # noqa: E731
+        named = "; ".join(f"{k} {short(r)} (the trained model's {short(m)})" for k, (r, m) in diff.items())
+        raise ValueError(f"{flag} {path} is another architecture than the trained model: {named}; pass a "
+                         f"checkpoint of the same architecture (only {', '.join(NOT_MATH)} may differ)")
 
 
 @torch.no_grad()
@@ -93,7 +108,8 @@ def load(path: str, fingerprint: dict, pairs: int) -> tuple[torch.Tensor | None,
         return None, f"{path} has no fingerprint"
     changed = sorted(k for k in want.keys() | stored.keys() if want.get(k) != stored.get(k))
     if changed:
-        return None, f"{path} was computed from another {', '.join(changed)}"
+        named = [INPUTS.get(k, k) for k in changed]
+        return None, f"{path} was computed from other inputs ({', '.join(named)} changed)"
     if any(k not in inv or inv[k][1] != (pairs,) or inv[k][2] != "F64" for k in KEYS):
         return None, f"{path} does not hold {pairs} pairs' fp64 {' and '.join(KEYS)}"
     table_Px2 = torch.empty(pairs, 2, dtype=torch.float64)

@@ -21,26 +21,52 @@ STD_EPS = 1e-4
 
 # ---- advantages: (reward [R], group [R], settings) -> A [R] (fp64) -----------------------------------------------
 
-def group_stats(reward_R: torch.Tensor, group_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean, std) [R] of each row's group's rewards (fp64; std with Bessel's correction)."""
+def scaled_stats(reward_R: torch.Tensor, group_R: torch.Tensor, scale: str) -> tuple[torch.Tensor, ...]:
+    """(x = r / c, each row's group's mean of x, the std of x over its group (scale "group") or the batch, c) [R]
+    (fp64; std with Bessel's correction), c a power of two near each row's group's largest |reward| (scale "group")
+    or the batch's (1 for all zeros): exact scaling, so every statistic is the unscaled one over c and stays finite
+    however large the finite rewards."""
     r = reward_R.to(torch.float64)
     _, inverse = torch.unique(group_R, return_inverse=True)
-    n = torch.zeros(int(inverse.max()) + 1, dtype=r.dtype, device=r.device).index_add_(0, inverse, torch.ones_like(r))
-    mean = torch.zeros_like(n).index_add_(0, inverse, r) / n
-    var = torch.zeros_like(n).index_add_(0, inverse, (r - mean[inverse]) ** 2) / (n - 1)
-    return mean[inverse], var.sqrt()[inverse]
+    zeros = torch.zeros(int(inverse.max()) + 1, dtype=r.dtype, device=r.device)
+    top = zeros.scatter_reduce(0, inverse, r.abs(), "amax", include_self=False)[inverse] if scale == "group" else \
+        r.abs().max().expand(len(r))
+    c = torch.where(top > 0, torch.ldexp(torch.ones_like(top), torch.frexp(top).exponent - 1), 1.0)
+    x = r / c
+    n = zeros.index_add(0, inverse, torch.ones_like(r))
+    mean = (zeros.index_add(0, inverse, x) / n)[inverse]
+    std = (zeros.index_add(0, inverse, (x - mean) ** 2) / (n - 1)).sqrt()[inverse] if scale == "group" else \
+        x.std().expand(len(r))
+    return x, mean, std, c
+
+
+def group_stats(reward_R: torch.Tensor, group_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, std) [R] of each row's group's rewards (fp64; std with Bessel's correction; inf only where the
+    std itself passes fp64's largest number)."""
+    _, mean, std, c = scaled_stats(reward_R, group_R, "group")
+    return mean * c, std * c
+
+
+def finite(adv_R: torch.Tensor, reward_R: torch.Tensor, group_R: torch.Tensor, how: str) -> torch.Tensor:
+    """adv_R, or a ValueError naming the first reward whose advantage passes fp64's largest number."""
+    if not torch.isfinite(adv_R).all():
+        worst = int(torch.argmax((~torch.isfinite(adv_R)).to(torch.int8)))
+        raise ValueError(f"a reward of {float(reward_R[worst]):.4g} (group {int(group_R[worst])}) is so far from its "
+                         f"group's mean that its advantage passes fp64's largest number ({how}); scale the rewards "
+                         f"down, or pass --rl.scale_rewards group")
+    return adv_R
 
 
 def advantages(reward_R: torch.Tensor, group_R: torch.Tensor, scale: str = "group") -> torch.Tensor:
     """A [R] (fp64) of each completion: its reward less its group's mean, over its group's std (scale "group"),
-    the batch's ("batch") or 1 ("none"), plus STD_EPS."""
+    the batch's ("batch") or 1 ("none"), plus STD_EPS; computed on the rewards scaled as `scaled_stats` does, so
+    finite rewards too large for fp64 sums still give their advantages. A ValueError where an advantage itself is
+    past fp64 (scale "none": a reward and its group's mean more than 1.8e308 apart)."""
     if scale not in SCALES:
         raise ValueError(f"--rl.scale_rewards must be one of {', '.join(SCALES)}, found {scale!r}")
-    mean, std = group_stats(reward_R, group_R)
-    centered = reward_R.to(torch.float64) - mean
-    if scale == "none":
-        return centered
-    return centered / ((reward_R.to(torch.float64).std() if scale == "batch" else std) + STD_EPS)
+    x, mean, std, c = scaled_stats(reward_R, group_R, "batch" if scale == "batch" else "group")
+    adv = (x - mean) * c if scale == "none" else (x - mean) / (std + STD_EPS / c)
+    return finite(adv, reward_R, group_R, f"--rl.scale_rewards {scale}")
 
 
 def grpo_advantage(reward_R: torch.Tensor, group_R: torch.Tensor, o) -> torch.Tensor:
@@ -50,17 +76,19 @@ def grpo_advantage(reward_R: torch.Tensor, group_R: torch.Tensor, o) -> torch.Te
 
 
 def dr_grpo_advantage(reward_R: torch.Tensor, group_R: torch.Tensor, o) -> torch.Tensor:
-    """A_i = r_i - mean_g (Dr. GRPO: no division by the std)."""
-    return reward_R.to(torch.float64) - group_stats(reward_R, group_R)[0]
+    """A_i = r_i - mean_g (Dr. GRPO: no division by the std), on exactly scaled rewards (`scaled_stats`)."""
+    x, mean, _, c = scaled_stats(reward_R, group_R, "group")
+    return finite((x - mean) * c, reward_R, group_R, "--rl.advantage dr_grpo")
 
 
 def rloo_advantage(reward_R: torch.Tensor, group_R: torch.Tensor, o) -> torch.Tensor:
-    """A_i = r_i - (sum_g - r_i) / (n_g - 1): the reward less the mean of the others of its group (RLOO)."""
-    r = reward_R.to(torch.float64)
+    """A_i = r_i - (sum_g - r_i) / (n_g - 1): the reward less the mean of the others of its group (RLOO), on
+    exactly scaled rewards (`scaled_stats`)."""
+    x, mean, _, c = scaled_stats(reward_R, group_R, "group")
     _, inverse = torch.unique(group_R, return_inverse=True)
-    n = torch.zeros(int(inverse.max()) + 1, dtype=r.dtype, device=r.device).index_add_(0, inverse, torch.ones_like(r))
-    total = torch.zeros_like(n).index_add_(0, inverse, r)
-    return r - (total[inverse] - r) / (n[inverse] - 1)
+    n = torch.zeros(int(inverse.max()) + 1, dtype=x.dtype, device=x.device).index_add_(0, inverse,
+                                                                                      torch.ones_like(x))[inverse]
+    return finite((x - (mean * n - x) / (n - 1)) * c, reward_R, group_R, "--rl.advantage rloo")
 
 
 ADVANTAGES: dict[str, Callable] = {"grpo": grpo_advantage, "dr_grpo": dr_grpo_advantage, "rloo": rloo_advantage}

@@ -12,7 +12,7 @@ from glm5f.data import make_tokenizer, print_warning
 from glm5f.data.chat import RUN_TOKENIZER_DIR
 from glm5f.model import lora
 from glm5f.run.errors import user_errors, writing
-from glm5f.run.metrics import plot_losses, read_metrics
+from glm5f.run.metrics import number, plot_losses, read_metrics
 from glm5f.train.step import TrainState
 
 
@@ -33,7 +33,7 @@ def report(run) -> None:
         print_warning(f"no loss curve: could not write {png}: {e.strerror or e} "
                       f"({errno.errorcode.get(e.errno, e.errno)})")
     first, last = history[0], history[-1]
-    say(f"done: loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} (step {last['step']})")
+    say(f"done: loss {number(first['loss'])} (step {first['step']}) -> {number(last['loss'])} (step {last['step']})")
     for line in run.row.summary(first, last):
         say(line)
     if "indexer_loss" in first:

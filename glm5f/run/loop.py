@@ -16,7 +16,8 @@ from glm5f.data.chat import RUN_TOKENIZER_DIR
 from glm5f.model.decoder import check_input_ids
 from glm5f.run import preempt, rundir
 from glm5f.run.errors import check_finite, check_gradients, check_step, user_errors
-from glm5f.run.metrics import MetricsLog, Progress
+from glm5f.run.metrics import Progress
+from glm5f.run.trackers import Reporter
 from glm5f.run.recipe_file import write_config
 from glm5f.train.loss import eval_loss
 
@@ -68,7 +69,8 @@ def skip_rule(run, batch: dict, step: int, last_ckpt: str | None):
 
 
 def first_step_check(run):
-    """The first step's look at its gradients (`errors.check_gradients`: trained leaves that get none)."""
+    """The look at the run's first update's gradients (`errors.check_gradients`: trained leaves that get none);
+    train_step runs it only on a step it does not skip."""
     return lambda grads: check_gradients(grads, run.layout, run.warn)
 
 
@@ -101,21 +103,23 @@ class Evaluation:
 
 class RunFiles:
     """The run's files beside its checkpoints, written by rank 0: each step's record (metrics.jsonl) and progress
-    line; with the first record, config.yaml, the tokenizer files and the base's note (so a run that fails before
-    it leaves nothing). A full disk stops the run naming the file (`errors.writing`)."""
+    line, and the trackers --metrics.report_to names (`trackers.Reporter`); with the first record, config.yaml, the
+    tokenizer files and the base's note (so a run that fails before it leaves nothing). A full disk stops the run
+    naming the file (`errors.writing`)."""
 
     def __init__(self, run, start: int):
         cfg, main = run.cfg, run.layout.is_main
         self.run, self.first = run, True
-        self.log = MetricsLog(cfg.checkpoint.dir, start, print_warning) if main else None
+        self.log = Reporter(cfg.metrics, cfg.checkpoint.dir, dataclasses.asdict(cfg), start, print_warning,
+                            run.tokenizer.path, run.say) if main else None
         self.progress = Progress(cfg.train.steps, start, cfg.train.log_every) if main else None
 
-    def write(self, rec: dict) -> None:
+    def write(self, rec: dict, batch: dict) -> None:
         if self.log is None:
             return
         run, run_dir = self.run, self.run.cfg.checkpoint.dir
         with run.writing(self.log.path):
-            self.log.write(rec)
+            self.log.write(rec, batch)
         if self.first:
             with run.writing(os.path.join(run_dir, rundir.CONFIG_FILE)):
                 write_config(run.cfg)
@@ -124,6 +128,11 @@ class RunFiles:
                     note_base(run.cfg.model.init_from, run_dir)
             self.first = False
         self.progress.update(rec["step"], rec)
+
+    def close(self) -> None:
+        """The trackers' last writes (after the last step)."""
+        if self.log is not None:
+            self.log.close()
 
 
 class Checkpoints:

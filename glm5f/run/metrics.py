@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 import time
+
+
+def number(x: float, digits: int = 4) -> str:
+    """`x` for a console line: fixed-point with `digits` decimals, or in exponent form from 1e6 on (a huge reward or
+    loss stays one short word)."""
+    return f"{x:.{digits}f}" if not math.isfinite(x) or abs(x) < 1e6 else f"{x:.{digits}e}"
 
 
 class Progress:
@@ -22,13 +29,15 @@ class Progress:
         eta = (time.perf_counter() - self.t0) / max(done, 1) * (self.total - step)
         width = 24
         bar = "#" * int(width * step / self.total) + "-" * (width - int(width * step / self.total))
-        line = (f"[{bar}] {step}/{self.total} loss {rec['loss']:.4f} lr {rec['lr']:.2e} "
-                f"gnorm {rec['grad_norm']:.3f} {rec['tokens_per_s']:.0f} tok/s eta {eta:.0f}s")
+        line = (f"[{bar}] {step}/{self.total} loss {number(rec['loss'])} lr {rec['lr']:.2e} "
+                f"gnorm {number(rec['grad_norm'], 3)} {rec['tokens_per_s']:.0f} tok/s eta {eta:.0f}s")
+        if "reward" in rec:
+            line += f" reward {number(rec['reward'])}"
         if "indexer_loss" in rec:
-            line += f" indexer_loss {rec['indexer_loss']:.4f} recall {rec['indexer_recall']:.3f}"
+            line += f" indexer_loss {number(rec['indexer_loss'])} recall {rec['indexer_recall']:.3f}"
         evaluated = "eval_loss" in rec
         if evaluated:
-            line += f" | eval_loss {rec['eval_loss']:.4f} eval_ppl {rec['eval_ppl']:.2f}"
+            line += f" | eval_loss {number(rec['eval_loss'])} eval_ppl {number(rec['eval_ppl'], 2)}"
         if self.tty:  # a line with an evaluation stays on the screen
             self.stream.write("\r" + line + ("\n" if step == self.total or evaluated else ""))
         elif step % self.every == 0 or step == self.total or step == self.start + 1 or evaluated:
@@ -37,12 +46,13 @@ class Progress:
 
 
 class MetricsLog:
-    """metrics.jsonl, one JSON object per step, appended across resumes: records after the resumed step (written
-    by a run that died before its next checkpoint) are dropped first, so each step appears once."""
+    """metrics.jsonl (or another `name`), one JSON object per line with its "step", appended across resumes:
+    records after the resumed step (written by a run that died before its next checkpoint) are dropped first, so
+    each step appears once."""
 
-    def __init__(self, run_dir: str, resume_step: int = 0, warn=lambda message: None):
+    def __init__(self, run_dir: str, resume_step: int = 0, warn=lambda message: None, name: str = "metrics.jsonl"):
         self.run_dir, self.resume_step, self.started, self.warn = run_dir, resume_step, False, warn
-        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.path = os.path.join(run_dir, name)
 
     def _start(self) -> None:
         """On the first record (so a run that fails before it leaves the directory as it was)."""

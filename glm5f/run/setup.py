@@ -17,6 +17,7 @@ from glm5f.model import lora
 from glm5f.model.decoder import check_input_ids
 from glm5f.objectives import objective
 from glm5f.parallel.layout import Layout
+from glm5f.posttrain.reference import check_architecture
 from glm5f.run import rundir
 from glm5f.run.errors import TrainingError, user_errors, writing
 from glm5f.run.launch import check_device
@@ -126,17 +127,9 @@ def init_reference(cfg, model_cfg: glm5f.GLM5Config, params: dict, layout: Layou
     section = objective(cfg.train.objective).settings
     path = getattr(getattr(cfg, section, None), "reference", None) if section else None
     if path:
-        loaded = {}
-
-        def load(region):
-            loaded["cfg"], p = glm5f.load_hf(path, device=layout.device, region=region)
-            return p
-        with user_errors():
-            ref = layout.local_params(load)
-        if loaded["cfg"].to_hf() != model_cfg.to_hf():
-            raise TrainingError(f"--{section}.reference {path} is another model than the one trained (its "
-                                f"config.json differs); pass a checkpoint of the same architecture")
-        params = ref
+        with user_errors():  # its config first: a checkpoint of another architecture is refused before any read
+            check_architecture(glm5f.GLM5Config.from_hf(path), model_cfg, path, f"--{section}.reference")
+            params = layout.local_params(lambda region: glm5f.load_hf(path, device=layout.device, region=region)[1])
     return map_with_path(lambda path, t: t.detach().to(leaf_dtype(path, act), copy=True), params)
 
 
@@ -177,7 +170,7 @@ def make_data(cfg, model_cfg: glm5f.GLM5Config, layout: Layout, say, tokenizer_p
             data = row.source(cfg, model_cfg, layout, tokenizer_path, warn)
         if cfg.eval.every:
             say(f"no evaluation: the held-out loss is the LM loss of held-out text, and --train.objective "
-                f"{cfg.train.objective} trains on --data.type {d.type} (--eval.every 0 says so)")
+                f"{cfg.train.objective} trains on --data.type {d.type} (pass --eval.every 0 to turn evaluation off without this line)")
         return data, []
     with user_errors():
         data = make_source(d.type, path=d.path, split=d.split, warn=warn, allow_changed=d.allow_changed,

@@ -84,9 +84,9 @@ class Trainer:
 def train_step(state: TrainState, batch: dict, trainer: Trainer, skip: Callable[[dict], bool] | None = None,
                inspect: Callable[[dict], None] | None = None) -> tuple[TrainState, dict]:
     """One optimizer step on the global batch `batch`: the value and gradients of the step's objective over the
-    trained tree (`loss.step_grads`; the frozen tree a constant), `inspect(grads)` when given (e.g. the first step's
-    check), the gradients clipped by their global norm, the learning rate of step index state.step; then, unless
-    `skip(metrics)` says to skip the update (e.g. a non-finite loss or norm), the optimizer's update of the trained
+    trained tree (`loss.step_grads`; the frozen tree a constant), the gradients clipped by their global norm, the
+    learning rate of step index state.step; then, unless `skip(metrics)` says to skip the update (e.g. a non-finite
+    loss or norm), `inspect(grads)` when given (e.g. the first update's check), the optimizer's update of the trained
     tree and the router-bias rule on the router biases in it that --train.trainable selects.
 
     Returns (the next state, metrics): the step's metrics, then "lr" and "grad_norm" (floats), and "skipped": True
@@ -94,12 +94,12 @@ def train_step(state: TrainState, batch: dict, trainer: Trainer, skip: Callable[
     `Optimizer.update` does); the frozen tree is only read."""
     t = trainer
     metrics, grads, counts = step_grads(state.params, batch, t.model_cfg, t.layout, t.step, state.reference)
-    if inspect is not None:
-        inspect(grads)
     grads, grad_norm = clip_by_global_norm(grads, t.clip_norm)
     metrics = {**metrics, "lr": t.lr(state.step), "grad_norm": float(grad_norm)}
     if skip is not None and skip(metrics):
         return state._replace(step=state.step + 1), {**metrics, "skipped": True}
+    if inspect is not None:
+        inspect(grads)
     trained, opt_state = t.optimizer.update(state.trained, grads, state.opt_state, metrics["lr"])
     del grads  # freed before the bias rule
     here = flatten(trained)
