@@ -14,6 +14,7 @@ from glm5f.core.config import GLM5Config
 from glm5f.model.env import make_env
 from glm5f.model.head import HeadLosses, head_chunk_rows, shift_labels
 from glm5f.model.lora import LoraSpec
+from glm5f.model.tree import TreeBatch
 from glm5f.model.decoder import hidden_states, input_batch, main_head
 from glm5f.parallel.layout import Layout
 from glm5f.core import IGNORE_INDEX
@@ -55,4 +56,21 @@ def token_logprobs(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, targe
     return head_logprobs(main_head(compute, cfg), hidden_BxSxD, local["targets"], cfg.rms_norm_eps)
 
 
-__all__ = ["IGNORE_INDEX", "head_logprobs", "token_logprobs"]
+def tree_logprobs(params: dict, cfg: GLM5Config, tb: TreeBatch, *, lora: LoraSpec | None = None,
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
+    """log p [N] of each next-token pair of a tree batch (`glm5f.model.tree.TreeBatch`: the token at tb.src[n]
+    predicts the one at tb.dst[n]), each equal to the log-probability that token has in every unshared sequence
+    holding the pair (`token_logprobs` of that sequence alone). lora and dtype as `token_logprobs`'."""
+    batch = input_batch(cfg, tb.input_ids)
+    batch["tree"] = tb.tree
+    spec = None if lora is None else dataclasses.replace(lora, dropout=0.0)
+    dtype = dtype or params["model"]["embed_tokens"]["weight"].dtype
+    local, env = make_env(cfg, batch, dtype, lora=spec)
+    top = env.weights({**params, "model": {k: v for k, v in params["model"].items() if k != "layers"}})
+    compute = {**top, "model": {**top["model"], "layers": params["model"]["layers"]}}
+    hidden_BxSxD, _ = hidden_states(compute, cfg, local["input_ids"], env)
+    x_1xNxD = hidden_BxSxD.flatten(0, 1)[tb.src][None]
+    return head_logprobs(main_head(compute, cfg), x_1xNxD, tb.targets[None], cfg.rms_norm_eps)[0]
+
+
+__all__ = ["IGNORE_INDEX", "head_logprobs", "token_logprobs", "tree_logprobs"]
