@@ -104,15 +104,31 @@ def fit(pair: Pair, seq_len: int) -> tuple[Pair, str | None]:
     return Pair(cut[0], cut[1], pair.where), f"do not fit --data.seq_len {seq_len} together: cut to half each"
 
 
+def shared_prompt(p: Pair) -> int:
+    """How many leading tokens a pair's two sequences share and score in neither (the prompt), leaving each
+    answer at least one token."""
+    c, r = p.chosen, p.rejected
+    n, most = 0, min(len(c.ids), len(r.ids)) - 1
+    while n < most and c.ids[n] == r.ids[n] and (n == 0 or c.labels[n] == r.labels[n] == IGNORE_INDEX):
+        n += 1
+    return n
+
+
 class PairSource:
     """One pair per row, in a seeded per-epoch order: the chosen sequence, then the rejected one (positions
     restarting, so each attends only to itself), then padding (its own positions, never scored). A batch holds
     "input_ids", "labels", "position_ids" [B, S] and "answer" [B, S]: CHOSEN or REJECTED where the label is an
     answer's, else 0; with reference sums given (`use_reference`), also each row's pair's "ref_chosen" and
-    "ref_rejected" [B] (fp64). `pairs` are the pairs kept (fitted to seq_len), indexed as the reference sums are."""
+    "ref_rejected" [B] (fp64). `pairs` are the pairs kept (fitted to seq_len), indexed as the reference sums are.
+    Each row's "tokens_computed" and "tokens_unshared" [B]: the tokens it runs, and its two sequences' tokens.
+
+    With `share_prefixes`, each row is a tree (`glm5f.model.tree`): the prompt once (`shared_prompt`), then the
+    chosen and the rejected answer, each continuing it (positions from the prompt's end), then padding; the batch
+    adds "tree_prev" and "tree_reach" [B, S], and its labels and "answer" sit at the token they name (a token is
+    predicted by its predecessor on its path: `train.loss.with_targets`)."""
 
     def __init__(self, pairs: list[Pair], batch_size: int, seq_len: int, vocab_size: int, seed: int, pad_id: int,
-                 warn=lambda message: None, name: str = "preference data"):
+                 warn=lambda message: None, name: str = "preference data", share_prefixes: bool = False):
         notes, kept = {}, []
         for p in pairs:
             p, note = fit(p, seq_len)
@@ -126,6 +142,7 @@ class PairSource:
             raise ValueError(f"{name}: no pair fits --data.seq_len {seq_len}; raise it")
         check_vocab([e for p in kept for e in (p.chosen, p.rejected)], vocab_size, name)
         self.pairs, self.B, self.S, self.seed, self.pad_id = kept, batch_size, seq_len, seed, pad_id
+        self.share_prefixes = share_prefixes
         self.epoch, self.index = 0, 0
         self._order = self._permutation(0)
         self.reference_Px2 = None
@@ -155,11 +172,34 @@ class PairSource:
         return (ids + [self.pad_id] * pad, labels + [IGNORE_INDEX] * pad, pos + list(range(pad)),
                 answer + [0] * pad)
 
+    def _tree_row(self, p: Pair) -> tuple[list[int], ...]:
+        """`_row` as a tree: the chosen sequence (the prompt, then its answer), the rejected answer after the
+        prompt's last token, padding; with each token's predecessor on its path and reach (`glm5f.model.tree`)."""
+        n, c, r = shared_prompt(p), p.chosen, p.rejected
+        lab_c, lab_r = [IGNORE_INDEX] + c.labels[1:], [IGNORE_INDEX] + r.labels[1:]
+        Lc, Lr = len(c.ids), len(r.ids)
+        end, pad = Lc + Lr - n, self.S - (Lc + Lr - n)
+        answer = [CHOSEN if t != IGNORE_INDEX else 0 for t in lab_c] + \
+            [REJECTED if t != IGNORE_INDEX else 0 for t in lab_r[n:]]
+        prev = list(range(-1, Lc - 1)) + [n - 1] + list(range(Lc, end - 1)) + \
+            ([-1] + list(range(end, self.S - 1)) if pad else [])
+        reach = [end - 1] * n + [Lc - 1] * (Lc - n) + [end - 1] * (Lr - n) + [self.S - 1] * pad
+        return (c.ids + r.ids[n:] + [self.pad_id] * pad, lab_c + lab_r[n:] + [IGNORE_INDEX] * pad,
+                list(range(Lc)) + list(range(n, Lr)) + list(range(pad)), answer + [0] * pad, prev, reach)
+
     def batch_of(self, indices: list[int]) -> dict[str, torch.Tensor]:
         """The batch of the pairs `indices` (one row each, in that order); the position does not move."""
-        rows = [self._row(self.pairs[i]) for i in indices]
-        batch = {name: torch.tensor([r[i] for r in rows])
-                 for i, name in enumerate(("input_ids", "labels", "position_ids", "answer"))}
+        names = ("input_ids", "labels", "position_ids", "answer")
+        if self.share_prefixes:
+            rows = [self._tree_row(self.pairs[i]) for i in indices]
+            names += ("tree_prev", "tree_reach")
+        else:
+            rows = [self._row(self.pairs[i]) for i in indices]
+        batch = {name: torch.tensor([r[i] for r in rows]) for i, name in enumerate(names)}
+        pairs = [self.pairs[i] for i in indices]
+        batch["tokens_unshared"] = torch.tensor([len(p.chosen.ids) + len(p.rejected.ids) for p in pairs])
+        batch["tokens_computed"] = batch["tokens_unshared"] - torch.tensor(
+            [shared_prompt(p) if self.share_prefixes else 0 for p in pairs])
         if self.reference_Px2 is not None:
             batch["ref_chosen"], batch["ref_rejected"] = self.reference_Px2[indices].unbind(1)
         return batch

@@ -258,7 +258,9 @@ def make_env(cfg: GLM5Config, batch: dict, dtype: torch.dtype, layout: Layout | 
     """(this rank's share of a global batch, the Env its layers run in). The batch holds [B, S] "input_ids" and
     "position_ids", optionally "attention_mask" (2D or 4D, see `make_mask`), "valid", the replay records "routing"
     and "indexer" (`glm5f.core.replay`; shapes checked, values not: `replay.check_replay` reads them) and any other
-    per-token tensors (split alike); the layout says which rows and positions are this rank's."""
+    per-token tensors (split alike); the layout says which rows and positions are this rank's. A tree batch
+    (`glm5f.model.tree`) holds a "tree" (a Tree) or its tensors "tree_prev" and "tree_reach" beside position_ids
+    (`check_tree_batch` says what it may not hold)."""
     layout = layout or Layout(batch["input_ids"].device)
     B, S = batch["input_ids"].shape
     replaying = any(batch.get(k) is not None for k in replay.REPLAY_KEYS)
@@ -266,6 +268,8 @@ def make_env(cfg: GLM5Config, batch: dict, dtype: torch.dtype, layout: Layout | 
         replay.check_shapes(batch, cfg)
     rows, positions = layout.share(B, S)
     tree = batch.get("tree")
+    if tree is None and batch.get("tree_prev") is not None:
+        tree = Tree.of(batch["tree_prev"], batch["tree_reach"], batch["position_ids"])
     if tree is not None:
         check_tree_batch(batch, positions, objectives)
         batch = {**batch, "position_ids": tree.position}
@@ -299,9 +303,10 @@ def check_tree_batch(batch: dict, positions: torch.Tensor | None, objectives: Ob
     if positions is not None:
         raise ValueError("a tree batch's rows are not split over context-parallel ranks yet; run with cp 1 or "
                          "without sharing prefixes (--data.share_prefixes false)")
-    if objectives.indexer_loss != "off" or objectives.seq_aux:
-        raise ValueError("the indexer loss and the sequence balance loss do not weigh a tree's shared tokens by the "
-                         "sequences holding them yet; turn them off or run with --data.share_prefixes false")
+    if objectives.indexer_loss != "off" or objectives.seq_aux or objectives.mtp_depths:
+        raise ValueError("the indexer loss, the sequence balance loss and a step's MTP loss do not weigh a tree's "
+                         "shared tokens by the sequences holding them yet (tree_logprobs computes MTP terms); turn "
+                         "them off or run with --data.share_prefixes false")
 
 
 def replay_records(cfg: GLM5Config, local: dict, mask: Mask) -> tuple[dict, dict]:

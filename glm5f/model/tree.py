@@ -31,6 +31,26 @@ class Tree:
     position: torch.Tensor
     shift: int = 0
 
+    @classmethod
+    def of(cls, prev_BxS: torch.Tensor, reach_BxS: torch.Tensor, position_BxS: torch.Tensor) -> Tree:
+        """The Tree of a batch's per-token tensors ("tree_prev", "tree_reach", "position_ids"; `TreeBatch.batch`):
+        a segment starts where a token does not follow the one before it and after each token that another
+        follows out of order (so every parent token ends its segment). Reads prev to the host."""
+        segments = []
+        for row in prev_BxS.tolist():
+            jumps = [(i, p) for i, p in enumerate(row) if p != i - 1]
+            starts = sorted({i for i, _ in jumps} | {p + 1 for _, p in jumps if p >= 0} | {0})
+            seg_of = {}
+            out = []
+            for k, a in enumerate(starts):
+                stop = starts[k + 1] if k + 1 < len(starts) else len(row)
+                for t in range(a, stop):
+                    seg_of[t] = k
+                p = row[a]
+                out.append((a, stop, -1 if p < 0 else seg_of[p]))
+            segments.append(tuple(out))
+        return cls(tuple(segments), prev_BxS, reach_BxS, position_BxS)
+
     def rows(self, rows: slice) -> Tree:
         """The tree of rows `rows`."""
         return Tree(self.segments[rows], self.prev[rows], self.reach[rows], self.position[rows], self.shift)
@@ -84,10 +104,21 @@ class TreeBatch:
     row: torch.Tensor
     paths: tuple[tuple[tuple[int, ...], ...], ...]
 
+    def batch(self) -> dict:
+        """The batch tensors `env.make_env` reads a tree from: input_ids, position_ids, tree_prev, tree_reach."""
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "tree_prev": self.tree.prev,
+                "tree_reach": self.tree.reach}
+
     @property
     def targets(self) -> torch.Tensor:
         """[N]: the token each pair predicts."""
         return self.input_ids.flatten()[self.dst]
+
+
+def predecessor_states(h_BxSxD: torch.Tensor, prev_BxS: torch.Tensor) -> torch.Tensor:
+    """[B, S, D]: at each token, the state of the token before it on its path (the one that predicts it; a root's
+    first token gets row 0's, and predicts nothing)."""
+    return h_BxSxD.gather(1, prev_BxS.clamp(min=0)[..., None].expand(-1, -1, h_BxSxD.shape[-1]))
 
 
 def check_segments(segments: Sequence[tuple[Sequence[int], int | None]], row: int) -> None:

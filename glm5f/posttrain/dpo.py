@@ -46,7 +46,10 @@ def dpo_terms(pi_c: torch.Tensor, pi_r: torch.Tensor, ref_c: torch.Tensor, ref_r
 
 def prepare(batch: dict, settings=None) -> dict:
     """The batch with "answer_targets": which answer each next-token target belongs to (the "answer" entries
-    shifted as the labels are), made on whole sequences."""
+    shifted as the labels are; in a tree batch, whose targets sit at the token they name, as they are), made on
+    whole sequences."""
+    if batch.get("tree_prev") is not None:
+        return {**batch, "answer_targets": batch["answer"]}
     return {**batch, "answer_targets": shift_labels(batch["answer"].masked_fill(batch["answer"] == 0, IGNORE_INDEX))
             .clamp(min=0)}
 
@@ -54,7 +57,8 @@ def prepare(batch: dict, settings=None) -> dict:
 def denoms(batch: dict) -> dict:
     """{"pairs": the rows holding a pair, "chosen_targets": the chosen answers' targets} of the global batch."""
     ans = batch["answer_targets"]
-    return {"pairs": (ans == CHOSEN).any(1).sum().clamp(min=1), "chosen_targets": (ans == CHOSEN).sum().clamp(min=1)}
+    return {"pairs": (ans == CHOSEN).any(1).sum().clamp(min=1), "chosen_targets": (ans == CHOSEN).sum().clamp(min=1),
+            "step": torch.ones((), dtype=torch.float64, device=ans.device)}
 
 
 def reference_sums(batch: dict, ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,6 +93,9 @@ def loss(params: dict, batch: dict, ctx: Context) -> tuple[torch.Tensor, dict]:
     t = {k: torch.where(is_pair, v, 0.0) for k, v in dpo_terms(pi_c, pi_r, ref_c, ref_r, o.beta).items()}
     sums = {name: t[name].sum() * counted for name in ("loss", "margin", "accuracy", "chosen", "rejected")}
     sums["logps_chosen"], sums["logps_rejected"] = pi_c.detach().sum() * counted, pi_r.detach().sum() * counted
+    for name in ("tokens_computed", "tokens_unshared"):  # the rows' tokens run, and the pairs' sequences' tokens
+        if name in batch:
+            sums[name] = batch[name].sum(dtype=torch.float64) * counted
     value = sums["loss"] / ctx.denoms["pairs"]
     if o.sft_weight:
         sums["sft_loss"] = -pi_c.sum() * counted
@@ -108,5 +115,6 @@ def plan_bytes(model_cfg, run, state: dict) -> int:
 
 METRICS = {name: "pairs" for name in ("loss", "margin", "accuracy", "chosen", "rejected", "logps_chosen",
                                       "logps_rejected")}
-DPO = Objective(loss, denoms, {**METRICS, "sft_loss": "chosen_targets"}, prepare=prepare, plan_bytes=plan_bytes,
+DPO = Objective(loss, denoms, {**METRICS, "sft_loss": "chosen_targets", "tokens_computed": "step",
+                               "tokens_unshared": "step"}, prepare=prepare, plan_bytes=plan_bytes,
                 data_types=("preference",), settings="dpo", reference=True)
