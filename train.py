@@ -372,7 +372,7 @@ def make_data(cfg: Config, model_cfg: glm5f.GLM5Config, layout: Layout, say, tok
             return prompt_source(cfg, model_cfg, layout, tokenizer_path), []
     with user_errors():
         data = make_source(d.type, path=d.path, split=d.split, warn=warn, allow_changed=d.allow_changed,
-                           model_cfg=model_cfg, **common)
+                           model_cfg=model_cfg, share_prefixes=d.share_prefixes, **common)
         held_out = make_eval_source(d.type, path=cfg.eval.path, split=cfg.eval.split, train_path=d.path,
                                     train_split=d.split, **common)
         eval_batches = [] if held_out is None or not cfg.eval.every else \

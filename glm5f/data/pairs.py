@@ -124,8 +124,10 @@ class PairSource:
 
     With `share_prefixes`, each row is a tree (`glm5f.model.tree`): the prompt once (`shared_prompt`), then the
     chosen and the rejected answer, each continuing it (positions from the prompt's end), then padding; the batch
-    adds "tree_prev" and "tree_reach" [B, S], and its labels and "answer" sit at the token they name (a token is
-    predicted by its predecessor on its path: `train.loss.with_targets`)."""
+    adds "tree_prev" and "tree_reach" [B, S] and "valid" [B, S], how many of the unshared row's sequences hold each
+    token (the prompt's 2; the padding's as the unshared row's: the MoE load counts weigh tokens by it), and its
+    labels and "answer" sit at the token they name (a token is predicted by its predecessor on its path:
+    `train.loss.with_targets`)."""
 
     def __init__(self, pairs: list[Pair], batch_size: int, seq_len: int, vocab_size: int, seed: int, pad_id: int,
                  warn=lambda message: None, name: str = "preference data", share_prefixes: bool = False):
@@ -184,15 +186,17 @@ class PairSource:
         prev = list(range(-1, Lc - 1)) + [n - 1] + list(range(Lc, end - 1)) + \
             ([-1] + list(range(end, self.S - 1)) if pad else [])
         reach = [end - 1] * n + [Lc - 1] * (Lc - n) + [end - 1] * (Lr - n) + [self.S - 1] * pad
+        # how many of the unshared row's sequences hold each token: its padding is this one's first pad - n tokens
+        valid = [2] * n + [1] * (Lc + Lr - 2 * n) + [1] * (pad - n) + [0] * min(n, pad)
         return (c.ids + r.ids[n:] + [self.pad_id] * pad, lab_c + lab_r[n:] + [IGNORE_INDEX] * pad,
-                list(range(Lc)) + list(range(n, Lr)) + list(range(pad)), answer + [0] * pad, prev, reach)
+                list(range(Lc)) + list(range(n, Lr)) + list(range(pad)), answer + [0] * pad, prev, reach, valid)
 
     def batch_of(self, indices: list[int]) -> dict[str, torch.Tensor]:
         """The batch of the pairs `indices` (one row each, in that order); the position does not move."""
         names = ("input_ids", "labels", "position_ids", "answer")
         if self.share_prefixes:
             rows = [self._tree_row(self.pairs[i]) for i in indices]
-            names += ("tree_prev", "tree_reach")
+            names += ("tree_prev", "tree_reach", "valid")
         else:
             rows = [self._row(self.pairs[i]) for i in indices]
         batch = {name: torch.tensor([r[i] for r in rows]) for i, name in enumerate(names)}

@@ -224,9 +224,11 @@ def model_tokenizer(tokenizer_path: str | None, vocab_size: int):
 def make_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, seed: int = 0, path: str | None = None,
                 tokenizer_path: str | None = None, pack: bool = True, split: str | None = None, warn=print_warning,
                 shuffle_buffer: int = 10_000, chat_template: str | None = None, train_on: str = "assistant",
-                allow_changed: bool = False, held_out: float = 0.0, part: str = "train", model_cfg=None):
+                allow_changed: bool = False, held_out: float = 0.0, part: str = "train", model_cfg=None,
+                share_prefixes: bool = False):
     """The data source of `--data.type kind` for a model of vocab_size (rollouts: their replay records are checked
-    against `model_cfg` when given). What looks like a mistake in the data
+    against `model_cfg` when given; preference: with `share_prefixes`, each pair a tree row, `PairSource`). What
+    looks like a mistake in the data
     (an empty response, an unused tokenizer) is passed to `warn`, one line each. json_file and hf_datasets are
     streamed, shuffled by a buffer of `shuffle_buffer` records (see StreamSource); so is chat with a path. Chat
     records (any of these but preset_pt) are rendered with `chat_template` (see glm5f.data.chat) and trained on the
@@ -246,7 +248,8 @@ def make_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, se
         if path is None:
             raise ValueError("--data.type preference needs --data.path (a JSONL of preference records)")
         fmt = chat_data.ChatFormat.load(tokenizer_path, chat_template)
-        return PairSource(read_pairs(path, tok, fmt), batch_size, seq_len, vocab_size, seed, tok.pad_id, warn, path)
+        return PairSource(read_pairs(path, tok, fmt), batch_size, seq_len, vocab_size, seed, tok.pad_id, warn, path,
+                          share_prefixes)
     if kind == "rollouts":  # groups of sampled completions for GRPO, in memory (glm5f.data.rollouts)
         if path is None:
             raise ValueError("--data.type rollouts needs --data.path (a JSONL of rollout groups)")
