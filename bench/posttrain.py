@@ -13,8 +13,9 @@ A section writes, into a temporary directory, a Transformers GlmMoeDsaForCausalL
 another to compare with (the reference), a word-level tokenizer both sides read, and a JSONL of --batch x
 (--warmup + --steps) text records {"prompt", "chosen", "rejected"}: each sequence, prompt and answer, is --seq
 tokens, half each (or --prompt-len + --answer-len; no padding, no truncation on either side). The dpo section
-runs glm5f twice, its pairs as two sequences and as trees (`shared`: --data.share_prefixes True). Both sides train fp32, AdamW at --lr without weight decay, grad
-norm clipped to 1, beta 0.1, without activation checkpointing (TRL's default turns it on, and bf16: both off here).
+runs glm5f twice, its pairs as two sequences and as trees (`shared`: --data.share_prefixes True). Both sides
+train fp32, AdamW at --lr without weight decay, grad norm clipped to 1, beta 0.1, without activation checkpointing
+(TRL's default turns it on, and bf16: both off here).
 Each side runs in its own subprocess (its peak is its own): the median wall time of the steps after --warmup (the
 optimizer step included, the batch's collation not) and their median CPU time (all the side's threads: on a shared
 CPU the figure that does not depend on the load), the peak resident set size at the end of the last step, and the

@@ -416,7 +416,8 @@ def kda_block(p: dict, x_BxSxD: torch.Tensor, cfg, layer: int, env, carry):
     """A GLM-5.3 linear-attention layer (`kda_attention`): padding tokens' inputs zeroed (as the reference does),
     packed documents restart its state and convolution. With a carried state (`env.state`: decoding) it continues
     the sequence from it (`kda_attention_step`). Under CP (`kda_attention_cp`) this rank's queries are two equal
-    chunks of each sequence (`Layout.share`). It passes no top-k on (the reference neither)."""
+    chunks of each sequence (`Layout.share`); in a tree batch each segment continues its parent
+    (`kda_attention_tree`). It passes no top-k on (the reference neither)."""
     if env.mask.dense is not None:
         raise ValueError("GLM-5.3's KDA layers take a 2D padding mask or packed position_ids, not a 4D mask")
     state = env.state(layer)

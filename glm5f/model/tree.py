@@ -65,16 +65,6 @@ class Tree:
             cur = torch.where(cur >= 0, prev_BxS.gather(1, cur.clamp(min=0)), -1)
         return torch.stack(out, -1)
 
-    def before(self, b: int, seg: int, n: int) -> list[int]:
-        """The row indices of the n tokens before segment `seg` of row b on its path, in path order, -1 where the
-        path has fewer."""
-        out, s = [], self.segments[b][seg][2]
-        while s >= 0 and len(out) < n:
-            start, stop, parent = self.segments[b][s]
-            out = list(range(max(start, stop - (n - len(out))), stop)) + out
-            s = parent
-        return [-1] * (n - len(out)) + out
-
     def shifted(self, depth: int) -> Tree:
         """The tree of MTP depth `depth`: its node at row index j is the sequence position `depth` before token j
         (which holds t_j as that depth's input), so its position is `depth` less; rows of nodes with no such
