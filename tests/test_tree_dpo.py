@@ -34,8 +34,9 @@ def run(tmp_path, name: str, share: bool, *flags) -> list[dict]:
 @pytest.mark.parametrize("name,flags", [
     ("glm5-tiny", ("--model.index_topk", "8")),  # sparse DSA: the prompt and answers over top-8 keys
     ("glm5-tiny", ("--lora.rank", "4")),
+    ("glm5-tiny", ("--dpo.precompute_reference",)),  # the reference's pass on trees too
     ("glm53-tiny", ()),
-])
+], ids=["glm5-top8", "glm5-lora", "glm5-precomputed", "glm53"])
 def test_three_steps_equal_unshared(tmp_path, name, flags):
     shared, unshared = run(tmp_path, name, True, *flags), run(tmp_path, name, False, *flags)
     assert len(shared) == len(unshared) == 3
