@@ -66,7 +66,7 @@ def test_rows_pack_both_answers_with_restarting_positions(tmp_path):
     pairs = read_pairs(write(tmp_path / "p.jsonl", recs), None)
     src = PairSource(pairs, batch_size=2, seq_len=12, vocab_size=32, seed=0, pad_id=0)
     b = src.next_batch()
-    assert set(b) == {"input_ids", "labels", "position_ids", "answer", "tokens_computed", "tokens_unshared"}
+    assert set(b) == {"input_ids", "labels", "position_ids", "answer", "valid", "tokens_computed", "tokens_unshared"}
     assert b["input_ids"].shape == (2, 12)
     for row in range(2):
         ids = b["input_ids"][row].tolist()
@@ -76,6 +76,7 @@ def test_rows_pack_both_answers_with_restarting_positions(tmp_path):
         n = len(chosen) + len(rejected)
         assert ids[:n] == chosen + rejected
         assert b["tokens_computed"][row] == b["tokens_unshared"][row] == n
+        assert b["valid"][row].tolist() == [1] * n + [0] * (12 - n)  # padding is not a token of the pair
         assert b["position_ids"][row].tolist() == list(range(len(chosen))) + list(range(len(rejected))) + \
             list(range(12 - n))
         labels, answer = b["labels"][row].tolist(), b["answer"][row].tolist()

@@ -221,14 +221,13 @@ def unused_weights(train, model_cfg: GLM5Config) -> list[str]:
 
 def with_targets(batch: dict, mtp_depths: int = 0) -> dict:
     """The batch with its next-token "targets" (shifted on whole sequences, before any split; in a tree batch,
-    `glm5f.model.tree`, each token's own label, predicted from its predecessor) and "valid" tokens (a tree batch's
-    own "valid", how many sequences hold each token, when it has one);
+    `glm5f.model.tree`, each token's own label, predicted from its predecessor) and "valid" tokens (the batch's own
+    "valid" when it has one: 0 on padding; a tree batch's counts the sequences holding each token);
     with mtp_depths, also the MTP depths' inputs "mtp_input_ids" and targets "mtp_targets" (lists, depth 1 first)."""
     mask = batch.get("attention_mask")
     valid = mask if mask is not None and mask.ndim == 2 else torch.ones_like(batch["input_ids"])
+    valid = batch["valid"] if batch.get("valid") is not None else valid  # a source's own (0 on padding)
     prev_BxS = batch.get("tree_prev")  # a tree batch: a token's target is its own label, from its predecessor
-    if prev_BxS is not None and batch.get("valid") is not None:  # its tokens weighed by the sequences holding them
-        valid = batch["valid"]
     targets = shift_labels(batch["labels"]) if prev_BxS is None else batch["labels"].masked_fill(prev_BxS < 0,
                                                                                                  IGNORE_INDEX)
     out = dict(batch, targets=targets, valid=valid)
