@@ -125,6 +125,10 @@ class DataConfig:
     """Tokens per sequence (input ids and labels; at least 2)."""
     pack: bool = True
     """Pack documents back to back (positions restart per document); else one padded document per row."""
+    share_prefixes: tyro.conf.FlagConversionOff[bool] = False
+    """preference: each pair's prompt computed once, its answers branching from it (a tree row:
+    glm5f/model/tree.py); the same loss, metrics and gradients as without. Not yet under --parallel.cp, nor for
+    rollouts or prompts."""
     seed: int = 0
     """Seed of the data order (shuffling, synthetic sequences); independent of --train.seed."""
     shuffle_buffer: int = 10000
@@ -422,6 +426,9 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     if cfg.train.reduce_dtype and cfg.train.dtype == "float64" and cfg.train.reduce_dtype != "float64":
         errs.append(f"--train.reduce_dtype {cfg.train.reduce_dtype} is narrower than --train.dtype float64; "
                     f"drop it or use float64")
+    if cfg.data.share_prefixes and (cfg.data.type != "preference" or cfg.parallel.cp > 1):
+        errs.append(f"--data.share_prefixes true shares DPO pairs' prompts (--data.type preference, --parallel.cp 1) "
+                    f"only; got --data.type {cfg.data.type} and --parallel.cp {cfg.parallel.cp}: drop it")
     if cfg.checkpoint.overwrite and cfg.checkpoint.resume:
         errs.append("--checkpoint.overwrite deletes the checkpoints --checkpoint.resume would continue from; "
                     "pass one of them")

@@ -4,6 +4,7 @@ TRL's DPOTrainer (ref_model= passed), and an on-policy GRPO step, sampling inclu
 
     python bench/posttrain.py dpo                          # the bench model (4 layers), 4 pairs x 256 tokens a side
     python bench/posttrain.py dpo --batch 2 --seq 512 --steps 8
+    python bench/posttrain.py dpo --prompt-len 1024 --answer-len 256   # a long prompt: shared vs unshared vs TRL
     python bench/posttrain.py grpo --batch 2 --group 4 --new-tokens 32
     python bench/posttrain.py all                          # every section (dpo, grpo)
     python bench/posttrain.py dpo --threads 1 --profile    # and where glm5f's step time goes
@@ -11,8 +12,10 @@ TRL's DPOTrainer (ref_model= passed), and an on-policy GRPO step, sampling inclu
 A section writes, into a temporary directory, a Transformers GlmMoeDsaForCausalLM (save_pretrained) to train and
 another to compare with (the reference), a word-level tokenizer both sides read, and a JSONL of --batch x
 (--warmup + --steps) text records {"prompt", "chosen", "rejected"}: each sequence, prompt and answer, is --seq
-tokens (no padding, no truncation on either side). Both sides train fp32, AdamW at --lr without weight decay, grad
-norm clipped to 1, beta 0.1, without activation checkpointing (TRL's default turns it on, and bf16: both off here).
+tokens, half each (or --prompt-len + --answer-len; no padding, no truncation on either side). The dpo section
+runs glm5f twice, its pairs as two sequences and as trees (`shared`: --data.share_prefixes True). Both sides
+train fp32, AdamW at --lr without weight decay, grad norm clipped to 1, beta 0.1, without activation checkpointing
+(TRL's default turns it on, and bf16: both off here).
 Each side runs in its own subprocess (its peak is its own): the median wall time of the steps after --warmup (the
 optimizer step included, the batch's collation not) and their median CPU time (all the side's threads: on a shared
 CPU the figure that does not depend on the load), the peak resident set size at the end of the last step, and the
@@ -81,7 +84,8 @@ def write_inputs(args, root: str) -> dict:
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>").save_pretrained(
         paths["policy"])
     g = torch.Generator().manual_seed(0)
-    prompt, answer = args.seq // 2, args.seq - args.seq // 2 - 1  # the answer's eos ends the sequence
+    prompt, answer = dpo_lengths(args)
+    answer -= 1  # the answer's eos ends the sequence
 
     def text(n: int) -> str:
         return " ".join(words[i] for i in torch.randint(len(SPECIALS), cfg.vocab_size, (n,), generator=g).tolist())
@@ -95,9 +99,25 @@ def write_inputs(args, root: str) -> dict:
     return paths
 
 
+def dpo_lengths(args) -> tuple[int, int]:
+    """(prompt tokens, answer tokens with its eos) of each DPO sequence: --prompt-len and --answer-len when given,
+    else half of --seq each (the answer one short, its eos making --seq)."""
+    if args.prompt_len is None and args.answer_len is None:
+        return args.seq // 2, args.seq - args.seq // 2
+    if args.prompt_len is None or args.answer_len is None or args.answer_len < 2:
+        raise SystemExit("error: --prompt-len and --answer-len come together (the answer at least 2 tokens: its "
+                         "words and eos)")
+    return args.prompt_len, args.answer_len
+
+
 # ---- the sides --------------------------------------------------------------------------------------------------
 
-def dpo_glm5f(args, paths: dict) -> tuple[list[float], float, float, dict]:
+def dpo_glm5f_shared(args, paths: dict) -> tuple[list[float], float, float, dict]:
+    """`dpo_glm5f` with --data.share_prefixes True: each pair's prompt computed once (a tree row)."""
+    return dpo_glm5f(args, paths, share=True)
+
+
+def dpo_glm5f(args, paths: dict, share: bool = False) -> tuple[list[float], float, float, dict]:
     """(seconds of each step, peak RSS GB after the last, RSS GB after the imports, with --profile one more step's
     op self time per (family, kind): `common.profile_split`): train.py's edges (params, reference, data) and
     `train_step`."""
@@ -112,10 +132,11 @@ def dpo_glm5f(args, paths: dict) -> tuple[list[float], float, float, dict]:
     cfg = with_data_type(parse([
         "--model.init_from", paths["policy"], "--dpo.reference", paths["reference"], "--train.objective", "dpo",
         "--data.type", "preference", "--data.path", paths["data"], "--data.batch_size", str(args.batch),
-        "--data.seq_len", str(2 * args.seq), "--train.dtype", args.dtype, "--train.steps",
+        "--data.seq_len", str(2 * sum(dpo_lengths(args))), "--train.dtype", args.dtype, "--train.steps",
         str(args.warmup + args.steps), "--optim.name", "adamw", "--optim.lr", str(args.lr), "--optim.warmup_steps",
         "0", "--optim.weight_decay", "0", "--dpo.beta", str(BETA), "--eval.every", "0",
-        "--data.chat_template", TEMPLATE]))  # not used by text records, but read whenever a tokenizer is given
+        "--data.chat_template", TEMPLATE, "--data.share_prefixes", str(share)]))  # the template: not used by
+    # text records, but read whenever a tokenizer is given
     layout = Layout(args.device)
     tokenizer = resolve_tokenizer(cfg.model.tokenizer_path, cfg.model.init_from, cfg.data.chat_template)
     model_cfg, params = init_params(cfg, layout)
@@ -163,7 +184,7 @@ def dpo_trl(args, paths: dict) -> tuple[list[float], float, float, dict]:
     with tempfile.TemporaryDirectory() as out:
         config = DPOConfig(output_dir=out, per_device_train_batch_size=args.batch, max_steps=args.warmup + args.steps,
                            learning_rate=args.lr, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
-                           beta=BETA, loss_type=["sigmoid"], max_length=args.seq, bf16=False,
+                           beta=BETA, loss_type=["sigmoid"], max_length=sum(dpo_lengths(args)), bf16=False,
                            gradient_checkpointing=False, use_cpu=args.device == "cpu", save_strategy="no",
                            report_to=[], logging_steps=10**6, disable_tqdm=True, dataloader_num_workers=0, seed=0)
         DPOTrainer(model=model, ref_model=ref, args=config, train_dataset=data, processing_class=tok,
@@ -270,7 +291,8 @@ def grpo_trl(args, paths: dict) -> tuple[list[tuple], float, float, dict]:
 
 
 # a section's sides, by name; glm5f first
-SIDES = {"dpo": {"glm5f": dpo_glm5f, "trl": dpo_trl}, "grpo": {"glm5f": grpo_glm5f, "trl": grpo_trl}}
+SIDES = {"dpo": {"glm5f": dpo_glm5f, "shared": dpo_glm5f_shared, "trl": dpo_trl},
+         "grpo": {"glm5f": grpo_glm5f, "trl": grpo_trl}}
 
 
 def run_side(args) -> dict:
@@ -290,6 +312,8 @@ def run_section(section: str, args) -> None:
         paths = write_inputs(args, root)
         flags = [*model_flags(args), "--warmup", str(args.warmup), "--lr", str(args.lr), "--group", str(args.group),
                  "--new-tokens", str(args.new_tokens), "--paths", json.dumps(paths),
+                 *([] if args.prompt_len is None else ["--prompt-len", str(args.prompt_len)]),
+                 *([] if args.answer_len is None else ["--answer-len", str(args.answer_len)]),
                  *(["--profile"] if args.profile else [])]
         res = {side: run_child(here, ["--child", f"{section}:{side}", *flags], f"the {section} {side} side")
                for side in SIDES[section]}
@@ -301,9 +325,10 @@ def run_section(section: str, args) -> None:
         print(f"grpo: {model}, {args.batch} prompt(s) of {args.seq // 2} tokens x {args.group} completions of at "
               f"most {args.new_tokens} tokens a step, sampling at temperature 1 then one update (dapo, no KL), {run}")
     else:
-        tokens = 2 * args.batch * args.seq
-        print(f"{section}: {model}, {args.batch} pair(s) x 2 x {args.seq} tokens a step, full training with a "
-              f"reference model, {run}")
+        prompt, answer = dpo_lengths(args)
+        tokens = 2 * args.batch * (prompt + answer)
+        print(f"{section}: {model}, {args.batch} pair(s) x 2 x ({prompt} prompt + {answer} answer) tokens a step, "
+              f"full training with a reference model, {run}; shared: glm5f with --data.share_prefixes True")
     extra = section == "grpo"  # the steps also record (sampling seconds, mean completion tokens)
     print(f"  {'side':8s}{'s/step':>10s}{'tok/s':>10s}{'CPU s/step':>12s}{'peak RSS GB':>13s}{'after imports':>15s}"
           + (f"{'sample s':>10s}{'completion':>12s}" if extra else ""))
@@ -312,9 +337,10 @@ def run_section(section: str, args) -> None:
         r["median"], r["cpu"] = medians[:2]
         print(f"  {side:8s}{r['median']:10.3f}{tokens / r['median']:10.0f}{r['cpu']:12.3f}{r['peak_gb']:13.3f}"
               f"{r['imports_gb']:15.3f}" + (f"{medians[2]:10.3f}{medians[3]:12.1f}" if extra else ""))
-    (a, ra), (b, rb) = res.items()
-    print(f"  {a} / {b}: {rb['median'] / ra['median']:.2f}x the speed ({rb['cpu'] / ra['cpu']:.2f}x in CPU time), "
-          f"{ra['peak_gb'] / rb['peak_gb']:.3f} of the peak memory", flush=True)
+    *ours, (b, rb) = res.items()  # each glm5f side against the last (TRL)
+    for a, ra in ours:
+        print(f"  {a} / {b}: {rb['median'] / ra['median']:.2f}x the speed ({rb['cpu'] / ra['cpu']:.2f}x in CPU "
+              f"time), {ra['peak_gb'] / rb['peak_gb']:.3f} of the peak memory", flush=True)
     for side, r in res.items():
         if r["profile"]:
             print(f"  where a {side} step's time goes (op self time, s; one profiled step):")
@@ -331,6 +357,8 @@ def main():
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--group", type=int, default=4, help="grpo: completions sampled per prompt")
     ap.add_argument("--new-tokens", type=int, default=32, help="grpo: most tokens sampled per completion")
+    ap.add_argument("--prompt-len", type=int, default=None, help="dpo: prompt tokens (with --answer-len; else --seq)")
+    ap.add_argument("--answer-len", type=int, default=None, help="dpo: answer tokens, its eos included")
     ap.add_argument("--profile", action="store_true", help="after the timed steps, profile one glm5f step")
     ap.add_argument("--paths", default=None, help=argparse.SUPPRESS)
     add_run_flags(ap)

@@ -38,16 +38,17 @@ def test_bench_runs_both_sides(name):
 
 
 def test_posttrain_runs_both_sides():
-    """bench/posttrain.py dpo at toy size: glm5f's and TRL's rows in one table, with their ratio."""
+    """bench/posttrain.py dpo at toy size: glm5f's (unshared and shared) and TRL's rows in one table, with their
+    ratios."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     res = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "posttrain.py"), "dpo", "--preset", "glm5-tiny",
                           "--batch", "1", "--seq", "32", "--warmup", "1", "--steps", "1"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    rows = [line.split() for line in res.stdout.splitlines() if re.match(r"  (glm5f|trl) +[\d.]+ ", line)]
-    assert [r[0] for r in rows] == ["glm5f", "trl"] and all(len(r) == 6 for r in rows), res.stdout
+    rows = [line.split() for line in res.stdout.splitlines() if re.match(r"  (glm5f|shared|trl) +[\d.]+ ", line)]
+    assert [r[0] for r in rows] == ["glm5f", "shared", "trl"] and all(len(r) == 6 for r in rows), res.stdout
     assert all(float(r[1]) > 0 and float(r[4]) > 0 for r in rows), res.stdout
-    assert "glm5f / trl:" in res.stdout, res.stdout
+    assert "glm5f / trl:" in res.stdout and "shared / trl:" in res.stdout, res.stdout
 
 
 

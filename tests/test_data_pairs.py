@@ -80,7 +80,8 @@ def test_rows_pack_both_answers_with_restarting_positions(tmp_path):
     pairs = read_pairs(write(tmp_path / "p.jsonl", recs), None)
     src = PairSource(pairs, batch_size=2, seq_len=12, vocab_size=32, seed=0, pad_id=0)
     b = src.next_batch()
-    assert set(b) == {"input_ids", "labels", "position_ids", "answer"} and b["input_ids"].shape == (2, 12)
+    assert set(b) == {"input_ids", "labels", "position_ids", "answer", "valid", "tokens_computed", "tokens_unshared"}
+    assert b["input_ids"].shape == (2, 12)
     for row in range(2):
         ids = b["input_ids"][row].tolist()
         which = 0 if ids[:2] == [1, 2] else 1
@@ -88,6 +89,8 @@ def test_rows_pack_both_answers_with_restarting_positions(tmp_path):
         rejected = [1, 2, 5] if which == 0 else [6, 8, 9, 10]
         n = len(chosen) + len(rejected)
         assert ids[:n] == chosen + rejected
+        assert b["tokens_computed"][row] == b["tokens_unshared"][row] == n
+        assert b["valid"][row].tolist() == [1] * n + [0] * (12 - n)  # padding is not a token of the pair
         assert b["position_ids"][row].tolist() == list(range(len(chosen))) + list(range(len(rejected))) + \
             list(range(12 - n))
         labels, answer = b["labels"][row].tolist(), b["answer"][row].tolist()

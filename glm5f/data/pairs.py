@@ -18,6 +18,7 @@ from glm5f.data.readers import jsonl_records
 from glm5f.data.tokens import IGNORE_INDEX, Example, check_vocab
 
 CHOSEN, REJECTED = 1, 2  # a batch's "answer" entries: which answer a label belongs to (0: none)
+TREE_ROW_MULTIPLE = 64  # a tree batch's rows are as long as its longest tree, rounded up to this (at most seq_len)
 
 
 @dataclass(frozen=True)
@@ -104,15 +105,33 @@ def fit(pair: Pair, seq_len: int) -> tuple[Pair, str | None]:
     return Pair(cut[0], cut[1], pair.where), f"do not fit --data.seq_len {seq_len} together: cut to half each"
 
 
+def shared_prompt(p: Pair) -> int:
+    """How many leading tokens a pair's two sequences share and score in neither (the prompt), leaving each
+    answer at least one token."""
+    c, r = p.chosen, p.rejected
+    n, most = 0, min(len(c.ids), len(r.ids)) - 1
+    while n < most and c.ids[n] == r.ids[n] and (n == 0 or c.labels[n] == r.labels[n] == IGNORE_INDEX):
+        n += 1
+    return n
+
+
 class PairSource:
     """One pair per row, in a seeded per-epoch order: the chosen sequence, then the rejected one (positions
     restarting, so each attends only to itself), then padding (its own positions, never scored). A batch holds
-    "input_ids", "labels", "position_ids" [B, S] and "answer" [B, S]: CHOSEN or REJECTED where the label is an
-    answer's, else 0; with reference sums given (`use_reference`), also each row's pair's "ref_chosen" and
-    "ref_rejected" [B] (fp64). `pairs` are the pairs kept (fitted to seq_len), indexed as the reference sums are."""
+    "input_ids", "labels", "position_ids" [B, S], "answer" [B, S]: CHOSEN or REJECTED where the label is an
+    answer's, else 0, and "valid" [B, S], 0 on padding (the MoE load counts and per-query terms skip it); with reference sums given (`use_reference`), also each row's pair's "ref_chosen" and
+    "ref_rejected" [B] (fp64). `pairs` are the pairs kept (fitted to seq_len), indexed as the reference sums are.
+    Each row's "tokens_computed" and "tokens_unshared" [B]: the tokens it runs, and its two sequences' tokens.
+
+    With `share_prefixes`, each row is a tree (`glm5f.model.tree`): the prompt once (`shared_prompt`), then the
+    chosen and the rejected answer, each continuing it (positions from the prompt's end), then padding to the
+    batch's longest tree (rounded up to TREE_ROW_MULTIPLE, at most seq_len); the batch adds "tree_prev" and
+    "tree_reach" [B, S], its "valid" counts the sequences holding each token (the prompt's 2: the MoE load counts
+    weigh tokens by it), and its labels and "answer" sit at the token they name (a token is predicted by its
+    predecessor on its path: `train.loss.with_targets`)."""
 
     def __init__(self, pairs: list[Pair], batch_size: int, seq_len: int, vocab_size: int, seed: int, pad_id: int,
-                 warn=lambda message: None, name: str = "preference data"):
+                 warn=lambda message: None, name: str = "preference data", share_prefixes: bool = False):
         notes, kept = {}, []
         for p in pairs:
             p, note = fit(p, seq_len)
@@ -126,6 +145,7 @@ class PairSource:
             raise ValueError(f"{name}: no pair fits --data.seq_len {seq_len}; raise it")
         check_vocab([e for p in kept for e in (p.chosen, p.rejected)], vocab_size, name)
         self.pairs, self.B, self.S, self.seed, self.pad_id = kept, batch_size, seq_len, seed, pad_id
+        self.share_prefixes = share_prefixes
         self.epoch, self.index = 0, 0
         self._order = self._permutation(0)
         self.reference_Px2 = None
@@ -143,7 +163,7 @@ class PairSource:
             self._order = self._permutation(self.epoch)
         return i
 
-    def _row(self, p: Pair) -> tuple[list[int], list[int], list[int], list[int]]:
+    def _row(self, p: Pair) -> tuple[list[int], ...]:
         ids, labels, pos, answer = [], [], [], []
         for ex, which in ((p.chosen, CHOSEN), (p.rejected, REJECTED)):
             lab = [IGNORE_INDEX] + ex.labels[1:]  # a sequence's first token is not predicted from another
@@ -153,13 +173,40 @@ class PairSource:
             answer += [which if t != IGNORE_INDEX else 0 for t in lab]
         pad = self.S - len(ids)
         return (ids + [self.pad_id] * pad, labels + [IGNORE_INDEX] * pad, pos + list(range(pad)),
-                answer + [0] * pad)
+                answer + [0] * pad, [1] * len(ids) + [0] * pad)
+
+    def _tree_row(self, p: Pair, S: int) -> tuple[list[int], ...]:
+        """`_row` as a tree of S tokens: the chosen sequence (the prompt, then its answer), the rejected answer
+        after the prompt's last token, padding; its valid counts each token's sequences (the prompt's 2); with each
+        token's predecessor on its path and reach (`glm5f.model.tree`)."""
+        n, c, r = shared_prompt(p), p.chosen, p.rejected
+        lab_c, lab_r = [IGNORE_INDEX] + c.labels[1:], [IGNORE_INDEX] + r.labels[1:]
+        Lc, Lr = len(c.ids), len(r.ids)
+        end, pad = Lc + Lr - n, S - (Lc + Lr - n)
+        answer = [CHOSEN if t != IGNORE_INDEX else 0 for t in lab_c] + \
+            [REJECTED if t != IGNORE_INDEX else 0 for t in lab_r[n:]]
+        prev = list(range(-1, Lc - 1)) + [n - 1] + list(range(Lc, end - 1)) + \
+            ([-1] + list(range(end, S - 1)) if pad else [])
+        reach = [end - 1] * n + [Lc - 1] * (Lc - n) + [end - 1] * (Lr - n) + [S - 1] * pad
+        valid = [2] * n + [1] * (Lc + Lr - 2 * n) + [0] * pad
+        return (c.ids + r.ids[n:] + [self.pad_id] * pad, lab_c + lab_r[n:] + [IGNORE_INDEX] * pad,
+                list(range(Lc)) + list(range(n, Lr)) + list(range(pad)), answer + [0] * pad, valid, prev, reach)
 
     def batch_of(self, indices: list[int]) -> dict[str, torch.Tensor]:
         """The batch of the pairs `indices` (one row each, in that order); the position does not move."""
-        rows = [self._row(self.pairs[i]) for i in indices]
-        batch = {name: torch.tensor([r[i] for r in rows])
-                 for i, name in enumerate(("input_ids", "labels", "position_ids", "answer"))}
+        names = ("input_ids", "labels", "position_ids", "answer", "valid")
+        pairs = [self.pairs[i] for i in indices]
+        if self.share_prefixes:
+            S = min(self.S, -(-max(len(p.chosen.ids) + len(p.rejected.ids) - shared_prompt(p) for p in pairs)
+                              // TREE_ROW_MULTIPLE) * TREE_ROW_MULTIPLE)
+            rows = [self._tree_row(p, S) for p in pairs]
+            names += ("tree_prev", "tree_reach")
+        else:
+            rows = [self._row(p) for p in pairs]
+        batch = {name: torch.tensor([r[i] for r in rows]) for i, name in enumerate(names)}
+        batch["tokens_unshared"] = torch.tensor([len(p.chosen.ids) + len(p.rejected.ids) for p in pairs])
+        batch["tokens_computed"] = batch["tokens_unshared"] - torch.tensor(
+            [shared_prompt(p) if self.share_prefixes else 0 for p in pairs])
         if self.reference_Px2 is not None:
             batch["ref_chosen"], batch["ref_rejected"] = self.reference_Px2[indices].unbind(1)
         return batch

@@ -435,9 +435,11 @@ def topk_first(scores: torch.Tensor, k: int) -> torch.Tensor:
     return bits.to(torch.int64).mul_(1 << 32).add_(rev_index).topk(k, dim=-1).indices
 
 
-def allowed_rows(q_index_S, key_valid_BxT, q_segment_BxS, k_segment_BxT, dense_BxSxT, start, stop, num_keys):
+def allowed_rows(q_index_S, key_valid_BxT, q_segment_BxS, k_segment_BxT, dense_BxSxT, start, stop, num_keys,
+                 key_reach_BxT=None):
     """allowed [B or 1, stop - start, num_keys] for queries start:stop (what `Mask.rows` builds from its parts):
-    the dense mask as given, else causal order, key padding and same document."""
+    the dense mask as given, else causal order, key padding, same document and, in a tree batch, query index <=
+    the key's reach (the last query index that sees it)."""
     if dense_BxSxT is not None:
         return dense_BxSxT[:, start:stop, :num_keys]
     k_index = torch.arange(num_keys, device=q_index_S.device)
@@ -446,6 +448,8 @@ def allowed_rows(q_index_S, key_valid_BxT, q_segment_BxS, k_segment_BxT, dense_B
         allowed = allowed & key_valid_BxT[:, None, :num_keys]
     if q_segment_BxS is not None:
         allowed = allowed & (q_segment_BxS[:, start:stop, None] == k_segment_BxT[:, None, :num_keys])
+    if key_reach_BxT is not None:
+        allowed = allowed & (q_index_S[start:stop, None] <= key_reach_BxT[:, None, :num_keys])
     return allowed
 
 
@@ -477,7 +481,7 @@ def _check_indexer(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, k):
 
 
 def _indexer_topk_torch(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, key_valid_BxT, q_segment_BxS, k_segment_BxT,
-                        dense_BxSxT, bias_BxSxT, k, chunk_elems=INDEXER_CPU_CHUNK_ELEMS):
+                        dense_BxSxT, bias_BxSxT, k, chunk_elems=INDEXER_CPU_CHUNK_ELEMS, key_reach_BxT=None):
     B, S, I, _ = q_BxSxIxJ.shape
     T = keys_BxTxJ.shape[1]
     chunk = max(1, chunk_elems // max(1, B * I * T))
@@ -496,7 +500,7 @@ def _indexer_topk_torch(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, key_valid_BxT
         if bias_BxSxT is not None:
             scores = scores + bias_BxSxT[:, start:stop, :num_keys]
         allowed = allowed_rows(q_index_S, key_valid_BxT, q_segment_BxS, k_segment_BxT, dense_BxSxT, start, stop,
-                               num_keys)
+                               num_keys, key_reach_BxT)
         idx_BxSxK[:, start:stop] = topk_first(scores.masked_fill_(~allowed, float("-inf")), k)
     return idx_BxSxK
 
@@ -505,26 +509,30 @@ def _indexer_topk_torch(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, key_valid_BxT
 def indexer_topk(q_BxSxIxJ: torch.Tensor, w_BxSxI: torch.Tensor, keys_BxTxJ: torch.Tensor, q_index_S: torch.Tensor,
                  key_valid_BxT: torch.Tensor | None, q_segment_BxS: torch.Tensor | None,
                  k_segment_BxT: torch.Tensor | None, dense_BxSxT: torch.Tensor | None,
-                 bias_BxSxT: torch.Tensor | None, k: int) -> torch.Tensor:
+                 bias_BxSxT: torch.Tensor | None, k: int, key_reach_BxT: torch.Tensor | None = None) -> torch.Tensor:
     """Top-k key indices [B, S, k] (int64) of the index scores sum_i w_i relu(q_i . key / sqrt(J)) (fp32, fp64 for
     fp64 inputs), plus bias, -inf where the mask forbids; equal scores go to the lower index (`topk_first`).
 
     q (roped) and w (scaled by I^-0.5) come projected. The mask: dense [B or 1, S, T] bool used as given, else
-    key index <= q_index, key_valid [B or 1, T] and q_segment == k_segment (same document). A query with fewer
-    than k allowed keys gets masked picks for the rest (its allowed mask at those indices is False).
+    key index <= q_index, key_valid [B or 1, T], q_segment == k_segment (same document) and q_index <=
+    key_reach [B or 1, T] (a tree batch: `glm5f.model.tree`). A query with fewer than k allowed keys gets masked
+    picks for the rest (its allowed mask at those indices is False).
     """
     _check_indexer(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, k)
     return _indexer_topk_torch(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, key_valid_BxT, q_segment_BxS,
-                               k_segment_BxT, dense_BxSxT, bias_BxSxT, k)
+                               k_segment_BxT, dense_BxSxT, bias_BxSxT, k, key_reach_BxT=key_reach_BxT)
 
 
 @indexer_topk.register_kernel("cuda")
 def indexer_topk_cuda(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, key_valid_BxT, q_segment_BxS, k_segment_BxT,
-                      dense_BxSxT, bias_BxSxT, k, chunk_elems=INDEXER_QUERY_CHUNK_ELEMS):
+                      dense_BxSxT, bias_BxSxT, k, key_reach_BxT=None, chunk_elems=INDEXER_QUERY_CHUNK_ELEMS):
     _check_indexer(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, k)
     if not _use_triton(q_BxSxIxJ, w_BxSxI, keys_BxTxJ):
         return _indexer_topk_torch(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, key_valid_BxT, q_segment_BxS,
-                                   k_segment_BxT, dense_BxSxT, bias_BxSxT, k, chunk_elems)
+                                   k_segment_BxT, dense_BxSxT, bias_BxSxT, k, chunk_elems, key_reach_BxT)
+    if key_reach_BxT is not None:
+        raise ValueError("indexer_topk: the Triton index-score kernel takes no tree mask (key_reach); run tree "
+                         "batches with the torch path (--data.share_prefixes false, or a CPU/fp64 run)")
     B, S = q_BxSxIxJ.shape[:2]
     T = keys_BxTxJ.shape[1]
     chunk = max(1, chunk_elems // max(1, B * T))  # the fused kernel keeps no per-head scores
@@ -539,7 +547,7 @@ def indexer_topk_cuda(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, key_valid_BxT, 
 
 @indexer_topk.register_fake
 def _(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, key_valid_BxT, q_segment_BxS, k_segment_BxT, dense_BxSxT,
-      bias_BxSxT, k):
+      bias_BxSxT, k, key_reach_BxT=None):
     _check_indexer(q_BxSxIxJ, w_BxSxI, keys_BxTxJ, q_index_S, k)
     B, S = q_BxSxIxJ.shape[:2]
     return q_BxSxIxJ.new_empty(B, S, k, dtype=torch.long)

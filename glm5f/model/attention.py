@@ -90,7 +90,7 @@ def indexer_topk(q_BxSxIxJ: torch.Tensor, w_BxSxI: torch.Tensor, keys_BxTxJ: tor
     so attention never uses them. The products q_i . key take q and the keys in q's dtype, summed in fp32 (fp64
     for fp64 inputs): half-precision q runs on CUDA's tensor cores (`index_queries_narrow`)."""
     return kernels.indexer_topk(q_BxSxIxJ, w_BxSxI, keys_BxTxJ.to(q_BxSxIxJ.dtype), mask.q_index, mask.key_valid,
-                                mask.q_segment, mask.k_segment, mask.dense, mask.bias, k)
+                                mask.q_segment, mask.k_segment, mask.dense, mask.bias, k, mask.reach)
 
 
 # ---- which keys each query attends -------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from glm5f.kernels.dsa import allowed_rows
 from glm5f.model.lora import LoraSpec, bind
 from glm5f.core.ops import rope_tables
 from glm5f.parallel.layout import Layout
+from glm5f.model.tree import Tree
 from glm5f.core.params import leaf_dtype, map_with_path
 
 
@@ -30,6 +31,8 @@ class Mask:
     sequences attend within their document). dense [B, S, T] bool: a user's 4D mask, used as given (no causal
     part added), with `bias` [B, S, T] its additive values where it was a float mask with non-zero entries.
     q_index_host: q_index as Python ints (a range or list), read to size query chunks without a device read.
+    tree: a tree batch's structure (`glm5f.model.tree`): key j is visible to query i only when i <= tree.reach[j]
+    (with causal order: j is on i's path), and keys its `valid` marks False are not keys.
     """
 
     q_index: torch.Tensor
@@ -40,17 +43,23 @@ class Mask:
     dense: torch.Tensor | None = None
     bias: torch.Tensor | None = None
     q_index_host: Sequence[int] | None = None
+    tree: Tree | None = None
 
     @property
     def is_plain_causal(self) -> bool:
         """True when the mask is exactly "key index <= query index" over the same S == T positions."""
-        return (self.dense is None and self.key_valid is None and self.q_segment is None
+        return (self.dense is None and self.key_valid is None and self.q_segment is None and self.tree is None
                 and self.q_index.numel() == self.num_keys)
 
     def rows(self, start: int, stop: int, num_keys: int | None = None) -> torch.Tensor:
         """allowed [B or 1, stop - start, num_keys] for queries start:stop over the first num_keys (default all)."""
         return allowed_rows(self.q_index, self.key_valid, self.q_segment, self.k_segment, self.dense, start, stop,
-                            self.num_keys if num_keys is None else num_keys)
+                            self.num_keys if num_keys is None else num_keys, self.reach)
+
+    @property
+    def reach(self) -> torch.Tensor | None:
+        """[B, T]: the last query index that may see each key (a tree's `Tree.reach`), None without a tree."""
+        return None if self.tree is None else self.tree.reach
 
     def visible_keys(self, start: int, stop: int) -> int:
         """How many leading keys queries start:stop can see at most (causal: one past the last query's index)."""
@@ -71,6 +80,9 @@ class Mask:
         if self.q_segment is not None:
             k_seg = self.k_segment.expand(B, -1).gather(1, idx_BxSxK.flatten(1)).view_as(idx_BxSxK)
             allowed = allowed & (k_seg == self.q_segment[:, :, None])
+        if self.tree is not None:
+            reach = self.tree.reach.expand(B, -1).gather(1, idx_BxSxK.flatten(1)).view_as(idx_BxSxK)
+            allowed = allowed & (self.q_index[None, :, None] <= reach)
         return allowed
 
     def queries(self, held: list[int], held_S: torch.Tensor) -> Mask:
@@ -79,7 +91,7 @@ class Mask:
             return None if t is None else t.index_select(dim, held_S)
         host = None if self.q_index_host is None else [self.q_index_host[i] for i in held]
         return Mask(rows(self.q_index, 0), self.num_keys, self.key_valid, rows(self.q_segment, 1), self.k_segment,
-                    rows(self.dense, 1), rows(self.bias, 1), host)
+                    rows(self.dense, 1), rows(self.bias, 1), host, self.tree)
 
     def bias_at(self, idx_BxSxK: torch.Tensor) -> torch.Tensor | None:
         if self.bias is None:
@@ -246,24 +258,55 @@ def make_env(cfg: GLM5Config, batch: dict, dtype: torch.dtype, layout: Layout | 
     """(this rank's share of a global batch, the Env its layers run in). The batch holds [B, S] "input_ids" and
     "position_ids", optionally "attention_mask" (2D or 4D, see `make_mask`), "valid", the replay records "routing"
     and "indexer" (`glm5f.core.replay`; shapes checked, values not: `replay.check_replay` reads them) and any other
-    per-token tensors (split alike); the layout says which rows and positions are this rank's."""
+    per-token tensors (split alike); the layout says which rows and positions are this rank's. A tree batch
+    (`glm5f.model.tree`) holds a "tree" (a Tree) or its tensors "tree_prev" and "tree_reach" beside position_ids
+    (`check_tree_batch` says what it may not hold)."""
     layout = layout or Layout(batch["input_ids"].device)
     B, S = batch["input_ids"].shape
     replaying = any(batch.get(k) is not None for k in replay.REPLAY_KEYS)
     if replaying:
         replay.check_shapes(batch, cfg)
     rows, positions = layout.share(B, S)
+    tree = batch.get("tree")
+    if tree is None and batch.get("tree_prev") is not None:
+        tree = Tree.of(batch["tree_prev"], batch["tree_reach"], batch["position_ids"])
+    if tree is not None:
+        check_tree_batch(batch, positions, objectives)
+        batch = {**batch, "position_ids": tree.position}
     packed = batch.get("position_ids") is not None  # else one document per row (deciding it would read the ids)
     position_ids = default_positions(batch.get("position_ids"), B, S, batch["input_ids"].device)
     batch = {**batch, "position_ids": position_ids}
     local = split_tokens(batch, rows, positions)
     mask = batch.get("attention_mask")
-    mask = make_mask(None if mask is None else mask[rows], position_ids[rows], positions, packed)
+    if tree is None:
+        mask = make_mask(None if mask is None else mask[rows], position_ids[rows], positions, packed)
+    else:
+        tree = tree.rows(rows)
+        mask = Mask(torch.arange(S, device=position_ids.device), S, key_valid=tree.valid, q_index_host=range(S),
+                    tree=tree)
     cos, sin = rope_tables(cfg, local["position_ids"], dtype)
     env = Env(cos, sin, mask, layout, objectives, local.get("valid"), weight_dtype, remat, compile, lora, query_parts)
     if replaying:
         env.routing, env.indexer = replay_records(cfg, local, mask)
     return local, env
+
+
+def check_tree_batch(batch: dict, positions: torch.Tensor | None, objectives: Objectives) -> None:
+    """Refuses what a tree batch (`glm5f.model.tree`) does not compute exactly: its position_ids are the tree's own
+    (`Tree.position`), its mask is the tree's (no attention_mask), its rows whole on each rank (no CP), no replay
+    records, and no objective summed over queries or sequences (indexer loss, sequence balance loss) unless each
+    token is weighed by the sequences holding it, which they are not yet."""
+    found = [k for k in ("attention_mask", "routing", "indexer") if batch.get(k) is not None]
+    if found:
+        raise ValueError(f"a tree batch takes its mask and positions from its Tree; found {', '.join(found)} beside "
+                         f"it: drop them or run without sharing prefixes (--data.share_prefixes false)")
+    if positions is not None:
+        raise ValueError("a tree batch's rows are not split over context-parallel ranks yet; run with cp 1 or "
+                         "without sharing prefixes (--data.share_prefixes false)")
+    if objectives.indexer_loss != "off" or objectives.seq_aux or objectives.mtp_depths:
+        raise ValueError("the indexer loss, the sequence balance loss and a step's MTP loss do not weigh a tree's "
+                         "shared tokens by the sequences holding them yet (tree_logprobs computes MTP terms); turn "
+                         "them off or run with --data.share_prefixes false")
 
 
 def replay_records(cfg: GLM5Config, local: dict, mask: Mask) -> tuple[dict, dict]:

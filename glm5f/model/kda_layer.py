@@ -367,19 +367,65 @@ def kda_attention_cp(p: dict, x_BxSxD: torch.Tensor, cfg, starts: tuple[int, ...
     return checkpoint(_gated_out, p, o, x_BxSxD, cfg, use_reentrant=False)
 
 
+# ---- tree batches (glm5f.model.tree) -----------------------------------------------------------------------------
+
+def _tree_conv(x_BxSxC: torch.Tensor, w: torch.Tensor, anc_BxSxW: torch.Tensor, head_dim: int,
+               normalize: bool) -> torch.Tensor:
+    """`_ShortConv` along each token's path: tap i reads the token's i-th predecessor (`Tree.ancestors`), zero
+    before its root. Returns [B, S, H, d] in _ShortConv's dtypes; differentiated by autograd."""
+    dt = wide_dtype(torch.promote_types(x_BxSxC.dtype, w.dtype))
+    x, w = x_BxSxC.to(dt), w.to(dt)
+    W, C = w.shape[-1], x.shape[-1]
+    pre = x * w[:, 0, W - 1]
+    for i in range(1, W):
+        idx_BxS = anc_BxSxW[..., i]
+        tap = x.gather(1, idx_BxS.clamp(min=0)[..., None].expand(-1, -1, C)) * (idx_BxS >= 0)[..., None].to(dt)
+        pre = pre + tap * w[:, 0, W - 1 - i]
+    y = F.silu(pre).to(x_BxSxC.dtype).unflatten(-1, (-1, head_dim))
+    if normalize:
+        y = y.to(wide_dtype(x_BxSxC.dtype))
+        y = y * torch.rsqrt((y * y).sum(-1, keepdim=True) + 1e-6)
+    return y
+
+
+def kda_attention_tree(p: dict, x_BxSxD: torch.Tensor, cfg, tree, chunk: int = CHUNK) -> torch.Tensor:
+    """`kda_attention` over a tree batch's rows (`glm5f.model.tree.Tree`): the short convolutions read each
+    token's path, and each segment's delta rule starts from its parent's final state (zero at a root), so every
+    token's output is the one its unshared sequences give; gradients flow back through the shared states."""
+    K, W = cfg.linear_head_dim, cfg.linear_conv_kernel_dim
+    anc_BxSxW = tree.ancestors(W)
+    q, k, v = (_tree_conv(linear(p[f"{n}_proj"], x_BxSxD), p[f"{n}_conv1d"]["weight"], anc_BxSxW, K, n != "v")
+               for n in "qkv")
+    g = _log_decay(p, x_BxSxD, cfg)
+    beta = torch.sigmoid(linear(p["b_proj"], x_BxSxD))
+    rows = []
+    for b, segments in enumerate(tree.segments):
+        finals, pieces = [], []
+        for start, stop, parent in segments:
+            part = (t[b:b + 1, start:stop] for t in (q, k, v, g, beta))
+            o, final = kda(*part, K ** -0.5, None if parent < 0 else finals[parent], None, chunk)
+            finals.append(final)
+            pieces.append(o)
+        rows.append(torch.cat(pieces, 1))
+    return _gated_out(p, torch.cat(rows, 0), x_BxSxD, cfg)
+
+
 # ---- the kind record (glm5f.core.layers) -------------------------------------------------------------------------------
 
 def kda_block(p: dict, x_BxSxD: torch.Tensor, cfg, layer: int, env, carry):
     """A GLM-5.3 linear-attention layer (`kda_attention`): padding tokens' inputs zeroed (as the reference does),
     packed documents restart its state and convolution. With a carried state (`env.state`: decoding) it continues
     the sequence from it (`kda_attention_step`). Under CP (`kda_attention_cp`) this rank's queries are two equal
-    chunks of each sequence (`Layout.share`). It passes no top-k on (the reference neither)."""
+    chunks of each sequence (`Layout.share`); in a tree batch each segment continues its parent
+    (`kda_attention_tree`). It passes no top-k on (the reference neither)."""
     if env.mask.dense is not None:
         raise ValueError("GLM-5.3's KDA layers take a 2D padding mask or packed position_ids, not a 4D mask")
     state = env.state(layer)
     x_BxSxD = x_BxSxD * env.mask.query_valid(x_BxSxD.shape[0])[..., None].to(x_BxSxD.dtype)
     if state is not None:
         return kda_attention_step(p, x_BxSxD, cfg, state), None, {}
+    if env.mask.tree is not None:
+        return kda_attention_tree(p, x_BxSxD, cfg, env.mask.tree), None, {}
     if env.layout.cp > 1:
         half = x_BxSxD.shape[1] // 2
         starts = (env.mask.q_index_host[0], env.mask.q_index_host[half])

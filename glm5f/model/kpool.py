@@ -32,6 +32,7 @@ class Pools:
 
     offset: torch.Tensor
     end: torch.Tensor
+    members: torch.Tensor | None = None  # [B, T, kpool] in a tree batch: the pool ending at t's tokens, in order
 
 
 def pools(mask: Mask, B: int, kpool: int) -> Pools:
@@ -39,6 +40,10 @@ def pools(mask: Mask, B: int, kpool: int) -> Pools:
     if mask.dense is not None:
         raise ValueError("GLM-5.3's pooled indexer tiles documents into pools: it takes a 2D padding mask or packed "
                          "position_ids, not a 4D attention_mask")
+    if mask.tree is not None:  # each path's tokens tile from its root's first (position 0)
+        offset_BxT = mask.tree.position.expand(B, -1)
+        end_BxT = (offset_BxT >= kpool - 1) & ((offset_BxT + 1) % kpool == 0)
+        return Pools(offset_BxT, end_BxT, mask.tree.ancestors(kpool).flip(-1).expand(B, -1, -1))
     T = mask.num_keys
     device = mask.q_index.device
     t_T = torch.arange(T, device=device)
@@ -63,6 +68,8 @@ def pool_keys(keys_BxTxJ: torch.Tensor, gate_BxTxJ: torch.Tensor, ape_KxJ: torch
     """Pool keys [B, T, J] at each complete pool's last token (zero elsewhere): per channel j, the pool's tokens'
     keys weighted by softmax over the pool of gate[t, j] + ape[t's index in the pool, j], in fp32 (or wider)."""
     B, T, J = keys_BxTxJ.shape
+    if where.members is not None:
+        return tree_pool_keys(keys_BxTxJ, gate_BxTxJ, ape_KxJ, where)
     t_T = torch.arange(T, device=keys_BxTxJ.device)
     offset = where.offset.clamp(min=0)
     # each token's pool, named by the pool's last index; tokens before their document's first real one go to a
@@ -80,9 +87,22 @@ def pool_keys(keys_BxTxJ: torch.Tensor, gate_BxTxJ: torch.Tensor, ape_KxJ: torch
     return pooled_BxTxJ.masked_fill(~where.end[..., None], 0)
 
 
+def tree_pool_keys(keys_BxTxJ: torch.Tensor, gate_BxTxJ: torch.Tensor, ape_KxJ: torch.Tensor,
+                   where: Pools) -> torch.Tensor:
+    """`pool_keys` of a tree batch: each pool's tokens gathered along its end's path (`Pools.members`)."""
+    B, T, J = keys_BxTxJ.shape
+    idx_BxTP = where.members.clamp(min=0).flatten(1)[..., None].expand(-1, -1, J)
+    gate_BxTxPxJ = gate_BxTxJ.gather(1, idx_BxTP).view(B, T, -1, J)
+    weights = torch.softmax(wide(gate_BxTxPxJ) + wide(ape_KxJ), dim=2)
+    keys_BxTxPxJ = keys_BxTxJ.gather(1, idx_BxTP).view(B, T, -1, J)
+    pooled_BxTxJ = (weights * keys_BxTxPxJ.to(weights.dtype)).sum(2).to(keys_BxTxJ.dtype)
+    return pooled_BxTxJ.masked_fill(~where.end[..., None], 0)
+
+
 def candidates(mask: Mask, where: Pools) -> Mask:
     """The mask of the pool keys each query may score: `mask` with its key_valid narrowed to complete pools' ends."""
-    return Mask(mask.q_index, mask.num_keys, key_valid=where.end, q_segment=mask.q_segment, k_segment=mask.k_segment)
+    return Mask(mask.q_index, mask.num_keys, key_valid=where.end, q_segment=mask.q_segment, k_segment=mask.k_segment,
+                tree=mask.tree)
 
 
 def pooled_selection(q_BxSxIxJ: torch.Tensor, w_BxSxI: torch.Tensor, pooled_BxTxJ: torch.Tensor, where: Pools,
@@ -98,18 +118,27 @@ def pooled_selection(q_BxSxIxJ: torch.Tensor, w_BxSxI: torch.Tensor, pooled_BxTx
     pool_mask = candidates(mask, where)
     k = min(index_topk // kpool, T)
     ends_BxSxG = kernels.indexer_topk(q_BxSxIxJ, w_BxSxI, pooled_BxTxJ.to(q_BxSxIxJ.dtype), pool_mask.q_index,
-                                      pool_mask.key_valid, pool_mask.q_segment, pool_mask.k_segment, None, None, k)
+                                      pool_mask.key_valid, pool_mask.q_segment, pool_mask.k_segment, None, None, k,
+                                      pool_mask.reach)
     if recorded_BxSxG is None:
         chosen_BxSxG = pool_mask.at(ends_BxSxG)
     else:
         ends_BxSxG, chosen_BxSxG = replay.replayed(ends_BxSxG, recorded_BxSxG, pool_mask.at)
     step_P = torch.arange(kpool, device=ends_BxSxG.device)
-    idx_BxSxW = (ends_BxSxG[..., None] - (kpool - 1) + step_P).flatten(2)
+    if where.members is None:
+        idx_BxSxW = (ends_BxSxG[..., None] - (kpool - 1) + step_P).flatten(2)
+    else:
+        idx_BxSxW = where.members.gather(1, ends_BxSxG.flatten(1)[..., None].expand(-1, -1, kpool)).view(
+            B, S, -1)
     allowed_BxSxW = chosen_BxSxG[..., None].expand(-1, -1, -1, kpool).flatten(2)
     if tail and kpool > 1:
         q_offset_BxS = where.offset[:, mask.q_index]
         in_pool_BxS = q_offset_BxS % kpool  # the query's index in its own pool
-        tail_BxSxP = mask.q_index[None, :, None] - in_pool_BxS[..., None] + step_P[:kpool - 1]
+        if where.members is None:
+            tail_BxSxP = mask.q_index[None, :, None] - in_pool_BxS[..., None] + step_P[:kpool - 1]
+        else:  # the query's predecessors on its path: in_pool - s steps back for slot s
+            back_BxSxP = (in_pool_BxS[..., None] - step_P[:kpool - 1]).clamp(min=0)
+            tail_BxSxP = where.members[:, mask.q_index].flip(-1).gather(-1, back_BxSxP)
         valid_BxT = where.offset >= 0 if mask.key_valid is None else mask.key_valid.expand(B, -1) & (where.offset >= 0)
         tail_ok = ((step_P[:kpool - 1] <= in_pool_BxS[..., None]) & (in_pool_BxS[..., None] < kpool - 1)
                    & (q_offset_BxS[..., None] >= 0))

@@ -14,7 +14,8 @@ from glm5f.core.config import GLM5Config
 from glm5f.model.env import make_env
 from glm5f.model.head import head_token_losses, shift_labels
 from glm5f.model.lora import LoraSpec
-from glm5f.model.decoder import hidden_states, input_batch, main_head
+from glm5f.model.tree import TreeBatch
+from glm5f.model.decoder import hidden_states, input_batch, main_head, mtp_layer
 from glm5f.parallel.layout import Layout
 from glm5f.core import IGNORE_INDEX
 
@@ -53,4 +54,33 @@ def token_logprobs(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, targe
     return head_logprobs(main_head(compute, cfg), hidden_BxSxD, local["targets"], cfg.rms_norm_eps)
 
 
-__all__ = ["IGNORE_INDEX", "head_logprobs", "token_logprobs"]
+def tree_logprobs(params: dict, cfg: GLM5Config, tb: TreeBatch, *, lora: LoraSpec | None = None,
+                  dtype: torch.dtype | None = None, mtp_depths: int = 0) -> torch.Tensor:
+    """log p [N] of each next-token pair of a tree batch (`glm5f.model.tree.TreeBatch`: the token at tb.src[n]
+    predicts the one at tb.dst[n]), each equal to the log-probability that token has in every unshared sequence
+    holding the pair (`token_logprobs` of that sequence alone). lora and dtype as `token_logprobs`'.
+
+    With mtp_depths, [1 + mtp_depths, N]: row d > 0 the MTP depth d head's log-probability of the pair's dst
+    token at the sequence position d before src (whose depth-d input is the token at src), 0 where src lies less
+    than d tokens into its path. Depth d runs on the tree shifted by d (`Tree.shifted`): its node at src holds
+    t_src as input and depth d - 1's state at src's predecessor, so every path's MTP terms are its unshared ones."""
+    batch = input_batch(cfg, tb.input_ids)
+    spec = None if lora is None else dataclasses.replace(lora, dropout=0.0)
+    dtype = dtype or params["model"]["embed_tokens"]["weight"].dtype
+    local, env = make_env(cfg, {**batch, "tree": tb.tree}, dtype, lora=spec)
+    top = env.weights({**params, "model": {k: v for k, v in params["model"].items() if k != "layers"}})
+    compute = {**top, "model": {**top["model"], "layers": params["model"]["layers"]}}
+    h_BxSxD, _ = hidden_states(compute, cfg, local["input_ids"], env)
+    targets_N, eps = tb.targets, cfg.rms_norm_eps
+    out = [head_logprobs(main_head(compute, cfg), h_BxSxD.flatten(0, 1)[tb.src][None], targets_N[None], eps)[0]]
+    prev_BxSxD = tb.tree.prev.clamp(min=0)[..., None].expand(-1, -1, h_BxSxD.shape[-1])
+    src_position_N = tb.tree.position.flatten()[tb.src]
+    for d in range(1, mtp_depths + 1):
+        _, env_d = make_env(cfg, {**batch, "tree": tb.tree.shifted(d)}, dtype, lora=spec)
+        h_BxSxD, head, _ = mtp_layer(compute, cfg, d, h_BxSxD.gather(1, prev_BxSxD), local["input_ids"], env_d)
+        t_N = torch.where(src_position_N >= d, targets_N, IGNORE_INDEX)
+        out.append(head_logprobs(head, h_BxSxD.flatten(0, 1)[tb.src][None], t_N[None], eps)[0])
+    return out[0] if mtp_depths == 0 else torch.stack(out)
+
+
+__all__ = ["IGNORE_INDEX", "head_logprobs", "token_logprobs", "tree_logprobs"]

@@ -18,7 +18,7 @@ from glm5f.model.head import shift_labels
 from glm5f.model.logprobs import head_logprobs
 from glm5f.core.ops import wide_dtype
 from glm5f.data.chat import ChatFormat
-from glm5f.data.pairs import CHOSEN, PairSource, answer_sums, read_pairs
+from glm5f.data.pairs import CHOSEN, REJECTED, PairSource, answer_sums, read_pairs
 from glm5f.data.sources import model_tokenizer
 from glm5f.posttrain import reference as stored
 from glm5f.core import IGNORE_INDEX
@@ -53,10 +53,18 @@ def dpo_terms(pi_c: torch.Tensor, pi_r: torch.Tensor, ref_c: torch.Tensor, ref_r
 
 def identical(batch: dict) -> torch.Tensor:
     """[B] bool: the rows whose chosen sequence is its rejected one (the same tokens and labels), read from a
-    `PairSource` row: the chosen sequence, then the rejected one, each starting at position 0. Such a pair carries no
+    `PairSource` row: the chosen sequence, then the rejected one, each starting at position 0 (a tree row: the two
+    answers' tokens after the shared prompt). Such a pair carries no
     signal: its DPO term's gradient is 0 up to rounding, so the loss leaves it out."""
     ids_BxS, labels_BxS, pos_BxS = batch["input_ids"], batch["labels"], batch["position_ids"]
     same = torch.zeros(len(ids_BxS), dtype=torch.bool, device=ids_BxS.device)
+    if batch.get("tree_prev") is not None:  # a tree row: the prompt once, then each answer's tokens
+        ans = batch["answer"]
+        for b in range(len(ids_BxS)):
+            c, r = ans[b] == CHOSEN, ans[b] == REJECTED
+            same[b] = bool(c.any() and torch.equal(ids_BxS[b][c], ids_BxS[b][r])
+                           and torch.equal(labels_BxS[b][c], labels_BxS[b][r]))
+        return same
     for b, starts in enumerate((pos_BxS == 0).tolist()):
         cut = [i for i, s in enumerate(starts) if s] + [len(starts)]
         if len(cut) < 3 or cut[1] - cut[0] != cut[2] - cut[1]:
@@ -68,7 +76,10 @@ def identical(batch: dict) -> torch.Tensor:
 
 def prepare(batch: dict, settings=None) -> dict:
     """The batch with "answer_targets": which answer each next-token target belongs to (the "answer" entries
-    shifted as the labels are), made on whole sequences; "identical" [B]: the rows `identical` finds."""
+    shifted as the labels are; in a tree batch, whose targets sit at the token they name, as they are), made on
+    whole sequences; "identical" [B]: the rows `identical` finds."""
+    if batch.get("tree_prev") is not None:
+        return {**batch, "answer_targets": batch["answer"], "identical": identical(batch)}
     return {**batch, "answer_targets": shift_labels(batch["answer"].masked_fill(batch["answer"] == 0, IGNORE_INDEX))
             .clamp(min=0), "identical": identical(batch)}
 
@@ -79,7 +90,8 @@ def denoms(batch: dict) -> dict:
     ans = batch["answer_targets"]
     rows = (ans == CHOSEN).any(1)
     return {"pairs": (rows & ~batch["identical"]).sum().clamp(min=1), "rows": rows.sum().clamp(min=1),
-            "chosen_targets": (ans == CHOSEN).sum().clamp(min=1)}
+            "chosen_targets": (ans == CHOSEN).sum().clamp(min=1),
+            "step": torch.ones((), dtype=torch.float64, device=ans.device)}
 
 
 def skip(batch: dict, settings=None) -> str | None:
@@ -128,6 +140,9 @@ def loss(params: dict, batch: dict, ctx: Context) -> tuple[torch.Tensor, dict]:
     sums["frac_identical_pairs"] = (has_pair & batch["identical"]).sum(dtype=torch.float64) * counted
     sums["logps_chosen"], sums["logps_rejected"] = (torch.where(is_pair, s.detach(), 0.0).sum() * counted
                                                     for s in (pi_c, pi_r))
+    for name in ("tokens_computed", "tokens_unshared"):  # the rows' tokens run, and the pairs' sequences' tokens
+        if name in batch:
+            sums[name] = batch[name].sum(dtype=torch.float64) * counted
     value = sums["loss"] / ctx.denoms["pairs"]
     if o.sft_weight:
         sums["sft_loss"] = -pi_c.sum() * counted
@@ -167,12 +182,13 @@ def check(cfg) -> list[str]:
 
 
 def source(cfg, model_cfg, layout, tokenizer_path: str | None, warn) -> PairSource:
-    """The run's preference pairs (--data.type preference: `pairs.PairSource` of --data.path), in memory."""
+    """The run's preference pairs (--data.type preference: `pairs.PairSource` of --data.path), in memory; with
+    --data.share_prefixes each pair one tree row (the prompt once, then both answers)."""
     d = cfg.data
     tok = model_tokenizer(tokenizer_path, model_cfg.vocab_size)
     fmt = ChatFormat.load(tokenizer_path, d.chat_template)
     return PairSource(read_pairs(d.path, tok, fmt), d.batch_size, d.seq_len, model_cfg.vocab_size, d.seed, tok.pad_id,
-                      warn, d.path)
+                      warn, d.path, d.share_prefixes)
 
 
 def setup(run, data: PairSource, reference: dict | None) -> dict | None:
@@ -186,6 +202,7 @@ def setup(run, data: PairSource, reference: dict | None) -> dict | None:
 
 METRICS = {name: "pairs" for name in ("loss", "margin", "accuracy", "chosen", "rejected", "logps_chosen",
                                       "logps_rejected")}
-DPO = Objective(loss, denoms, {**METRICS, "sft_loss": "chosen_targets", "frac_identical_pairs": "rows"},
+DPO = Objective(loss, denoms, {**METRICS, "sft_loss": "chosen_targets", "frac_identical_pairs": "rows",
+                               "tokens_computed": "step", "tokens_unshared": "step"},
                 prepare=prepare, plan_bytes=plan_bytes, data_types=("preference",), settings="dpo", reference=True,
                 config=DPOConfig, check=check, source=source, setup=setup, skip=skip)

@@ -22,6 +22,7 @@ from glm5f.model.lora import LoraSpec
 from glm5f.model.decoder import hidden_states, main_head, mtp_states
 from glm5f.model.head import head_loss_sum, mtp_inputs, mtp_targets, shift_labels
 from glm5f.model.logprobs import head_logprobs
+from glm5f.model.tree import predecessor_states
 from glm5f.train.optim import trained_paths, value_and_grad
 from glm5f.parallel.layout import Layout
 from glm5f.core.params import flatten
@@ -53,6 +54,7 @@ class Context:
         top = env.weights({**params, "model": {k: v for k, v in params["model"].items() if k != "layers"}})
         compute = {**top, "model": {**top["model"], "layers": params["model"]["layers"]}}
         hidden_BxSxD, aux = hidden_states(compute, self.cfg, batch["input_ids"], env)
+        hidden_BxSxD = tree_targets_states(hidden_BxSxD, batch)
         self.forwards.append((compute, hidden_BxSxD, aux["layers"], batch))
         return hidden_BxSxD, main_head(compute, self.cfg)
 
@@ -66,7 +68,14 @@ class Context:
                                                        if k != "layers"}})
         compute = {**top, "model": {**top["model"], "layers": self.reference["model"]["layers"]}}
         hidden_BxSxD, _ = hidden_states(compute, self.cfg, batch["input_ids"], env)
-        return hidden_BxSxD, main_head(compute, self.cfg)
+        return tree_targets_states(hidden_BxSxD, batch), main_head(compute, self.cfg)
+
+
+def tree_targets_states(hidden_BxSxD: torch.Tensor, batch: dict) -> torch.Tensor:
+    """The hidden states that predict `batch["targets"]`: as they are, or in a tree batch (whose targets sit at the
+    token they name: `with_targets`) each token's predecessor's on its path (`tree.predecessor_states`)."""
+    prev_BxS = batch.get("tree_prev")
+    return hidden_BxSxD if prev_BxS is None else predecessor_states(hidden_BxSxD, prev_BxS)
 
 
 @dataclass(frozen=True)
@@ -234,11 +243,17 @@ def unused_weights(train, model_cfg: GLM5Config) -> list[str]:
 
 
 def with_targets(batch: dict, mtp_depths: int = 0) -> dict:
-    """The batch with its next-token "targets" (shifted on whole sequences, before any split) and "valid" tokens;
+    """The batch with its next-token "targets" (shifted on whole sequences, before any split; in a tree batch,
+    `glm5f.model.tree`, each token's own label, predicted from its predecessor) and "valid" tokens (the batch's own
+    "valid" when it has one: 0 on padding; a tree batch's counts the sequences holding each token);
     with mtp_depths, also the MTP depths' inputs "mtp_input_ids" and targets "mtp_targets" (lists, depth 1 first)."""
     mask = batch.get("attention_mask")
     valid = mask if mask is not None and mask.ndim == 2 else torch.ones_like(batch["input_ids"])
-    out = dict(batch, targets=shift_labels(batch["labels"]), valid=valid)
+    valid = batch["valid"] if batch.get("valid") is not None else valid  # a source's own (0 on padding)
+    prev_BxS = batch.get("tree_prev")  # a tree batch: a token's target is its own label, from its predecessor
+    targets = shift_labels(batch["labels"]) if prev_BxS is None else batch["labels"].masked_fill(prev_BxS < 0,
+                                                                                                 IGNORE_INDEX)
+    out = dict(batch, targets=targets, valid=valid)
     if mtp_depths:
         depths = range(1, mtp_depths + 1)
         out["mtp_input_ids"] = [mtp_inputs(batch["input_ids"], d) for d in depths]
