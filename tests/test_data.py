@@ -1,7 +1,7 @@
 """glm5f/data/: packing, prompt masking and the sources (text, json_file, hf_datasets, preset_pt, a tokenizer);
 streamed files against a naive packer, the shuffle buffer, resume mid-stream, memory that does not grow with the
-corpus; held-out documents (--eval.split_fraction: tests/test_data_held_out.py); and data that would train on the wrong thing, or on nothing, as an `error:` line naming
-where."""
+corpus; held-out documents (--eval.split_fraction: tests/test_data_held_out.py); and data that would train on the
+wrong thing, or on nothing, as an `error:` line naming where."""
 
 import gzip
 import json
