@@ -165,7 +165,7 @@ def test_a_step_whose_pairs_all_have_the_same_answers_skips_its_update_and_says_
                         "--checkpoint.dir", str(tmp_path / "run")))
     out, err = capsys.readouterr()
     assert ("no evaluation: the held-out loss is the LM loss of held-out text, and --train.objective dpo trains on "
-            "preference pairs (pass --eval.every 0 to turn evaluation off without this line)") in out
+            "--data.type preference (pass --eval.every 0 to turn evaluation off without this line)") in out
     assert all(r.get("skipped") for r in records) and records[0]["frac_identical_pairs"] == 1
     assert "step 1: every pair's chosen answer equals its rejected one" in out and "skipping" in out
     assert "got no gradient" not in err  # a skipped step's zero gradients are no advice about --lora.targets

@@ -170,7 +170,8 @@ def make_data(cfg, model_cfg: glm5f.GLM5Config, layout: Layout, say, tokenizer_p
             data = row.source(cfg, model_cfg, layout, tokenizer_path, warn)
         if cfg.eval.every:
             say(f"no evaluation: the held-out loss is the LM loss of held-out text, and --train.objective "
-                f"{cfg.train.objective} trains on --data.type {d.type} (pass --eval.every 0 to turn evaluation off without this line)")
+                f"{cfg.train.objective} trains on --data.type {d.type} (pass --eval.every 0 to turn evaluation off "
+                f"without this line)")
         return data, []
     with user_errors():
         data = make_source(d.type, path=d.path, split=d.split, warn=warn, allow_changed=d.allow_changed,
