@@ -47,8 +47,9 @@ def compute(reference: dict, data: PairSource, cfg: GLM5Config, layout: Layout, 
     """[P, 2] fp64: each pair of `data` (data.pairs, in their order) with its (chosen, rejected) summed answer
     log-probabilities under `reference` (as the layout stores it): the step's objective's `prepare`d batches of
     `rows` pairs at a time (the step's global micro-batch; the last one padded with its last pair so every rank
-    runs the same forwards) through `loss.logprob_table` (the step's dtypes and compiled layers), each answer's
-    targets summed (`pairs.answer_sums`). Every rank ends with the whole table. Collective. Says
+    runs the same forwards) through `loss.logprob_table` (the step's dtypes and compiled layers), each rank's part of
+    each answer summed (`pairs.answer_sums`) and the parts added over the ranks, as DPO's step adds them. Every rank
+    ends with the whole table. Collective. Says
     "reference log-probabilities: k/P pairs" as it goes."""
     P = len(data.pairs)
     table_Px2 = torch.zeros(P, 2, dtype=torch.float64, device=layout.device)
@@ -58,8 +59,9 @@ def compute(reference: dict, data: PairSource, cfg: GLM5Config, layout: Layout, 
         real = list(range(c * rows, min(P, (c + 1) * rows)))
         picked = real + [real[-1]] * (rows - len(real))
         batch = step.objective.prepare(with_targets(on_device(data.batch_of(picked), layout.device)), step.settings)
-        logp_BxS = logprob_table(reference, batch, cfg, layout, step, micro=1)
-        table_Px2[real] = torch.stack(answer_sums(logp_BxS, batch["answer_targets"]), 1)[:len(real)]
+        sums_Bx2 = logprob_table(reference, batch, cfg, layout, step, micro=1, columns=2, per_row=lambda logp_BxS, b:
+                                 torch.stack(answer_sums(logp_BxS, b["answer_targets"]), 1))
+        table_Px2[real] = sums_Bx2[:len(real)]
         if (c + 1) % every == 0 or c + 1 == chunks:
             say(f"reference log-probabilities: {real[-1] + 1}/{P} pairs")
     return table_Px2

@@ -385,38 +385,42 @@ def eval_loss(params: dict, batches: list[dict], cfg: GLM5Config, layout: Layout
 
 # ---- log-probabilities of a batch into a global table -------------------------------------------------------------
 
-def _table_loss(params: dict, batch: dict, ctx: Context) -> tuple[torch.Tensor, dict]:
+def _table_loss(params: dict, batch: dict, ctx: Context, per_row=None) -> tuple[torch.Tensor, dict]:
     """The log-probability of each target of this rank's share, written at its (row, position) of the micro-batch
-    into a table of its shape (zeros elsewhere), as the sum "logp"; no value to differentiate."""
+    into a table of its shape (zeros elsewhere), as the sum "logp"; with `per_row`, per_row(logp_BxS, share) [B, K]
+    (this rank's part of each row's values) written at its rows instead. No value to differentiate."""
     hidden_BxSxD, head = ctx.forward(params, batch)
     logp_BxS = head_logprobs(head, hidden_BxSxD, batch["targets"], ctx.cfg.rms_norm_eps)
     table = torch.zeros(batch["table_shape"], dtype=torch.float64, device=logp_BxS.device)
-    table[batch["table_row"], batch["table_pos"]] = logp_BxS.to(torch.float64)
+    if per_row is None:
+        table[batch["table_row"], batch["table_pos"]] = logp_BxS.to(torch.float64)
+    else:
+        table[batch["table_row"][:, 0]] = per_row(logp_BxS, batch).to(torch.float64)
     return logp_BxS.sum() * 0, {"logp": table}
-
-
-TABLE = Objective(_table_loss, lambda batch: {}, {})
 
 
 @torch.no_grad()
 def logprob_table(params: dict, batch: dict, cfg: GLM5Config, layout: Layout, step: Step,
-                  micro: int | None = None) -> torch.Tensor:
+                  micro: int | None = None, per_row=None, columns: int = 0) -> torch.Tensor:
     """The log-probability under `params` of each target of the global batch `batch` (`with_targets`'s, after the
     objective's `prepare`) [R, S] (fp64; 0 where no target), computed as the step computes them (its rank shares,
     dtypes, LoRA and compiled layers; `micro` micro-batches, default the step's; no terms), every rank ending with
-    the whole table (each entry is one rank's, the others add zeros to it). Collective. GRPO's old policy and
-    DPO's stored reference are this pass."""
+    the whole table (each entry is one rank's, the others add zeros to it). Collective. With `per_row`: [R, columns]
+    instead, each rank's per_row(logp_BxS, share) [B, columns] at its rows, summed over the ranks (a CP group's parts
+    of a row add up, as `Layout.seq_sum` adds them). GRPO's old policy and DPO's stored reference are this pass."""
     R, S = batch["targets"].shape
     device = batch["targets"].device
     b = {**batch, "table_row": torch.arange(R, device=device)[:, None].expand(R, S),
          "table_pos": torch.arange(S, device=device).expand(R, S)}
-    s = dataclasses.replace(step, objective=TABLE, coeffs={}, objectives=dataclasses.replace(
+    table = Objective(lambda p, b, ctx: _table_loss(p, b, ctx, per_row), lambda batch: {}, {})
+    s = dataclasses.replace(step, objective=table, coeffs={}, objectives=dataclasses.replace(
         step.objectives, seq_aux=False, indexer_loss="off", mtp_depths=0))
-    out_RxS, row = torch.zeros(R, S, dtype=torch.float64, device=device), 0
+    K = columns if per_row is not None else S
+    out_RxK, row = torch.zeros(R, K, dtype=torch.float64, device=device), 0
     for mb in micro_batches(b, micro or step.grad_accum):
         n = len(mb["targets"])
-        mb = {**mb, "table_row": mb["table_row"] - row, "table_shape": (n, S)}
+        mb = {**mb, "table_row": mb["table_row"] - row, "table_shape": (n, K)}
         _, (sums, _) = micro_loss(params, mb, {}, cfg, layout, s)
-        out_RxS[row:row + n] = layout.sum(sums["logp"])
+        out_RxK[row:row + n] = layout.sum(sums["logp"])
         row += n
-    return torch.where(batch["targets"] != IGNORE_INDEX, out_RxS, 0.0)
+    return out_RxK if per_row is not None else torch.where(batch["targets"] != IGNORE_INDEX, out_RxK, 0.0)
