@@ -179,11 +179,11 @@ GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addb
 # Families of the step's work, looked up on the Python frames and module calls above each op (innermost first): a
 # frame is (file, function) for glm5f and Transformers code, or the class of an nn.Module call.
 FAMILY_OF_FRAME = [  # (file or module class, functions or None for any, family)
-    ("kernels.py", ("indexer_topk", "_indexer_topk_torch", "_indexer_scores_torch", "topk_first", "allowed_rows"),
+    ("dsa.py", ("indexer_topk", "_indexer_topk_torch", "_indexer_scores_torch", "topk_first", "allowed_rows"),
      "indexer"),
     ("attention.py", ("select", "indexer_keys", "indexer_queries", "indexer_topk"), "indexer"),
     ("GlmMoeDsaIndexer", None, "indexer"),
-    ("kernels.py", None, "attention core"),
+    ("dsa.py", None, "attention core"),
     ("modeling_glm_moe_dsa.py", ("eager_attention_forward", "expand_kv"), "attention core"),
     ("ops.py", ("rms_norm", "layer_norm", "apply_rope", "swiglu"), "norms, rope, SwiGLU"),
     ("GlmMoeDsaRMSNorm", None, "norms, rope, SwiGLU"), ("LayerNorm", None, "norms, rope, SwiGLU"),
@@ -191,7 +191,7 @@ FAMILY_OF_FRAME = [  # (file or module class, functions or None for any, family)
     ("activations.py", None, "norms, rope, SwiGLU"), ("GlmMoeDsaMLP", None, "norms, rope, SwiGLU"),
     ("moe.py", None, "MoE routing, gathers, sums"), ("GlmMoeDsaExperts", None, "MoE routing, gathers, sums"),
     ("GlmMoeDsaTopkRouter", None, "MoE routing, gathers, sums"), ("GlmMoeDsaMoE", None, "MoE routing, gathers, sums"),
-    ("loss.py", None, "loss"), ("loss_utils.py", None, "loss"),
+    ("head.py", None, "loss"), ("loss.py", None, "loss"), ("loss_utils.py", None, "loss"),
     ("attention.py", None, "attention core"), ("GlmMoeDsaAttention", None, "attention core"),
 ]
 FAMILIES = ["linear layers", "MoE experts", "attention core", "indexer", "MoE routing, gathers, sums",
