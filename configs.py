@@ -143,12 +143,12 @@ class DataConfig:
     """Resume even though the data files differ from those the checkpoint was saved on (size or content), taking
     the saved position as it is; default: such a resume is an error."""
     format: Literal["glm5f", "slime", "verl", "skyrl", "prime_rl", "nemo_rl", "trl"] = "glm5f"
-    """--data.type rollouts: whose file it is: glm5f's records, or another engine's samples in its own field names
-    (glm5f/data/engines.py; docs/posttraining.md has the table)."""
+    """Rollouts data (--data.type rollouts): whose file it is: glm5f's records, or another engine's samples in its
+    own field names (glm5f/data/engines.py; docs/posttraining.md has the table)."""
     group_key: Optional[str] = None
-    """--data.format other than glm5f, a sample per line: the field its group's samples share (a dotted path reaches
-    into an object); default the engine's (verl: uid, slime: group_index, ...). A line holding a JSON list is a
-    group."""
+    """Another engine's rollouts (--data.format not glm5f), a sample per line: the field its group's samples share (a
+    dotted path reaches into an object); default the engine's (verl: uid, slime: group_index, ...). A line holding
+    a JSON list is a group."""
 
 
 @dataclass
