@@ -182,17 +182,16 @@ def test_a_runs_config_yaml_repeats_it_bit_for_bit(tmp_path):
     ("train: {steps: 2, stpes: 3}\n", "unknown key 'train.stpes'; did you mean 'train.steps'? the valid keys of "
                                       "train are steps, objective, grad_accum, query_parts, dtype,"),
     ("steps: 2\n", "unknown key 'steps'; did you mean 'train.steps'? the valid keys of the file are model, data, "
-                   "optim, train, parallel, checkpoint, eval, lora, dpo, rl, metrics, plan"),
+                   "optim, train, parallel, checkpoint, eval, lora, metrics, plan, dpo, rl"),
     ("train: {steps: many}\n", "train.steps must be an integer, found 'many' (str)"),
     ("train: {steps: 2.5}\n", "train.steps must be an integer, found 2.5 (float)"),
     ("optim: {lr: fast}\n", "optim.lr must be a number, found 'fast' (str)"),
     ("train: {activation_checkpointing: 1}\n", "train.activation_checkpointing must be true or false, found 1 (int)"),
-    ("data: {type: csv}\n", "data.type must be one of text, synthetic, json_file, preset_pt, hf_datasets, chat, "
-                            "preference, rollouts, prompts or null, found 'csv' (str)"),
+    ("data: {type: 3}\n", "data.type must be a string or null, found 3 (int)"),
     ("model: {preset: null}\n", "model.preset must be a string, found null"),
     ("data: 3\n", "data must be a mapping of type, path, split,"),
-    ("- train\n", "the file must be a mapping of model, data, optim, train, parallel, checkpoint, eval, lora, dpo, "
-                  "rl, metrics, plan, found ['train'] (list)"),
+    ("- train\n", "the file must be a mapping of model, data, optim, train, parallel, checkpoint, eval, lora, "
+                  "metrics, plan, dpo, rl, found ['train'] (list)"),
     ("train: {steps: [\n", "not valid YAML (while parsing a flow"),
 ])
 def test_a_recipe_that_does_not_fit_the_config_is_an_error_line(tmp_path, capsys, text, message):
