@@ -5,6 +5,7 @@ import dataclasses
 import io
 import json
 import os
+import types
 
 import matplotlib.image
 import numpy as np
@@ -119,8 +120,9 @@ def test_a_huge_reward_or_loss_is_one_short_word_on_the_console(tmp_path, capsys
     301 digits."""
     from configs import Config
     from glm5f.parallel.layout import Layout
+    from glm5f.objectives import OBJECTIVES
+    from glm5f.run.finish import report
     from glm5f.run.metrics import Progress
-    from train import report
 
     rec = {"step": 1, "loss": 3e300, "lr": 1e-3, "grad_norm": 2e300, "tokens_per_s": 10.0, "reward": -1e300}
     stream = io.StringIO()
@@ -131,6 +133,7 @@ def test_a_huge_reward_or_loss_is_one_short_word_on_the_console(tmp_path, capsys
     (tmp_path / "metrics.jsonl").write_text(json.dumps(rec) + "\n" + json.dumps({**rec, "step": 2, "loss": 0.5,
                                                                                   "reward": 0.25}) + "\n")
     said = []
-    report(Config(checkpoint=dataclasses.replace(Config().checkpoint, dir=str(tmp_path))), Layout("cpu"), said.append)
+    cfg = Config(checkpoint=dataclasses.replace(Config().checkpoint, dir=str(tmp_path)))
+    report(types.SimpleNamespace(cfg=cfg, layout=Layout("cpu"), say=said.append, row=OBJECTIVES["grpo"]))
     assert "done: loss 3.0000e+300 (step 1) -> 0.5000 (step 2)" in said
     assert "reward: -1.0000e+300 (step 1) -> 0.2500 (step 2)" in said
