@@ -338,7 +338,7 @@ def test_step_with_head_chunks_equals_the_whole_logits(variant, monkeypatch):
     """A training step (the main head and an MTP depth, two micro-batches, padding) with heads of 3-token chunks:
     its metrics and gradients equal those of the whole-logits head within 1e-12 in fp64, tied embeddings (the
     head's gradient meets the embedding's) and LoRA (a frozen head) included; in fp32 within twice the
-    whole-logits step's own error of the fp64 one."""
+    whole-logits step's own error of the fp64 one plus 8 fp32 epsilons."""
     args = ["--model.num_nextn_predict_layers", "1", "--train.grad_accum", "2", "--train.mtp_loss_weight", "0.5"]
     args += ["--model.tie_word_embeddings", "True"] if variant == "tied" else []
     args += ["--lora.rank", "4"] if variant == "lora" else []
@@ -366,7 +366,8 @@ def test_step_with_head_chunks_equals_the_whole_logits(variant, monkeypatch):
     for k in g:
         if float(wg[k].norm()) > 0:
             floor = rel_err(wg32[k].double(), wg[k])
-            assert rel_err(g32[k].double(), wg[k]) <= 2 * floor + 1e-7, k
+            # twice the whole-logits step's own fp32 error, plus a few fp32 roundings of the chunked sums
+            assert rel_err(g32[k].double(), wg[k]) <= 2 * floor + 8 * torch.finfo(torch.float32).eps, k
 
 
 # ---- MTP depths sharing one layer (--model.mtp_shared_depths) ------------------------------------------------------
