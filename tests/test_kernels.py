@@ -159,7 +159,7 @@ def test_errors_say_what_to_fix():
 
 
 def test_missing_triton_warns_once_and_cuda_runs_the_torch_code(monkeypatch):
-    monkeypatch.delattr(glm5f, "triton_dsa", raising=False)
+    monkeypatch.delattr(sys.modules["glm5f.kernels"], "triton_dsa", raising=False)
     monkeypatch.setitem(sys.modules, "glm5f.kernels.triton_dsa", None)  # importing it raises ImportError
     kernels.triton_kernels.cache_clear()
     try:
