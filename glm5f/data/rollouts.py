@@ -317,13 +317,15 @@ def read_groups(path: str, tok, fmt=None, cfg=None, options: ReadOptions = ReadO
         if len(g.completions) != len(groups[0].completions):
             raise ValueError(f"{g.where}: {len(g.completions)} completions, but {groups[0].where} has "
                              f"{len(groups[0].completions)}: every group of a file has the same size")
-        for i, c in enumerate(g.completions):
-            lacking = [f for f in options.replay if f not in c.replay]
-            if lacking:
-                named = [f"{f!r}" + (f" ({options.format}: {getattr(row, f) or 'writes none'})" if row else "")
-                         for f in lacking]
-                raise ValueError(f"{c.where or g.where}: no {' or '.join(named)} record, but --rl.replay "
-                                 f"{','.join(lacking)} replays it; record it when sampling, or drop --rl.replay")
+    # --rl.replay on a file that holds none of a record is refused; a completion without it routes itself (a file
+    # may replay some groups' choices and not others')
+    lacking = [f for f in options.replay if not any(f in c.replay for g in groups for c in g.completions)]
+    if lacking and groups:
+        named = [f"{f!r}" + (f" ({options.format}: {getattr(row, f) or 'writes none'})" if row else "")
+                 for f in lacking]
+        first = groups[0].completions[0]
+        raise ValueError(f"{first.where or groups[0].where}: no {' or '.join(named)} record, but --rl.replay "
+                         f"{','.join(lacking)} replays it; record it when sampling, or drop --rl.replay")
     return groups
 
 
