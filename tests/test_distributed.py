@@ -488,13 +488,20 @@ def test_grpo_loss_rows_under_layouts_equal_one_process_fp64(layout, tmp_path):
     holding its parts), --rl.aggregation token_sum_norm, two updates per batch so the sequence ratios clip: 4 steps'
     metrics and the final weights equal one process's within 1e-9."""
     from glm5f.core.params import flatten
+    from glm5f.core.replay import replay_shapes
     from test_grpo import rollout_records
 
-    recs = rollout_records(glm5f.preset("glm5-tiny").vocab_size, groups=4, size=3, seed=3)
+    cfg = glm5f.preset("glm5-tiny")
+    recs = rollout_records(cfg.vocab_size, groups=4, size=3, seed=3)
     g = torch.Generator().manual_seed(4)
-    for rec in recs:
+    M, K = replay_shapes(cfg)["routing"]
+    for i, rec in enumerate(recs):
         for c in rec["completions"]:
             c["logprobs"] = (-torch.rand(len(c["ids"]), generator=g, dtype=torch.float64) * 8).tolist()
+            if i % 2:  # half the groups carry their experts (_grpo_run replays routing), the others route themselves
+                n = len(rec["prompt_ids"]) + len(c["ids"])
+                c["routing"] = [[torch.randperm(cfg.n_routed_experts, generator=g)[:K].tolist() for _ in range(M)]
+                                for _ in range(n - 1)]
     data = tmp_path / "rollouts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in recs))
     rows = ["--rl.advantage", "rloo", "--rl.policy_loss", "gspo", "--rl.aggregation", "token_sum_norm",
