@@ -428,6 +428,22 @@ GRPO_METRICS = ("loss", "reward", "reward_std", "advantage_abs", "completion_len
                 "tis_capped_fraction", "rollout_logprob_gap", "rollout_logprob_gap_max", "kl")
 
 
+def with_engine_records(recs: list[dict], cfg) -> None:
+    """Each completion of the rollout records `recs` given the engine's log-probabilities, and half the groups (the
+    odd ones) their experts: `_grpo_run` replays routing, and the other groups route themselves."""
+    from glm5f.core.replay import replay_shapes
+
+    g = torch.Generator().manual_seed(4)
+    M, K = replay_shapes(cfg)["routing"]
+    for i, rec in enumerate(recs):
+        for c in rec["completions"]:
+            c["logprobs"] = (-torch.rand(len(c["ids"]), generator=g, dtype=torch.float64) * 8).tolist()
+            if i % 2:
+                n = len(rec["prompt_ids"]) + len(c["ids"])
+                c["routing"] = [[torch.randperm(cfg.n_routed_experts, generator=g)[:K].tolist() for _ in range(M)]
+                                for _ in range(n - 1)]
+
+
 def _grpo_run(run_dir, preset: str, data: str, *args) -> tuple[list[dict], dict]:
     """A 4-step fp64 GRPO run over a rollouts file, two updates per batch, with a KL to the start and the recorded
     experts replayed: (its step records, its final trained weights gathered into this process)."""
@@ -450,20 +466,11 @@ def test_grpo_layouts_equal_one_process_fp64(preset, layouts, lora, tmp_path):
     under CP, the recorded experts of half the groups) under dp_shard 2, ep 2, cp 2 and cp 2 x ep 2, full
     training and LoRA: 4 steps' metrics and the final weights equal one process's within 1e-9."""
     from glm5f.core.params import flatten
-    from glm5f.core.replay import replay_shapes
     from test_grpo import rollout_records
 
     cfg = glm5f.preset(preset)
     recs = rollout_records(cfg.vocab_size, groups=4, size=2, seed=3)
-    g = torch.Generator().manual_seed(4)
-    M, K = replay_shapes(cfg)["routing"]
-    for i, rec in enumerate(recs):
-        for c in rec["completions"]:
-            c["logprobs"] = (-torch.rand(len(c["ids"]), generator=g, dtype=torch.float64) * 8).tolist()
-            if i % 2:  # half the groups carry their experts (--rl.replay routing), the others route themselves
-                n = len(rec["prompt_ids"]) + len(c["ids"])
-                c["routing"] = [[torch.randperm(cfg.n_routed_experts, generator=g)[:K].tolist() for _ in range(M)]
-                                for _ in range(n - 1)]
+    with_engine_records(recs, cfg)
     data = tmp_path / "rollouts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in recs))
     extra = ["--lora.rank", "4", "--rl.loss", "grpo"] if lora else []  # both losses in the CI cases
@@ -488,20 +495,11 @@ def test_grpo_loss_rows_under_layouts_equal_one_process_fp64(layout, tmp_path):
     holding its parts), --rl.aggregation token_sum_norm, two updates per batch so the sequence ratios clip: 4 steps'
     metrics and the final weights equal one process's within 1e-9."""
     from glm5f.core.params import flatten
-    from glm5f.core.replay import replay_shapes
     from test_grpo import rollout_records
 
     cfg = glm5f.preset("glm5-tiny")
     recs = rollout_records(cfg.vocab_size, groups=4, size=3, seed=3)
-    g = torch.Generator().manual_seed(4)
-    M, K = replay_shapes(cfg)["routing"]
-    for i, rec in enumerate(recs):
-        for c in rec["completions"]:
-            c["logprobs"] = (-torch.rand(len(c["ids"]), generator=g, dtype=torch.float64) * 8).tolist()
-            if i % 2:  # half the groups carry their experts (_grpo_run replays routing), the others route themselves
-                n = len(rec["prompt_ids"]) + len(c["ids"])
-                c["routing"] = [[torch.randperm(cfg.n_routed_experts, generator=g)[:K].tolist() for _ in range(M)]
-                                for _ in range(n - 1)]
+    with_engine_records(recs, cfg)
     data = tmp_path / "rollouts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in recs))
     rows = ["--rl.advantage", "rloo", "--rl.policy_loss", "gspo", "--rl.aggregation", "token_sum_norm",
