@@ -126,7 +126,10 @@ def test_the_128_rank_recipe_is_refused_for_memory_and_for_cores(tmp_path, capsy
 
 
 def test_local_processes_past_eight_a_core_are_refused_unless_the_flag_says(tmp_path, capsys, monkeypatch, started):
+    """Cores alone decide here: the memory this machine has and this process holds are fixed by the test."""
     monkeypatch.setattr(preflight, "usable_cores", lambda: 2)
+    monkeypatch.setattr(preflight, "process_rss_bytes", lambda field="VmRSS": GB // 2)
+    available(monkeypatch, 64)
     args = [*TINY, "--parallel.dp_shard", "32", "--data.batch_size", "32", "--checkpoint.dir", str(tmp_path / "r")]
     assert train.main(args) == 1
     assert "32 processes on this machine, which has 2 CPU core(s)" in error_line(capsys)
