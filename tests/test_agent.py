@@ -338,3 +338,22 @@ def test_an_agent_run_trains_on_its_episodes_with_no_rollout_gap_in_fp64(tmp_pat
                         "--train.steps", "2", "--checkpoint.dir", str(tmp_path / "run")))
     assert len(records) == 2 and any(r["reward_std"] > 0 for r in records), records
     assert all(r["rollout_logprob_gap_max"] < 1e-9 for r in records), [r["rollout_logprob_gap_max"] for r in records]
+    for r in records:  # the episodes' metrics: turns within 1..max_turns, each episode ending one way
+        assert 1 <= r["turns"] <= 3 and abs(sum(r[f"ended_{w}"] for w in sampler.ENDINGS) - 1) < 1e-12, r
+
+
+def test_episode_metrics_count_turns_endings_and_failures():
+    """Mean turns, the share of episodes per ending and failed calls per episode, over every group's episodes;
+    nothing for single-turn groups; the toy environment rewards each turn's share of lowercase letters."""
+    from glm5f.data.rollouts import Group
+    from glm5f.posttrain.rewards import LowercaseTurns
+
+    groups = [Group((), "a:1", {}, ((3, "max_turns", 0), (1, "length", 2))), Group((), "a:2", {}, ((2, "answer", 1),))]
+    m = sampler.episode_metrics(groups)
+    assert m["turns"] == 2.0 and m["tool_errors"] == 1.0
+    assert {w: m[f"ended_{w}"] for w in sampler.ENDINGS} == {
+        "answer": 1 / 3, "done": 0.0, "max_turns": 1 / 3, "context": 0.0, "length": 1 / 3, "environment": 0.0}
+    assert sampler.episode_metrics([Group((), "b:1", {})]) == {}
+    env = LowercaseTurns({"prompt": "x"})
+    assert env.step([{"role": "assistant", "content": "abC1"}]) == ([{"role": "user", "content": "more"}], False, 0.5)
+    assert env.step([{"role": "assistant", "content": ""}])[2] == 0.0

@@ -69,6 +69,7 @@ class Group:
     completions: tuple[Completion, ...]
     where: str
     prompt: dict  # the record's prompt fields and any other fields it has ("completions" aside)
+    episodes: tuple = ()  # an agent group's (turns, why it ended, failed tool calls) per completion
 
 
 def _ids(value, what: str, where: str) -> list[int]:

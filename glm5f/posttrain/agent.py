@@ -511,7 +511,9 @@ def agent_groups(params: dict, cfg: GLM5Config, tasks: list[Task], s, a: AgentSe
     eps = run_episodes(params, cfg, rows, s, a, fmt, tools, factory, reward, seq_len, gens, reward_name)
     n = s.group_size
     return [Group(tuple(ep.completion(len(t.ids)) for ep in eps[g * n:(g + 1) * n]), t.where,
-                  {"prompt_ids": list(t.ids), **t.fields}) for g, t in enumerate(tasks)]
+                  {"prompt_ids": list(t.ids), **t.fields},
+                  tuple((ep.turns, ep.ended, len(ep.errors)) for ep in eps[g * n:(g + 1) * n]))
+            for g, t in enumerate(tasks)]
 
 
 class AgentSource(PromptSource):

@@ -297,7 +297,7 @@ class GRPOFeed(Feed):
         if self.sampled:  # sampled now, by the policy this step trains
             t0 = time.perf_counter()
             batch = on_device(self.data.next_batch(decoding_params(state, t.step), layout), layout.device)
-            self.metrics = {"sample_time_s": time.perf_counter() - t0}
+            self.metrics = {"sample_time_s": time.perf_counter() - t0, **self.data.metrics}
         else:
             batch = super().fetch(state)
         if self.per_batch > 1:  # the ratio's old log-probabilities: the policy's before the batch's first update

@@ -158,6 +158,21 @@ def sample_groups(params: dict, cfg: GLM5Config, prompts: list[Prompt], s, rewar
     return groups
 
 
+ENDINGS = ("answer", "done", "max_turns", "context", "length", "environment")  # agent.Episode.ended
+
+
+def episode_metrics(groups: list[Group]) -> dict[str, float]:
+    """An agent batch's episodes (the groups' `episodes`): the mean turns, the share of episodes ending each way
+    (`agent.Episode.ended`; "ended_length": a turn ran out of tokens before its stop token) and the failed tool
+    calls or environment steps per episode; {} for single-turn groups."""
+    eps = [e for g in groups for e in g.episodes]
+    if not eps:
+        return {}
+    n = len(eps)
+    ended = {f"ended_{w}": sum(e == w for _, e, _ in eps) / n for w in ENDINGS}
+    return {"turns": sum(t for t, _, _ in eps) / n, **ended, "tool_errors": sum(f for _, _, f in eps) / n}
+
+
 class PromptSource:
     """--data.batch_size prompts per batch in a seeded per-epoch order of the file's prompts (as
     `rollouts.RolloutSource` orders groups), each batch sampled with the params it is given (`next_batch(params)`)
@@ -180,6 +195,7 @@ class PromptSource:
         self.sample_seed, self.device, self.drawn = sample_seed, torch.device(device), 0
         self.epoch, self.index = 0, 0
         self._order = self._permutation(0)
+        self.metrics: dict[str, float] = {}  # the latest batch's `episode_metrics`
 
     def _permutation(self, epoch: int) -> list[int]:
         g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
@@ -206,6 +222,7 @@ class PromptSource:
         groups = self.sample(params, prompts[lo:hi], generators) if hi > lo else []
         if world > 1:
             groups = [g for part in layout.gather_objects(groups) for g in part]
+        self.metrics = episode_metrics(groups)
         return rollout_batch(groups, self.S, self.pad_id)
 
     def sample(self, params: dict, prompts: list[Prompt], generators: list[torch.Generator]) -> list[Group]:
