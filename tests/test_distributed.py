@@ -516,6 +516,41 @@ def test_grpo_loss_rows_under_layouts_equal_one_process_fp64(layout, tmp_path):
     assert worst <= 1e-9, f"{layout}: final weights differ from one process's by {worst:.2e}"
 
 
+TRAJECTORY_ROWS = {"A": ["--rl.advantage", "dr_grpo", "--rl.policy_loss", "cispo", "--rl.aggregation", "sequence_mean"],
+                   "B": ["--rl.advantage", "grpo", "--rl.policy_loss", "rollout_is", "--rl.aggregation", "token_mean"]}
+
+
+@pytest.mark.parametrize("rows,layouts", [("A", ("dp2", "cp2-ep2")),
+                                          pytest.param("B", ("ep2", "cp2"), marks=pytest.mark.slow)])
+def test_trajectory_rows_under_layouts_equal_one_process_fp64(rows, layouts, tmp_path):
+    """Multi-span trajectories (trained spans between untrained tool output, tests/test_trajectories.py) under the
+    rows the plain-completion layout tests do not take (dr_grpo, cispo, sequence_mean; rollout_is), the engine's
+    log-probabilities on every completion token and the experts of half the groups replayed: 4 steps' metrics and
+    the final weights equal one process's within 1e-9."""
+    from glm5f.core.params import flatten
+    from test_trajectories import trajectories
+
+    cfg = glm5f.preset("glm5-tiny")
+    recs = [{"prompt_ids": samples[0]["prompt"], "completions": [
+        {"ids": s["ids"], "loss_mask": s["mask"], "reward": s["reward"]} for s in samples]}
+        for samples in trajectories(cfg.vocab_size, groups=4, size=3, seed=5)]
+    with_engine_records(recs, cfg)
+    data = tmp_path / "trajectories.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    rows_flags = [*TRAJECTORY_ROWS[rows], "--data.seq_len", "24"]  # the longest: a prompt of 6 and 11 tokens
+    ref_records, ref_params = _grpo_run(tmp_path / "one", "glm5-tiny", str(data), *rows_flags)
+    assert len(ref_records) == 4 and ref_records[-1]["kl"] > 0
+    keys = [k for k in GRPO_METRICS if k in ref_records[0]]
+    for layout in layouts:
+        records, params = _grpo_run(tmp_path / layout, "glm5-tiny", str(data), *rows_flags,
+                                    *LAYOUTS[layout])
+        for got, want in zip(records, ref_records, strict=True):
+            for k in keys:
+                assert abs(got[k] - want[k]) <= 1e-9, f"{layout} step {want['step']} {k}: {got[k]} vs {want[k]}"
+        worst = max(float((flatten(params)[k] - w).abs().max()) for k, w in flatten(ref_params).items())
+        assert worst <= 1e-9, f"{layout}: final weights differ from one process's by {worst:.2e}"
+
+
 def test_dpo_precomputed_reference_under_layouts_fp64(tmp_path):
     """--dpo.precompute_reference under dp_shard 2 (each rank its rows of the pass) and cp 2 x ep 2 (each answer's
     sums over the CP group, counted once; the table summed over ranks): 3 steps' metrics equal one process's with
