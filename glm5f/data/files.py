@@ -180,12 +180,7 @@ class FolderReader:
 def open_reader(path: str, what: str = "records"):
     """The reader of --data.path `path`: a JsonlReader or ParquetReader for a file (by its name: .parquet is parquet,
     any other name JSON lines), a FolderReader for a folder (see `data_files`)."""
-    if os.path.isdir(path):
-        return FolderReader(path, what)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"--data.path {path!r}: no such file (expected a JSON-lines or parquet file of "
-                                f"{what}, or a folder of them)")
-    return file_reader(path)
+    return FolderReader(path, what) if os.path.isdir(path) else file_reader(path)
 
 
 def file_records(path: str, what: str):
