@@ -9,6 +9,7 @@ import torch
 
 import glm5f
 from glm5f.data import chat
+from glm5f.data.files import FolderReader
 from glm5f.data.pairs import read_pairs
 from glm5f.data.rollouts import read_groups, rollout_batch
 from glm5f.data.sources import make_source
@@ -63,8 +64,9 @@ SFT = [{"text": "some words to learn"}, {"prompt": "2+2=", "response": "4"}, {"i
        {"text": "another document"}, {"input_ids": [3, 4, 5], "labels": [-100, 4, 5]},
        {"prompt": "capital of France?", "response": "Paris"}, {"text": "the end"}]
 CHATS = [{"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]}
-         for i in range(5)] + [{"messages": [{"role": "system", "content": "be brief"},
-                                             {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}]
+         for i in range(5)]
+CHATS += [{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                        {"role": "assistant", "content": "yo"}]}]
 
 
 @pytest.mark.parametrize("kind,recs", [("json_file", SFT), ("chat", CHATS)])
@@ -82,6 +84,25 @@ def test_a_stream_reads_parquet_and_folders_as_the_same_rows_as_json_lines(tmp_p
     again = make_source(kind, path=paths[1], **common)
     again.load_state_dict(src.state_dict())
     assert_same_batches(batches(again, 3), want[2:] + batches(make_source(kind, path=paths[0], **common), 5)[4:])
+
+
+@pytest.mark.parametrize("write,suffix", [(write_parquet, ".parquet"), (write_jsonl, ".jsonl")])
+def test_a_changed_folder_relocates_records_by_their_index(tmp_path, write, suffix):
+    """--data.allow_changed: a position taken before a record was added to the folder's first file points at the
+    records with the same indices in the folder as it is now."""
+    d = folder(tmp_path, "d", SFT, write, suffix, 3)
+    reader = FolderReader(d)
+    locs = [got[0] for got in iter(reader.read, None)]
+    assert [reader.parse(loc, p) for loc, p in zip(locs, reader.payloads(locs))] == SFT
+    now = [{"text": "new first record"}] + SFT
+    write(tmp_path / "d" / f"part-02{suffix}", now[:4])
+    moved, end = FolderReader(d).relocate(locs + [reader.next_loc])  # the next record's index: the added one's
+    assert [reader.parse(loc, p) for loc, p in zip(moved, reader.payloads(moved))] == now
+    fresh = FolderReader(d)
+    fresh.seek(moved[-2])
+    assert fresh.read()[0] == moved[-2] and fresh.parse(*fresh.read()) == now[-1] and fresh.read() is None
+    fresh.seek(end)
+    assert fresh.read() is None
 
 
 PAIRS = [{"prompt": "2+2=", "chosen": "4", "rejected": "5"},

@@ -7,7 +7,7 @@ from __future__ import annotations
 import bisect
 import os
 
-from glm5f.data.readers import JsonlReader, data_kind
+from glm5f.data.readers import JsonlReader, data_kind, relocate_by_index
 
 FORMATS = ".jsonl, .jsonl.gz, .json, .json.gz or .parquet"
 
@@ -159,12 +159,7 @@ class FolderReader:
 
     def relocate(self, locs) -> tuple[list, tuple]:
         """As JsonlReader.relocate, over the folder's files as they are now; one pass over them."""
-        wanted, found = {loc[2] for loc in locs}, {}
-        scan = FolderReader(self.path)
-        while (got := scan.read()) is not None:
-            if got[0][2] in wanted:
-                found[got[0][2]] = got[0]
-        return [found.get(loc[2]) for loc in locs], scan.next_loc
+        return relocate_by_index(FolderReader(self.path), locs)
 
     def payloads(self, locs) -> list:
         """The payloads at `locs`, each file's read by a reader of its own (this one stays where it is)."""

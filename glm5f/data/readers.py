@@ -99,6 +99,16 @@ def embedded_documents(part: str | None = None) -> list[str]:
     return [d for i, d in enumerate(docs) if held(i) == (part == "eval")]
 
 
+def relocate_by_index(scan, locs) -> tuple[list, tuple]:
+    """(the locations a fresh reader `scan` of the data as it is now gives the records with the indices of `locs`,
+    None for an index past its end; the location of its end), in one pass over the data."""
+    wanted, found = {loc[2] for loc in locs}, {}
+    while (got := scan.read()) is not None:
+        if got[0][2] in wanted:
+            found[got[0][2]] = got[0]
+    return [found.get(loc[2]) for loc in locs], scan.next_loc
+
+
 class JsonlReader:
     """The records of a JSONL file (gzip-compressed if its name ends in .gz), read one line at a time. A record's
     location is (byte offset, line number, record index), its payload the line's bytes; a .gz file seeks by
@@ -167,12 +177,7 @@ class JsonlReader:
     def relocate(self, locs) -> tuple[list, tuple]:
         """For a file that changed since `locs` were taken: the locations its records with the same indices have
         now (None for an index past its end), and the location of its end; one pass over the file."""
-        wanted, found = {loc[2] for loc in locs}, {}
-        scan = JsonlReader(self.path)
-        while (got := scan.read()) is not None:
-            if got[0][2] in wanted:
-                found[got[0][2]] = got[0]
-        return [found.get(loc[2]) for loc in locs], scan.next_loc
+        return relocate_by_index(JsonlReader(self.path), locs)
 
     def payloads(self, locs) -> list[bytes]:
         """The lines at `locs`, read in one forward pass over the file (and the reader back at next_loc)."""
