@@ -10,8 +10,8 @@ import torch
 import glm5f
 from glm5f.data import chat
 from glm5f.data.files import FolderReader
-from glm5f.data.pairs import read_pairs
-from glm5f.data.rollouts import read_groups, rollout_batch
+from glm5f.data.pairs import PairSource, read_pairs
+from glm5f.data.rollouts import file_group_size, read_groups, rollout_batch
 from glm5f.data.sources import make_source
 from glm5f.data.tokens import make_tokenizer
 from glm5f.posttrain import sampler
@@ -130,6 +130,7 @@ def test_preference_rollouts_and_prompts_read_parquet_and_folders_as_json_lines(
             got = read(path)
             if isinstance(want, dict):
                 assert_same_batches([got], [want])
+                assert file_group_size(path) == 2  # the plan's rows per group, from the first record
             else:
                 assert got == want
 
@@ -254,3 +255,15 @@ def test_a_ground_truth_given_twice_differently_is_refused(tmp_path):
     with pytest.raises(ValueError, match=rf"^{path}:1: 'ground_truth' \"8\" and 'reward_model.ground_truth' \"7\" "
                                          rf"differ; keep one"):
         sampler.read_prompts(path, TOK, FMT)
+
+
+def test_a_preference_token_id_outside_the_vocabulary_is_named_at_its_line(tmp_path):
+    recs = [{"prompt_ids": [1, 2], "chosen_ids": [3], "rejected_ids": [4]},
+            {"prompt_ids": [1, 2], "chosen_ids": [3], "rejected_ids": [5, 600]},
+            {"prompt_ids": [700], "chosen_ids": [3], "rejected_ids": [4]}]
+    for i, message in ((2, "the rejected answer has token id 600 (position 3 of the rejected sequence) outside "
+                           "[0, vocab_size=512)"), (3, "the prompt has token id 700 (position 0 of the chosen")):
+        path = write_parquet(tmp_path / f"{i}.parquet", [recs[0], recs[i - 1]])
+        with pytest.raises(ValueError) as e:
+            PairSource(read_pairs(path, TOK), 1, 16, 512, 0, 0)
+        assert str(e.value).startswith(f"{path}:row 1: {message}")

@@ -193,6 +193,14 @@ class PairSource:
             warn(f"{len(where)} pair(s) {note} (first: {where[0]})")
         if not kept:
             raise ValueError(f"{name}: no pair fits --data.seq_len {seq_len}; raise it")
+        for p in kept:  # named by the record's file:line
+            for which, ex in (("chosen", p.chosen), ("rejected", p.rejected)):
+                bad = next((j for j, t in enumerate(ex.ids) if not 0 <= t < vocab_size), None)
+                if bad is not None:
+                    part = "prompt" if bad < shared_prompt(p) else f"{which} answer"
+                    raise ValueError(f"{p.where}: the {part} has token id {ex.ids[bad]} (position {bad} of the "
+                                     f"{which} sequence) outside [0, vocab_size={vocab_size}): the tokenizer or the "
+                                     f"data does not fit the model's vocabulary")
         check_vocab([e for p in kept for e in (p.chosen, p.rejected)], vocab_size, name)
         self.pairs, self.B, self.S, self.seed, self.pad_id = kept, batch_size, seq_len, seed, pad_id
         self.share_prefixes = share_prefixes
