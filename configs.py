@@ -113,10 +113,12 @@ class DataConfig:
     --data.batch_size counts pairs); rollouts: a JSONL of prompts with sampled completions and their rewards for
     --train.objective grpo (glm5f/data/rollouts.py; --data.batch_size counts groups); prompts: a JSONL of prompt records
     that the on-policy sampler completes with the current policy each batch (glm5f/posttrain/sampler.py; --data.batch_size
-    counts prompts, each sampled --rl.group_size times). None: from --data.path (.jsonl[.gz]: json_file, .pt: preset_pt, a saved dataset:
-    hf_datasets); text without a path."""
+    counts prompts, each sampled --rl.group_size times). Every JSONL here may also be a parquet file or a folder of
+    either. None: from --data.path (.jsonl[.gz], .parquet or a folder of them: json_file, .pt: preset_pt, a saved
+    dataset: hf_datasets); text without a path."""
     path: Optional[str] = None
-    """File or directory for json_file, preset_pt and hf_datasets (for chat: a JSONL of chat records)."""
+    """File or directory for json_file, preset_pt and hf_datasets (for chat: a JSONL of chat records); a record file
+    may be JSON lines (.jsonl[.gz]) or parquet, or a folder of files of one kind, read in name order as one stream."""
     split: Optional[str] = None
     """Split of an hf_datasets DatasetDict."""
     batch_size: int = 16

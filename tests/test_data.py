@@ -80,15 +80,18 @@ def test_the_data_type_follows_from_the_path(tmp_path, capsys):
 @pytest.mark.parametrize("args,message", [
     (["--data.type", "text", "--data.path", "{d}/my.jsonl"], "--data.type text reads no file, so --data.path "
                                                              "{d}/my.jsonl would be ignored"),
-    (["--data.type", "json_file", "--data.path", "{d}/b.pt"], "--data.type json_file reads JSONL, but --data.path "
-                                                              "{d}/b.pt is a .pt file"),
+    (["--data.type", "json_file", "--data.path", "{d}/b.pt"], "--data.type json_file reads JSON lines or parquet, "
+                                                              "but --data.path {d}/b.pt is a .pt file"),
     (["--data.type", "preset_pt", "--data.path", "{d}/my.jsonl"], "--data.type preset_pt reads torch.save batches, "
                                                                   "but --data.path {d}/my.jsonl is JSON"),
     (["--data.path", "{d}/notes.txt"], "cannot tell the type of --data.path {d}/notes.txt from its name"),
-    (["--data.path", "{d}"], "--data.path {d} is a directory but not a datasets.save_to_disk output"),
+    (["--data.path", "{d}/docs"], "--data.path {d}/docs is a directory but not a datasets.save_to_disk output (no "
+                                  "dataset_info.json or dataset_dict.json in it) and holds no data file"),
 ])
 def test_a_path_the_data_type_does_not_read_is_an_error(tmp_path, capsys, args, message):
     write_records(tmp_path / "my.jsonl", [{"text": "x"}])
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "README.md").write_text("not data")
     assert main(TINY + [a.format(d=tmp_path) for a in args] + ["--checkpoint.dir", str(tmp_path / "run")]) == 1
     assert f"error: invalid configuration:\n  - {message.format(d=tmp_path)}" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()

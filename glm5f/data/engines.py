@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from glm5f.data.readers import jsonl_records
+from glm5f.data.files import file_records
 
 
 @dataclass(frozen=True)
@@ -220,7 +220,7 @@ def engine_groups(path: str, name: str, group_key: str | None):
     row = ENGINES[name]
     key = group_key or row.group_key
     groups: dict = {}
-    for where, rec in jsonl_records(path, f"{name} rollout samples"):
+    for where, rec in file_records(path, f"{name} rollout samples"):
         if isinstance(rec, list):  # a group per line
             groups[("line", where)] = [(w, *sample_completion(s, row, name, w))
                                        for w, s in ((f"{where}: sample {i}", s) for i, s in enumerate(rec))]
@@ -246,16 +246,12 @@ def engine_group_size(path: str, name: str, group_key: str | None) -> int | None
     """The size of the first group of an engine's file, None when it cannot be told (the reader then says why)."""
     try:
         first, count, key = None, 0, group_key or ENGINES[name].group_key
-        with open(path, "rb") as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                rec = json.loads(line)
-                if isinstance(rec, list):
-                    return len(rec) if first is None else count
-                value = json.dumps(_get(rec, key), sort_keys=True)
-                first = value if first is None else first
-                count += value == first
+        for _, rec in file_records(path, f"{name} rollout samples"):
+            if isinstance(rec, list):
+                return len(rec) if first is None else count
+            value = json.dumps(_get(rec, key), sort_keys=True)
+            first = value if first is None else first
+            count += value == first
         return count or None
-    except (OSError, ValueError, TypeError, AttributeError, KeyError):
+    except (OSError, ImportError, ValueError, TypeError, AttributeError, KeyError):
         return None

@@ -4,7 +4,9 @@ into memory and served one pair per row, both answers packed back to back, for t
 Records: {"prompt": str, "chosen": str, "rejected": str} (text: the answers' tokens and eos are scored);
 {"messages": [...], "chosen", "rejected"} (a chat: each answer, a string or a list of assistant messages, follows
 the conversation and is rendered with the run's template; its tokens and the stop token that ends it are scored, as
-SFT trains them); {"prompt_ids", "chosen_ids", "rejected_ids"} (token ids, the answers' scored as given).
+SFT trains them); {"prompt_ids", "chosen_ids", "rejected_ids"} (token ids, the answers' scored as given). TRL's
+conversational rows: "prompt" a list of messages is read as "messages"; without a prompt, "chosen" and "rejected" as
+whole conversations share their leading messages, which are the prompt (`implicit_prompt`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from glm5f.data.readers import jsonl_records
+from glm5f.data.files import file_records
+from glm5f.data.readers import chat_prompt
 from glm5f.data.tokens import IGNORE_INDEX, Example, check_vocab
 
 CHOSEN, REJECTED = 1, 2  # a batch's "answer" entries: which answer a label belongs to (0: none)
@@ -51,11 +54,57 @@ def _answer_messages(value, name: str, where: str) -> list[dict]:
                      f"{json.dumps(value)[:60]}")
 
 
+def _is_conversation(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m for m in value)
+
+
+def implicit_prompt(rec: dict, where: str) -> dict:
+    """TRL's implicit-prompt row ({"chosen", "rejected"}: two whole conversations) as {"messages": the leading
+    messages both share, "chosen", "rejected": what follows them}; a ValueError naming `where` when they share no
+    leading message or one holds nothing after the shared ones."""
+    chosen, rejected = rec["chosen"], rec["rejected"]
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    if n == 0 or n == len(chosen) or n == len(rejected):
+        found = "share no leading message" if n == 0 else "leave no answer after the messages they share"
+        raise ValueError(f"{where}: 'chosen' and 'rejected' without a 'prompt' are whole conversations whose shared "
+                         f"leading messages are the prompt, but these {found}; give 'prompt' (or 'messages') and the "
+                         f"two answers")
+    return {**{k: v for k, v in rec.items() if k not in ("chosen", "rejected")}, "messages": chosen[:n],
+            "chosen": chosen[n:], "rejected": rejected[n:]}
+
+
+NOT_READ = ("labels", "input_ids", "attention_mask", "text", "response", "completion")  # refused, never dropped
+
+
+def check_fields(rec: dict, where: str) -> None:
+    """A ValueError naming `where` for a record whose fields conflict (its prompt given twice, token ids beside text)
+    or that holds a field of another record kind that a pair does not read."""
+    given = [k for k in ("prompt", "messages", "prompt_ids") if k in rec]
+    if len(given) > 1:
+        raise ValueError(f"{where}: the record gives its prompt twice ({' and '.join(map(repr, given))}); keep one")
+    ids = [k for k in ("prompt_ids", "chosen_ids", "rejected_ids") if k in rec]
+    text = [k for k in ("prompt", "messages", "chosen", "rejected") if k in rec]
+    if ids and text:
+        raise ValueError(f"{where}: the record mixes token ids ({', '.join(map(repr, ids))}) with text "
+                         f"({', '.join(map(repr, text))}); give the pair one way")
+    unread = [k for k in NOT_READ if k in rec]
+    if unread:
+        raise ValueError(f"{where}: field(s) {', '.join(map(repr, unread))} a preference record does not read (it "
+                         f"holds a prompt, 'chosen' and 'rejected'); remove them or write what they say in those")
+
+
 def pair_of(rec, where: str, tok, fmt=None) -> Pair:
     """The Pair of one record (see the module docstring): two Examples sharing the prompt, labels on the answer's
     tokens only. `tok` tokenizes text records; `fmt` (a glm5f.data.chat.ChatFormat) renders chat records."""
     if not isinstance(rec, dict):
         raise ValueError(f"{where}: expected a JSON object, found {type(rec).__name__}")
+    check_fields(rec, where)
+    rec = chat_prompt(rec, where)
+    if "messages" not in rec and "prompt" not in rec and all(_is_conversation(rec.get(k))
+                                                            for k in ("chosen", "rejected")):
+        rec = implicit_prompt(rec, where)
     if {"prompt_ids", "chosen_ids", "rejected_ids"} <= set(rec):
         prompt = _ids(rec, "prompt_ids", where)
         return Pair(*(Example(prompt + a, [IGNORE_INDEX] * len(prompt) + a)
@@ -82,8 +131,9 @@ def pair_of(rec, where: str, tok, fmt=None) -> Pair:
 
 
 def read_pairs(path: str, tok, fmt=None) -> list[Pair]:
-    """Every pair of a JSONL file (blank lines skipped); a ValueError naming file:line for a bad record."""
-    return [pair_of(rec, where, tok, fmt) for where, rec in jsonl_records(path, "preference records")]
+    """Every pair of a JSON-lines or parquet file or a folder of them (`files.file_records`); a ValueError naming
+    the record's file:line (parquet: file:row N) for a bad one."""
+    return [pair_of(rec, where, tok, fmt) for where, rec in file_records(path, "preference records")]
 
 
 def scored(ex: Example) -> int:
@@ -143,6 +193,14 @@ class PairSource:
             warn(f"{len(where)} pair(s) {note} (first: {where[0]})")
         if not kept:
             raise ValueError(f"{name}: no pair fits --data.seq_len {seq_len}; raise it")
+        for p in kept:  # named by the record's file:line
+            for which, ex in (("chosen", p.chosen), ("rejected", p.rejected)):
+                bad = next((j for j, t in enumerate(ex.ids) if not 0 <= t < vocab_size), None)
+                if bad is not None:
+                    part = "prompt" if bad < shared_prompt(p) else f"{which} answer"
+                    raise ValueError(f"{p.where}: the {part} has token id {ex.ids[bad]} (position {bad} of the "
+                                     f"{which} sequence) outside [0, vocab_size={vocab_size}): the tokenizer or the "
+                                     f"data does not fit the model's vocabulary")
         check_vocab([e for p in kept for e in (p.chosen, p.rejected)], vocab_size, name)
         self.pairs, self.B, self.S, self.seed, self.pad_id = kept, batch_size, seq_len, seed, pad_id
         self.share_prefixes = share_prefixes

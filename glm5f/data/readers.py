@@ -73,6 +73,16 @@ def record_example(tok, rec, where: str, chat=None, chat_only: bool = False) -> 
                      f"found keys {sorted(rec)}")
 
 
+def chat_prompt(rec, where: str):
+    """The record with a `prompt` given as a list of messages (TRL's conversational rows, verl's RL rows) read as
+    its `messages`; a ValueError naming `where` when it gives `messages` too. Any other record as it is."""
+    if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), list):
+        return rec
+    if "messages" in rec:
+        raise ValueError(f"{where}: the record gives its prompt twice ('prompt' and 'messages'); keep one")
+    return {("messages" if k == "prompt" else k): v for k, v in rec.items()}
+
+
 HELD_OUT_EVERY = 20  # every 20th document of the embedded corpus is held out for evaluation, never trained on
 
 
@@ -89,26 +99,14 @@ def embedded_documents(part: str | None = None) -> list[str]:
     return [d for i, d in enumerate(docs) if held(i) == (part == "eval")]
 
 
-def jsonl_records(path: str, what: str):
-    """(where "file:line", record) of each non-blank line of a JSONL file read whole (`what`: its records' kind,
-    for the errors): a FileNotFoundError when there is no such file, a ValueError naming file:line for a line that
-    is not JSON, and one when the file holds no record."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"--data.path {path!r}: no such file (expected a JSONL file of {what})")
-    found = False
-    with open(path, "rb") as f:
-        for line, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            where = f"{path}:{line}"
-            try:
-                rec = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ValueError(f"{where}: not valid JSON ({e})") from None
-            found = True
-            yield where, rec
-    if not found:
-        raise ValueError(f"{path}: no {what}")
+def relocate_by_index(scan, locs) -> tuple[list, tuple]:
+    """(the locations a fresh reader `scan` of the data as it is now gives the records with the indices of `locs`,
+    None for an index past its end; the location of its end), in one pass over the data."""
+    wanted, found = {loc[2] for loc in locs}, {}
+    while (got := scan.read()) is not None:
+        if got[0][2] in wanted:
+            found[got[0][2]] = got[0]
+    return [found.get(loc[2]) for loc in locs], scan.next_loc
 
 
 class JsonlReader:
@@ -157,26 +155,29 @@ class JsonlReader:
             raise ValueError(f"{self.path}:{line}: not readable gzip data ({e}); a file named .gz must be gzip "
                              f"compressed, or rename it without .gz") from None
 
-    def where(self, loc) -> str:
-        return f"{self.path}:{loc[1]}"
+    @staticmethod
+    def where_in(path: str, loc) -> str:
+        return f"{path}:{loc[1]}"
 
-    def parse(self, loc, payload: bytes):
+    def where(self, loc) -> str:
+        return self.where_in(self.path, loc)
+
+    @staticmethod
+    def parse_line(where: str, payload: bytes):
         try:
             return json.loads(payload)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{self.where(loc)}: not valid JSON ({e.msg} at column {e.colno})") from None
+            raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
         except UnicodeDecodeError as e:
-            raise ValueError(f"{self.where(loc)}: not UTF-8 text ({e.reason} at byte {e.start} of the line)") from None
+            raise ValueError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start} of the line)") from None
+
+    def parse(self, loc, payload: bytes):
+        return self.parse_line(self.where(loc), payload)
 
     def relocate(self, locs) -> tuple[list, tuple]:
         """For a file that changed since `locs` were taken: the locations its records with the same indices have
         now (None for an index past its end), and the location of its end; one pass over the file."""
-        wanted, found = {loc[2] for loc in locs}, {}
-        scan = JsonlReader(self.path)
-        while (got := scan.read()) is not None:
-            if got[0][2] in wanted:
-                found[got[0][2]] = got[0]
-        return [found.get(loc[2]) for loc in locs], scan.next_loc
+        return relocate_by_index(JsonlReader(self.path), locs)
 
     def payloads(self, locs) -> list[bytes]:
         """The lines at `locs`, read in one forward pass over the file (and the reader back at next_loc)."""
@@ -254,35 +255,42 @@ def load_batches(path: str):
 
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz")
+PARQUET_SUFFIXES = (".parquet",)
+
+
+def data_kind(name: str) -> str | None:
+    """"jsonl" or "parquet" for a data file's name (by its suffix), None for another file."""
+    return "parquet" if name.endswith(PARQUET_SUFFIXES) else "jsonl" if name.endswith(JSONL_SUFFIXES) else None
 
 
 def infer_data_type(path: str | None) -> str:
-    """The --data.type that reads `path` when none is given: text without a path; json_file for a .jsonl, .json
-    (or either .gz) file; preset_pt for a .pt file; hf_datasets for a datasets.save_to_disk directory. A
-    ValueError when the path says none of these."""
+    """The --data.type that reads `path` when none is given: text without a path; json_file for a JSON-lines
+    (.jsonl, .json, either .gz) or parquet file or a folder of them; preset_pt for a .pt file; hf_datasets for a
+    datasets.save_to_disk directory. A ValueError when the path says none of these."""
     if path is None:
         return "text"
     if os.path.isdir(path):
         if any(os.path.isfile(os.path.join(path, n)) for n in ("dataset_info.json", "dataset_dict.json",
                                                                 "state.json")):
             return "hf_datasets"
-        shards = sorted(n for n in os.listdir(path) if n.endswith(JSONL_SUFFIXES))
-        fix = (f"it holds {len(shards)} JSONL file(s) ({', '.join(shards[:3])}{', ...' if len(shards) > 3 else ''}) "
-               f"and --data.path reads one: concatenate them (cat {path}/*.jsonl > all.jsonl) and pass that file"
-               if shards else "pass a .jsonl file, a .pt file or a saved dataset, or name its type with --data.type")
+        if any(data_kind(n) for n in os.listdir(path)):
+            return "json_file"
         raise ValueError(f"--data.path {path} is a directory but not a datasets.save_to_disk output (no "
-                         f"dataset_info.json or dataset_dict.json in it); {fix}")
-    if path.endswith(JSONL_SUFFIXES):
+                         f"dataset_info.json or dataset_dict.json in it) and holds no data file (.jsonl, .jsonl.gz, "
+                         f".json, .json.gz or .parquet); pass such a file or a folder of them, a .pt file or a saved "
+                         f"dataset, or name its type with --data.type")
+    if data_kind(path):
         return "json_file"
     if path.endswith(".pt"):
         return "preset_pt"
-    raise ValueError(f"cannot tell the type of --data.path {path} from its name (expected .jsonl, .jsonl.gz, .pt "
-                     f"or a datasets.save_to_disk directory); pass --data.type json_file, preset_pt or hf_datasets")
+    raise ValueError(f"cannot tell the type of --data.path {path} from its name (expected .jsonl, .jsonl.gz, "
+                     f".parquet, .pt or a datasets.save_to_disk directory); pass --data.type json_file, preset_pt "
+                     f"or hf_datasets")
 
 
 def check_path_fits(kind: str, path: str | None, flag: str = "--data.path") -> None:
     """A ValueError when --data.type `kind` would not read `path`: text and synthetic read no path (it would be
-    ignored), json_file and preset_pt read a file, hf_datasets a directory; a .pt file is not JSONL and a JSONL
+    ignored), preset_pt reads a file, hf_datasets a directory; a .pt file is not records and a JSON-lines or parquet
     file not torch.save batches."""
     if path is None:
         return
@@ -290,15 +298,16 @@ def check_path_fits(kind: str, path: str | None, flag: str = "--data.path") -> N
         raise ValueError(f"--data.type {kind} reads no file, so {flag} {path} would be ignored; drop --data.type "
                          f"(the type then follows from the path) or pass the type that reads it")
     fix = "pass the --data.type that reads it, or leave --data.type out (it then follows from the path)"
-    if kind in ("json_file", "preset_pt") and os.path.isdir(path):
+    if kind == "preset_pt" and os.path.isdir(path):
         raise ValueError(f"--data.type {kind} reads a file, but {flag} {path} is a directory; {fix}")
     if kind == "hf_datasets" and os.path.isfile(path):
         raise ValueError(f"--data.type hf_datasets reads a datasets.save_to_disk directory, but {flag} {path} is "
                          f"a file; {fix}")
     if kind == "json_file" and path.endswith(".pt"):
-        raise ValueError(f"--data.type json_file reads JSONL, but {flag} {path} is a .pt file; {fix}")
-    if kind == "preset_pt" and path.endswith(JSONL_SUFFIXES):
-        raise ValueError(f"--data.type preset_pt reads torch.save batches, but {flag} {path} is JSON; {fix}")
+        raise ValueError(f"--data.type json_file reads JSON lines or parquet, but {flag} {path} is a .pt file; {fix}")
+    if kind == "preset_pt" and data_kind(path):
+        raise ValueError(f"--data.type preset_pt reads torch.save batches, but {flag} {path} is "
+                         f"{'parquet' if data_kind(path) == 'parquet' else 'JSON'}; {fix}")
 
 
 MIB = 1 << 20

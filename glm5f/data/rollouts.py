@@ -30,7 +30,8 @@ import torch
 from glm5f.core.replay import REPLAY_KEYS, check_replay
 from glm5f.data import engines
 from glm5f.data.chat import chat_messages
-from glm5f.data.readers import jsonl_records
+from glm5f.data.files import file_records
+from glm5f.data.readers import chat_prompt
 from glm5f.data.tokens import IGNORE_INDEX, Example
 
 COMPLETION_FIELDS = ("text", "ids", "messages", "loss_mask", "reward", "logprobs", "finish_reason", "truncated",
@@ -79,8 +80,10 @@ def _ids(value, what: str, where: str) -> list[int]:
 
 
 def prompt_ids(rec: dict, where: str, tok, fmt=None) -> list[int]:
-    """A record's prompt as token ids: "prompt_ids" as given, "prompt" text (bos first) or "messages" rendered with
-    the run's template (and the record's "tools") up to the assistant's turn (its generation prompt)."""
+    """A record's prompt as token ids: "prompt_ids" as given, "prompt" text (bos first) or "messages" (or "prompt" as
+    a list of messages) rendered with the run's template (and the record's "tools") up to the assistant's turn (its
+    generation prompt)."""
+    rec = chat_prompt(rec, where)
     given = [k for k in PROMPT_FIELDS if k in rec]
     if len(given) > 1:
         raise ValueError(f"{where}: the record gives its prompt twice ({' and '.join(map(repr, given))}); keep one")
@@ -105,6 +108,20 @@ def prompt_ids(rec: dict, where: str, tok, fmt=None) -> list[int]:
             raise ValueError(f"{where}: field 'prompt' must be a string, found {json.dumps(rec['prompt'])[:40]}")
         return ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(rec["prompt"])
     raise ValueError(f"{where}: a record needs 'prompt', 'messages' or 'prompt_ids'; found keys {sorted(rec)}")
+
+
+def record_columns(rec: dict, where: str) -> dict:
+    """The fields of a prompt record other than its prompt's, as a reward function is called with them: each as
+    given, and verl's `reward_model.ground_truth` also as `ground_truth` (a ValueError when the record gives another
+    `ground_truth` of its own)."""
+    out = {k: v for k, v in rec.items() if k not in PROMPT_FIELDS}
+    nested = rec.get("reward_model")
+    if isinstance(nested, dict) and "ground_truth" in nested:
+        if "ground_truth" in out and out["ground_truth"] != nested["ground_truth"]:
+            raise ValueError(f"{where}: 'ground_truth' {json.dumps(out['ground_truth'])[:40]} and "
+                             f"'reward_model.ground_truth' {json.dumps(nested['ground_truth'])[:40]} differ; keep one")
+        out["ground_truth"] = nested["ground_truth"]
+    return out
 
 
 def completion_example(rec: dict, prompt: list[int], completion, what: str, tok, fmt=None,
@@ -287,6 +304,7 @@ def group_of(rec, where: str, tok, fmt=None, cfg=None, options: ReadOptions = Re
         raise ValueError(f"{where}: field(s) {', '.join(map(repr, misplaced))} on the record: a completion's fields "
                          f"go in its object under 'completions', and glm5f reads no other such field; move or remove "
                          f"them")
+    rec = chat_prompt(rec, where)
     if "completions" not in rec and engines.formats_of(rec):
         raise ValueError(f"{where}: a glm5f record needs 'completions'; this one has the fields of a "
                          f"{' or '.join(engines.formats_of(rec))} sample: pass --data.format")
@@ -308,7 +326,7 @@ def read_groups(path: str, tok, fmt=None, cfg=None, options: ReadOptions = ReadO
     if options.format not in engines.FORMATS:
         raise ValueError(f"--data.format {options.format!r} is unknown; choose one of {', '.join(engines.FORMATS)}")
     if options.format == "glm5f":
-        groups = [group_of(rec, where, tok, fmt, cfg, options) for where, rec in jsonl_records(path, "rollout groups")]
+        groups = [group_of(rec, where, tok, fmt, cfg, options) for where, rec in file_records(path, "rollout groups")]
     else:
         groups = [Group(tuple(completion_of(c, where, {"prompt_ids": p}, p, tok, fmt, cfg, options)
                               for where, p, c in members), first, {})
@@ -331,15 +349,13 @@ def read_groups(path: str, tok, fmt=None, cfg=None, options: ReadOptions = ReadO
 
 
 def file_group_size(path: str, options: ReadOptions = ReadOptions()) -> int | None:
-    """The number of completions in the first group of a rollouts file (every group has as many), None when the
-    file or its first record cannot be read (the run's reader says why)."""
+    """The number of completions in the first group of a rollouts file or folder (every group has as many), None
+    when the file or its first record cannot be read (the run's reader says why)."""
     if options.format in engines.ENGINES:
         return engines.engine_group_size(path, options.format, options.group_key)
     try:
-        with open(path, "rb") as f:
-            first = next(line for line in f if line.strip())
-        return len(json.loads(first)["completions"])
-    except (OSError, StopIteration, ValueError, KeyError, TypeError):
+        return len(next(file_records(path, "rollout groups"))[1]["completions"])
+    except (OSError, ImportError, StopIteration, ValueError, KeyError, TypeError):
         return None
 
 

@@ -8,9 +8,10 @@ import torch
 
 from glm5f.data import chat as chat_data
 from glm5f.data.notes import RecordNotes, nothing_to_learn, print_warning
+from glm5f.data.files import open_reader
 from glm5f.data.packing import PackedSource, RowPacker
-from glm5f.data.readers import (DatasetReader, JsonlReader, check_same_files, embedded_documents, fingerprint,
-                                load_batches, record_example, text_example)
+from glm5f.data.readers import (DatasetReader, check_same_files, embedded_documents, fingerprint, load_batches,
+                                record_example, text_example)
 from glm5f.data.tokens import IGNORE_INDEX, Example, check_vocab, has_target, make_tokenizer
 
 
@@ -25,15 +26,16 @@ def shuffle_draw(seed: int, n: int) -> int:
 
 
 class StreamSource(RowPacker):
-    """Rows of seq_len packed from the records of a reader (JsonlReader, DatasetReader), read lazily: memory holds
-    at most `shuffle_buffer` records' payloads, whatever the corpus size.
+    """Rows of seq_len packed from the records of a reader (`files.open_reader`, DatasetReader), read lazily: memory
+    holds at most `shuffle_buffer` records' payloads, whatever the corpus size.
 
     Order: each epoch reads the records from the start; each is drawn from a buffer of up to shuffle_buffer of
     them (a uniform pick, refilled from the reader), and at the end of the data the buffer drains before the next
     epoch starts, so every epoch is a permutation of the records (shuffle_buffer 1: the file's order). A record is
     checked (JSON, keys, vocabulary: errors name its file:line, or its index in the file) as it enters the buffer,
     and the first buffer is filled here, so a small dataset is checked whole before training; the buffer keeps
-    only the record's line (a dataset row: nothing), which is parsed and tokenized again when drawn. The state is
+    only the record's line (a parquet row: the record; a dataset row: nothing), which is parsed and tokenized again
+    when drawn. The state is
     the reader's location, the buffered records' locations (not their content), the count of draws made and the
     current record with the offset into it, so a resumed source goes on exactly where it stopped. Every rank
     streams the whole data and builds the same global batch; each then takes its own rows of it. `held_out` N
@@ -249,7 +251,7 @@ def make_source(kind: str, *, vocab_size: int, batch_size: int, seq_len: int, se
     elif kind in ("json_file", "hf_datasets", "chat"):
         if path is None:
             raise ValueError(f"--data.type {kind} needs --data.path")
-        reader = DatasetReader(path, split) if kind == "hf_datasets" else JsonlReader(path)
+        reader = DatasetReader(path, split) if kind == "hf_datasets" else open_reader(path)
         return StreamSource(reader, tok, vocab_size, batch_size, seq_len, seed, pack, shuffle_buffer, path,
                             tokenizer_path, warn, chat, allow_changed, chat_only=kind == "chat",
                             held_out=round(1 / held_out) if held_out else 0, part=part)

@@ -23,8 +23,9 @@ import torch
 
 from glm5f.core.config import GLM5Config
 from glm5f.data.chat import ROLES, ChatFormat, chat_messages
-from glm5f.data.readers import jsonl_records
-from glm5f.data.rollouts import Completion, Group
+from glm5f.data.files import file_records
+from glm5f.data.readers import chat_prompt
+from glm5f.data.rollouts import Completion, Group, record_columns
 from glm5f.data.sources import shuffle_draw
 from glm5f.data.tokens import IGNORE_INDEX, Example
 from glm5f.posttrain.sampler import Prompt, PromptSource, decode_rows, load_reward
@@ -470,6 +471,7 @@ def task_of(rec, where: str, fmt: ChatFormat, tools: list | None) -> Task:
     assistant's turn; a ValueError naming `where` for a bad one."""
     if not isinstance(rec, dict):
         raise ValueError(f"{where}: expected a JSON object, found {type(rec).__name__}")
+    rec = chat_prompt(rec, where)
     if "messages" in rec:
         try:
             messages = chat_messages({"messages": rec["messages"]})[0]
@@ -489,13 +491,13 @@ def task_of(rec, where: str, fmt: ChatFormat, tools: list | None) -> Task:
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     return Task(fmt.tok.encode_offsets(text)[0], text, tuple(fmt.stop_ids),
-                {k: v for k, v in rec.items() if k not in ("prompt", "messages")}, where, tuple(messages), rec)
+                record_columns(rec, where), where, tuple(messages), rec)
 
 
 def read_tasks(path: str, fmt: ChatFormat, tools: dict) -> list[Task]:
     """Every task of a JSONL file (blank lines skipped); a ValueError naming file:line for a bad record."""
     listed = [tool_schema(fn) for fn in tools.values()] or None
-    return [task_of(rec, where, fmt, listed) for where, rec in jsonl_records(path, "agent tasks")]
+    return [task_of(rec, where, fmt, listed) for where, rec in file_records(path, "agent tasks")]
 
 
 def agent_groups(params: dict, cfg: GLM5Config, tasks: list[Task], s, a: AgentSettings,

@@ -1,8 +1,9 @@
 """The on-policy sampler (`--data.type prompts`): prompt records read into memory, groups of completions sampled from
 them with the cached decoder under the current policy, scored by a reward function, served as GRPO's rollout batch.
 
-Prompt record: {"prompt": str | "messages": [...] | "prompt_ids": [int], ...any other fields, passed to the reward
-function}. Shape suffixes: B rows (one completion each), S prompt length, T decoded positions, V vocabulary.
+Prompt record: {"prompt": str | "messages" (or "prompt"): [...] | "prompt_ids": [int], ...any other fields, passed to
+the reward function (`rollouts.record_columns`: verl's reward_model.ground_truth also as ground_truth)}. Shape
+suffixes: B rows (one completion each), S prompt length, T decoded positions, V vocabulary.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ from dataclasses import dataclass
 import torch
 
 from glm5f.core.config import GLM5Config
-from glm5f.data.readers import jsonl_records
-from glm5f.data.rollouts import Completion, Group, prompt_ids, rollout_batch
+from glm5f.data.files import file_records
+from glm5f.data.readers import chat_prompt
+from glm5f.data.rollouts import Completion, Group, prompt_ids, record_columns, rollout_batch
 from glm5f.data.sources import shuffle_draw
 from glm5f.model.decode import stream
 from glm5f.data.tokens import IGNORE_INDEX, Example, check_vocab
 
-PROMPT_FIELDS = ("prompt", "messages", "prompt_ids")
 RESERVED = ("completion", "completion_ids")  # reward keyword arguments a record's own fields may not take
 
 
@@ -40,6 +41,7 @@ def prompt_of(rec, where: str, tok, fmt) -> Prompt:
     """The Prompt of one record (see the module docstring); a ValueError naming `where` for a bad one."""
     if not isinstance(rec, dict):
         raise ValueError(f"{where}: expected a JSON object, found {type(rec).__name__}")
+    rec = chat_prompt(rec, where)
     ids = prompt_ids(rec, where, tok, fmt)
     if not ids:
         raise ValueError(f"{where}: the prompt has no tokens; give it at least one")
@@ -53,13 +55,12 @@ def prompt_of(rec, where: str, tok, fmt) -> Prompt:
         text, stops = fmt.render(rec["messages"], add_generation_prompt=True)[0], tuple(fmt.stop_ids)
     else:
         text, stops = rec["prompt"], (tok.eos_id,)
-    return Prompt(ids, text, tuple(i for i in stops if i is not None),
-                  {k: v for k, v in rec.items() if k not in PROMPT_FIELDS}, where)
+    return Prompt(ids, text, tuple(i for i in stops if i is not None), record_columns(rec, where), where)
 
 
 def read_prompts(path: str, tok, fmt) -> list[Prompt]:
     """Every prompt of a JSONL file (blank lines skipped); a ValueError naming file:line for a bad record."""
-    return [prompt_of(rec, where, tok, fmt) for where, rec in jsonl_records(path, "prompt records")]
+    return [prompt_of(rec, where, tok, fmt) for where, rec in file_records(path, "prompt records")]
 
 
 def load_reward(spec: str, flag: str = "--rl.reward"):

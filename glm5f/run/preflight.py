@@ -15,7 +15,8 @@ import torch
 from glm5f.data.chat import resolve_tokenizer
 from glm5f.ckpt.checkpoint import read_meta
 from glm5f.core.config import GLM5Config
-from glm5f.data.readers import DatasetReader, JsonlReader, load_batches
+from glm5f.data.files import open_reader
+from glm5f.data.readers import DatasetReader, load_batches
 from glm5f.model.decode import init_cache
 from glm5f.train.optim import make_optimizer
 from glm5f.core.params import abstract_params, flatten
@@ -173,7 +174,7 @@ def open_data(kind: str, path: str | None, split: str | None) -> None:
     if path is None:
         return
     if kind in ("json_file", "chat"):
-        JsonlReader(path)._file.close()
+        open_reader(path)
     elif kind == "hf_datasets":
         DatasetReader(path, split)
     elif kind == "preset_pt":
