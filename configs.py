@@ -149,6 +149,10 @@ class DataConfig:
     """Another engine's rollouts (--data.format not glm5f), a sample per line: the field its group's samples share (a
     dotted path reaches into an object); default the engine's (verl: uid, slime: group_index, ...). A line holding
     a JSON list is a group."""
+    skip_overlong: bool = False
+    """rollouts, prompts: a record longer than --data.seq_len (a group with a completion that does not fit; a prompt
+    leaving no room for --rl.max_new_tokens) is counted and skipped, the count and the file said at the start
+    (verl's filter_overlong_prompts); default: such a record refuses the run. Every record skipped is an error."""
 
 
 @dataclass

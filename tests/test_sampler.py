@@ -157,7 +157,8 @@ def test_a_prompt_without_room_for_its_completion_is_refused(tmp_path, capsys):
                           "--rl.max_new_tokens", "20")) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"error: {tmp_path / 'prompts.jsonl'}:1: a prompt of 8 tokens leaves no room for --rl.max_new_tokens 20 "
-        f"within --data.seq_len 24; raise --data.seq_len to 28 or shorten the prompt")
+        f"within --data.seq_len 24; raise --data.seq_len to 28 or shorten the prompt, or pass --data.skip_overlong to "
+        f"skip such prompts")
 
 
 @pytest.mark.parametrize("flags, message", [

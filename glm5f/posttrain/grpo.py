@@ -258,22 +258,27 @@ def check(cfg) -> list[str]:
 def source(cfg, model_cfg, layout, tokenizer_path: str | None, warn):
     """The run's data source: --data.type rollouts, the groups of --data.path (`rollouts.RolloutSource`, their
     replay records checked against the model); prompts, its prompt records, sampled each batch with the --rl flags
-    and scored by --rl.reward (`sampler.PromptSource`, its sampling generator seeded by --train.seed)."""
+    and scored by --rl.reward (`sampler.PromptSource`, its sampling generator seeded by --train.seed). What
+    --data.skip_overlong left out is said in one warning line."""
     d, r = cfg.data, cfg.rl
     tok = model_tokenizer(tokenizer_path, model_cfg.vocab_size)
     fmt = ChatFormat.load(tokenizer_path, d.chat_template)
     if d.type != "prompts":
         options = ReadOptions(d.format, d.group_key, r.replayed, r.mask_truncated)
         data = RolloutSource(read_groups(d.path, tok, fmt, model_cfg, options), d.batch_size, d.seq_len,
-                             model_cfg.vocab_size, d.seed, tok.pad_id, d.path)
+                             model_cfg.vocab_size, d.seed, tok.pad_id, d.path, d.skip_overlong)
         rl_losses.check_source(data, r)  # a rollouts file without what --rl.policy_loss reads, at file:line
-        return data
-    if r.enabled:  # --rl.tools or --rl.environment: multi-turn episodes
-        return AgentSource(d.path, d.batch_size, d.seq_len, model_cfg, d.seed, r, r, fmt, r.reward, cfg.train.seed,
-                           layout.device)
-    reward = sampler.load_reward(r.reward)
-    return sampler.PromptSource(sampler.read_prompts(d.path, tok, fmt), d.batch_size, d.seq_len, model_cfg, d.seed,
-                                tok.pad_id, r, reward, f"--rl.reward {r.reward}", tok, cfg.train.seed, layout.device)
+    elif r.enabled:  # --rl.tools or --rl.environment: multi-turn episodes
+        data = AgentSource(d.path, d.batch_size, d.seq_len, model_cfg, d.seed, r, r, fmt, r.reward, cfg.train.seed,
+                           layout.device, d.skip_overlong)
+    else:
+        reward = sampler.load_reward(r.reward)
+        data = sampler.PromptSource(sampler.read_prompts(d.path, tok, fmt), d.batch_size, d.seq_len, model_cfg,
+                                    d.seed, tok.pad_id, r, reward, f"--rl.reward {r.reward}", tok, cfg.train.seed,
+                                    layout.device, d.skip_overlong)
+    if data.skipped is not None:
+        warn(data.skipped.line())
+    return data
 
 
 class GRPOFeed(Feed):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from glm5f.core.config import GLM5Config
+from glm5f.data.overlong import fitting
 from glm5f.data.readers import jsonl_records
 from glm5f.data.rollouts import Completion, Group, prompt_ids, rollout_batch
 from glm5f.data.sources import shuffle_draw
@@ -164,16 +165,20 @@ class PromptSource:
     into GRPO's rollout batch. Under a multi-process layout each rank samples its share of the prompts and the
     ranks exchange their groups, so every rank holds the whole batch. Each prompt's group is sampled with a
     generator of its own, seeded by (`sample_seed`, the prompt's draw number): the state is that count, so a
-    resumed run samples what the uninterrupted run would, and every layout draws the same numbers."""
+    resumed run samples what the uninterrupted run would, and every layout draws the same numbers. A prompt leaving
+    no room for --rl.max_new_tokens within --data.seq_len refuses the source, or with `skip_overlong` is left out
+    (`skipped`: `overlong.Skipped`, None when none was)."""
 
     def __init__(self, prompts: list[Prompt], batch_size: int, seq_len: int, cfg: GLM5Config, seed: int, pad_id: int,
                  settings, reward, reward_name: str, tok, sample_seed: int,
-                 device: torch.device | str = "cpu"):
-        for p in prompts:
-            if len(p.ids) + settings.max_new_tokens > seq_len:
-                raise ValueError(f"{p.where}: a prompt of {len(p.ids)} tokens leaves no room for --rl.max_new_tokens "
-                                 f"{settings.max_new_tokens} within --data.seq_len {seq_len}; raise --data.seq_len "
-                                 f"to {len(p.ids) + settings.max_new_tokens} or shorten the prompt")
+                 device: torch.device | str = "cpu", skip_overlong: bool = False):
+        M = settings.max_new_tokens
+        prompts, self.skipped = fitting(
+            prompts, lambda p: None if len(p.ids) + M <= seq_len else (
+                f"{p.where}: a prompt of {len(p.ids)} tokens leaves no room for --rl.max_new_tokens {M} within "
+                f"--data.seq_len {seq_len}; raise --data.seq_len to {len(p.ids) + M} or shorten the prompt"),
+            lambda p: p.where, skip_overlong, "prompts", prompts[0].where.rsplit(":", 1)[0] if prompts else "",
+            seq_len)
         check_vocab([Example(p.ids, p.ids) for p in prompts], cfg.vocab_size, "prompts")
         self.prompts, self.B, self.S, self.cfg, self.seed, self.pad_id = prompts, batch_size, seq_len, cfg, seed, pad_id
         self.settings, self.reward, self.reward_name, self.tok = settings, reward, reward_name, tok
