@@ -202,6 +202,10 @@ class PromptSource:
 
     def next_batch(self, params: dict, layout=None) -> dict[str, torch.Tensor]:
         """The next batch, sampled with `params` (the whole weights, on every rank of `layout`)."""
+        return rollout_batch(self.next_groups(params, layout), self.S, self.pad_id)
+
+    def next_groups(self, params: dict, layout=None) -> list[Group]:
+        """The groups of the next --data.batch_size prompts, sampled with `params`, every rank holding all."""
         prompts = self.next_prompts()
         rank, world = (layout.rank, layout.world) if layout is not None else (0, 1)
         lo, hi = rank * len(prompts) // world, (rank + 1) * len(prompts) // world
@@ -211,7 +215,7 @@ class PromptSource:
         groups = self.sample(params, prompts[lo:hi], generators) if hi > lo else []
         if world > 1:
             groups = [g for part in layout.gather_objects(groups) for g in part]
-        return rollout_batch(groups, self.S, self.pad_id)
+        return groups
 
     def sample(self, params: dict, prompts: list[Prompt], generators: list[torch.Generator]) -> list[Group]:
         """The groups of `prompts` (this rank's share), one generator each."""
