@@ -109,7 +109,7 @@ def test_the_reward_function_gets_the_record_and_the_completion(tmp_path):
                                    TOK.pad_id, torch.Generator().manual_seed(0))
     assert len(SEEN) == 6
     texts = ["hi", TOK.decode([256, 104, 105]), fmt.render(recs[2]["messages"], add_generation_prompt=True)[0]]
-    extra = [{"answer": 3}, {"tags": ["x"]}, {"level": "easy"}]
+    extra = [{"answer": 3}, {"tags": ["x"]}, {"level": "easy", "messages": recs[2]["messages"]}]  # a chat's messages
     for k, (seen, g) in enumerate(zip(SEEN, [g for g in groups for _ in range(2)])):
         c = g.completions[k % 2]
         ids = c.example.ids[len(ps[k // 2].ids):]

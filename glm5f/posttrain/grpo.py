@@ -15,6 +15,7 @@ Shape suffixes: R rows (one completion each), S sequence.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Literal, Optional
@@ -93,10 +94,17 @@ class RLConfig(AgentSettings):
     first included); when they leave it short, the batch is filled with the last flat groups sampled (advantage 0:
     no policy gradient; counted as groups_flat_kept, and said)."""
     reward: Optional[str] = None
-    """Sampling (--data.type prompts): the reward function, module:function (imported with the working directory
-    and PYTHONPATH on the path), called per completion with keyword arguments prompt, completion (text),
-    prompt_ids, completion_ids and the prompt record's other fields; returns a finite number.
-    glm5f.posttrain.rewards:lowercase_share is the toy task's (recipes/grpo-tiny.yaml)."""
+    """Sampling (--data.type prompts): the reward function(s), module:function (imported with the working directory
+    and PYTHONPATH on the path), comma-separated for several; each in glm5f's form (per completion: prompt,
+    completion, prompt_ids, completion_ids, a chat record's messages, the record's other fields; a number back),
+    TRL's (per group: prompts, completions, completion_ids and the fields as lists; a list back) or verl's
+    compute_score(data_source, solution_str, ground_truth, extra_info), told apart by its parameter names
+    (glm5f.posttrain.rewards.form_of). glm5f.posttrain.rewards:lowercase_share is the toy task's."""
+    reward_weights: str = ""
+    """Sampling: the weight of each --rl.reward function (comma-separated, as many as functions; default 1 each):
+    a completion's reward is the weighted sum, each function's mean logged as rewards/NAME/mean (as TRL)."""
+    reward_workers: int = 1
+    """Sampling: threads the reward calls run on (1: one after the other); the rewards are the same whatever it is."""
 
     advantage: Optional[Literal["grpo", "dr_grpo", "rloo"]] = None
     """GRPO: the advantage row (glm5f.posttrain.rl_losses.ADVANTAGES, docs/posttraining.md). None: grpo."""
@@ -248,6 +256,7 @@ def check(cfg) -> list[str]:
     if cfg.data.type == "prompts":
         if not r.reward and r.environment is None:
             errs.append("--data.type prompts needs --rl.reward module:function (the reward of a sampled completion)")
+        errs += reward_errors(r)
         if r.max_sample_rounds < 1:
             errs.append(f"--rl.max_sample_rounds must be >= 1 (the first round is one), found {r.max_sample_rounds}")
         if r.group_size < 2 or r.max_new_tokens < 1 or r.temperature < 0 or not 0 < r.top_p <= 1:
@@ -270,6 +279,25 @@ def check(cfg) -> list[str]:
     return errs + dpo.reference_errors("rl", r.reference, cfg)
 
 
+def reward_errors(r) -> list[str]:
+    """What is wrong with --rl.reward_weights and --rl.reward_workers (their form; the functions load later)."""
+    errs, n = [], len([x for x in (r.reward or "").split(",") if x.strip()])
+    if r.reward_weights.strip():
+        try:
+            ws = [float(w) for w in r.reward_weights.split(",")]
+        except ValueError:
+            ws = None
+        if ws is None or not all(math.isfinite(w) for w in ws) or len(ws) != n:
+            errs.append(f"--rl.reward_weights takes one finite number per --rl.reward function (comma-separated: "
+                        f"{n} for --rl.reward {r.reward}), found {r.reward_weights!r}")
+    if r.reward_workers < 1:
+        errs.append(f"--rl.reward_workers must be >= 1 (1: the calls one after the other), found {r.reward_workers}")
+    if r.enabled and (n > 1 or r.reward_weights.strip() or r.reward_workers != 1):
+        errs.append("agent episodes (--rl.tools, --rl.environment) take one --rl.reward function (messages, ids, "
+                    "loss_mask); drop --rl.reward_weights and --rl.reward_workers, or give one function")
+    return errs
+
+
 def source(cfg, model_cfg, layout, tokenizer_path: str | None, warn):
     """The run's data source: --data.type rollouts, the groups of --data.path (`rollouts.RolloutSource`, their
     replay records checked against the model); prompts, its prompt records, sampled each batch with the --rl flags
@@ -287,7 +315,7 @@ def source(cfg, model_cfg, layout, tokenizer_path: str | None, warn):
         data = AgentSource(d.path, d.batch_size, d.seq_len, model_cfg, d.seed, r, r, fmt, r.reward, cfg.train.seed,
                            layout.device, d.skip_overlong)
     else:
-        reward = sampler.load_reward(r.reward)
+        reward = sampler.load_rewards(r.reward, r.reward_weights, r.reward_workers)
         data = sampler.PromptSource(sampler.read_prompts(d.path, tok, fmt), d.batch_size, d.seq_len, model_cfg,
                                     d.seed, tok.pad_id, r, reward, f"--rl.reward {r.reward}", tok, cfg.train.seed,
                                     layout.device, d.skip_overlong)
@@ -329,12 +357,20 @@ class GRPOFeed(Feed):
             else:
                 groups, counts = self.data.next_groups(params, layout), {}
             batch = on_device(rollout_batch(groups, self.data.S, self.data.pad_id), layout.device)
-            self.metrics = {"sample_time_s": time.perf_counter() - t0, **counts}
+            self.metrics = {"sample_time_s": time.perf_counter() - t0, **counts, **reward_means(groups)}
         else:
             batch = super().fetch(state)
         if self.per_batch > 1:  # the ratio's old log-probabilities: the policy's before the batch's first update
             batch["old_targets"] = old_logprobs(state.params, batch, t.model_cfg, layout, t.step)
         return batch
+
+
+def reward_means(groups: list) -> dict:
+    """{rewards/NAME/mean: the mean of reward function NAME over the groups' completions} of sampled groups
+    (`sampler.ScoredGroup`; TRL's metric names)."""
+    names = getattr(groups[0], "rewards", {}) if groups else {}
+    return {f"rewards/{n}/mean": sum(sum(g.rewards[n]) for g in groups) / sum(len(g.rewards[n]) for g in groups)
+            for n in names}
 
 
 FILTER_COUNTS = ("groups_sampled", "groups_flat_dropped", "sample_rounds", "groups_flat_kept")

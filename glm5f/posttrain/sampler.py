@@ -8,11 +8,9 @@ function}. Shape suffixes: B rows (one completion each), S prompt length, T deco
 from __future__ import annotations
 
 import importlib
-import math
-import numbers
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,10 +20,11 @@ from glm5f.data.readers import jsonl_records
 from glm5f.data.rollouts import Completion, Group, prompt_ids, rollout_batch
 from glm5f.data.sources import shuffle_draw
 from glm5f.model.decode import stream
+from glm5f.posttrain.rewards import RewardFn, Rewards, form_of
 from glm5f.data.tokens import IGNORE_INDEX, Example, check_vocab
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_ids")
-RESERVED = ("completion", "completion_ids")  # reward keyword arguments a record's own fields may not take
+RESERVED = ("completion", "completion_ids", "completions", "prompts")  # reward arguments a record's fields may not be
 
 
 @dataclass(frozen=True)
@@ -35,6 +34,7 @@ class Prompt:
     stops: tuple[int, ...]  # the ids a completion ends at (the template's stop tokens for a chat, else eos)
     fields: dict  # the record's other fields
     where: str  # file:line
+    messages: list | None = None  # a chat record's messages (None for the others)
 
 
 def prompt_of(rec, where: str, tok, fmt) -> Prompt:
@@ -46,8 +46,8 @@ def prompt_of(rec, where: str, tok, fmt) -> Prompt:
         raise ValueError(f"{where}: the prompt has no tokens; give it at least one")
     taken = [k for k in RESERVED if k in rec]
     if taken:
-        raise ValueError(f"{where}: field {taken[0]!r} is the name of the reward function's argument for the sampled "
-                         f"completion; rename it")
+        raise ValueError(f"{where}: field {taken[0]!r} is the name of a reward function's argument (the sampled "
+                         f"completion, or TRL's lists); rename it")
     if "prompt_ids" in rec:
         text, stops = tok.decode(ids), (tok.eos_id,)
     elif "messages" in rec:
@@ -55,7 +55,7 @@ def prompt_of(rec, where: str, tok, fmt) -> Prompt:
     else:
         text, stops = rec["prompt"], (tok.eos_id,)
     return Prompt(ids, text, tuple(i for i in stops if i is not None),
-                  {k: v for k, v in rec.items() if k not in PROMPT_FIELDS}, where)
+                  {k: v for k, v in rec.items() if k not in PROMPT_FIELDS}, where, rec.get("messages"))
 
 
 def read_prompts(path: str, tok, fmt) -> list[Prompt]:
@@ -82,17 +82,23 @@ def load_reward(spec: str, flag: str = "--rl.reward"):
     return fn
 
 
-def call_reward(fn, p: Prompt, completion: str, completion_ids: list[int], name: str = "the reward function") -> float:
-    """fn(prompt=, completion=, prompt_ids=, completion_ids=, **the record's other fields) as a float; a ValueError
-    naming the prompt record when it raises or returns no finite number."""
-    try:
-        r = fn(prompt=p.text, completion=completion, prompt_ids=list(p.ids), completion_ids=list(completion_ids),
-               **p.fields)
-    except Exception as e:  # the user's code: any exception is theirs to see
-        raise ValueError(f"{p.where}: {name} raised {type(e).__name__}: {e}") from None
-    if isinstance(r, bool) or not isinstance(r, numbers.Real) or not math.isfinite(float(r)):
-        raise ValueError(f"{p.where}: {name} returned {r!r:.40}; it must return a finite number")
-    return float(r)
+def load_rewards(spec: str, weights: str = "", workers: int = 1) -> Rewards:
+    """The --rl.reward functions (comma-separated module:function, each `load_reward`ed, its form `form_of`'s) with
+    their --rl.reward_weights (comma-separated; default 1 each), called on `workers` threads; a ValueError naming
+    the flag for a function that cannot be used. Each is logged under its function's name (its spec when two
+    share one)."""
+    specs = [x.strip() for x in spec.split(",") if x.strip()]
+    ws = [float(w) for w in weights.split(",")] if weights.strip() else [1.0] * len(specs)
+    if len(ws) != len(specs):
+        raise ValueError(f"--rl.reward_weights {weights}: {len(ws)} weights for the {len(specs)} functions of "
+                         f"--rl.reward {spec}; give one per function")
+    names = [x.partition(":")[2] for x in specs]
+    fns = []
+    for x, w, name in zip(specs, ws, names):
+        flag = f"--rl.reward {x}"
+        fn = load_reward(x)
+        fns.append(RewardFn(fn, form_of(fn, flag), w, name if names.count(name) == 1 else x, flag))
+    return Rewards(fns, workers)
 
 
 @torch.no_grad()
@@ -141,22 +147,35 @@ def sample_groups(params: dict, cfg: GLM5Config, prompts: list[Prompt], s, rewar
                   generator: torch.Generator | None = None, reward_name: str = "the reward function") -> list[Group]:
     """One Group per prompt: s.group_size completions sampled from `params` (see `decode_rows`: all of the call's
     completions decoded together; `generator` one for all, or a list of one per prompt) at s.temperature /
-    s.top_p, each with its log-probabilities and the reward `reward` gives it (`call_reward`; completion: the text of its ids less a final stop id), and the decoder's
-    choices of experts and keys s.replayed asks for (its `replay`)."""
+    s.top_p, each with its log-probabilities, the reward `reward` gives it (a `rewards.Rewards`, or one function
+    called as `rewards.form_of` says; the completion's text is that of its ids less a final stop id) and the
+    decoder's choices of experts and keys s.replayed asks for (its `replay`); a ScoredGroup, with each function's
+    rewards."""
     rows = [p for p in prompts for _ in range(s.group_size)]
     device = params["model"]["embed_tokens"]["weight"].device
     completions, logprobs, replay = decode_rows(params, cfg, rows, s, pad_id, generator, device)
+    texts = [[tok.decode(ids[:-1] if ids and ids[-1] in p.stops else ids) for ids in
+              completions[g * s.group_size:(g + 1) * s.group_size]] for g, p in enumerate(prompts)]
+    scorer = reward if isinstance(reward, Rewards) else Rewards.of(reward, reward_name)
+    totals, parts = scorer.score([(p, texts[g], completions[g * s.group_size:(g + 1) * s.group_size])
+                                  for g, p in enumerate(prompts)])
     groups = []
     for g, p in enumerate(prompts):
         members = []
-        for r in range(g * s.group_size, (g + 1) * s.group_size):
+        for k, r in enumerate(range(g * s.group_size, (g + 1) * s.group_size)):
             ids = completions[r]
-            text = tok.decode(ids[:-1] if ids and ids[-1] in p.stops else ids)
-            members.append(Completion(Example(p.ids + ids, [IGNORE_INDEX] * len(p.ids) + ids),
-                                      call_reward(reward, p, text, ids, reward_name), logprobs[r],
-                                      {f: v[r] for f, v in replay.items()}))
-        groups.append(Group(tuple(members), p.where, {"prompt_ids": p.ids, **p.fields}))
+            members.append(Completion(Example(p.ids + ids, [IGNORE_INDEX] * len(p.ids) + ids), totals[g][k],
+                                      logprobs[r], {f: v[r] for f, v in replay.items()}))
+        groups.append(ScoredGroup(tuple(members), p.where, {"prompt_ids": p.ids, **p.fields},
+                                  {name: tuple(v[g]) for name, v in parts.items()}))
     return groups
+
+
+@dataclass(frozen=True)
+class ScoredGroup(Group):
+    """A sampled Group with each reward function's rewards of its completions (name -> one per completion)."""
+
+    rewards: dict = field(default_factory=dict)
 
 
 class PromptSource:
