@@ -1,5 +1,5 @@
-"""--data.skip_overlong: a record longer than --data.seq_len refuses the run without it; with it the record is counted
-and skipped (said at the start with its file), the run trains on exactly the other records, and all skipped is an error."""
+"""--data.skip_overlong: a record longer than --data.seq_len refuses the run without it; with it the record is
+counted and skipped (said at the start with its file), the run trains on exactly the others; all skipped: an error."""
 
 import json
 

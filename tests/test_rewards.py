@@ -1,5 +1,5 @@
-"""glm5f/posttrain/rewards.py: reward functions in glm5f's, TRL's and verl's forms give what a direct call of them gives,
-ambiguous ones are refused in one line, weights sum, workers give what one worker gives, and a run logs each function."""
+"""glm5f/posttrain/rewards.py: reward functions in glm5f's, TRL's and verl's forms give what a direct call gives,
+ambiguous ones are refused in one line, weights sum, workers give what one worker gives, a run logs each function."""
 
 import json
 import time
