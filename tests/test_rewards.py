@@ -169,6 +169,10 @@ def test_a_run_with_two_weighted_functions_logs_each_and_trains_on_their_sum(tmp
     assert main([*flags[:-3], "--rl.reward_weights", "1", "--checkpoint.dir", str(tmp_path / "bad")]) == 1
     assert "--rl.reward_weights takes one finite number per --rl.reward function (comma-separated: 2 for" in \
         capsys.readouterr().err
+    assert main([*flags[:-5], "--rl.reward", "test_rewards:ambiguous", "--checkpoint.dir", str(tmp_path / "amb")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: --rl.reward test_rewards:ambiguous: its parameters name completion and "
+                              "completions") and "Traceback" not in "".join(err)
 
 
 @pytest.mark.parametrize("extra, message", [
