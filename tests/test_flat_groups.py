@@ -98,3 +98,26 @@ def test_the_round_cap_fills_the_batch_with_the_last_flat_groups():
 ])
 def test_flags_that_cannot_work_are_refused(extra, message):
     assert any(message in e for e in validate(cli("--train.objective", "grpo", "--data.path", "p.jsonl", *extra)))
+
+
+@pytest.mark.slow
+def test_the_filter_under_dp_shard_2_equals_one_process_fp64(tmp_path):
+    """Every rank takes the same groups (the filter runs on the gathered groups): dp_shard 2's counts, rewards,
+    losses and weights equal one process's."""
+    from glm5f.ckpt.checkpoint import latest, load_params
+    from glm5f.core.params import flatten
+    from train import main
+
+    path = write_prompts(tmp_path)
+
+    def run(name, *extra):
+        assert main(flags(tmp_path, name, "--data.type", "prompts", "--data.path", path, "--rl.reward",
+                          "test_flat_groups:flat_or_sum", "--rl.filter_flat_groups", "--train.steps", "2",
+                          "--checkpoint.every", "2", *extra)) == 0
+        return read_metrics(tmp_path / name), flatten(load_params(latest(str(tmp_path / name)))[1])
+    want, ref = run("one")
+    got, params = run("dp2", "--parallel.dp_shard", "2")
+    for a, b in zip(got, want, strict=True):
+        for k in ("groups_sampled", "groups_flat_dropped", "sample_rounds", "reward", "loss"):
+            assert abs(a[k] - b[k]) <= 1e-9, (k, a[k], b[k])
+    assert max(float((params[k] - w).abs().max()) for k, w in ref.items()) <= 1e-9
