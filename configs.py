@@ -433,6 +433,10 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     if cfg.data.share_prefixes and (cfg.data.type != "preference" or cfg.parallel.cp > 1):
         errs.append(f"--data.share_prefixes true shares DPO pairs' prompts (--data.type preference, --parallel.cp 1) "
                     f"only; got --data.type {cfg.data.type} and --parallel.cp {cfg.parallel.cp}: drop it")
+    if cfg.data.skip_overlong and cfg.data.type not in ("rollouts", "prompts"):
+        errs.append(f"--data.skip_overlong skips rollouts groups and prompts that do not fit --data.seq_len; "
+                    f"--data.type {cfg.data.type} refuses no long record (chat and preference records are cut, text "
+                    f"is packed): drop it")
     if cfg.checkpoint.overwrite and cfg.checkpoint.resume:
         errs.append("--checkpoint.overwrite deletes the checkpoints --checkpoint.resume would continue from; "
                     "pass one of them")

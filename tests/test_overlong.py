@@ -97,3 +97,13 @@ def test_a_prompt_without_room_is_skipped_with_the_flag(tmp_path):
     assert (src.skipped.count, src.skipped.total, src.skipped.first, src.skipped.path) == (1, 4, f"{path}:2",
                                                                                            str(path))
     assert sorted(p.text for p in src.next_prompts()) == ["ab", "cd", "ef"]
+
+
+@pytest.mark.parametrize("kind", ["chat", "preference", "text"])
+def test_the_flag_on_a_data_type_that_refuses_no_long_record_is_refused(kind):
+    from configs import validate
+
+    extra = ["--train.objective", "dpo", "--data.path", "p.jsonl"] if kind == "preference" else []
+    errs = validate(cli("--data.type", kind, "--data.skip_overlong", *extra))
+    assert any(e.startswith(f"--data.skip_overlong skips rollouts groups and prompts that do not fit --data.seq_len; "
+                            f"--data.type {kind} refuses no long record") for e in errs), errs
