@@ -151,6 +151,10 @@ class DataConfig:
     """Another engine's rollouts (--data.format not glm5f), a sample per line: the field its group's samples share (a
     dotted path reaches into an object); default the engine's (verl: uid, slime: group_index, ...). A line holding
     a JSON list is a group."""
+    skip_overlong: bool = False
+    """rollouts, prompts: a record longer than --data.seq_len (a group with a completion that does not fit; a prompt
+    leaving no room for --rl.max_new_tokens) is counted and skipped, the count and the file said at the start
+    (verl's filter_overlong_prompts); default: such a record refuses the run. Every record skipped is an error."""
 
 
 @dataclass
@@ -431,6 +435,10 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     if cfg.data.share_prefixes and (cfg.data.type != "preference" or cfg.parallel.cp > 1):
         errs.append(f"--data.share_prefixes true shares DPO pairs' prompts (--data.type preference, --parallel.cp 1) "
                     f"only; got --data.type {cfg.data.type} and --parallel.cp {cfg.parallel.cp}: drop it")
+    if cfg.data.skip_overlong and cfg.data.type not in ("rollouts", "prompts"):
+        errs.append(f"--data.skip_overlong skips rollouts groups and prompts that do not fit --data.seq_len; "
+                    f"--data.type {cfg.data.type} refuses no long record (chat and preference records are cut, text "
+                    f"is packed): drop it")
     if cfg.checkpoint.overwrite and cfg.checkpoint.resume:
         errs.append("--checkpoint.overwrite deletes the checkpoints --checkpoint.resume would continue from; "
                     "pass one of them")

@@ -109,7 +109,7 @@ def test_the_reward_function_gets_the_record_and_the_completion(tmp_path):
                                    TOK.pad_id, torch.Generator().manual_seed(0))
     assert len(SEEN) == 6
     texts = ["hi", TOK.decode([256, 104, 105]), fmt.render(recs[2]["messages"], add_generation_prompt=True)[0]]
-    extra = [{"answer": 3}, {"tags": ["x"]}, {"level": "easy"}]
+    extra = [{"answer": 3}, {"tags": ["x"]}, {"level": "easy", "messages": recs[2]["messages"]}]  # a chat's messages
     for k, (seen, g) in enumerate(zip(SEEN, [g for g in groups for _ in range(2)])):
         c = g.completions[k % 2]
         ids = c.example.ids[len(ps[k // 2].ids):]
@@ -157,7 +157,8 @@ def test_a_prompt_without_room_for_its_completion_is_refused(tmp_path, capsys):
                           "--rl.max_new_tokens", "20")) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"error: {tmp_path / 'prompts.jsonl'}:1: a prompt of 8 tokens leaves no room for --rl.max_new_tokens 20 "
-        f"within --data.seq_len 24; raise --data.seq_len to 28 or shorten the prompt")
+        f"within --data.seq_len 24; raise --data.seq_len to 28 or shorten the prompt, or pass --data.skip_overlong to "
+        f"skip such prompts")
 
 
 @pytest.mark.parametrize("flags, message", [

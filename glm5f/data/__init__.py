@@ -9,7 +9,8 @@ depends only on the source and its state, never on how it is later split over mi
 
 readers.py: the file formats (records, JSONL, saved datasets, preset_pt, the embedded corpus); packing.py: rows of
 seq_len; sources.py: the sources and make_source / make_eval_source; notes.py: warnings about the data;
-rollouts.py: GRPO's groups of completions and trajectories; engines.py: other RL engines' rollout fields.
+rollouts.py: GRPO's groups of completions and trajectories; engines.py: other RL engines' rollout fields;
+overlong.py: records past seq_len refused, or counted and skipped (--data.skip_overlong).
 """
 
 from glm5f.data.notes import print_warning, warnings_as_lines

@@ -31,6 +31,7 @@ from glm5f.core.replay import REPLAY_KEYS, check_replay
 from glm5f.data import engines
 from glm5f.data.chat import chat_messages
 from glm5f.data.files import file_records
+from glm5f.data.overlong import fitting
 from glm5f.data.readers import chat_prompt
 from glm5f.data.tokens import IGNORE_INDEX, Example
 
@@ -391,16 +392,26 @@ def rollout_batch(groups: list[Group], seq_len: int, pad_id: int) -> dict[str, t
     return out
 
 
-def check_completion(c: Completion, what: str, seq_len: int, vocab_size: int) -> None:
-    """A ValueError naming where `c` was read (else `what`) when prompt + completion do not fit --data.seq_len (a
-    prompt that leaves no room called a prompt) or hold a token id outside the vocabulary."""
+def overlong(c: Completion, what: str, seq_len: int) -> str | None:
+    """Why prompt + completion `c` (read at its own where, else `what`) do not fit --data.seq_len (a prompt that
+    leaves no room called a prompt); None when they fit."""
     n, p, what = len(c.example.ids), c.prompt_len or 0, c.where or what
-    loc = what.split(": completion ")[0]
     if p >= seq_len:
-        raise ValueError(f"{loc}: the prompt has {p} tokens, leaving no room for a completion in --data.seq_len "
-                         f"{seq_len}; raise it or shorten the prompt")
+        return (f"{what.split(': completion ')[0]}: the prompt has {p} tokens, leaving no room for a completion in "
+                f"--data.seq_len {seq_len}; raise it or shorten the prompt")
     if n > seq_len:
-        raise ValueError(f"{what}: {n - p} tokens after a prompt of {p} do not fit --data.seq_len {seq_len}; raise it")
+        return f"{what}: {n - p} tokens after a prompt of {p} do not fit --data.seq_len {seq_len}; raise it"
+    return None
+
+
+def check_completion(c: Completion, what: str, seq_len: int, vocab_size: int) -> None:
+    """A ValueError naming where `c` was read (else `what`) when prompt + completion do not fit --data.seq_len
+    (`overlong`) or hold a token id outside the vocabulary."""
+    why = overlong(c, what, seq_len)
+    if why is not None:
+        raise ValueError(why)
+    p, what = c.prompt_len or 0, c.where or what
+    loc = what.split(": completion ")[0]
     bad = next((j for j, t in enumerate(c.example.ids) if not 0 <= t < vocab_size), None)
     if bad is not None:
         part = "the prompt" if bad < p else (what[len(loc) + 2:] or "the completion")
@@ -408,11 +419,21 @@ def check_completion(c: Completion, what: str, seq_len: int, vocab_size: int) ->
                          f"vocab_size={vocab_size}): the tokenizer or the data does not fit the model's vocabulary")
 
 
+def group_overlong(g: Group, seq_len: int) -> str | None:
+    """Why group `g` does not fit --data.seq_len: its first completion that does not (`overlong`); None if all do."""
+    return next((why for i, c in enumerate(g.completions)
+                 if (why := overlong(c, f"{g.where}: completion {i}", seq_len)) is not None), None)
+
+
 class RolloutSource:
-    """--data.batch_size groups per batch (`rollout_batch`), in a seeded per-epoch order of the file's groups."""
+    """--data.batch_size groups per batch (`rollout_batch`), in a seeded per-epoch order of the file's groups; a group
+    with a completion longer than --data.seq_len refuses the source, or with `skip_overlong` is left out (`skipped`:
+    `overlong.Skipped`, None when none was)."""
 
     def __init__(self, groups: list[Group], batch_size: int, seq_len: int, vocab_size: int, seed: int, pad_id: int,
-                 name: str = "rollouts"):
+                 name: str = "rollouts", skip_overlong: bool = False):
+        groups, self.skipped = fitting(groups, lambda g: group_overlong(g, seq_len), lambda g: g.where, skip_overlong,
+                                       "groups", name, seq_len)
         for g in groups:
             for i, c in enumerate(g.completions):
                 check_completion(c, f"{g.where}: completion {i}", seq_len, vocab_size)

@@ -524,13 +524,13 @@ class AgentSource(PromptSource):
 
     def __init__(self, path: str, batch_size: int, seq_len: int, cfg: GLM5Config, seed: int, settings,
                  agent: AgentSettings, fmt: ChatFormat, reward_spec: str | None, sample_seed: int,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", skip_overlong: bool = False):
         reward = None if reward_spec is None else load_reward(reward_spec)
         agent.check(reward)
         self.agent, self.fmt, self.tools = agent, fmt, load_tools(agent.tool_specs)
         self.factory = None if agent.environment is None else load_reward(agent.environment, "--rl.environment")
         super().__init__(read_tasks(path, fmt, self.tools), batch_size, seq_len, cfg, seed, fmt.tok.pad_id, settings,
-                         reward, f"--rl.reward {reward_spec}", fmt.tok, sample_seed, device)
+                         reward, f"--rl.reward {reward_spec}", fmt.tok, sample_seed, device, skip_overlong)
 
     def sample(self, params: dict, prompts: list[Prompt], generators: list[torch.Generator]) -> list[Group]:
         return agent_groups(params, self.cfg, prompts, self.settings, self.agent, self.fmt, self.tools, self.factory,

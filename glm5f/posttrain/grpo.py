@@ -15,6 +15,7 @@ Shape suffixes: R rows (one completion each), S sequence.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Literal, Optional
@@ -22,7 +23,8 @@ from typing import Literal, Optional
 import torch
 
 from glm5f.data.chat import ChatFormat
-from glm5f.data.rollouts import ReadOptions, RolloutSource, file_group_size, read_groups
+from glm5f.data.notes import print_warning
+from glm5f.data.rollouts import ReadOptions, RolloutSource, file_group_size, read_groups, rollout_batch
 from glm5f.data.sources import model_tokenizer
 from glm5f.model import lora
 from glm5f.parallel.layout import full_tensor
@@ -82,11 +84,27 @@ class RLConfig(AgentSettings):
     max_new_tokens: int = 64
     """Sampling (--data.type prompts): most tokens sampled per completion (a stop token ends one sooner); a prompt
     and this many tokens must fit --data.seq_len."""
+    filter_flat_groups: bool = False
+    """Sampling (--data.type prompts): a sampled group whose completions' rewards are all equal (advantage 0) is
+    dropped and more prompts are sampled until the batch holds --data.batch_size groups (DAPO's dynamic sampling,
+    verl's filter_groups); the surplus of the last round is dropped too. Logged: groups_sampled,
+    groups_flat_dropped, sample_rounds, groups_flat_kept."""
+    max_sample_rounds: int = 4
+    """Sampling with --rl.filter_flat_groups: most rounds of --data.batch_size prompts sampled for one batch (the
+    first included); when they leave it short, the batch is filled with the last flat groups sampled (advantage 0:
+    no policy gradient; counted as groups_flat_kept, and said)."""
     reward: Optional[str] = None
-    """Sampling (--data.type prompts): the reward function, module:function (imported with the working directory
-    and PYTHONPATH on the path), called per completion with keyword arguments prompt, completion (text),
-    prompt_ids, completion_ids and the prompt record's other fields; returns a finite number.
-    glm5f.posttrain.rewards:lowercase_share is the toy task's (recipes/grpo-tiny.yaml)."""
+    """Sampling (--data.type prompts): the reward function(s), module:function (imported with the working directory
+    and PYTHONPATH on the path), comma-separated for several; each in glm5f's form (per completion: prompt,
+    completion, prompt_ids, completion_ids, a chat record's messages, the record's other fields; a number back),
+    TRL's (per group: prompts, completions, completion_ids and the fields as lists; a list back) or verl's
+    compute_score(data_source, solution_str, ground_truth, extra_info), told apart by its parameter names
+    (glm5f.posttrain.rewards.form_of). glm5f.posttrain.rewards:lowercase_share is the toy task's."""
+    reward_weights: str = ""
+    """Sampling: the weight of each --rl.reward function (comma-separated, as many as functions; default 1 each):
+    a completion's reward is the weighted sum, each function's mean logged as rewards/NAME/mean (as TRL)."""
+    reward_workers: int = 1
+    """Sampling: threads the reward calls run on (1: one after the other); the rewards are the same whatever it is."""
 
     advantage: Optional[Literal["grpo", "dr_grpo", "rloo"]] = None
     """GRPO: the advantage row (glm5f.posttrain.rl_losses.ADVANTAGES, docs/posttraining.md). None: grpo."""
@@ -238,6 +256,9 @@ def check(cfg) -> list[str]:
     if cfg.data.type == "prompts":
         if not r.reward and r.environment is None:
             errs.append("--data.type prompts needs --rl.reward module:function (the reward of a sampled completion)")
+        errs += reward_errors(r)
+        if r.max_sample_rounds < 1:
+            errs.append(f"--rl.max_sample_rounds must be >= 1 (the first round is one), found {r.max_sample_rounds}")
         if r.group_size < 2 or r.max_new_tokens < 1 or r.temperature < 0 or not 0 < r.top_p <= 1:
             errs.append(f"--rl.group_size must be >= 2, --rl.max_new_tokens >= 1, --rl.temperature >= 0 and "
                         f"--rl.top_p in (0, 1]; got {r.group_size}, {r.max_new_tokens}, {r.temperature}, {r.top_p}")
@@ -249,31 +270,58 @@ def check(cfg) -> list[str]:
         errs.append(f"--rl.epsilon_low must lie in [0, 1), --rl.epsilon_high, --rl.tis_cap and --rl.kl_beta be >= 0 "
                     f"and --rl.updates_per_batch >= 1; got {r.epsilon_low}, {r.epsilon_high}, {r.tis_cap}, "
                     f"{r.kl_beta}, {r.updates_per_batch}")
+    if r.filter_flat_groups and cfg.data.type != "prompts":
+        errs.append(f"--rl.filter_flat_groups samples more prompts when groups are flat: it needs --data.type prompts, "
+                    f"found {cfg.data.type} (a rollouts file's groups are what they are)")
     if r.reference and not r.kl_beta:
         errs.append(f"--rl.reference {r.reference} is the KL term's reference, and --rl.kl_beta is 0 (no KL term): "
                     f"pass --rl.kl_beta > 0, or drop --rl.reference")
     return errs + dpo.reference_errors("rl", r.reference, cfg)
 
 
+def reward_errors(r) -> list[str]:
+    """What is wrong with --rl.reward_weights and --rl.reward_workers (their form; the functions load later)."""
+    errs, n = [], len([x for x in (r.reward or "").split(",") if x.strip()])
+    if r.reward_weights.strip():
+        try:
+            ws = [float(w) for w in r.reward_weights.split(",")]
+        except ValueError:
+            ws = None
+        if ws is None or not all(math.isfinite(w) for w in ws) or len(ws) != n:
+            errs.append(f"--rl.reward_weights takes one finite number per --rl.reward function (comma-separated: "
+                        f"{n} for --rl.reward {r.reward}), found {r.reward_weights!r}")
+    if r.reward_workers < 1:
+        errs.append(f"--rl.reward_workers must be >= 1 (1: the calls one after the other), found {r.reward_workers}")
+    if r.enabled and (n > 1 or r.reward_weights.strip() or r.reward_workers != 1):
+        errs.append("agent episodes (--rl.tools, --rl.environment) take one --rl.reward function (messages, ids, "
+                    "loss_mask); drop --rl.reward_weights and --rl.reward_workers, or give one function")
+    return errs
+
+
 def source(cfg, model_cfg, layout, tokenizer_path: str | None, warn):
     """The run's data source: --data.type rollouts, the groups of --data.path (`rollouts.RolloutSource`, their
     replay records checked against the model); prompts, its prompt records, sampled each batch with the --rl flags
-    and scored by --rl.reward (`sampler.PromptSource`, its sampling generator seeded by --train.seed)."""
+    and scored by --rl.reward (`sampler.PromptSource`, its sampling generator seeded by --train.seed). What
+    --data.skip_overlong left out is said in one warning line."""
     d, r = cfg.data, cfg.rl
     tok = model_tokenizer(tokenizer_path, model_cfg.vocab_size)
     fmt = ChatFormat.load(tokenizer_path, d.chat_template)
     if d.type != "prompts":
         options = ReadOptions(d.format, d.group_key, r.replayed, r.mask_truncated)
         data = RolloutSource(read_groups(d.path, tok, fmt, model_cfg, options), d.batch_size, d.seq_len,
-                             model_cfg.vocab_size, d.seed, tok.pad_id, d.path)
+                             model_cfg.vocab_size, d.seed, tok.pad_id, d.path, d.skip_overlong)
         rl_losses.check_source(data, r)  # a rollouts file without what --rl.policy_loss reads, at file:line
-        return data
-    if r.enabled:  # --rl.tools or --rl.environment: multi-turn episodes
-        return AgentSource(d.path, d.batch_size, d.seq_len, model_cfg, d.seed, r, r, fmt, r.reward, cfg.train.seed,
-                           layout.device)
-    reward = sampler.load_reward(r.reward)
-    return sampler.PromptSource(sampler.read_prompts(d.path, tok, fmt), d.batch_size, d.seq_len, model_cfg, d.seed,
-                                tok.pad_id, r, reward, f"--rl.reward {r.reward}", tok, cfg.train.seed, layout.device)
+    elif r.enabled:  # --rl.tools or --rl.environment: multi-turn episodes
+        data = AgentSource(d.path, d.batch_size, d.seq_len, model_cfg, d.seed, r, r, fmt, r.reward, cfg.train.seed,
+                           layout.device, d.skip_overlong)
+    else:
+        reward = sampler.load_rewards(r.reward, r.reward_weights, r.reward_workers)
+        data = sampler.PromptSource(sampler.read_prompts(d.path, tok, fmt), d.batch_size, d.seq_len, model_cfg,
+                                    d.seed, tok.pad_id, r, reward, f"--rl.reward {r.reward}", tok, cfg.train.seed,
+                                    layout.device, d.skip_overlong)
+    if data.skipped is not None:
+        warn(data.skipped.line())
+    return data
 
 
 class GRPOFeed(Feed):
@@ -289,20 +337,65 @@ class GRPOFeed(Feed):
         self.sampled = isinstance(data, sampler.PromptSource)
 
     def next(self, state, step: int) -> dict:
-        self.metrics = {"sample_time_s": 0.0} if self.sampled else {}
+        s = self.trainer.step.settings
+        self.metrics = ({"sample_time_s": 0.0, **(dict.fromkeys(FILTER_COUNTS, 0) if s.filter_flat_groups else {})}
+                        if self.sampled else {})
         return super().next(state, step)
 
     def fetch(self, state) -> dict:
-        t, layout = self.trainer, self.trainer.layout
+        t, layout, s = self.trainer, self.trainer.layout, self.trainer.step.settings
         if self.sampled:  # sampled now, by the policy this step trains
             t0 = time.perf_counter()
-            batch = on_device(self.data.next_batch(decoding_params(state, t.step), layout), layout.device)
-            self.metrics = {"sample_time_s": time.perf_counter() - t0, **self.data.metrics}
+            params = decoding_params(state, t.step)
+            if s.filter_flat_groups:
+                groups, counts = groups_with_signal(lambda: self.data.next_groups(params, layout), self.data.B,
+                                                    s.max_sample_rounds)
+                if counts["groups_flat_kept"] and layout.is_main:
+                    print_warning(f"--rl.max_sample_rounds {s.max_sample_rounds}: after {s.max_sample_rounds} "
+                                  f"rounds {counts['groups_flat_kept']} of the batch's {self.data.B} groups are flat "
+                                  f"(all rewards equal): they fill it, adding no policy gradient")
+            else:
+                groups, counts = self.data.next_groups(params, layout), {}
+            batch = on_device(rollout_batch(groups, self.data.S, self.data.pad_id), layout.device)
+            self.metrics = {"sample_time_s": time.perf_counter() - t0, **counts, **reward_means(groups),
+                            **sampler.episode_metrics(groups)}
         else:
             batch = super().fetch(state)
         if self.per_batch > 1:  # the ratio's old log-probabilities: the policy's before the batch's first update
             batch["old_targets"] = old_logprobs(state.params, batch, t.model_cfg, layout, t.step)
         return batch
+
+
+def reward_means(groups: list) -> dict:
+    """{rewards/NAME/mean: the mean of reward function NAME over the groups' completions} of sampled groups
+    (`sampler.ScoredGroup`; TRL's metric names)."""
+    names = getattr(groups[0], "rewards", {}) if groups else {}
+    return {f"rewards/{n}/mean": sum(sum(g.rewards[n]) for g in groups) / sum(len(g.rewards[n]) for g in groups)
+            for n in names}
+
+
+FILTER_COUNTS = ("groups_sampled", "groups_flat_dropped", "sample_rounds", "groups_flat_kept")
+
+
+def is_flat(g) -> bool:
+    """Whether every completion of group `g` has the same reward (each advantage 0)."""
+    return len({c.reward for c in g.completions}) == 1
+
+
+def groups_with_signal(sample, size: int, max_rounds: int) -> tuple[list, dict]:
+    """(`size` groups, the FILTER_COUNTS): rounds of `sample()` (a list of groups each), its flat groups
+    (`is_flat`) dropped, until `size` groups are kept (in the order sampled; the surplus of the last round dropped)
+    or `max_rounds` rounds ran; then the batch is filled with the last flat groups sampled (groups_flat_kept)."""
+    kept, flat, rounds, sampled = [], [], 0, 0
+    while len(kept) < size and rounds < max_rounds:
+        groups = sample()
+        rounds, sampled = rounds + 1, sampled + len(groups)
+        kept += [g for g in groups if not is_flat(g)]
+        flat += [g for g in groups if is_flat(g)]
+    short = max(size - len(kept), 0)
+    fill = flat[len(flat) - short:] if short else []
+    return kept[:size] + fill, {"groups_sampled": sampled, "groups_flat_dropped": len(flat) - short,
+                                "sample_rounds": rounds, "groups_flat_kept": short}
 
 
 @torch.no_grad()

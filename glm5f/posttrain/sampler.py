@@ -9,23 +9,23 @@ suffixes: B rows (one completion each), S prompt length, T decoded positions, V 
 from __future__ import annotations
 
 import importlib
-import math
-import numbers
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from glm5f.core.config import GLM5Config
 from glm5f.data.files import file_records
+from glm5f.data.overlong import fitting
 from glm5f.data.readers import chat_prompt
 from glm5f.data.rollouts import Completion, Group, prompt_ids, record_columns, rollout_batch
 from glm5f.data.sources import shuffle_draw
 from glm5f.model.decode import stream
+from glm5f.posttrain.rewards import RewardFn, Rewards, form_of
 from glm5f.data.tokens import IGNORE_INDEX, Example, check_vocab
 
-RESERVED = ("completion", "completion_ids")  # reward keyword arguments a record's own fields may not take
+RESERVED = ("completion", "completion_ids", "completions", "prompts")  # reward arguments a record's fields may not be
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class Prompt:
     stops: tuple[int, ...]  # the ids a completion ends at (the template's stop tokens for a chat, else eos)
     fields: dict  # the record's other fields
     where: str  # file:line
+    messages: list | None = None  # a chat record's messages (None for the others)
 
 
 def prompt_of(rec, where: str, tok, fmt) -> Prompt:
@@ -47,15 +48,16 @@ def prompt_of(rec, where: str, tok, fmt) -> Prompt:
         raise ValueError(f"{where}: the prompt has no tokens; give it at least one")
     taken = [k for k in RESERVED if k in rec]
     if taken:
-        raise ValueError(f"{where}: field {taken[0]!r} is the name of the reward function's argument for the sampled "
-                         f"completion; rename it")
+        raise ValueError(f"{where}: field {taken[0]!r} is the name of a reward function's argument (the sampled "
+                         f"completion, or TRL's lists); rename it")
     if "prompt_ids" in rec:
         text, stops = tok.decode(ids), (tok.eos_id,)
     elif "messages" in rec:
         text, stops = fmt.render(rec["messages"], add_generation_prompt=True)[0], tuple(fmt.stop_ids)
     else:
         text, stops = rec["prompt"], (tok.eos_id,)
-    return Prompt(ids, text, tuple(i for i in stops if i is not None), record_columns(rec, where), where)
+    return Prompt(ids, text, tuple(i for i in stops if i is not None), record_columns(rec, where), where,
+                  rec.get("messages"))
 
 
 def read_prompts(path: str, tok, fmt) -> list[Prompt]:
@@ -82,17 +84,23 @@ def load_reward(spec: str, flag: str = "--rl.reward"):
     return fn
 
 
-def call_reward(fn, p: Prompt, completion: str, completion_ids: list[int], name: str = "the reward function") -> float:
-    """fn(prompt=, completion=, prompt_ids=, completion_ids=, **the record's other fields) as a float; a ValueError
-    naming the prompt record when it raises or returns no finite number."""
-    try:
-        r = fn(prompt=p.text, completion=completion, prompt_ids=list(p.ids), completion_ids=list(completion_ids),
-               **p.fields)
-    except Exception as e:  # the user's code: any exception is theirs to see
-        raise ValueError(f"{p.where}: {name} raised {type(e).__name__}: {e}") from None
-    if isinstance(r, bool) or not isinstance(r, numbers.Real) or not math.isfinite(float(r)):
-        raise ValueError(f"{p.where}: {name} returned {r!r:.40}; it must return a finite number")
-    return float(r)
+def load_rewards(spec: str, weights: str = "", workers: int = 1) -> Rewards:
+    """The --rl.reward functions (comma-separated module:function, each `load_reward`ed, its form `form_of`'s) with
+    their --rl.reward_weights (comma-separated; default 1 each), called on `workers` threads; a ValueError naming
+    the flag for a function that cannot be used. Each is logged under its function's name (its spec when two
+    share one)."""
+    specs = [x.strip() for x in spec.split(",") if x.strip()]
+    ws = [float(w) for w in weights.split(",")] if weights.strip() else [1.0] * len(specs)
+    if len(ws) != len(specs):
+        raise ValueError(f"--rl.reward_weights {weights}: {len(ws)} weights for the {len(specs)} functions of "
+                         f"--rl.reward {spec}; give one per function")
+    names = [x.partition(":")[2] for x in specs]
+    fns = []
+    for x, w, name in zip(specs, ws, names):
+        flag = f"--rl.reward {x}"
+        fn = load_reward(x)
+        fns.append(RewardFn(fn, form_of(fn, flag), w, name if names.count(name) == 1 else x, flag))
+    return Rewards(fns, workers)
 
 
 @torch.no_grad()
@@ -141,21 +149,27 @@ def sample_groups(params: dict, cfg: GLM5Config, prompts: list[Prompt], s, rewar
                   generator: torch.Generator | None = None, reward_name: str = "the reward function") -> list[Group]:
     """One Group per prompt: s.group_size completions sampled from `params` (see `decode_rows`: all of the call's
     completions decoded together; `generator` one for all, or a list of one per prompt) at s.temperature /
-    s.top_p, each with its log-probabilities and the reward `reward` gives it (`call_reward`; completion: the text of its ids less a final stop id), and the decoder's
-    choices of experts and keys s.replayed asks for (its `replay`)."""
+    s.top_p, each with its log-probabilities, the reward `reward` gives it (a `rewards.Rewards`, or one function
+    called as `rewards.form_of` says; the completion's text is that of its ids less a final stop id) and the
+    decoder's choices of experts and keys s.replayed asks for (its `replay`); a ScoredGroup, with each function's
+    rewards."""
     rows = [p for p in prompts for _ in range(s.group_size)]
     device = params["model"]["embed_tokens"]["weight"].device
     completions, logprobs, replay = decode_rows(params, cfg, rows, s, pad_id, generator, device)
+    texts = [[tok.decode(ids[:-1] if ids and ids[-1] in p.stops else ids) for ids in
+              completions[g * s.group_size:(g + 1) * s.group_size]] for g, p in enumerate(prompts)]
+    scorer = reward if isinstance(reward, Rewards) else Rewards.of(reward, reward_name)
+    totals, parts = scorer.score([(p, texts[g], completions[g * s.group_size:(g + 1) * s.group_size])
+                                  for g, p in enumerate(prompts)])
     groups = []
     for g, p in enumerate(prompts):
         members = []
-        for r in range(g * s.group_size, (g + 1) * s.group_size):
+        for k, r in enumerate(range(g * s.group_size, (g + 1) * s.group_size)):
             ids = completions[r]
-            text = tok.decode(ids[:-1] if ids and ids[-1] in p.stops else ids)
-            members.append(Completion(Example(p.ids + ids, [IGNORE_INDEX] * len(p.ids) + ids),
-                                      call_reward(reward, p, text, ids, reward_name), logprobs[r],
-                                      {f: v[r] for f, v in replay.items()}))
-        groups.append(Group(tuple(members), p.where, {"prompt_ids": p.ids, **p.fields}))
+            members.append(Completion(Example(p.ids + ids, [IGNORE_INDEX] * len(p.ids) + ids), totals[g][k],
+                                      logprobs[r], {f: v[r] for f, v in replay.items()}))
+        groups.append(ScoredGroup(tuple(members), p.where, {"prompt_ids": p.ids, **p.fields},
+                                  {name: tuple(v[g]) for name, v in parts.items()}))
     return groups
 
 
@@ -172,6 +186,11 @@ def episode_metrics(groups: list[Group]) -> dict[str, float]:
     n = len(eps)
     ended = {f"ended_{w}": sum(e == w for _, e, _ in eps) / n for w in ENDINGS}
     return {"turns": sum(t for t, _, _ in eps) / n, **ended, "tool_errors": sum(f for _, _, f in eps) / n}
+@dataclass(frozen=True)
+class ScoredGroup(Group):
+    """A sampled Group with each reward function's rewards of its completions (name -> one per completion)."""
+
+    rewards: dict = field(default_factory=dict)
 
 
 class PromptSource:
@@ -180,23 +199,26 @@ class PromptSource:
     into GRPO's rollout batch. Under a multi-process layout each rank samples its share of the prompts and the
     ranks exchange their groups, so every rank holds the whole batch. Each prompt's group is sampled with a
     generator of its own, seeded by (`sample_seed`, the prompt's draw number): the state is that count, so a
-    resumed run samples what the uninterrupted run would, and every layout draws the same numbers."""
+    resumed run samples what the uninterrupted run would, and every layout draws the same numbers. A prompt leaving
+    no room for --rl.max_new_tokens within --data.seq_len refuses the source, or with `skip_overlong` is left out
+    (`skipped`: `overlong.Skipped`, None when none was)."""
 
     def __init__(self, prompts: list[Prompt], batch_size: int, seq_len: int, cfg: GLM5Config, seed: int, pad_id: int,
                  settings, reward, reward_name: str, tok, sample_seed: int,
-                 device: torch.device | str = "cpu"):
-        for p in prompts:
-            if len(p.ids) + settings.max_new_tokens > seq_len:
-                raise ValueError(f"{p.where}: a prompt of {len(p.ids)} tokens leaves no room for --rl.max_new_tokens "
-                                 f"{settings.max_new_tokens} within --data.seq_len {seq_len}; raise --data.seq_len "
-                                 f"to {len(p.ids) + settings.max_new_tokens} or shorten the prompt")
+                 device: torch.device | str = "cpu", skip_overlong: bool = False):
+        M = settings.max_new_tokens
+        prompts, self.skipped = fitting(
+            prompts, lambda p: None if len(p.ids) + M <= seq_len else (
+                f"{p.where}: a prompt of {len(p.ids)} tokens leaves no room for --rl.max_new_tokens {M} within "
+                f"--data.seq_len {seq_len}; raise --data.seq_len to {len(p.ids) + M} or shorten the prompt"),
+            lambda p: p.where, skip_overlong, "prompts", prompts[0].where.rsplit(":", 1)[0] if prompts else "",
+            seq_len)
         check_vocab([Example(p.ids, p.ids) for p in prompts], cfg.vocab_size, "prompts")
         self.prompts, self.B, self.S, self.cfg, self.seed, self.pad_id = prompts, batch_size, seq_len, cfg, seed, pad_id
         self.settings, self.reward, self.reward_name, self.tok = settings, reward, reward_name, tok
         self.sample_seed, self.device, self.drawn = sample_seed, torch.device(device), 0
         self.epoch, self.index = 0, 0
         self._order = self._permutation(0)
-        self.metrics: dict[str, float] = {}  # the latest batch's `episode_metrics`
 
     def _permutation(self, epoch: int) -> list[int]:
         g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
@@ -214,6 +236,10 @@ class PromptSource:
 
     def next_batch(self, params: dict, layout=None) -> dict[str, torch.Tensor]:
         """The next batch, sampled with `params` (the whole weights, on every rank of `layout`)."""
+        return rollout_batch(self.next_groups(params, layout), self.S, self.pad_id)
+
+    def next_groups(self, params: dict, layout=None) -> list[Group]:
+        """The groups of the next --data.batch_size prompts, sampled with `params`, every rank holding all."""
         prompts = self.next_prompts()
         rank, world = (layout.rank, layout.world) if layout is not None else (0, 1)
         lo, hi = rank * len(prompts) // world, (rank + 1) * len(prompts) // world
@@ -223,8 +249,7 @@ class PromptSource:
         groups = self.sample(params, prompts[lo:hi], generators) if hi > lo else []
         if world > 1:
             groups = [g for part in layout.gather_objects(groups) for g in part]
-        self.metrics = episode_metrics(groups)
-        return rollout_batch(groups, self.S, self.pad_id)
+        return groups
 
     def sample(self, params: dict, prompts: list[Prompt], generators: list[torch.Generator]) -> list[Group]:
         """The groups of `prompts` (this rank's share), one generator each."""
