@@ -210,7 +210,7 @@ def test_verl_rl_rows_give_the_reward_the_prompt_tokens_and_the_ground_truth(tmp
         assert s["ground_truth"] == row["reward_model"]["ground_truth"] == ["7", "72"][k // 2]
         assert {f: s[f] for f in ("data_source", "extra_info", "reward_model", "ability")} == \
             {f: row[f] for f in ("data_source", "extra_info", "reward_model", "ability")}
-        assert "messages" not in s
+        assert s["messages"] == row["prompt"]  # a chat record's messages reach the reward (glm5f's form)
 
 
 USER = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]

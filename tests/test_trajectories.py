@@ -390,3 +390,79 @@ def test_format_flags_that_cannot_work_are_refused(flags, message):
     from configs import validate
 
     assert any(message in e for e in validate(cli(*flags)))
+
+
+def test_glm53_trajectories_step_one_loss_equals_the_formula(tmp_path):
+    """GLM-5.3 (KDA and DSA layers, mHC streams; a Transformers checkpoint): the step-1 loss from token-form
+    trajectories equals the formula over the fp64 log-probabilities of each sequence alone from glm5f's full forward
+    (1e-10) and from Transformers' Glm5NextForConditionalGeneration (1e-6: its KDA and norms compute in fp32, 8e-7
+    in the logits)."""
+    from glm5f.ckpt.hf import load_hf
+    from glm5f.core.params import map_with_path
+    from test_glm53 import hf_glm53, random_config
+
+    cfg = random_config(1, 2, 2)
+    with transformers_in_fp64():
+        model = hf_glm53(cfg, 1)
+    model.save_pretrained(tmp_path / "policy")
+    model = model.double()
+    for m in model.modules():  # eager experts: the grouped matmul has no fp64
+        if hasattr(m, "config"):
+            m.config._experts_implementation = "eager"
+    _, params = load_hf(tmp_path / "policy")
+    params = map_with_path(lambda path, t: t.double(), params)
+    groups = trajectories(cfg.vocab_size, groups=1, size=3, seed=3)
+
+    def ours(s):
+        ids = torch.tensor([s["prompt"] + s["ids"]])
+        return glm5f.token_logprobs(params, cfg, ids)[0, len(s["prompt"]) - 1:-1]
+
+    def theirs(s):
+        with torch.no_grad(), transformers_in_fp64(), stable_topk():
+            logits = model(torch.tensor([s["prompt"] + s["ids"]])).logits[0].double()
+        lp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(s["prompt"] + s["ids"])[1:, None])[:, 0]
+        return lp[len(s["prompt"]) - 1:]
+
+    g = torch.Generator().manual_seed(1)
+    for samples in groups:
+        for s in samples:
+            lp = ours(s)
+            s["logprobs"] = (lp + torch.empty_like(lp).uniform_(-1, 1, generator=g)).clamp(max=0).tolist()
+    data = write_format(tmp_path / "glm5f.jsonl", "glm5f", groups)
+    records = train(cli(*grpo_flags(tmp_path, data, "run", "--data.batch_size", "1")))
+    assert abs(records[0]["loss"] - formula(groups, ours)) <= 1e-10, (records[0]["loss"], formula(groups, ours))
+    assert abs(records[0]["loss"] - formula(groups, theirs)) <= 1e-6
+    assert 0 < records[0]["tis_capped_fraction"] < 1
+
+
+def test_chat_trajectories_with_tool_calls_step_one_loss_equals_the_formula(setup):
+    """`messages` trajectories with tool calls and tool output (the chat template's tokens): the step-1 loss equals
+    the formula over Transformers' fp64 log-probabilities of only the assistant's tokens (no engine log-probabilities:
+    every importance weight 1)."""
+    tmp, policy, _ = setup
+    fmt = ChatFormat.load(None)
+    prompt = [{"role": "user", "content": "add 2 and 3"}]
+
+    def turns(k):
+        return [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "add",
+                                                                                  "arguments": {"a": 2, "b": k}}}]},
+                {"role": "tool", "content": str(2 + k)}, {"role": "assistant", "content": f"it is {2 + k}" * k}]
+
+    recs = [{"messages": prompt, "completions": [{"messages": turns(k + i), "reward": float(k * (i + 1) % 3)}
+                                                 for k in range(3)]} for i in range(2)]
+    path = tmp / "chat_tools.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    groups = []
+    for grp in read_groups(str(path), fmt.tok, fmt):
+        samples = []
+        for c in grp.completions:
+            n = c.prompt_len
+            s = {"prompt": c.example.ids[:n], "ids": c.example.ids[n:], "reward": c.reward,
+                 "mask": [int(t != IGNORE_INDEX) for t in c.example.labels[n:]]}
+            s["logprobs"] = own_logp(policy, s).tolist()
+            samples.append(s)
+        groups.append(samples)
+    assert all(0 < sum(s["mask"]) < len(s["ids"]) for samples in groups for s in samples)
+    records = train(cli(*grpo_flags(tmp, str(path), "run_chat_tools", "--data.seq_len", "160")))
+    expected = formula(groups, lambda s: own_logp(policy, s))
+    assert abs(records[0]["loss"] - expected) <= 1e-8 and abs(expected) > 1e-3, (records[0]["loss"], expected)

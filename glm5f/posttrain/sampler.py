@@ -169,7 +169,7 @@ def sample_groups(params: dict, cfg: GLM5Config, prompts: list[Prompt], s, rewar
             members.append(Completion(Example(p.ids + ids, [IGNORE_INDEX] * len(p.ids) + ids), totals[g][k],
                                       logprobs[r], {f: v[r] for f, v in replay.items()}))
         groups.append(ScoredGroup(tuple(members), p.where, {"prompt_ids": p.ids, **p.fields},
-                                  {name: tuple(v[g]) for name, v in parts.items()}))
+                                  rewards={name: tuple(v[g]) for name, v in parts.items()}))
     return groups
 
 
