@@ -320,6 +320,27 @@ def test_bad_records_are_one_line_at_file_and_line(tmp_path, records, options, m
     assert message in read_error(tmp_path, records, opts)
 
 
+ADD = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.mark.parametrize("turn,message", [
+    ({"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "mul", "arguments": {}}}]},
+     "FILE:1: completion 0: message 1: a tool call names 'mul', which is not among the record's tools (add)"),
+    ({"role": "assistant", "content": "", "tool_calls": [{"function": {"arguments": {}}}]},
+     "FILE:1: completion 0: message 1: 'tool_calls': a tool call needs a function name"),
+    ({"role": "assistant", "content": "<tool_call>add<arg_key>a</arg_key>"},
+     "FILE:1: completion 0: turn 0 (assistant) has the tool-call markup '<tool_call>' in its text; give its calls as "
+     "'tool_calls'"),
+])
+def test_bad_tool_calls_in_messages_trajectories_are_one_line(tmp_path, turn, message):
+    """A call to a tool the record does not list, a call without a name, tool-call markup written into the text."""
+    completion = {"messages": [turn, {"role": "tool", "content": "4"}, {"role": "assistant", "content": "4"}],
+                  "reward": 1}
+    rec = {"messages": [{"role": "user", "content": "add"}], "tools": ADD,
+           "completions": [completion, {"text": "no", "reward": 0}]}
+    assert message in read_error(tmp_path, [rec], vocab=512)
+
+
 def test_a_top_k_record_naming_an_expert_twice_is_refused(tmp_path):
     from glm5f.core.replay import replay_shapes
 

@@ -35,6 +35,7 @@ from glm5f.data.overlong import fitting
 from glm5f.data.readers import chat_prompt
 from glm5f.data.tokens import IGNORE_INDEX, Example
 
+CALL_MARKUP = ("<tool_call>", "</tool_call>", "<arg_key>", "<arg_value>")  # a call the template renders itself
 COMPLETION_FIELDS = ("text", "ids", "messages", "loss_mask", "reward", "logprobs", "finish_reason", "truncated",
                      *REPLAY_KEYS)
 PROMPT_FIELDS = ("prompt", "messages", "prompt_ids")
@@ -152,6 +153,19 @@ def completion_example(rec: dict, prompt: list[int], completion, what: str, tok,
     return Example(prompt + ids, [IGNORE_INDEX] * len(prompt) + ids), added
 
 
+def listed_tools(messages: list[dict], tools: list | None) -> None:
+    """A trajectory whose record lists its tools calls only those (a ValueError naming the message otherwise): the
+    policy was given those schemas, so a call to another is a broken record."""
+    named = {f.get("name") for t in tools or () if isinstance(t, dict) for f in [t.get("function", t)]
+             if isinstance(f, dict)}
+    for i, m in enumerate(messages if tools else ()):
+        for c in m.get("tool_calls", ()):
+            if c["function"]["name"] not in named:
+                raise ValueError(f"message {i}: a tool call names {c['function']['name']!r}, which is not among the "
+                                 f"record's tools ({', '.join(sorted(map(str, named)))}); fix the name or add its "
+                                 f"schema to 'tools'")
+
+
 def trajectory_example(rec: dict, prompt: list[int], turns, what: str, fmt) -> Example:
     """prompt + the turns after it rendered with the chat template: labels on every assistant token and the marker
     ending its turn (as SFT trains them), never on the prompt, tool, observation or user tokens."""
@@ -163,8 +177,15 @@ def trajectory_example(rec: dict, prompt: list[int], turns, what: str, fmt) -> E
     if not any(m.get("role") == "assistant" for m in turns):
         raise ValueError(f"{what}: the trajectory has no assistant turn (nothing the policy generated to train)")
     turns = [{**m, "role": "tool"} if m.get("role") == "observation" else m for m in turns]
+    for i, m in enumerate(turns):
+        markup = next((k for k in CALL_MARKUP if m.get("role") == "assistant" and k in str(m.get("content"))), None)
+        if markup:
+            raise ValueError(f"{what}: turn {i} (assistant) has the tool-call markup {markup!r} in its text; give its "
+                             f"calls as 'tool_calls' ([{{'function': {{'name', 'arguments'}}}}]) for the template to "
+                             f"render")
     try:
         messages, tools = chat_messages({"messages": rec["messages"] + turns, "tools": rec.get("tools")})
+        listed_tools(messages, tools)
         ex = fmt.example(messages, tools, "assistant")
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{what}: {e}") from None
