@@ -1,5 +1,5 @@
-"""glm5f/run/resume.py's settings check: a post-training resume with another --dpo / --rl setting or another data
-file is refused in one line naming each flag; --checkpoint.allow_changed lets it through, said, and kept in config.yaml."""
+"""glm5f/run/resume.py's settings check: a post-training resume with other --dpo / --rl settings or another data file
+is refused in one line naming each flag; --checkpoint.allow_changed lets them through, said and kept in config.yaml."""
 
 import dataclasses
 import json
@@ -167,11 +167,17 @@ def test_a_preference_file_moved_elsewhere_with_the_same_content_is_no_change(dp
 
 
 def test_free_settings_change_without_the_flag(dpo_run, tmp_path, capsys):
+    """Cadence, output, step count and the batch's split change freely: beside a changed --dpo.beta, the refusal
+    names only that; without it the resume goes on, saying nothing of them."""
     run, data = copy_of(dpo_run, tmp_path)
+    free = ["--train.steps", "4", "--checkpoint.resume", "latest", "--checkpoint.every", "1", "--checkpoint.keep", "0",
+            "--train.log_every", "1", "--metrics.log_completions", "0", "--train.grad_accum", "2",
+            "--data.share_prefixes", "True"]
     capsys.readouterr()
-    assert main(dpo(data, run, "--train.steps", "4", "--checkpoint.resume", "latest", "--checkpoint.every", "1",
-                    "--checkpoint.keep", "0", "--train.log_every", "1", "--metrics.log_completions", "0",
-                    "--train.grad_accum", "2", "--data.share_prefixes", "True")) == 0
+    assert main(dpo(data, run, *free, "--dpo.beta", "0.2")) == 1
+    line = error_line(capsys)
+    assert ": --dpo.beta 0.1 -> 0.2. Resume" in line and "--checkpoint.allow_changed dpo.beta to go on" in line, line
+    assert main(dpo(data, run, *free)) == 0
     assert "changed settings" not in capsys.readouterr().out
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4]
     cfg = config_yaml(run)

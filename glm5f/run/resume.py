@@ -102,9 +102,10 @@ def check_same_lora(cfg, saved: dict, saved_base: dict | None, base: dict | None
 def resume(run, state) -> tuple[object, str | None]:
     """(the state to start from, the checkpoint it comes from or None): with --checkpoint.resume, the newest
     complete checkpoint's trained tree, optimizer state and step (checked against this run's model, data type,
-    trained leaves, objective, optimizer, a LoRA run's base and the tokenizer and template `tokenizer`), with the
-    data position (and a batch between its updates: `Feed.load_state_dict`) and RNG states restored; else
-    `state`. `run`: the run's edges (`setup.Run`)."""
+    trained leaves, objective, optimizer, a LoRA run's base, the tokenizer and template `tokenizer`, and the other
+    settings and the data file: `check_same_settings`, which sets `run.changes`), with the data position (and a
+    batch between its updates: `Feed.load_state_dict`) and RNG states restored; else `state`. `run`: the run's
+    edges (`setup.Run`)."""
     cfg, model_cfg, say, tokenizer = run.cfg, run.model_cfg, run.say, run.tokenizer
     if not cfg.checkpoint.resume:
         return state, None
@@ -120,8 +121,8 @@ def resume(run, state) -> tuple[object, str | None]:
         check_resumable(cfg, model_cfg, state.params, meta, run.base, run.trainer.optimizer, ckpt)
     saved = meta.get("run") or {}
     with user_errors():
-        run.changes = check_same_settings(cfg, meta, ckpt, say, print_warning)
         check_same_tokenizer(meta.get("tokenizer"), tokenizer, ckpt, cfg.data.allow_changed, print_warning)
+        run.changes = check_same_settings(cfg, meta, ckpt, say, run.warn)
     trees = state.saved()
     with user_errors():
         extra = checkpoint.load(ckpt, trees)
@@ -224,6 +225,9 @@ class Change:
 
 
 def _show(value) -> str:
+    """A value as its flag takes it (a string bare unless empty or spaced, None as None)."""
+    if value is None:
+        return "None"
     return value if isinstance(value, str) and value and " " not in value else json.dumps(value)
 
 
