@@ -18,6 +18,7 @@ import tyro
 
 import glm5f
 from glm5f.run import recipe_file, trackers
+from glm5f.run.resume import allow_changed_errors
 from glm5f.run.trackers import MetricsConfig
 from glm5f.data import check_path_fits, infer_data_type
 from glm5f.model.lora import DEFAULT_TARGETS, LoraSpec
@@ -306,6 +307,15 @@ class CheckpointConfig:
     preempt_grace_s: Optional[float] = None
     """After SIGTERM the ranks finish their step and save one checkpoint together; if that takes longer than this
     many seconds, stop without saving (as a second SIGTERM does). None: no limit."""
+    allow_changed: str = ""
+    """On resume: the settings (section.field, comma-separated, e.g. dpo.beta,data.path) that may differ from the
+    checkpoint's run; the run says so, and config.yaml keeps what each step range ran with. What changes without
+    it, and what never: the README's resume section."""
+
+    @property
+    def allowed(self) -> tuple[str, ...]:
+        """The --checkpoint.allow_changed names, without a leading --."""
+        return tuple(n.strip().removeprefix("--") for n in self.allow_changed.split(",") if n.strip())
 
 
 @dataclass
@@ -444,7 +454,7 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
                     "pass one of them")
     if cfg.optim.lr <= 0:
         errs.append(f"--optim.lr must be positive, got {cfg.optim.lr}")
-    errs += trackers.errors(cfg.metrics)
+    errs += trackers.errors(cfg.metrics) + allow_changed_errors(cfg)
     row = OBJECTIVES.get(cfg.train.objective)
     if row is None:
         errs.append(f"--train.objective {cfg.train.objective!r} is unknown; choose one of {', '.join(OBJECTIVES)}")

@@ -339,11 +339,9 @@ class DataChanged(ValueError):
     """The data a checkpoint's position refers to is not the data there now."""
 
 
-def check_same_files(saved: list[dict] | None, path: str, allow_changed: bool, warn=lambda message: None) -> bool:
-    """Compare a data state's fingerprint (`saved`; None: a checkpoint from before fingerprints, not checked)
-    with `path` now: a DataChanged naming what changed unless allow_changed (then a warning, and True)."""
-    if saved is None:
-        return False
+def file_changes(saved: list[dict], path: str) -> list[str]:
+    """What differs between a fingerprint `saved` (`fingerprint`'s) and `path` now, one phrase per file ([]: the
+    same files)."""
     now = {f["path"]: f for f in fingerprint(path)}
     before = {f["path"]: f for f in saved}
     changes = [f"{n} is new" for n in sorted(set(now) - set(before))] + \
@@ -354,6 +352,13 @@ def check_same_files(saved: list[dict] | None, path: str, allow_changed: bool, w
             changes.append(f"{n} had {a['bytes']} bytes, now {b['bytes']}")
         elif a["sha256"] != b["sha256"]:
             changes.append(f"{n} has the same size ({a['bytes']} bytes) but other content at its start or end")
+    return changes
+
+
+def check_same_files(saved: list[dict] | None, path: str, allow_changed: bool, warn=lambda message: None) -> bool:
+    """Compare a data state's fingerprint (`saved`; None: a checkpoint from before fingerprints, not checked)
+    with `path` now: a DataChanged naming what changed unless allow_changed (then a warning, and True)."""
+    changes = [] if saved is None else file_changes(saved, path)
     if not changes:
         return False
     what = f"the data at {path} changed since the checkpoint was saved ({'; '.join(changes[:3])})"
@@ -361,5 +366,6 @@ def check_same_files(saved: list[dict] | None, path: str, allow_changed: bool, w
         warn(f"{what}; resuming at the saved position as it is (--data.allow_changed: the same record numbers)")
         return True
     raise DataChanged(f"{what}: the saved data position may no longer point at the records it did. Resume with "
-                      f"--data.allow_changed to take the position as it is, or start a new run (another "
-                      f"--checkpoint.dir; --model.init_from an export of this one keeps its weights)")
+                      f"--data.allow_changed (or --checkpoint.allow_changed data.path) to take the position as it is, "
+                      f"or start a new run (another --checkpoint.dir; --model.init_from an export of this one keeps "
+                      f"its weights)")

@@ -19,6 +19,7 @@ from glm5f.run.errors import check_finite, check_gradients, check_step, user_err
 from glm5f.run.metrics import Progress
 from glm5f.run.trackers import Reporter
 from glm5f.run.recipe_file import write_config
+from glm5f.run.resume import data_files
 from glm5f.train.loss import eval_loss
 
 
@@ -122,7 +123,7 @@ class RunFiles:
             self.log.write(rec, batch)
         if self.first:
             with run.writing(os.path.join(run_dir, rundir.CONFIG_FILE)):
-                write_config(run.cfg)
+                write_config(run.cfg, run.changes)
                 run.tokenizer.write(os.path.join(run_dir, RUN_TOKENIZER_DIR))
                 if run.cfg.model.init_from:
                     note_base(run.cfg.model.init_from, run_dir)
@@ -139,13 +140,16 @@ class Checkpoints:
     """The checkpoint cadence: a checkpoint every --checkpoint.every steps, at the last step, and at once when a
     SIGTERM on any rank asks the run to stop (all ranks save that step, then stop: `preempt.Preempted`). Each
     holds the state, the feed's (`Feed.state_dict`: the data position, a batch between its updates), the RNG
-    states and the run's meta; parameters holding NaN or inf are never saved. `last`: the newest checkpoint."""
+    states and the run's meta (its config, the data file's fingerprint and the settings changed on resume, which
+    `resume.check_same_settings` reads); parameters holding NaN or inf are never saved. `last`: the newest
+    checkpoint."""
 
     def __init__(self, run, last: str | None):
         cfg = run.cfg
         self.run, self.last = run, last
         self.meta = {"model": run.model_cfg.to_hf(), "run": dataclasses.asdict(cfg),
                      "optimizer": run.trainer.optimizer.meta, "tokenizer": run.tokenizer.fingerprint(),
+                     "data_files": data_files(cfg), "changes": run.changes,
                      **({"lora_base": run.base} if run.base else {})}
 
     def due(self, step: int) -> bool:

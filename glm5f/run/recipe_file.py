@@ -17,6 +17,8 @@ import yaml
 
 from glm5f.run.rundir import CONFIG_FILE
 
+HISTORY = "changes"  # config.yaml's list of the settings changed on resume
+
 
 class _Loader(yaml.SafeLoader):
     """YAML as written by people: `1e-4` is a float (YAML 1.1 would read it as a string), and a key given twice in
@@ -58,7 +60,8 @@ def parse(argv: list[str], cls, description: str | None = None):
 
 def load_config(path: str, cls):
     """The run config (an instance of dataclass `cls`) of recipe file `path`: a YAML mapping of sections (model, data, ...) to mappings of fields, every
-    field optional (its default), each value of the field's type."""
+    field optional (its default), each value of the field's type. A run's config.yaml's history of changed settings
+    (the top-level `changes`, `history_yaml`) is a record, not a setting: it is skipped."""
     try:
         with open(path) as f:
             tree = yaml.load(f, Loader=_Loader)
@@ -67,6 +70,8 @@ def load_config(path: str, cls):
                          f"recipes/tiny.yaml") from None
     except yaml.YAMLError as e:
         raise ValueError(f"--config {path}: not valid YAML ({' '.join(str(e).split())})") from None
+    if isinstance(tree, dict):
+        tree = {k: v for k, v in tree.items() if k != HISTORY}
     return _build(cls, tree if tree is not None else {}, path, "")
 
 
@@ -144,20 +149,32 @@ def _value(value, hint, path: str, key: str):
 
 def config_yaml(cfg) -> str:
     """The text of a run's config.yaml: every field of `cfg`, as `--config` reads it back. The checkpoint flags
-    that act on an existing run directory (resume, overwrite) are left at their defaults, so the file repeats
-    the run; `--config RUN/config.yaml --checkpoint.resume latest` continues it."""
+    that act on an existing run directory (resume, overwrite, allow_changed) are left at their defaults, so the
+    file repeats the run; `--config RUN/config.yaml --checkpoint.resume latest` continues it."""
     tree = dataclasses.asdict(dataclasses.replace(
-        cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=None, overwrite=False)))
+        cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=None, overwrite=False, allow_changed="")))
     return (f"# glm5f run config: python train.py --config {os.path.join(cfg.checkpoint.dir, CONFIG_FILE)} "
             f"--checkpoint.dir NEW_DIR repeats this run\n{yaml.safe_dump(tree, sort_keys=False)}")
 
 
-def write_config(cfg) -> str:
-    """Write config.yaml into the run directory (atomically: a temporary file renamed); returns its path."""
+def history_yaml(changes: list[dict]) -> str:
+    """The end of a run's config.yaml: the settings changed on resume (`resume.Change.record`: from_step, flag,
+    old, new) as the list `changes` (which `--config` skips), "" when none. The fields above it hold the values of
+    the last step range; each change, the value the steps before its from_step ran with."""
+    if not changes:
+        return ""
+    return (f"# {HISTORY}: settings changed on resume (--checkpoint.allow_changed); the steps before from_step ran "
+            f"with old, the fields above hold the newest values\n"
+            f"{yaml.safe_dump({HISTORY: list(changes)}, sort_keys=False)}")
+
+
+def write_config(cfg, changes: list[dict] = ()) -> str:
+    """Write config.yaml (`config_yaml`, then `history_yaml` of `changes`) into the run directory (atomically: a
+    temporary file renamed); returns its path."""
     path = os.path.join(cfg.checkpoint.dir, CONFIG_FILE)
     try:
         with open(path + ".tmp", "w") as f:
-            f.write(config_yaml(cfg))
+            f.write(config_yaml(cfg) + history_yaml(changes))
         os.replace(path + ".tmp", path)
     except OSError:  # a full disk: no half-written copy left beside the file
         with contextlib.suppress(OSError):

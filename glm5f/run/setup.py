@@ -31,7 +31,8 @@ from glm5f.train.step import Trainer, TrainState
 class Run:
     """What stays the same over a run's steps beside the Trainer: its config, layout, output (`say` prints on rank
     0, `warn` a warning line), tokenizer, model config, main objective (`row`), a LoRA run's spec and base record,
-    the training data and its batch schedule (`feed`), the held-out batches. An objective's hooks read it."""
+    the training data and its batch schedule (`feed`), the held-out batches, the history of the settings changed on
+    resume (--checkpoint.allow_changed). An objective's hooks read it."""
 
     cfg: object
     layout: Layout
@@ -46,6 +47,7 @@ class Run:
     data: object = None
     feed: object = None
     eval_batches: list = dataclasses.field(default_factory=list)
+    changes: list = dataclasses.field(default_factory=list)  # the settings changed on resume (resume.Change.record)
 
     def writing(self, path: str):
         """`errors.writing` of one of this run's files."""
@@ -174,8 +176,8 @@ def make_data(cfg, model_cfg: glm5f.GLM5Config, layout: Layout, say, tokenizer_p
                 f"without this line)")
         return data, []
     with user_errors():
-        data = make_source(d.type, path=d.path, split=d.split, warn=warn, allow_changed=d.allow_changed,
-                           **common)
+        data = make_source(d.type, path=d.path, split=d.split, warn=warn,
+                           allow_changed=d.allow_changed or "data.path" in cfg.checkpoint.allowed, **common)
         held_out = make_eval_source(d.type, path=cfg.eval.path, split=cfg.eval.split, train_path=d.path,
                                     train_split=d.split, **common)
         eval_batches = [] if held_out is None or not cfg.eval.every else \
