@@ -24,10 +24,10 @@ def config(name: str):
 
 
 def prompts() -> list[sampler.Prompt]:
-    """Prompts of 3, 7 and 5 tokens (left padding in a batch); the second stops at any odd id, so its rows end at
-    different steps."""
-    lengths, stops = (3, 7, 5), [(TOK.eos_id,), tuple(range(1, 512, 2)), (TOK.eos_id,)]
-    return [sampler.Prompt([TOK.bos_id] + TOK.encode("abcdefghij"[:n - 1]), "", stops[i], {}, f"p:{i}")
+    """Prompts of 3, 18 and 9 tokens (left padding in a batch; past glm5-tiny's index_topk 16, so its indexer keys
+    choose); the second stops at any odd id, so its rows end at different steps."""
+    lengths, stops = (3, 18, 9), [(TOK.eos_id,), tuple(range(1, 512, 2)), (TOK.eos_id,)]
+    return [sampler.Prompt([TOK.bos_id] + TOK.encode("abcdefghijklmnopqrstu"[:n - 1]), "", stops[i], {}, f"p:{i}")
             for i, n in enumerate(lengths)]
 
 
@@ -78,8 +78,8 @@ def unshared_and_shared(params, cfg, s, generators):
     return rows, unshared, shared
 
 
-@pytest.mark.parametrize("preset", list(CONFIGS))
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("preset,temperature", [("glm5-tiny", 0.0), ("glm53-tiny", 0.0)] +
+                         [(name, 0.8) for name in CONFIGS])
 def test_shared_prefill_samples_the_unshared_tokens_and_a_full_forwards_logprobs(preset, temperature):
     """fp64, groups of 3 (greedy; sampled at top_p 0.9 with one generator per prompt): the shared prefill's tokens
     and routing / indexer records equal those of the prompts prefilled once per row, and each completion's
@@ -114,7 +114,7 @@ def test_the_prompts_are_run_once_and_the_rows_decoded_from_their_copies(monkeyp
     s = RLConfig(group_size=4, temperature=1.0, max_new_tokens=3)
     sampler.sample_groups(glm5f.init_params(cfg, 0, torch.float32), cfg, prompts(), s, lambda **kw: 0.0, TOK,
                           TOK.pad_id, torch.Generator().manual_seed(0))
-    assert shapes == [(3, 7), (12, 1), (12, 1)]
+    assert shapes == [(3, 18), (12, 1), (12, 1)]
 
 
 def test_one_generator_for_all_rows_draws_as_before():
