@@ -1,5 +1,5 @@
-"""The shared prefill of the on-policy sampler: each prompt prefilled once and its cache copied to its group's rows
-(`decode.expand_cache`) samples what G prefilled copies sample, and its log-probabilities are a full forward's (fp64)."""
+"""The shared prefill of the on-policy sampler: each prompt prefilled once, its cache copied to its group's rows
+(`decode.expand_cache`), samples what G prefilled copies sample, with a full forward's log-probabilities (fp64)."""
 
 import pytest
 import torch
