@@ -159,9 +159,10 @@ def stream(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, max_new_token
 
     group: each prompt row is decoded `group` times, as rows b * group .. (b + 1) * group - 1 of the B * group the
     steps yield: the prompt is run once, and its cache (`expand_cache`), last logits and record are copied to its
-    group's rows before the first token is sampled from them. Every yielded value is the one a call with each
-    prompt row repeated `group` times (input_ids.repeat_interleave(group, 0)) yields, the same `generator` drawing
-    the same numbers: only the prompt's compute and activations are B rows instead of B * group."""
+    group's rows before the first token is sampled from them. The steps are those of a call with each prompt row
+    repeated `group` times (input_ids.repeat_interleave(group, 0)): the same draws of the same `generator` over
+    the same rows, so the same tokens wherever the prompt's logits come out equal from B rows and from B * group
+    (a batch's size may change rounding); only the prompt's compute and activations are B rows."""
     if group < 1:
         raise ValueError(f"group must be >= 1 (decodes per prompt row), got {group}")
     valid, positions = prompt_positions(input_ids, cfg, attention_mask, max_new_tokens)
