@@ -1,10 +1,11 @@
 """Autoregressive decoding on a cache: per layer its kinds' buffers (`layers.layer_cache`: the latent rows and the
-indexer keys appended per position, KDA's recurrent state carried). Prefill runs the prompt in one pass, then one token at a time, or (draft="mtp") the MTP
-layers propose tokens that the main model verifies in one pass (self-speculative decoding, exact greedy output)."""
+indexer keys appended per position, KDA's recurrent state carried). Prefill runs the prompt in one pass (once per
+group of decodes that share it, `expand_cache`), then one token at a time, or (draft="mtp") the MTP layers propose
+tokens that the main model verifies in one pass (self-speculative decoding, exact greedy output)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -42,6 +43,23 @@ def init_cache(cfg: GLM5Config, batch: int, capacity: int, dtype: torch.dtype = 
     layers = range(cfg.num_hidden_layers)
     return Cache([layer_cache(cfg, i, batch, capacity, dtype, device) for i in layers], capacity, dtype,
                  torch.device(device), tuple(carries_state(cfg, i) for i in layers))
+
+
+def expand_cache(cache: Cache, rows_R: torch.Tensor) -> Cache:
+    """A cache of R rows, its row r a copy of `cache`'s row rows_R[r] (e.g. each prompt's prefill copied to the
+    rows of its group), length and state kept. Every buffer of every layer is copied: the rule is that a kind's
+    cache buffer holds the rows on dim 0 (`layers.layer_cache`); a buffer whose dim 0 is not the cache's row count
+    is refused, so a kind that lays a buffer out otherwise fails here instead of decoding from another row."""
+    dim0 = [buf.shape[0] for layer in cache.layers for buf in layer.values()]
+    rows = max(set(dim0), key=dim0.count)  # the cache's rows: what (nearly) every buffer holds on dim 0
+    odd = [f"layer {i} {name!r} {list(buf.shape)}" for i, layer in enumerate(cache.layers)
+           for name, buf in layer.items() if buf.shape[0] != rows]
+    if odd:
+        raise ValueError(f"a cache buffer must hold the cache's {rows} rows on dim 0, but {', '.join(odd)} does "
+                         f"not; lay the kind's buffers out [rows, ...] (its Kind.cache)")
+    index_R = rows_R.to(device=cache.device, dtype=torch.long)
+    layers = [{name: buf.index_select(0, index_R) for name, buf in layer.items()} for layer in cache.layers]
+    return replace(cache, layers=layers)
 
 
 class CacheLayout(Layout):
@@ -132,23 +150,38 @@ def stop_ids(cfg: GLM5Config, eos_token_id: Eos, device: torch.device) -> torch.
 def stream(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, max_new_tokens: int, *,
            attention_mask: torch.Tensor | None = None, eos_token_id: Eos = "config", temperature: float = 0.0,
            top_p: float = 1.0, generator: torch.Generator | list[torch.Generator] | None = None,
-           with_logits: bool = False, record: bool = False):
+           with_logits: bool = False, record: bool = False, group: int = 1):
     """Yield the new tokens [B] one step at a time (see `generate`); with `with_logits`, each with the logits
     [B, V] it was chosen from; with `record`, then the routing and indexer selections of the positions run to choose
     it (`extend`: the prompt's S positions for the first token, the previous token's one after), as tuples.
     Concatenated along dim 1 they are the "routing" and "indexer" replay keys (`glm5f.core.replay`) of the prompt and
-    completion but its last token; with left padding, a row's keys count from its first real token."""
+    completion but its last token; with left padding, a row's keys count from its first real token.
+
+    group: each prompt row is decoded `group` times, as rows b * group .. (b + 1) * group - 1 of the B * group the
+    steps yield: the prompt is run once, and its cache (`expand_cache`), last logits and record are copied to its
+    group's rows before the first token is sampled from them. The steps are those of a call with each prompt row
+    repeated `group` times (input_ids.repeat_interleave(group, 0)): the same draws of the same `generator` over
+    the same rows, so the same tokens wherever the prompt's logits come out equal from B rows and from B * group
+    (a batch's size may change rounding); only the prompt's compute and activations are B rows."""
+    if group < 1:
+        raise ValueError(f"group must be >= 1 (decodes per prompt row), got {group}")
     valid, positions = prompt_positions(input_ids, cfg, attention_mask, max_new_tokens)
     eos = stop_ids(cfg, eos_token_id, input_ids.device)
     B, S = input_ids.shape
     cache = init_cache(cfg, B, S + max_new_tokens, params["model"]["embed_tokens"]["weight"].dtype, input_ids.device)
 
-    def run(ids_BxS, positions_BxS):  # (the last position's logits [B, V], the positions' record or None)
+    def run(cache, ids_BxS, positions_BxS, valid):  # (the last position's logits [B, V], the positions' record)
         out = extend(params, cfg, cache, ids_BxS, positions_BxS, valid, record=record)
         logits_BxSxV, seen = out if record else (out, None)
         return logits_BxSxV[:, -1], seen
 
-    logits, seen = run(input_ids, positions[:, :S])
+    logits, seen = run(cache, input_ids, positions[:, :S], valid)
+    if group > 1:  # the prompt's cache, logits, record, padding and positions copied to its group's rows
+        rows_R = torch.arange(B, device=input_ids.device).repeat_interleave(group)
+        cache, logits, positions = expand_cache(cache, rows_R), logits[rows_R], positions[rows_R]
+        valid = None if valid is None else valid[rows_R]
+        seen = None if seen is None else {k: v[rows_R] for k, v in seen.items()}
+        B = B * group
     done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
     token = None
     for step in range(max_new_tokens):
@@ -161,7 +194,7 @@ def stream(params: dict, cfg: GLM5Config, input_ids: torch.Tensor, max_new_token
         yield out if len(out) > 1 else token
         if step == max_new_tokens - 1 or bool(done.all()):
             break
-        logits, seen = run(token[:, None], positions[:, S + step:S + step + 1])
+        logits, seen = run(cache, token[:, None], positions[:, S + step:S + step + 1], valid)
 
 
 def prompt_positions(input_ids: torch.Tensor, cfg: GLM5Config, attention_mask: torch.Tensor | None,

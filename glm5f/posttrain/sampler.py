@@ -3,7 +3,7 @@ them with the cached decoder under the current policy, scored by a reward functi
 
 Prompt record: {"prompt": str | "messages" (or "prompt"): [...] | "prompt_ids": [int], ...any other fields, passed to
 the reward function (`rollouts.record_columns`: verl's reward_model.ground_truth also as ground_truth)}. Shape
-suffixes: B rows (one completion each), S prompt length, T decoded positions, V vocabulary.
+suffixes: B rows (one completion each), P prompts (B = P x group), S prompt length, T decoded positions, V vocabulary.
 """
 
 from __future__ import annotations
@@ -106,27 +106,33 @@ def load_rewards(spec: str, weights: str = "", workers: int = 1) -> Rewards:
 @torch.no_grad()
 def decode_rows(params: dict, cfg: GLM5Config, rows: list[Prompt], s, pad_id: int,
                 generator: torch.Generator | list[torch.Generator] | None,
-                device) -> tuple[list[list[int]], list[list[float]], dict]:
+                device, group: int = 1) -> tuple[list[list[int]], list[list[float]], dict]:
     """(each row's completion ids, their log-probabilities, the replay records): all rows decoded together on one
     cache (`decode.stream`, `generator` as `decode.sample` takes it; `s` the --rl settings, `grpo.RLConfig`, of
-    which it reads group_size, temperature, top_p, max_new_tokens and replayed), the prompts left-padded, each row up to
-    s.max_new_tokens and ending at the first of its stop ids (kept: it is part of the completion). A log-probability is the raw log_softmax of the model's logits at temperature 1,
+    which it reads temperature, top_p, max_new_tokens and replayed), the prompts left-padded, each row up to
+    s.max_new_tokens and ending at the first of its stop ids (kept: it is part of the completion). With `group`,
+    each prompt of `rows` is decoded `group` times (output row i * group + k: its k-th), its prefill run once and
+    its cache shared by the group's rows (`decode.stream(..., group=)`): the output is the one of `rows` with each
+    prompt repeated `group` times. A log-probability is the raw log_softmax of the model's logits at temperature 1,
     whatever the sampling temperature and top_p: the policy's log-probability the GRPO objective compares with.
     Records: for each field of s.replayed, per row a LongTensor [positions, slots, k] of what the decoder chose at
     each position of prompt + completion but the last (`decode.stream(..., record=True)`)."""
-    B, S, M = len(rows), max(len(p.ids) for p in rows), s.max_new_tokens
-    ids_BxS = torch.full((B, S), pad_id, dtype=torch.long, device=device)
-    mask_BxS = torch.zeros(B, S, dtype=torch.long, device=device)
+    P, S, M = len(rows), max(len(p.ids) for p in rows), s.max_new_tokens
+    ids_PxS = torch.full((P, S), pad_id, dtype=torch.long, device=device)
+    mask_PxS = torch.zeros(P, S, dtype=torch.long, device=device)
+    for i, p in enumerate(rows):
+        ids_PxS[i, S - len(p.ids):] = torch.tensor(p.ids, device=device)
+        mask_PxS[i, S - len(p.ids):] = 1
+    rows = [p for p in rows for _ in range(group)]
+    B = len(rows)
     stop_BxV = torch.zeros(B, cfg.vocab_size, dtype=torch.bool, device=device)
     for b, p in enumerate(rows):
-        ids_BxS[b, S - len(p.ids):] = torch.tensor(p.ids, device=device)
-        mask_BxS[b, S - len(p.ids):] = 1
         stop_BxV[b, list(p.stops)] = True
     done_B = torch.zeros(B, dtype=torch.bool, device=device)
     tokens, logps, alive, recs = [], [], [], []
-    for new_B, logits_BxV, *seen in stream(params, cfg, ids_BxS, M, attention_mask=mask_BxS, eos_token_id=None,
+    for new_B, logits_BxV, *seen in stream(params, cfg, ids_PxS, M, attention_mask=mask_PxS, eos_token_id=None,
                                            temperature=s.temperature, top_p=s.top_p, generator=generator,
-                                           with_logits=True, record=bool(s.replayed)):
+                                           with_logits=True, record=bool(s.replayed), group=group):
         recs += seen
         logps.append(torch.log_softmax(logits_BxV, dim=-1).gather(1, new_B[:, None])[:, 0])
         tokens.append(new_B)
@@ -148,14 +154,14 @@ def decode_rows(params: dict, cfg: GLM5Config, rows: list[Prompt], s, pad_id: in
 def sample_groups(params: dict, cfg: GLM5Config, prompts: list[Prompt], s, reward, tok, pad_id: int,
                   generator: torch.Generator | None = None, reward_name: str = "the reward function") -> list[Group]:
     """One Group per prompt: s.group_size completions sampled from `params` (see `decode_rows`: all of the call's
-    completions decoded together; `generator` one for all, or a list of one per prompt) at s.temperature /
-    s.top_p, each with its log-probabilities, the reward `reward` gives it (a `rewards.Rewards`, or one function
-    called as `rewards.form_of` says; the completion's text is that of its ids less a final stop id) and the
-    decoder's choices of experts and keys s.replayed asks for (its `replay`); a ScoredGroup, with each function's
-    rewards."""
-    rows = [p for p in prompts for _ in range(s.group_size)]
+    completions decoded together, each prompt prefilled once for its group; `generator` one for all, or a list of
+    one per prompt) at s.temperature / s.top_p, each with its log-probabilities, the reward `reward` gives it (a
+    `rewards.Rewards`, or one function called as `rewards.form_of` says; the completion's text is that of its ids
+    less a final stop id) and the decoder's choices of experts and keys s.replayed asks for (its `replay`); a
+    ScoredGroup, with each function's rewards."""
     device = params["model"]["embed_tokens"]["weight"].device
-    completions, logprobs, replay = decode_rows(params, cfg, rows, s, pad_id, generator, device)
+    completions, logprobs, replay = decode_rows(params, cfg, prompts, s, pad_id, generator, device,
+                                                group=s.group_size)
     texts = [[tok.decode(ids[:-1] if ids and ids[-1] in p.stops else ids) for ids in
               completions[g * s.group_size:(g + 1) * s.group_size]] for g, p in enumerate(prompts)]
     scorer = reward if isinstance(reward, Rewards) else Rewards.of(reward, reward_name)
