@@ -117,3 +117,19 @@ def test_tree_rows_by_hand():
     assert b["tokens_computed"].tolist() == [6, 6, 3, 3] and b["tokens_unshared"].tolist() == [9, 6, 3, 3]
     assert b["prefixes_unshared_mixed"].tolist() == [0, 0, 1, 0] and int(b["prefixes_unshared_replay"].sum()) == 0
     assert math.isnan(b["rollout_logprobs"][0, 0])
+
+
+def test_sampled_prompts_on_trees_equal_unshared(tmp_path):
+    """--data.type prompts: each batch sampled by the policy, then laid out as trees (GRPOFeed): 2 fp64 steps, 2
+    updates a batch, equal the unshared run's."""
+    from test_sampler import run_flags
+
+    def go(share: bool) -> list[dict]:
+        return train(cli(*run_flags(tmp_path, f"prompts-{share}", "glm5f.posttrain.rewards:lowercase_share",
+                                    "--train.steps", "2", "--train.dtype", "float64", "--rl.updates_per_batch", "2",
+                                    "--data.share_prefixes", str(share))))
+    shared, unshared = go(True), go(False)
+    for a, b in zip(shared, unshared):
+        for k in METRICS:
+            assert abs(a[k] - b[k]) <= TOL, (k, a[k], b[k])
+        assert a["tokens_computed"] < a["tokens_unshared"] == b["tokens_computed"]
