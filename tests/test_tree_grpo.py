@@ -117,6 +117,11 @@ def test_tree_rows_by_hand():
     assert b["tokens_computed"].tolist() == [6, 6, 3, 3] and b["tokens_unshared"].tolist() == [9, 6, 3, 3]
     assert b["prefixes_unshared_mixed"].tolist() == [0, 0, 1, 0] and int(b["prefixes_unshared_replay"].sum()) == 0
     assert math.isnan(b["rollout_logprobs"][0, 0])
+    indexed = [Group(tuple(Completion(c.example, c.reward, None, {"indexer": torch.zeros(len(c.example.ids) - 1, 1,
+                                                                                     1, dtype=torch.long)})
+                           for c in g.completions), g.where, {}) for g in groups]
+    kept = tree_rows(rollout_batch(indexed, 8, 0), 8, 0, ("indexer",))  # key positions of unshared sequences
+    assert "tree_prev" not in kept and kept["prefixes_unshared_indexer"].tolist() == [1, 0, 0, 1, 0]
 
 
 def test_sampled_prompts_on_trees_equal_unshared(tmp_path):
