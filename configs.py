@@ -130,8 +130,8 @@ class DataConfig:
     """Pack documents back to back (positions restart per document); else one padded document per row."""
     share_prefixes: tyro.conf.FlagConversionOff[bool] = False
     """preference: each pair's prompt computed once, its answers branching from it (a tree row:
-    glm5f/model/tree.py); the same loss, metrics and gradients as without. Not yet under --parallel.cp, nor for
-    rollouts or prompts."""
+    glm5f/model/tree.py); rollouts and prompts: each group's prompt once, its completions branching from it
+    (glm5f/data/rollout_trees.py). The same loss, metrics and gradients as without. Not yet under --parallel.cp."""
     seed: int = 0
     """Seed of the data order (shuffling, synthetic sequences); independent of --train.seed."""
     shuffle_buffer: int = 10000
@@ -442,9 +442,10 @@ def validate(cfg: Config, world_size: int | None = None) -> list[str]:
     if cfg.train.reduce_dtype and cfg.train.dtype == "float64" and cfg.train.reduce_dtype != "float64":
         errs.append(f"--train.reduce_dtype {cfg.train.reduce_dtype} is narrower than --train.dtype float64; "
                     f"drop it or use float64")
-    if cfg.data.share_prefixes and (cfg.data.type != "preference" or cfg.parallel.cp > 1):
-        errs.append(f"--data.share_prefixes true shares DPO pairs' prompts (--data.type preference, --parallel.cp 1) "
-                    f"only; got --data.type {cfg.data.type} and --parallel.cp {cfg.parallel.cp}: drop it")
+    if cfg.data.share_prefixes and (cfg.data.type not in ("preference", "rollouts", "prompts") or cfg.parallel.cp > 1):
+        errs.append(f"--data.share_prefixes true shares DPO pairs' and GRPO groups' prompts (--data.type preference, "
+                    f"rollouts or prompts; --parallel.cp 1) only; got --data.type {cfg.data.type} and --parallel.cp "
+                    f"{cfg.parallel.cp}: drop it")
     if cfg.data.skip_overlong and cfg.data.type not in ("rollouts", "prompts"):
         errs.append(f"--data.skip_overlong skips rollouts groups and prompts that do not fit --data.seq_len; "
                     f"--data.type {cfg.data.type} refuses no long record (chat and preference records are cut, text "

@@ -6,6 +6,7 @@ TRL's DPOTrainer (ref_model= passed), and an on-policy GRPO step, sampling inclu
     python bench/posttrain.py dpo --batch 2 --seq 512 --steps 8
     python bench/posttrain.py dpo --prompt-len 1024 --answer-len 256   # a long prompt: shared vs unshared vs TRL
     python bench/posttrain.py grpo --batch 2 --group 4 --new-tokens 32
+    python bench/posttrain.py grpo --prompt-len 512 --group 8 --new-tokens 64   # a long prompt: shared vs unshared
     python bench/posttrain.py all                          # every section (dpo, grpo)
     python bench/posttrain.py dpo --threads 1 --profile    # and where glm5f's step time goes
 
@@ -21,11 +22,14 @@ optimizer step included, the batch's collation not) and their median CPU time (a
 CPU the figure that does not depend on the load), the peak resident set size at the end of the last step, and the
 peak after its imports (the libraries').
 
-The grpo section trains the policy on a JSONL of --batch x (--warmup + --steps) text prompts of --seq // 2 tokens:
+The grpo section trains the policy on a JSONL of --batch x (--warmup + --steps) text prompts of --seq // 2 tokens
+(or --prompt-len):
 each step samples --group completions of at most --new-tokens tokens per prompt at temperature 1 (eos stops one on
 both sides), scores them with `reward` (this module's, imported by glm5f as --rl.reward posttrain:reward), and
 takes one AdamW step on the dapo loss without a KL term (TRL: beta 0, num_iterations 1). The rows add the mean
-completion length each side sampled (stop token included) and glm5f's sampling time per step.
+completion length each side sampled (stop token included) and glm5f's sampling time per step. glm5f runs twice,
+each group as one row per completion and as a tree (`shared`: --data.share_prefixes True, the update's forward and
+backward computing each prompt once; the sampler is the same).
 """
 
 from __future__ import annotations
@@ -84,7 +88,7 @@ def write_inputs(args, root: str) -> dict:
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>").save_pretrained(
         paths["policy"])
     g = torch.Generator().manual_seed(0)
-    prompt, answer = dpo_lengths(args)
+    prompt, answer = dpo_lengths(args) if args.answer_len is not None or args.prompt_len is None else (0, 2)
     answer -= 1  # the answer's eos ends the sequence
 
     def text(n: int) -> str:
@@ -95,7 +99,7 @@ def write_inputs(args, root: str) -> dict:
                                 "rejected": " " + text(answer)}) + "\n")
     with open(paths["prompts"], "w") as f:
         for _ in range(args.batch * (args.warmup + args.steps)):
-            f.write(json.dumps({"prompt": text(prompt)}) + "\n")
+            f.write(json.dumps({"prompt": text(grpo_prompt_len(args))}) + "\n")
     return paths
 
 
@@ -108,6 +112,11 @@ def dpo_lengths(args) -> tuple[int, int]:
         raise SystemExit("error: --prompt-len and --answer-len come together (the answer at least 2 tokens: its "
                          "words and eos)")
     return args.prompt_len, args.answer_len
+
+
+def grpo_prompt_len(args) -> int:
+    """The grpo section's prompt tokens: --prompt-len, else half of --seq."""
+    return args.seq // 2 if args.prompt_len is None else args.prompt_len
 
 
 # ---- the sides --------------------------------------------------------------------------------------------------
@@ -192,7 +201,12 @@ def dpo_trl(args, paths: dict) -> tuple[list[float], float, float, dict]:
     return seconds, peak[0], imported, {}
 
 
-def grpo_glm5f(args, paths: dict) -> tuple[list[tuple], float, float, dict]:
+def grpo_glm5f_shared(args, paths: dict) -> tuple[list[tuple], float, float, dict]:
+    """`grpo_glm5f` with --data.share_prefixes True: each group's prompt computed once in the update (a tree row)."""
+    return grpo_glm5f(args, paths, share=True)
+
+
+def grpo_glm5f(args, paths: dict, share: bool = False) -> tuple[list[tuple], float, float, dict]:
     """(each step's (seconds, CPU seconds, sampling seconds, mean completion tokens), peak RSS GB after the last,
     RSS GB after the imports, with --profile one more update's op self time per (family, kind)): train.py's edges
     (params, the prompt source) and, each step, the source's sampling by the current policy then `train_step`."""
@@ -204,16 +218,19 @@ def grpo_glm5f(args, paths: dict) -> tuple[list[tuple], float, float, dict]:
     from glm5f.data.tokens import IGNORE_INDEX
     from glm5f.posttrain.grpo import decoding_params
     from glm5f.run.setup import init_params, make_data
+    from glm5f.data.rollout_trees import tree_rows
 
     imported = rss_gb()
     cfg = with_data_type(parse([
         "--model.init_from", paths["policy"], "--train.objective", "grpo", "--data.type", "prompts", "--data.path",
         paths["prompts"], "--data.batch_size", str(args.batch), "--data.seq_len",
-        str(args.seq // 2 + args.new_tokens), "--rl.reward", "posttrain:reward", "--rl.group_size", str(args.group),
+        str(grpo_prompt_len(args) + args.new_tokens), "--rl.reward", "posttrain:reward", "--rl.group_size",
+        str(args.group),
         "--rl.max_new_tokens", str(args.new_tokens), "--rl.temperature", "1.0", "--rl.kl_beta", "0", "--rl.loss",
         "dapo", "--rl.updates_per_batch", "1", "--train.dtype", args.dtype, "--train.steps",
         str(args.warmup + args.steps), "--optim.name", "adamw", "--optim.lr", str(args.lr), "--optim.warmup_steps",
-        "0", "--optim.weight_decay", "0", "--eval.every", "0", "--data.chat_template", TEMPLATE]))
+        "0", "--optim.weight_decay", "0", "--eval.every", "0", "--data.chat_template", TEMPLATE,
+        "--data.share_prefixes", str(share)]))
     layout = Layout(args.device)
     tokenizer = resolve_tokenizer(cfg.model.tokenizer_path, cfg.model.init_from, cfg.data.chat_template)
     model_cfg, params = init_params(cfg, layout)
@@ -221,17 +238,22 @@ def grpo_glm5f(args, paths: dict) -> tuple[list[tuple], float, float, dict]:
     state = trainer.init(params, None, None)
     data, _ = make_data(cfg, model_cfg, layout, lambda *a, **k: None, tokenizer.path)
     steps = []
+
+    def next_batch() -> dict:  # as GRPOFeed makes it: sampled, then (shared) laid out as trees
+        batch = data.next_batch(decoding_params(state, trainer.step))
+        batch = tree_rows(batch, data.S, data.pad_id) if share else batch
+        return {k: v.to(layout.device) for k, v in batch.items()}
     for _ in range(args.warmup + args.steps):
         t, c = time.perf_counter(), time.process_time()
-        batch = {k: v.to(layout.device) for k, v in data.next_batch(decoding_params(state, trainer.step)).items()}
+        batch = next_batch()
         sampled = time.perf_counter() - t
         state, metrics = train_step(state, batch, trainer)
-        completion = (batch["labels"] != IGNORE_INDEX).sum().item() / batch["labels"].shape[0]
+        completion = (batch["labels"] != IGNORE_INDEX).sum().item() / (batch["group"] >= 0).sum().item()
         steps.append((time.perf_counter() - t, time.process_time() - c, sampled, completion))
     profile = {}
     if args.profile:
         from common import profile_split
-        batch = {k: v.to(layout.device) for k, v in data.next_batch(decoding_params(state, trainer.step)).items()}
+        batch = next_batch()
         profile = profile_split(lambda: train_step(state, batch, trainer), reps=1)
     return steps, rss_gb(), imported, profile
 
@@ -292,7 +314,7 @@ def grpo_trl(args, paths: dict) -> tuple[list[tuple], float, float, dict]:
 
 # a section's sides, by name; glm5f first
 SIDES = {"dpo": {"glm5f": dpo_glm5f, "shared": dpo_glm5f_shared, "trl": dpo_trl},
-         "grpo": {"glm5f": grpo_glm5f, "trl": grpo_trl}}
+         "grpo": {"glm5f": grpo_glm5f, "shared": grpo_glm5f_shared, "trl": grpo_trl}}
 
 
 def run_side(args) -> dict:
@@ -321,9 +343,10 @@ def run_section(section: str, args) -> None:
     run = (f"{args.dtype} on {args.device} ({threads_of(args)} threads); median of {args.steps} steps after "
            f"{args.warmup} warm-up")
     if section == "grpo":
-        tokens = args.batch * args.group * (args.seq // 2 + args.new_tokens)  # at full completion length
-        print(f"grpo: {model}, {args.batch} prompt(s) of {args.seq // 2} tokens x {args.group} completions of at "
-              f"most {args.new_tokens} tokens a step, sampling at temperature 1 then one update (dapo, no KL), {run}")
+        tokens = args.batch * args.group * (grpo_prompt_len(args) + args.new_tokens)  # at full completion length
+        print(f"grpo: {model}, {args.batch} prompt(s) of {grpo_prompt_len(args)} tokens x {args.group} completions of "
+              f"at most {args.new_tokens} tokens a step, sampling at temperature 1 then one update (dapo, no KL), "
+              f"{run}; shared: glm5f with --data.share_prefixes True")
     else:
         prompt, answer = dpo_lengths(args)
         tokens = 2 * args.batch * (prompt + answer)
@@ -357,7 +380,8 @@ def main():
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--group", type=int, default=4, help="grpo: completions sampled per prompt")
     ap.add_argument("--new-tokens", type=int, default=32, help="grpo: most tokens sampled per completion")
-    ap.add_argument("--prompt-len", type=int, default=None, help="dpo: prompt tokens (with --answer-len; else --seq)")
+    ap.add_argument("--prompt-len", type=int, default=None,
+                    help="dpo: prompt tokens (with --answer-len; else --seq); grpo: prompt tokens (else --seq // 2)")
     ap.add_argument("--answer-len", type=int, default=None, help="dpo: answer tokens, its eos included")
     ap.add_argument("--profile", action="store_true", help="after the timed steps, profile one glm5f step")
     ap.add_argument("--paths", default=None, help=argparse.SUPPRESS)

@@ -291,7 +291,10 @@ def test_agent_source_batch_is_the_rollout_batch_with_untrained_observations(tmp
     def source():
         return agent.AgentSource(str(path), 2, 1024, cfg, 0, s, a, FMT, "test_agent:score", 7)
     batch = source().next_batch(params)
-    assert batch.keys() == {"input_ids", "labels", "position_ids", "rollout_logprobs", "reward", "group"}
+    assert batch.keys() == {"input_ids", "labels", "position_ids", "rollout_logprobs", "reward", "group", "valid",
+                            "tokens_computed", "tokens_unshared"}
+    real = batch["position_ids"] == torch.arange(1024)  # padding's positions restart at 0
+    assert torch.equal(batch["valid"].bool(), real) and torch.equal(batch["tokens_unshared"], real.sum(1))
     assert batch["input_ids"].shape == (4, 1024) and batch["group"].tolist() == [0, 0, 1, 1]
     trained = batch["labels"] != IGNORE_INDEX
     assert torch.equal(trained, ~torch.isnan(batch["rollout_logprobs"]))

@@ -33,6 +33,7 @@ from glm5f.data.chat import chat_messages
 from glm5f.data.files import file_records
 from glm5f.data.overlong import fitting
 from glm5f.data.readers import chat_prompt
+from glm5f.data.rollout_trees import tree_rows
 from glm5f.data.tokens import IGNORE_INDEX, Example
 
 CALL_MARKUP = ("<tool_call>", "</tool_call>", "<arg_key>", "<arg_value>")  # a call the template renders itself
@@ -385,20 +386,23 @@ def rollout_batch(groups: list[Group], seq_len: int, pad_id: int) -> dict[str, t
     """One completion per row (prompt, completion, then padding with positions of its own, never scored), the
     groups in order: "input_ids", "labels", "position_ids" [R, S]; "rollout_logprobs" [R, S] (fp64: the engine's
     log-probability at each label, NaN where it gave none); "reward" [R] (fp64) and "group" [R] (the group's
-    index in the batch); each replay field the completions carry, [R, S, slots, k] (-1 where none)."""
+    index in the batch); each replay field the completions carry, [R, S, slots, k] (-1 where none); "valid" [R, S]
+    (0 on padding: the MoE load counts skip it); per row "tokens_computed" and "tokens_unshared" [R] (its
+    sequence's tokens; a tree batch, `rollout_trees.tree_rows`, computes fewer)."""
     rows = [(c, gi) for gi, g in enumerate(groups) for c in g.completions]
     R, S = len(rows), seq_len
     out = {"input_ids": torch.full((R, S), pad_id), "labels": torch.full((R, S), IGNORE_INDEX),
            "position_ids": torch.empty(R, S, dtype=torch.long),
            "rollout_logprobs": torch.full((R, S), math.nan, dtype=torch.float64),
            "reward": torch.tensor([c.reward for c, _ in rows], dtype=torch.float64),
-           "group": torch.tensor([gi for _, gi in rows])}
+           "group": torch.tensor([gi for _, gi in rows]), "valid": torch.zeros(R, S, dtype=torch.long)}
     for r, (c, _) in enumerate(rows):
         ids = c.example.ids
         n = len(ids)
         out["input_ids"][r, :n] = torch.tensor(ids)
         out["labels"][r, 1:n] = torch.tensor(c.example.labels[1:])  # the first token is not predicted
         out["position_ids"][r] = torch.cat([torch.arange(n), torch.arange(S - n)])
+        out["valid"][r, :n] = 1
         if c.logprobs is not None:
             out["rollout_logprobs"][r, n - len(c.logprobs):n] = torch.tensor(c.logprobs, dtype=torch.float64)
     for f in REPLAY_KEYS:
@@ -410,6 +414,7 @@ def rollout_batch(groups: list[Group], seq_len: int, pad_id: int) -> dict[str, t
             if f in c.replay:
                 t[r, :len(c.replay[f])] = c.replay[f]
         out[f] = t
+    out["tokens_computed"] = out["tokens_unshared"] = out["valid"].sum(1)
     return out
 
 
@@ -449,16 +454,19 @@ def group_overlong(g: Group, seq_len: int) -> str | None:
 class RolloutSource:
     """--data.batch_size groups per batch (`rollout_batch`), in a seeded per-epoch order of the file's groups; a group
     with a completion longer than --data.seq_len refuses the source, or with `skip_overlong` is left out (`skipped`:
-    `overlong.Skipped`, None when none was)."""
+    `overlong.Skipped`, None when none was); with `share_prefixes`, batches as tree rows (`rollout_trees.tree_rows`,
+    carrying the records of `replayed`)."""
 
     def __init__(self, groups: list[Group], batch_size: int, seq_len: int, vocab_size: int, seed: int, pad_id: int,
-                 name: str = "rollouts", skip_overlong: bool = False):
+                 name: str = "rollouts", skip_overlong: bool = False, share_prefixes: bool = False,
+                 replayed: tuple[str, ...] = ()):
         groups, self.skipped = fitting(groups, lambda g: group_overlong(g, seq_len), lambda g: g.where, skip_overlong,
                                        "groups", name, seq_len)
         for g in groups:
             for i, c in enumerate(g.completions):
                 check_completion(c, f"{g.where}: completion {i}", seq_len, vocab_size)
         self.groups, self.B, self.S, self.seed, self.pad_id = groups, batch_size, seq_len, seed, pad_id
+        self.share_prefixes, self.replayed = share_prefixes, replayed
         self.epoch, self.index = 0, 0
         self._order = self._permutation(0)
 
@@ -475,7 +483,8 @@ class RolloutSource:
         return g
 
     def next_batch(self) -> dict[str, torch.Tensor]:
-        return rollout_batch([self._next_group() for _ in range(self.B)], self.S, self.pad_id)
+        batch = rollout_batch([self._next_group() for _ in range(self.B)], self.S, self.pad_id)
+        return tree_rows(batch, self.S, self.pad_id, self.replayed) if self.share_prefixes else batch
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "index": self.index}

@@ -293,10 +293,11 @@ def make_env(cfg: GLM5Config, batch: dict, dtype: torch.dtype, layout: Layout | 
 
 def check_tree_batch(batch: dict, positions: torch.Tensor | None, objectives: Objectives) -> None:
     """Refuses what a tree batch (`glm5f.model.tree`) does not compute exactly: its position_ids are the tree's own
-    (`Tree.position`), its mask is the tree's (no attention_mask), its rows whole on each rank (no CP), no replay
-    records, and no objective summed over queries or sequences (indexer loss, sequence balance loss) unless each
+    (`Tree.position`), its mask is the tree's (no attention_mask), its rows whole on each rank (no CP), no indexer
+    replay records (they name key positions of an unshared sequence; routing records are per token), and no
+    objective summed over queries or sequences (indexer loss, sequence balance loss) unless each
     token is weighed by the sequences holding it, which they are not yet."""
-    found = [k for k in ("attention_mask", "routing", "indexer") if batch.get(k) is not None]
+    found = [k for k in ("attention_mask", "indexer") if batch.get(k) is not None]
     if found:
         raise ValueError(f"a tree batch takes its mask and positions from its Tree; found {', '.join(found)} beside "
                          f"it: drop them or run without sharing prefixes (--data.share_prefixes false)")

@@ -24,6 +24,7 @@ import torch
 
 from glm5f.data.chat import ChatFormat
 from glm5f.data.notes import print_warning
+from glm5f.data.rollout_trees import REASONS, tree_rows
 from glm5f.data.rollouts import ReadOptions, RolloutSource, file_group_size, read_groups, rollout_batch
 from glm5f.data.sources import model_tokenizer
 from glm5f.model import lora
@@ -132,39 +133,73 @@ def unreplayed_dropped(batch: dict, settings) -> dict:
     return {k: v for k, v in batch.items() if k not in REPLAY_KEYS or k in replayed}
 
 
+def completions_of(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(reward [R], group [R], where they sit in batch["group"]: a bool mask of its shape) of the batch's
+    completions: one per row, or in a tree batch (`rollout_trees.tree_rows`) the filled completion slots [B, K]."""
+    here = batch["group"] >= 0
+    return batch["reward"][here], batch["group"][here], here
+
+
+def placed(batch: dict, values_R: torch.Tensor) -> torch.Tensor:
+    """Per-completion values [R] placed as batch["group"] holds the completions (0 in a tree's empty slots)."""
+    _, _, here = completions_of(batch)
+    return torch.zeros(here.shape, dtype=values_R.dtype, device=values_R.device).masked_scatter(here, values_R)
+
+
+def completion_rows(batch: dict, x_BxS: torch.Tensor, fill=0.0) -> torch.Tensor:
+    """Per-token x [R, S] with one completion per row: as it is, or of a tree batch [B K, S], row b K + k holding x
+    at the tokens of row b's k-th completion ("completion_slot") and `fill` elsewhere, so each completion's sums are
+    those of its own sequence."""
+    slot_BxS = batch.get("completion_slot")
+    if slot_BxS is None:
+        return x_BxS
+    K = batch["group"].shape[1]
+    member_BxKxS = slot_BxS[:, None, :] == torch.arange(K, device=slot_BxS.device)[:, None]
+    return torch.where(member_BxKxS, x_BxS[:, None, :], fill).flatten(0, 1)
+
+
 def has_signal(batch: dict) -> bool:
     """Whether some group of the batch has completions with different rewards (else every advantage is 0)."""
-    _, std = group_stats(batch["reward"], batch["group"])
+    reward, group, _ = completions_of(batch)
+    _, std = group_stats(reward, group)
     return bool((std > 0).any())
 
 
 def prepare(batch: dict, settings) -> dict:
-    """The batch with what the loss reads, made on the global batch before any split: "advantage" [R]; the
-    engine's and (when given) the old policy's log-probabilities at the targets ("rollout_targets", "old_targets"
-    [R, S]); per row its batch's reward std and whether its group's rewards are all equal; "loss_units" the count
-    the loss is averaged over (its --rl.aggregation's units)."""
+    """The batch with what the loss reads, made on the global batch before any split: "advantage"; the engine's
+    and (when given) the old policy's log-probabilities at the targets ("rollout_targets", "old_targets" [R, S]);
+    per completion its batch's reward std and whether its group's rewards are all equal; "loss_units" the count the
+    loss is averaged over (its --rl.aggregation's units). Per-completion values are [R], or in a tree batch [B, K]
+    as its "group" (`completions_of`); a tree batch's targets sit at the token they name, and so its
+    "rollout_targets" (`train.loss.with_targets`)."""
     o = settings or RLConfig()
     batch = unreplayed_dropped(batch, o)
     advantage, _, aggregation = rl_losses.rows(o)
     scored = batch["targets"] != IGNORE_INDEX
-    _, std = group_stats(batch["reward"], batch["group"])
+    reward, group, _ = completions_of(batch)
+    _, std = group_stats(reward, group)
     rollout = batch["rollout_logprobs"].to(torch.float64)
-    _, _, batch_std, c = rl_losses.scaled_stats(batch["reward"], batch["group"], "batch")
-    out = {**batch, "advantage": rl_losses.ADVANTAGES[advantage](batch["reward"], batch["group"], o),
-           "rollout_targets": torch.cat([rollout[:, 1:], torch.full_like(rollout[:, :1], float("nan"))], 1),
-           "reward_std": batch_std * c, "zero_std": (std == 0).to(torch.float64)}
+    _, _, batch_std, c = rl_losses.scaled_stats(reward, group, "batch")
+    nan = torch.full_like(rollout[:, :1], float("nan"))
+    targets = torch.cat([rollout[:, 1:], nan], 1) if batch.get("tree_prev") is None else \
+        rollout.masked_fill(batch["tree_prev"] < 0, float("nan"))
+    out = {**batch, "advantage": placed(batch, rl_losses.ADVANTAGES[advantage](reward, group, o)),
+           "rollout_targets": targets, "reward_std": placed(batch, batch_std * c),
+           "zero_std": placed(batch, (std == 0).to(torch.float64))}
     rl_losses.check_rollout_logprobs(scored, out["rollout_targets"], o)
-    out["loss_units"] = rl_losses.AGGREGATIONS[aggregation].units(scored, o)
+    out["loss_units"] = rl_losses.AGGREGATIONS[aggregation].units(completion_rows(batch, scored, False), o)
     return out
 
 
 def denoms(batch: dict) -> dict:
-    """{"completion_tokens", "completions", "loss_units", "rollout_tokens" (those with the engine's log-probability)}
-    of the global batch (at least 1 each)."""
+    """{"completion_tokens", "completions", "loss_units", "rollout_tokens" (those with the engine's log-probability),
+    "step" (1)} of the global batch (at least 1 each)."""
     scored = batch["targets"] != IGNORE_INDEX
-    return {"completion_tokens": scored.sum().clamp(min=1), "completions": scored.any(1).sum().clamp(min=1),
+    return {"completion_tokens": scored.sum().clamp(min=1),
+            "completions": completion_rows(batch, scored, False).any(1).sum().clamp(min=1),
             "loss_units": batch["loss_units"],
-            "rollout_tokens": (~torch.isnan(batch["rollout_targets"])).sum().clamp(min=1)}
+            "rollout_tokens": (~torch.isnan(batch["rollout_targets"])).sum().clamp(min=1),
+            "step": torch.ones((), dtype=torch.float64, device=scored.device)}
 
 
 def loss(params: dict, batch: dict, ctx: Context) -> tuple[torch.Tensor, dict]:
@@ -174,19 +209,21 @@ def loss(params: dict, batch: dict, ctx: Context) -> tuple[torch.Tensor, dict]:
     o = ctx.step.settings or RLConfig()
     _, policy, aggregation = rl_losses.rows(o)
     eps, targets, layout = ctx.cfg.rms_norm_eps, batch["targets"], ctx.layout
-    R, S = targets.shape
-    hidden_RxSxD, head = ctx.forward(params, batch)
-    logp = head_logprobs(head, hidden_RxSxD, targets, eps)
-    old = batch["old_targets"].to(logp.dtype) if "old_targets" in batch else logp.detach()
+    hidden_BxSxD, head = ctx.forward(params, batch)
+    logp_BxS = head_logprobs(head, hidden_BxSxD, targets, eps)
+    rows = lambda x_BxS, fill=0.0: completion_rows(batch, x_BxS, fill)  # noqa: E731  (a tree's: per completion)
+    logp = rows(logp_BxS)
+    old = rows(batch["old_targets"].to(logp.dtype)) if "old_targets" in batch else logp.detach()
     ref = None
     if o.kl_beta:
         with torch.no_grad():
-            ref_hidden_RxSxD, ref_head = ctx.reference_forward(batch)
-            ref = head_logprobs(ref_head, ref_hidden_RxSxD, targets, eps)
-    scored = (targets != IGNORE_INDEX).to(logp.dtype)
+            ref_hidden_BxSxD, ref_head = ctx.reference_forward(batch)
+            ref = rows(head_logprobs(ref_head, ref_hidden_BxSxD, targets, eps))
+    scored = rows((targets != IGNORE_INDEX).to(logp.dtype))
     n_R = layout.seq_sum(scored.sum(1, dtype=torch.float64))  # each completion's tokens, over the CP group
-    tokens = rl_losses.Tokens(logp, old, batch["rollout_targets"].to(logp.dtype), scored, batch["advantage"], n_R,
-                              layout.seq_sum)
+    per = {k: batch[k].flatten() for k in ("advantage", "reward", "reward_std", "zero_std")}
+    tokens = rl_losses.Tokens(logp, old, rows(batch["rollout_targets"].to(logp.dtype), float("nan")), scored,
+                              per["advantage"], n_R, layout.seq_sum)
     terms = rl_losses.POLICY_LOSSES[policy](tokens, o)
     kl = torch.zeros_like(logp)
     if ref is not None:
@@ -199,8 +236,8 @@ def loss(params: dict, batch: dict, ctx: Context) -> tuple[torch.Tensor, dict]:
     total = rl_losses.AGGREGATIONS[aggregation].total(t["loss"], n_R)
     sums = {"loss": total}
     per_row = lambda v: (v.to(torch.float64) * is_completion).sum()  # noqa: E731
-    sums.update(reward=per_row(batch["reward"]), reward_std=per_row(batch["reward_std"]),
-                frac_reward_zero_std=per_row(batch["zero_std"]), advantage_abs=per_row(batch["advantage"].abs()),
+    sums.update(reward=per_row(per["reward"]), reward_std=per_row(per["reward_std"]),
+                frac_reward_zero_std=per_row(per["zero_std"]), advantage_abs=per_row(per["advantage"].abs()),
                 completion_length=scored.sum(dtype=torch.float64))
     sums.update({k: (v * scored).sum(dtype=torch.float64) if v.ndim == 2 else per_row(v)
                  for k, v in terms.items() if k != "loss"})  # the policy loss's own
@@ -209,16 +246,21 @@ def loss(params: dict, batch: dict, ctx: Context) -> tuple[torch.Tensor, dict]:
                 torch.zeros((), dtype=torch.float64),
                 rollout_logprob_masked_fraction=(has & (scored == 0)).sum(dtype=torch.float64),
                 kl=t["kl"].sum(dtype=torch.float64))
+    for name in STEP_COUNTS:  # the tokens the rows run and their sequences', the prefixes a tree could not share
+        if name in batch:
+            sums[name] = batch[name].sum(dtype=torch.float64) * float(layout.cp_rank == 0)
     return total / ctx.denoms["loss_units"], sums
 
 
+STEP_COUNTS = ("tokens_computed", "tokens_unshared", *(f"prefixes_unshared_{why}" for why in REASONS))
 PER_TOKEN = ("completion_length", "clip_fraction", "tis_capped_fraction", "rollout_logprob_gap", "kl",
              "rollout_rs_masked_fraction")
 METRICS = {"loss": "loss_units", **{k: "completions" for k in ("reward", "reward_std", "frac_reward_zero_std",
                                                                    "advantage_abs", "completion_length",
                                                                    "seq_clip_fraction")},
            **{k: "completion_tokens" for k in PER_TOKEN if k != "completion_length"},
-           "rollout_logprob_gap_max": "max", "rollout_logprob_masked_fraction": "rollout_tokens"}
+           "rollout_logprob_gap_max": "max", "rollout_logprob_masked_fraction": "rollout_tokens",
+           **{k: "step" for k in STEP_COUNTS}}
 
 
 def plan_bytes(model_cfg, run, state: dict) -> int:
@@ -309,7 +351,8 @@ def source(cfg, model_cfg, layout, tokenizer_path: str | None, warn):
     if d.type != "prompts":
         options = ReadOptions(d.format, d.group_key, r.replayed, r.mask_truncated)
         data = RolloutSource(read_groups(d.path, tok, fmt, model_cfg, options), d.batch_size, d.seq_len,
-                             model_cfg.vocab_size, d.seed, tok.pad_id, d.path, d.skip_overlong)
+                             model_cfg.vocab_size, d.seed, tok.pad_id, d.path, d.skip_overlong, d.share_prefixes,
+                             r.replayed)
         rl_losses.check_source(data, r)  # a rollouts file without what --rl.policy_loss reads, at file:line
     elif r.enabled:  # --rl.tools or --rl.environment: multi-turn episodes
         data = AgentSource(d.path, d.batch_size, d.seq_len, model_cfg, d.seed, r, r, fmt, r.reward, cfg.train.seed,
@@ -319,6 +362,7 @@ def source(cfg, model_cfg, layout, tokenizer_path: str | None, warn):
         data = sampler.PromptSource(sampler.read_prompts(d.path, tok, fmt), d.batch_size, d.seq_len, model_cfg,
                                     d.seed, tok.pad_id, r, reward, f"--rl.reward {r.reward}", tok, cfg.train.seed,
                                     layout.device, d.skip_overlong)
+        data.share_prefixes = d.share_prefixes  # GRPOFeed lays its sampled batches out as trees
     if data.skipped is not None:
         warn(data.skipped.line())
     return data
@@ -335,6 +379,7 @@ class GRPOFeed(Feed):
         super().__init__(data, trainer)
         self.per_batch = trainer.step.settings.updates_per_batch
         self.sampled = isinstance(data, sampler.PromptSource)
+        self.trees = self.sampled and getattr(data, "share_prefixes", False)  # --data.share_prefixes
 
     def next(self, state, step: int) -> dict:
         s = self.trainer.step.settings
@@ -356,7 +401,10 @@ class GRPOFeed(Feed):
                                   f"(all rewards equal): they fill it, adding no policy gradient")
             else:
                 groups, counts = self.data.next_groups(params, layout), {}
-            batch = on_device(rollout_batch(groups, self.data.S, self.data.pad_id), layout.device)
+            batch = rollout_batch(groups, self.data.S, self.data.pad_id)
+            if self.trees:  # each group's prompt once, its completions branching from it
+                batch = tree_rows(batch, self.data.S, self.data.pad_id, s.replayed)
+            batch = on_device(batch, layout.device)
             self.metrics = {"sample_time_s": time.perf_counter() - t0, **counts, **reward_means(groups),
                             **sampler.episode_metrics(groups)}
         else:
