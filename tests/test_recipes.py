@@ -31,7 +31,8 @@ def written(run_dir) -> dict:
 
 
 def test_every_shipped_recipe_is_covered_here():
-    assert sorted(os.listdir(RECIPES)) == ["chat-sft.yaml", "dpo-lora.yaml", "glm5-full-sft.yaml", "glm5-lora-sft.yaml",
+    assert sorted(os.listdir(RECIPES)) == ["agent-tiny.yaml", "chat-sft.yaml", "dpo-lora.yaml", "glm5-full-sft.yaml",
+                                           "glm5-lora-sft.yaml",
                                            "glm5-muon-sft.yaml", "grpo-tiny.yaml", "indexer-warmup.yaml", "muon-moe.yaml",
                                            "sparse-stage.yaml", "tiny.yaml"]
     for name in os.listdir(RECIPES):
@@ -75,6 +76,20 @@ def test_the_grpo_recipe_samples_on_policy_and_its_reward_rises(tmp_path):
     rewards = [r["reward"] for r in records]
     assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4, rewards
     assert written(run)["rl"]["reward"] == "glm5f.posttrain.rewards:lowercase_share"
+
+
+@pytest.mark.slow
+def test_the_agent_recipe_learns_to_end_its_turns(tmp_path):
+    """recipes/agent-tiny.yaml, shortened: multi-turn episodes against its environment; by step 12 the episodes
+    take more turns and earn more than at the start (docs/posttraining.md has the 40-step curve)."""
+    run = tmp_path / "run"
+    assert main(["--config", recipe("agent-tiny.yaml"), "--train.steps", "12", "--train.log_every", "1",
+                 "--checkpoint.dir", str(run)]) == 0
+    records = read_metrics(run)
+    assert [r["step"] for r in records] == list(range(1, 13))
+    first, last = records[:4], records[-4:]
+    assert sum(r["reward"] for r in last) > sum(r["reward"] for r in first), [r["reward"] for r in records]
+    assert sum(r["turns"] for r in last) > sum(r["turns"] for r in first), [r["turns"] for r in records]
 
 
 def test_indexer_warmup_then_sparse_stage(tmp_path):
