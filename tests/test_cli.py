@@ -53,7 +53,8 @@ SIGTERM_AT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("ranks,group", [(1, False), (2, False), (2, True)], ids=["1", "2", "2-group"])
+@pytest.mark.parametrize("ranks,group", [(1, False), pytest.param(2, False, marks=pytest.mark.slow), (2, True)],
+                         ids=["1", "2", "2-group"])
 def test_sigterm_saves_one_checkpoint_that_resumes_bit_identically(tmp_path, ranks, group):
     script = tmp_path / "sigterm.py"
     script.write_text(SIGTERM_AT.format(root=ROOT, at=3, group=group))

@@ -38,15 +38,18 @@ def test_ten_step_alignment_within_the_noise_floor(tmp_path):
     assert results["ep2"]["bound"] == results["cp2-ep2"]["bound"] == 2 * max(floors)
 
 
-def test_five_step_alignment_with_fp64_sums(tmp_path):
+@pytest.mark.parametrize("steps,layouts", [("3", ["--layouts", "ep2", "cp2-ep2", "dp2-cp2"]),
+                                           pytest.param("5", [], marks=pytest.mark.slow)], ids=["3", "5-all"])
+def test_alignment_with_fp64_sums(tmp_path, steps, layouts):
     """fp32 with --train.reduce_dtype float64, GLM-5's objectives on (indexer sparse KL, one MTP layer, the
-    sequence-wise balance loss): every layout computes the one-process loss and objectives at every step (bit for
-    bit in practice; 1e-6 leaves room for a sum that lands on an fp32 rounding boundary on another machine).
+    sequence-wise balance loss): each layout computes the one-process loss and objectives at every step (bit for
+    bit in practice; 1e-6 leaves room for a sum that lands on an fp32 rounding boundary on another machine). CI runs
+    the layouts that hold DP, CP and EP in 3 steps; `-m slow` every layout in 5;
     `python scripts/align.py --steps 100 --extra --train.reduce_dtype float64` is the long version."""
     from scripts.align import main as align
 
-    assert align(["--in-process", "--steps", "5", "--objectives", "--out", str(tmp_path), "--tolerance", "1e-6",
-                  "--extra", "--train.reduce_dtype", "float64"]) == 0
+    assert align(["--in-process", "--steps", steps, "--objectives", *layouts, "--out", str(tmp_path),
+                  "--tolerance", "1e-6", "--extra", "--train.reduce_dtype", "float64"]) == 0
 
 
 @pytest.mark.slow
@@ -194,10 +197,10 @@ def straight_run(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("first,then", [
-    (LAYOUTS["dp2"], []),                                         # DP2 -> 1 process
+@pytest.mark.parametrize("first,then", [  # CI: the experts' shards regathered; the others with -m slow
+    pytest.param(LAYOUTS["dp2"], [], marks=pytest.mark.slow),      # DP2 -> 1 process
     (LAYOUTS["ep2"], ["--parallel.dp_shard", "2"]),               # EP2 -> EP1
-    (LAYOUTS["cp2"], LAYOUTS["dp2"]),                             # CP2 -> DP2
+    pytest.param(LAYOUTS["cp2"], LAYOUTS["dp2"], marks=pytest.mark.slow),  # CP2 -> DP2
 ], ids=["dp2-to-1", "ep2-to-ep1", "cp2-to-dp2"])
 def test_resume_across_layouts(first, then, tmp_path, straight_run):
     straight = [r["loss"] for r in read_metrics(straight_run)]

@@ -77,7 +77,7 @@ def ctrl_c_run(script, run, every: int) -> list[str]:
     return args
 
 
-@pytest.mark.parametrize("group", [True, False], ids=["terminal", "launcher-only"])
+@pytest.mark.parametrize("group", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["terminal", "launcher-only"])
 def test_ctrl_c_to_a_dp2_run_during_a_save_is_one_line_and_leaves_nothing_half_written(tmp_path, group):
     script = tmp_path / "ctrl_c.py"
     script.write_text(CTRL_C_IN_SAVE.format(root=ROOT, at=3, group=group))

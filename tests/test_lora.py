@@ -200,6 +200,7 @@ def test_layouts_equal_one_process_with_fp64_sums(tmp_path):
                   "float64"]) == 0
 
 
+@pytest.mark.slow  # exactness under layouts is test_layouts_equal_one_process_with_fp64_sums
 def test_layouts_meet_the_fp32_noise_floor(tmp_path):
     """In plain fp32: within twice one process's own difference with its sums split (the layout rule), at the
     suite's 256 tokens (DSA sparse on every CP rank)."""
