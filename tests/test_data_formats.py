@@ -234,8 +234,21 @@ def test_trl_conversational_and_implicit_prompt_rows_give_the_explicit_records_p
             assert ex.ids[:len(prompt)] == prompt and set(ex.labels[:len(prompt)]) == {-100}
 
 
+def test_trl_standard_implicit_prompt_rows_split_at_the_last_shared_space(tmp_path):
+    """{"chosen": "The sky is blue.", "rejected": "The sky is green."} reads as prompt "The sky is" and answers
+    " blue." / " green." (TRL's dataset-format example), the same pair as the explicit record."""
+    implicit = [{"chosen": "The sky is blue.", "rejected": "The sky is green."},
+                {"chosen": "2 + 2 = 4", "rejected": "2 + 2 = 5"}]
+    explicit = [{"prompt": "The sky is", "chosen": " blue.", "rejected": " green."},
+                {"prompt": "2 + 2 =", "chosen": " 4", "rejected": " 5"}]
+    got = read_pairs(write_jsonl(tmp_path / "i.jsonl", implicit), TOK, FMT)
+    want = read_pairs(write_jsonl(tmp_path / "e.jsonl", explicit), TOK, FMT)
+    assert [(p.chosen, p.rejected) for p in got] == [(p.chosen, p.rejected) for p in want]
+
+
 @pytest.mark.parametrize("rec,message", [
     ({"chosen": GOOD, "rejected": BAD}, "these share no leading message"),
+    ({"chosen": "blue sky", "rejected": "green sky"}, "whose common beginning (up to a space) is the prompt"),
     ({"chosen": USER + GOOD, "rejected": USER}, "leave no answer after the messages they share"),
     ({"prompt": USER, "messages": USER, "chosen": GOOD, "rejected": BAD}, "gives its prompt twice ('prompt' and "
                                                                          "'messages')"),

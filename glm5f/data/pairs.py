@@ -75,6 +75,24 @@ def implicit_prompt(rec: dict, where: str) -> dict:
             "chosen": chosen[n:], "rejected": rejected[n:]}
 
 
+def implicit_text_prompt(rec: dict, where: str) -> dict:
+    """TRL's standard implicit-prompt row ({"chosen": "The sky is blue.", "rejected": "The sky is green."}) as
+    {"prompt", "chosen", "rejected"}: the prompt is the two texts' common beginning up to its last whitespace, which
+    starts both answers ("The sky is", " blue.", " green."); a ValueError naming `where` when that leaves no prompt
+    or no answer."""
+    chosen, rejected = rec["chosen"], rec["rejected"]
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    n = max((i for i in range(n) if chosen[i].isspace()), default=0)
+    if n == 0 or n >= len(chosen) or n >= len(rejected) or chosen == rejected:
+        raise ValueError(f"{where}: 'chosen' and 'rejected' texts without a 'prompt' are whole texts whose common "
+                         f"beginning (up to a space) is the prompt, but these share none; give 'prompt' and the two "
+                         f"answers")
+    return {**{k: v for k, v in rec.items() if k not in ("chosen", "rejected")}, "prompt": chosen[:n],
+            "chosen": chosen[n:], "rejected": rejected[n:]}
+
+
 NOT_READ = ("labels", "input_ids", "attention_mask", "text", "response", "completion")  # refused, never dropped
 
 
@@ -105,6 +123,9 @@ def pair_of(rec, where: str, tok, fmt=None) -> Pair:
     if "messages" not in rec and "prompt" not in rec and all(_is_conversation(rec.get(k))
                                                             for k in ("chosen", "rejected")):
         rec = implicit_prompt(rec, where)
+    elif not {"prompt", "messages", "prompt_ids"} & set(rec) and all(isinstance(rec.get(k), str)
+                                                                 for k in ("chosen", "rejected")):
+        rec = implicit_text_prompt(rec, where)
     if {"prompt_ids", "chosen_ids", "rejected_ids"} <= set(rec):
         prompt = _ids(rec, "prompt_ids", where)
         return Pair(*(Example(prompt + a, [IGNORE_INDEX] * len(prompt) + a)
