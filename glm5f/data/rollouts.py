@@ -36,7 +36,8 @@ from glm5f.data.readers import chat_prompt
 from glm5f.data.rollout_trees import tree_rows
 from glm5f.data.tokens import IGNORE_INDEX, Example
 
-CALL_MARKUP = ("<tool_call>", "</tool_call>", "<arg_key>", "<arg_value>")  # a call the template renders itself
+# the chat template's tool-call markup: a call it renders itself, never text a message holds
+CALL_MARKUP = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
 COMPLETION_FIELDS = ("text", "ids", "messages", "loss_mask", "reward", "logprobs", "finish_reason", "truncated",
                      *REPLAY_KEYS)
 PROMPT_FIELDS = ("prompt", "messages", "prompt_ids")

@@ -25,13 +25,13 @@ from glm5f.core.config import GLM5Config
 from glm5f.data.chat import ROLES, ChatFormat, chat_messages
 from glm5f.data.files import file_records
 from glm5f.data.readers import chat_prompt
-from glm5f.data.rollouts import Completion, Group, record_columns
+from glm5f.data.rollouts import CALL_MARKUP, Completion, Group, record_columns
 from glm5f.data.sources import shuffle_draw
 from glm5f.data.tokens import IGNORE_INDEX, Example
 from glm5f.posttrain.sampler import Prompt, PromptSource, decode_rows, load_reward
 
 RESERVED = ("ids", "loss_mask")  # reward keyword arguments a record's own fields may not take
-MARKUP = ("</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")  # only inside a call
+MARKUP = CALL_MARKUP[1:]  # only inside a call
 ARG = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", tuple: "array",
               dict: "object", type(None): "null"}
